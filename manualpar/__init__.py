@@ -1,0 +1,39 @@
+"""manualpar: manual-parallelism research framework for PyTorch.
+
+The strategy owns ranks, collectives and checkpoint IO; your module composes DDP, FSDP and
+sharded embedding tables itself in `setup(strategy)`.
+"""
+
+from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from manualpar.environment import ClusterEnvironment, detect_environment
+from manualpar.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    ClusterEnvironmentError,
+    CollectiveError,
+    ManualParError,
+)
+from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
+from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ClusterEnvironment",
+    "ClusterEnvironmentError",
+    "CollectiveError",
+    "ManualParError",
+    "ManualParallelStrategy",
+    "RNGState",
+    "capture_rng_state",
+    "detect_environment",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_manifest",
+    "restore_rng_state",
+    "save_checkpoint",
+    "seed_everything",
+]

@@ -1,0 +1,28 @@
+"""Exception types raised by manualpar.
+
+Each one subclasses the built-in type a caller would naturally catch (ValueError, RuntimeError,
+TimeoutError), so code written against plain torch keeps working, while tests and users can match
+the precise failure.
+"""
+
+from __future__ import annotations
+
+
+class ManualParError(Exception):
+    """Base class of every error manualpar raises on purpose."""
+
+
+class ClusterEnvironmentError(ManualParError, ValueError):
+    """The rank/world variables of the launcher are missing or contradict each other."""
+
+
+class CollectiveError(ManualParError, RuntimeError):
+    """A collective failed or timed out; the message names the operation and this rank."""
+
+
+class CheckpointError(ManualParError, RuntimeError):
+    """A checkpoint could not be written or read (partial, corrupted, unwritable, not one)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not fit the objects it is loaded into (missing/extra keys, shapes)."""

@@ -1,0 +1,175 @@
+"""Run a function on N real processes (gloo, CPU) for tests: short timeouts, tracebacks surfaced.
+
+    def check(offset):
+        strategy = ManualParallelStrategy()
+        return strategy.all_reduce(torch.tensor(strategy.rank + offset), op="sum").item()
+
+    assert run_distributed(check, world_size=2, args=(1,)) == [3, 3]
+
+The function must be importable (defined at module level). Each child gets the torchrun-style
+variables (RANK, WORLD_SIZE, ...), a collective timeout of a few seconds and one CPU thread.
+A child's exception and traceback appear in the raised DistributedTestError; a job that runs past
+its deadline has every live child's Python stack dumped, then is killed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from manualpar.strategy import TIMEOUT_ENV_VAR
+
+__all__ = ["DistributedTestError", "RankOutcome", "free_port", "run_distributed"]
+
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "GROUP_RANK", "ROLE_")
+
+
+@dataclass
+class RankOutcome:
+    """What one rank did: returned `value`, or raised (`error_type`, `error`), or died."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"rank {self.rank}: ok"
+        if self.error_type is None:
+            return f"rank {self.rank}: died with exit code {self.exitcode}"
+        return f"rank {self.rank}: {self.error_type}: {self.error}\n{self.traceback or ''}"
+
+
+class DistributedTestError(AssertionError):
+    """At least one rank failed; the message holds every failing rank's traceback."""
+
+    def __init__(self, outcomes: Sequence[RankOutcome]) -> None:
+        self.outcomes = list(outcomes)
+        failed = [o.describe() for o in outcomes if not o.ok]
+        super().__init__("distributed run failed:\n" + "\n".join(failed))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, env: Mapping[str, str], results: Any, args: tuple,
+           kwargs: dict) -> None:
+    for key in list(os.environ):
+        if key.startswith(_LAUNCHER_PREFIXES):
+            del os.environ[key]
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        value = fn(*args, **kwargs)
+        outcome = RankOutcome(rank, ok=True, value=value)
+    except BaseException as error:  # report everything, including SystemExit
+        outcome = RankOutcome(rank, ok=False, error_type=type(error).__name__,
+                              error=str(error), traceback=traceback.format_exc())
+    # Plain pickle copies tensors by value; the queue's own pickler would pass shared-memory
+    # handles that die with this process.
+    results.put(pickle.dumps(outcome))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _context() -> Any:
+    method = os.environ.get("MANUALPAR_TEST_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "manualpar"])
+    return ctx
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
+    kwargs: dict | None = None, *, timeout: float = 90.0, collective_timeout: float = 10.0,
+    env: Mapping[str, str] | None = None, allow_failure: bool = False,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` processes; return each rank's value in order.
+
+    With allow_failure=True, return a RankOutcome per rank instead of raising, so a test can
+    assert how a failure surfaced on the surviving ranks.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    base_env = {
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        TIMEOUT_ENV_VAR: str(collective_timeout), "OMP_NUM_THREADS": "1", **(env or {}),
+    }
+    procs = [ctx.Process(target=_child, args=(fn, rank, base_env, results, args, kwargs or {}),
+                         daemon=True) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                outcome = pickle.loads(results.get(timeout=0.05))
+                outcomes[outcome.rank] = outcome
+                continue
+            except queue.Empty:
+                pass
+            for rank, proc in enumerate(procs):
+                if rank not in outcomes and proc.exitcode is not None:
+                    # It may have queued its result just before exiting: drain once more.
+                    time.sleep(0.2)
+                    while not results.empty():
+                        late = pickle.loads(results.get())
+                        outcomes[late.rank] = late
+                    if rank not in outcomes:
+                        outcomes[rank] = RankOutcome(rank, ok=False, exitcode=proc.exitcode)
+            if time.monotonic() > deadline:
+                _dump_and_kill(procs, outcomes)
+                live = sorted(set(range(world_size)) - set(outcomes))
+                raise TimeoutError(
+                    f"distributed run of {getattr(fn, '__name__', fn)} did not finish in "
+                    f"{timeout:g}s; ranks {live} were still running (their stacks are in the "
+                    "captured stderr)"
+                )
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    ordered = [outcomes[rank] for rank in range(world_size)]
+    for outcome in ordered:
+        outcome.exitcode = procs[outcome.rank].exitcode
+    if allow_failure:
+        return ordered
+    if not all(o.ok for o in ordered):
+        raise DistributedTestError(ordered)
+    return [o.value for o in ordered]
+
+
+def _dump_and_kill(procs: Sequence[Any], outcomes: Mapping[int, RankOutcome]) -> None:
+    live = [p for rank, p in enumerate(procs) if rank not in outcomes and p.is_alive()]
+    for proc in live:
+        os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    for proc in live:
+        proc.kill()

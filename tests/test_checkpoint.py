@@ -1,0 +1,219 @@
+"""Checkpoint round trips on real processes: sharded 2 -> 2 and 2 -> 1, full export, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_models import assert_same, draws, make_model, snapshot, train
+
+import manualpar as mp
+from manualpar.testing import run_distributed
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    return {"model": model, "optim": optimizer, "step": step, "rng": mp.RNGState(),
+            "config": {"lr": 0.01, "name": "tiny", "sizes": [4, 8, 2]}}
+
+
+def _save_trained(directory: str) -> dict:
+    strategy = mp.ManualParallelStrategy()
+    strategy.seed_everything(7, per_rank=True)
+    model = make_model(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optimizer, steps=3)
+    strategy.save_checkpoint(Path(directory) / "step_3", _state(model, optimizer, 3))
+    strategy.save_checkpoint(Path(directory) / "full.pt", _state(model, optimizer, 3), full=True)
+    result = {"snapshot": snapshot(model, optimizer), "draws": draws()}
+    strategy.teardown()
+    return result
+
+
+def _load_fresh(path: str) -> dict:
+    strategy = mp.ManualParallelStrategy()
+    strategy.seed_everything(99)
+    model = make_model(seed=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+    state = _state(model, optimizer, 0)
+    state["config"] = None
+    loaded = strategy.load_checkpoint(path, state)
+    result = {"snapshot": snapshot(model, optimizer), "draws": draws(), "step": loaded["step"],
+              "config": loaded["config"], "lr": optimizer.param_groups[0]["lr"]}
+    strategy.teardown()
+    return result
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    directory = tmp_path_factory.mktemp("ckpt")
+    return directory, run_distributed(_save_trained, world_size=2, args=(str(directory),))
+
+
+def test_sharded_files_on_disk(saved: tuple[Path, list[dict]]) -> None:
+    directory, _ = saved
+    checkpoint = directory / "step_3"
+    manifest = json.loads((checkpoint / "manualpar.json").read_text())
+    assert manifest["kind"] == "sharded"
+    assert manifest["world_size"] == 2
+    assert manifest["step"] == 3
+    assert manifest["entries"] == {"model": "module", "optim": "optimizer", "step": "value",
+                                   "rng": "per_rank", "config": "value"}
+    assert (checkpoint / ".metadata").is_file()
+    assert sorted(p.name for p in (checkpoint / "objects").iterdir()) == [
+        "rank_0.pt", "rank_1.pt", "replicated.pt"]
+    assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "step_3"]
+    assert mp.latest_checkpoint(directory) == checkpoint
+
+
+def test_round_trip_on_two_ranks(saved: tuple[Path, list[dict]]) -> None:
+    directory, before = saved
+    after = run_distributed(_load_fresh, world_size=2, args=(str(directory / "step_3"),))
+    for rank in range(2):
+        assert_same(after[rank]["snapshot"], before[rank]["snapshot"])
+        assert after[rank]["draws"] == before[rank]["draws"]  # each rank got its own RNG stream
+        assert after[rank]["step"] == 3
+        assert after[rank]["config"] == {"lr": 0.01, "name": "tiny", "sizes": [4, 8, 2]}
+        assert after[rank]["lr"] == 0.01
+    assert before[0]["draws"] != before[1]["draws"]
+
+
+def test_two_rank_checkpoint_loads_on_one_process(saved: tuple[Path, list[dict]]) -> None:
+    directory, before = saved
+    after = _load_fresh(str(directory / "step_3"))
+    assert_same(after["snapshot"], before[0]["snapshot"])
+    assert after["draws"] == before[0]["draws"]
+    assert after["step"] == 3
+
+
+def test_full_export_loads_with_plain_torch(saved: tuple[Path, list[dict]]) -> None:
+    directory, before = saved
+    blob = torch.load(directory / "full.pt", weights_only=True)
+    assert sorted(blob) == ["__manualpar__", "config", "model", "optim", "rng", "step"]
+    reference = make_model(seed=5)
+    reference.load_state_dict(blob["model"])
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(value, before[0]["snapshot"]["params"][key], rtol=0, atol=0)
+    assert sorted(blob["optim"]["state"]) == ["model.0.bias", "model.0.weight",
+                                              "model.2.bias", "model.2.weight"]
+    assert sorted(blob["rng"]) == ["rank_0", "rank_1"]
+    assert blob["__manualpar__"]["world_size"] == 2
+    assert blob["step"] == 3
+
+
+def test_full_export_loads_back_through_the_strategy(saved: tuple[Path, list[dict]]) -> None:
+    directory, before = saved
+    after = _load_fresh(str(directory / "full.pt"))
+    assert_same(after["snapshot"], before[0]["snapshot"])
+    assert after["draws"] == before[0]["draws"]
+    assert after["config"]["name"] == "tiny"
+
+
+def _trained_state(hidden: int = 8, layers: int = 2) -> dict:
+    model = make_model(seed=0, hidden=hidden, layers=layers)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optimizer, steps=1)
+    return {"model": model, "optim": optimizer, "step": 1}
+
+
+def test_other_shapes_raise_listing_them(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "a", _trained_state(hidden=8))
+    other = _trained_state(hidden=16)
+    before = other["model"][0].weight.detach().clone()
+    with pytest.raises(mp.CheckpointMismatchError,
+                       match=r"model/0\.weight: checkpoint \(8, 4\) vs current \(16, 4\)"):
+        strategy.load_checkpoint(tmp_path / "a", other)
+    assert torch.equal(other["model"][0].weight, before), "nothing is modified on mismatch"
+
+
+def test_missing_and_unexpected_keys_are_listed(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "a", _trained_state(layers=2))
+    deeper = {"model": make_model(seed=0, layers=3), "step": 0}
+    with pytest.raises(mp.CheckpointMismatchError) as caught:
+        strategy.load_checkpoint(tmp_path / "a", deeper)
+    message = str(caught.value)
+    assert "missing from the checkpoint: model/4.bias, model/4.weight" in message
+    assert "unexpected in the checkpoint: optim/" in message
+    assert "model/2.weight: checkpoint (2, 8) vs current (8, 8)" in message
+
+
+def test_non_strict_loads_the_matching_entries(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    saved = _trained_state()
+    strategy.save_checkpoint(tmp_path / "a", saved)
+    fresh = {"model": make_model(seed=3), "step": 0, "extra": "kept"}
+    strategy.load_checkpoint(tmp_path / "a", fresh, strict=False)
+    assert fresh["step"] == 1
+    assert fresh["extra"] == "kept"
+    assert torch.equal(fresh["model"][0].weight, saved["model"][0].weight)
+
+
+def test_not_a_checkpoint_and_partial_and_missing(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(mp.CheckpointError, match="is not a complete manualpar checkpoint: it is "
+                       "not a checkpoint directory"):
+        strategy.load_checkpoint(tmp_path / "empty", {"step": 0})
+    with pytest.raises(mp.CheckpointError, match="no checkpoint at"):
+        strategy.load_checkpoint(tmp_path / "nowhere", {"step": 0})
+    (tmp_path / ".step_9.partial").mkdir()
+    with pytest.raises(mp.CheckpointError, match="is a partial checkpoint that was never committed"):
+        strategy.load_checkpoint(tmp_path / ".step_9.partial", {"step": 0})
+
+
+def test_truncated_full_checkpoint(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "full.pt", _trained_state(), full=True)
+    data = (tmp_path / "full.pt").read_bytes()
+    (tmp_path / "full.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(mp.CheckpointError, match="is corrupted, truncated or not a checkpoint"):
+        strategy.load_checkpoint(tmp_path / "full.pt", _trained_state())
+
+
+def test_latest_checkpoint_orders_by_step_and_skips_partials(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    assert mp.latest_checkpoint(tmp_path / "none-yet") is None
+    for step in (2, 10, 5):
+        strategy.save_checkpoint(tmp_path / f"step_{step}", {"step": step})
+    (tmp_path / ".step_20.partial").mkdir()
+    (tmp_path / "step_30").mkdir()  # no manifest: never committed
+    assert mp.latest_checkpoint(tmp_path) == tmp_path / "step_10"
+
+
+def test_overwrite_replaces_and_refuses_when_asked(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "c", {"step": 1})
+    strategy.save_checkpoint(tmp_path / "c", {"step": 2})
+    assert strategy.load_checkpoint(tmp_path / "c", {"step": 0})["step"] == 2
+    with pytest.raises(mp.CheckpointError, match="already exists; pass overwrite=True"):
+        strategy.save_checkpoint(tmp_path / "c", {"step": 3}, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_unsafe_values_are_refused_at_save(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+
+    class Opaque:
+        pass
+
+    with pytest.raises(mp.CheckpointError, match="cannot be loaded back safely"):
+        strategy.save_checkpoint(tmp_path / "c", {"thing": Opaque()})
+    assert not (tmp_path / "c").exists()
+
+
+def test_optimizer_over_a_module_not_in_the_state(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(mp.CheckpointError, match=r"optimizer 'optim' holds a parameter of shape "
+                       r"\(8, 4\) that belongs to no module"):
+        strategy.save_checkpoint(tmp_path / "c", {"optim": optimizer})
+
+
+def test_bad_state_keys(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    with pytest.raises(mp.CheckpointError, match=r"key 'a/b' must be a non-empty string"):
+        strategy.save_checkpoint(tmp_path / "c", {"a/b": 1})
