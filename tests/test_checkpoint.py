@@ -160,7 +160,7 @@ def test_not_a_checkpoint_and_partial_and_missing(tmp_path: Path) -> None:
     with pytest.raises(mp.CheckpointError, match="no checkpoint at"):
         strategy.load_checkpoint(tmp_path / "nowhere", {"step": 0})
     (tmp_path / ".step_9.partial").mkdir()
-    with pytest.raises(mp.CheckpointError, match="is a partial checkpoint that was never committed"):
+    with pytest.raises(mp.CheckpointError, match="is a partial checkpoint that was never"):
         strategy.load_checkpoint(tmp_path / ".step_9.partial", {"step": 0})
 
 

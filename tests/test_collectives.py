@@ -55,7 +55,8 @@ def _expected(rank: int, world: int) -> dict:
 def test_collectives_on_real_processes(world: int) -> None:
     results = run_distributed(_collectives, world_size=world)
     for rank, result in enumerate(results):
-        assert result.pop("repr").startswith(f"ManualParallelStrategy(rank={rank}, world_size={world}")
+        prefix = f"ManualParallelStrategy(rank={rank}, world_size={world}"
+        assert result.pop("repr").startswith(prefix)
         assert result == _expected(rank, world)
 
 
@@ -69,7 +70,8 @@ def test_collectives_single_process_without_group(monkeypatch: pytest.MonkeyPatc
 
 def test_single_process_rejects_bad_arguments() -> None:
     strategy = ManualParallelStrategy()
-    with pytest.raises(ValueError, match=r"reduce: op must be one of \['max', 'mean', 'min', 'sum'\], got 'avg'"):
+    ops = r"\['max', 'mean', 'min', 'sum'\]"
+    with pytest.raises(ValueError, match=rf"reduce: op must be one of {ops}, got 'avg'"):
         strategy.reduce(torch.ones(1), op="avg")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"broadcast: rank 1 is not in \[0, 1\)"):
         strategy.broadcast(1, src=1)

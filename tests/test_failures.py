@@ -1,0 +1,101 @@
+"""A rank that dies, stalls or is killed mid-save: the others fail fast and nothing is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_models import make_model, train
+
+import manualpar as mp
+from manualpar.testing import free_port, run_distributed
+
+
+def _rank_one_raises_before_barrier() -> None:
+    strategy = mp.ManualParallelStrategy()
+    if strategy.rank == 1:
+        raise ValueError("injected failure on rank 1")
+    strategy.barrier("sync")
+
+
+def test_dead_rank_makes_the_others_fail_naming_the_operation() -> None:
+    rank0, rank1 = run_distributed(_rank_one_raises_before_barrier, world_size=2,
+                                   collective_timeout=30, timeout=60, allow_failure=True)
+    assert rank1.error_type == "ValueError"
+    assert rank0.error_type == "CollectiveError"
+    assert rank0.error.startswith(
+        "barrier('sync') failed on rank 0 of 2 (backend gloo, timeout 30s)")
+    assert "check the other ranks' logs" in rank0.error
+
+
+def _rank_one_stalls() -> None:
+    strategy = mp.ManualParallelStrategy()
+    if strategy.rank == 1:
+        time.sleep(6)  # longer than the collective timeout; then exits without the collective
+        return
+    strategy.all_reduce(torch.ones(3), op="sum")
+
+
+def test_stalled_rank_times_out_within_the_configured_timeout() -> None:
+    rank0, rank1 = run_distributed(_rank_one_stalls, world_size=2, collective_timeout=2,
+                                   timeout=60, allow_failure=True)
+    assert rank1.ok
+    assert rank0.error_type == "CollectiveError"
+    assert rank0.error.startswith("reduce(op=sum, shape=(3,)) failed on rank 0 of 2")
+    assert "timeout 2s" in rank0.error
+
+
+def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:
+    environment = mp.ClusterEnvironment(rank=0, world_size=2, master_addr="127.0.0.1",
+                                        master_port=free_port(), source="user")
+    with pytest.raises(mp.CollectiveError, match=r"rank 0 of 2 could not join the process group "
+                       r"at 127\.0\.0\.1:\d+ \(backend gloo\) within 2s"):
+        mp.ManualParallelStrategy(environment, timeout=2)
+
+
+def _save_then_die_mid_save(directory: str) -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optimizer, steps=2)
+    state = {"model": model, "optim": optimizer, "step": 2}
+    strategy.save_checkpoint(Path(directory) / "step_2", state)
+    train(model, optimizer, steps=1)
+    state["step"] = 3
+    if strategy.rank == 1:
+        # Die right after this rank wrote its tensor shards, before the commit.
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
+            future = original(self, plan, planner)
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    strategy.save_checkpoint(Path(directory) / "step_3", state)
+
+
+def test_rank_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    rank0, rank1 = run_distributed(_save_then_die_mid_save, world_size=2, args=(str(tmp_path),),
+                                   collective_timeout=20, timeout=60, allow_failure=True)
+    assert rank1.exitcode == -signal.SIGKILL
+    assert rank0.error_type in {"CollectiveError", "CheckpointError"}
+    assert "save_checkpoint(" in rank0.error and "step_3" in rank0.error
+    assert not (tmp_path / "step_3").exists()
+    assert mp.latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    with pytest.raises(mp.CheckpointError, match="partial checkpoint that was never committed"):
+        mp.ManualParallelStrategy().load_checkpoint(tmp_path / ".step_3.partial", {"step": 0})
+    # The previous checkpoint loads and holds step 2's parameters.
+    reference = make_model(seed=0)
+    train(reference, torch.optim.Adam(reference.parameters(), lr=0.01), steps=2)
+    state = {"model": make_model(seed=9), "step": 0}
+    mp.ManualParallelStrategy().load_checkpoint(tmp_path / "step_2", state, strict=False)
+    assert state["step"] == 2
+    for loaded, expected in zip(state["model"].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
