@@ -82,7 +82,8 @@ def main() -> None:
     fresh = nn.Sequential(nn.Linear(8, config["hidden"]), nn.Tanh(), nn.Linear(config["hidden"], 1))
     latest = mp.latest_checkpoint(args.out)
     strategy.load_checkpoint(latest, {"model": fresh}, strict=False)
-    same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+    pairs = zip(fresh.parameters(), model.parameters(), strict=True)
+    same = all(torch.equal(a, b) for a, b in pairs)
     agreed = strategy.all_reduce(torch.tensor(float(same)), op="min").item() == 1.0
     say(f"reloaded {latest} into a fresh model: parameters identical on all ranks: {agreed}")
     strategy.teardown()
