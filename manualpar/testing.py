@@ -7,7 +7,8 @@
     assert run_distributed(check, world_size=2, args=(1,)) == [3, 3]
 
 The function must be importable (defined at module level). Each child gets the torchrun-style
-variables (RANK, WORLD_SIZE, ...), a collective timeout of a few seconds and one CPU thread.
+variables (RANK, WORLD_SIZE, ...), a collective timeout of a few seconds, one CPU thread and no
+visible GPU (pass env={"CUDA_VISIBLE_DEVICES": ...} to change that).
 A child's exception and traceback appear in the raised DistributedTestError; a job that runs past
 its deadline has every live child's Python stack dumped, then is killed.
 """
@@ -117,7 +118,9 @@ def run_distributed(
     base_env = {
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        TIMEOUT_ENV_VAR: str(collective_timeout), "OMP_NUM_THREADS": "1", **(env or {}),
+        TIMEOUT_ENV_VAR: str(collective_timeout), "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # the CPU/gloo path, also on a GPU machine
+        **(env or {}),
     }
     procs = [ctx.Process(target=_child, args=(fn, rank, base_env, results, args, kwargs or {}),
                          daemon=True) for rank in range(world_size)]

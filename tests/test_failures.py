@@ -54,7 +54,7 @@ def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:
                                         master_port=free_port(), source="user")
     with pytest.raises(mp.CollectiveError, match=r"rank 0 of 2 could not join the process group "
                        r"at 127\.0\.0\.1:\d+ \(backend gloo\) within 2s"):
-        mp.ManualParallelStrategy(environment, timeout=2)
+        mp.ManualParallelStrategy(environment, accelerator="cpu", timeout=2)
 
 
 def _save_then_die_mid_save(directory: str) -> None:
