@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +28,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from manualpar.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    latest_checkpoint,
+    partial_path,
+    prepare,
+    read_manifest,
+    swap_in,
+    write_file,
+)
 from manualpar.checkpoint_state import (
     describe_shape,
     entry_kind,
@@ -47,8 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["MANIFEST", "latest_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]
 
 log = logging.getLogger("manualpar.checkpoint")
-MANIFEST = "manualpar.json"
-FORMAT = "manualpar-checkpoint"
 FULL_KEY = "__manualpar__"
 T = TypeVar("T")
 
@@ -77,112 +85,12 @@ def _agree(strategy: ManualParallelStrategy, what: str, fn: Callable[[], T]) -> 
 def _dcp_call(strategy: ManualParallelStrategy, operation: str, fn: Callable[[], Any]) -> None:
     """Run a DCP call; a dead or stalled peer surfaces as CollectiveError naming the operation."""
     try:
-        with strategy._collective(operation):
+        with strategy._collective(operation), warnings.catch_warnings():
+            # Without a process group DCP warns that it assumes one process: that is intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn()
     except CheckpointException as error:
         raise CheckpointError(f"{operation} failed: {error}") from None
-
-
-# ---- paths and manifest --------------------------------------------------------------------
-def _partial_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool) -> None:
-    if path.exists() and not overwrite:
-        raise CheckpointError(f"{path} already exists; pass overwrite=True or choose another path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CheckpointError(
-            f"cannot create checkpoint directory {path.parent}: {error}") from None
-    if not os.access(path.parent, os.W_OK):
-        raise CheckpointError(f"checkpoint directory {path.parent} is not writable")
-    _remove(staging)  # left by an earlier crash; never committed, safe to drop
-    if make_dir:
-        (staging / "objects").mkdir(parents=True)
-
-
-def _commit(staging: Path, path: Path) -> None:
-    """Swap the finished staging copy in; an existing checkpoint is replaced only after."""
-    old = path.parent / f".{path.name}.old"
-    _remove(old)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(staging, path)
-    _fsync_dir(path.parent)
-    _remove(old)
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a committed sharded checkpoint (raises CheckpointError otherwise)."""
-    path = Path(path)
-    if path.name.endswith(".partial"):
-        raise CheckpointError(f"{path} is a partial checkpoint that was never committed")
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory")
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        hint = ("it holds torch.distributed.checkpoint files but no manifest: the save did not "
-                "finish") if (path / ".metadata").exists() else "it is not a checkpoint directory"
-        raise CheckpointError(f"{path} is not a complete manualpar checkpoint: {hint}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{manifest_path} is unreadable or corrupted: {error}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path} is not a manualpar manifest")
-    return manifest
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The committed sharded checkpoint in `directory` with the highest step (then newest).
-
-    Partial saves (`.name.partial`) and unreadable entries are skipped; None if there is none.
-    """
-    directory = Path(directory)
-    if not directory.exists():
-        return None
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a directory of checkpoints")
-    best: tuple[tuple[int, float], Path] | None = None
-    for entry in directory.iterdir():
-        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
-            continue
-        try:
-            manifest = read_manifest(entry)
-        except CheckpointError as error:
-            log.warning("skipping %s: %s", entry, error)
-            continue
-        step = manifest.get("step")
-        key = (step if isinstance(step, int) else -1, float(manifest.get("committed_at", 0.0)))
-        if best is None or key > best[0]:
-            best = (key, entry)
-    return None if best is None else best[1]
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -219,7 +127,7 @@ def save_checkpoint(
     validate_state(state)
     started = time.perf_counter()
     if full:
-        _save_full(strategy, path, state)
+        _save_full(strategy, path, state, overwrite)
     else:
         _save_sharded(strategy, path, state, overwrite)
     if strategy.is_global_zero:
@@ -229,8 +137,8 @@ def save_checkpoint(
 
 def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any],
                   overwrite: bool) -> None:
-    staging = _partial_path(path)
-    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and _prepare(
+    staging = partial_path(path)
+    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
         path, staging, overwrite, make_dir=True))
     shared, per_rank = _state_dicts(state, full=False)
     tensors, objects = split_leaves(shared)
@@ -240,9 +148,9 @@ def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[s
     def write_objects() -> None:
         if per_rank:
             blob = to_safe_bytes(per_rank, f"per-rank entries on rank {strategy.rank}")
-            _write_file(staging / "objects" / f"rank_{strategy.rank}.pt", blob)
+            write_file(staging / "objects" / f"rank_{strategy.rank}.pt", blob)
         if strategy.is_global_zero:
-            _write_file(staging / "objects" / "replicated.pt",
+            write_file(staging / "objects" / "replicated.pt",
                         to_safe_bytes(objects, "checkpoint state"))
 
     _agree(strategy, f"save_checkpoint({path}): writing objects", write_objects)
@@ -250,16 +158,17 @@ def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[s
     def commit() -> None:
         if strategy.is_global_zero:
             manifest = json.dumps(_manifest(strategy, state, "sharded"), indent=2).encode()
-            _write_file(staging / MANIFEST, manifest)
-            _commit(staging, path)
+            write_file(staging / MANIFEST, manifest)
+            swap_in(staging, path)
 
     _agree(strategy, f"save_checkpoint({path}): commit", commit)
 
 
-def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any]) -> None:
-    staging = _partial_path(path)
-    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and _prepare(
-        path, staging, True, make_dir=False))
+def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any],
+               overwrite: bool) -> None:
+    staging = partial_path(path)
+    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
+        path, staging, overwrite, make_dir=False))
     blob: dict[str, Any] = {}
     for key, value in state.items():
         local = entry_state_dict(key, value, state, full=True)
@@ -271,8 +180,8 @@ def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str,
 
     def write() -> None:
         if strategy.is_global_zero:
-            _write_file(staging, to_safe_bytes(blob, "checkpoint state"))
-            _commit(staging, path)
+            write_file(staging, to_safe_bytes(blob, "checkpoint state"))
+            swap_in(staging, path)
 
     _agree(strategy, f"save_checkpoint({path}, full=True)", write)
 

@@ -26,3 +26,8 @@ class CheckpointError(ManualParError, RuntimeError):
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not fit the objects it is loaded into (missing/extra keys, shapes)."""
+
+
+class BuilderError(ManualParError, ValueError):
+    """A builder was misused: a module wrapped twice, a parameter claimed by two builders, an
+    optimizer created before setup, a submodule that cannot be initialized."""

@@ -8,6 +8,7 @@ group, so the same script runs as a single process on a laptop.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -95,12 +96,14 @@ class ManualParallelStrategy:
         self.check_collectives = check_collectives
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        self.environment = self._adopted_environment(environment, process_group)
-        self.device = pick_device(accelerator, self.environment.local_rank)
+        detected = environment or detect_environment()
+        self.device = pick_device(accelerator, detected.local_rank)  # this process's own GPU
+        self.environment = self._adopted_environment(detected, process_group)
         self.backend = backend or (
             "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         )
         self._owns_group = False
+        self._torn_down = False
         self.group: dist.ProcessGroup | None = process_group
         if self.group is None and self.world_size > 1:
             self.group = self._init_process_group()
@@ -140,18 +143,23 @@ class ManualParallelStrategy:
 
     def seed_everything(self, seed: int, per_rank: bool = False) -> int:
         """Seed python, numpy and torch; with per_rank, rank r uses seed + r (e.g. dropout)."""
-        return seed_everything(seed + self.rank if per_rank else seed)
+        return seed_everything((seed + self.rank) % 2**32 if per_rank else seed)
 
     # ---- process group ----------------------------------------------------------------------
     @staticmethod
     def _adopted_environment(
-        environment: ClusterEnvironment | None, group: dist.ProcessGroup | None
+        detected: ClusterEnvironment, group: dist.ProcessGroup | None
     ) -> ClusterEnvironment:
-        detected = environment or detect_environment()
+        """Ranks as seen inside an adopted group (a subgroup numbers its members from 0)."""
         if group is None:
             return detected
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if detected.source != "single" and (detected.rank, detected.world_size) != (rank, world):
+        if rank < 0:
+            raise ValueError("this process is not a member of the adopted process group; "
+                             "create the strategy only on the group's members")
+        is_world = group is dist.group.WORLD
+        if is_world and detected.source != "single" and (
+                detected.rank, detected.world_size) != (rank, world):
             raise ValueError(
                 f"the adopted process group has rank {rank} of {world}, but the {detected.source} "
                 f"environment says rank {detected.rank} of {detected.world_size}; pass a matching "
@@ -195,6 +203,7 @@ class ManualParallelStrategy:
             dist.destroy_process_group()
         self._owns_group = False
         self.group = None
+        self._torn_down = self.world_size > 1
 
     def __enter__(self) -> ManualParallelStrategy:
         return self
@@ -218,17 +227,25 @@ class ManualParallelStrategy:
                 "check the other ranks' logs."
             ) from error
 
-    def _check_src(self, operation: str, src: int) -> None:
+    def _check_src(self, operation: str, src: int) -> int:
+        """Validate a rank of this strategy's group; return it as torch's global rank."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"{operation}: rank {src} is not in [0, {self.world_size})")
+        return dist.get_global_rank(self.group, src) if self.is_distributed else src
+
+    def _check_open(self, operation: str) -> None:
+        if self._torn_down:
+            raise CollectiveError(
+                f"{operation} called on rank {self.rank} after teardown(); the process group is "
+                "gone, so the result would be this rank's value alone"
+            )
 
     def _check_same_meta(self, operation: str, tensor: torch.Tensor) -> None:
         """All-gather (ndim, shape, dtype) and raise on the first rank that differs."""
         if tensor.dim() > 14:
             raise ValueError(f"{operation}: tensors with more than 14 dims are not supported")
-        dtypes = _DTYPE_CODES
         meta = torch.full((16,), -1, dtype=torch.int64, device=tensor.device)
-        meta[0], meta[1] = tensor.dim(), dtypes.setdefault(tensor.dtype, len(dtypes))
+        meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
         meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         gathered = [torch.empty_like(meta) for _ in range(self.world_size)]
         with self._collective(f"{operation} (shape check)"):
@@ -236,7 +253,7 @@ class ManualParallelStrategy:
         shapes = [tuple(g[2 : 2 + int(g[0])].tolist()) for g in gathered]
         codes = [int(g[1]) for g in gathered]
         if len(set(shapes)) > 1 or len(set(codes)) > 1:
-            by_code = {code: dtype for dtype, code in dtypes.items()}
+            by_code = {_dtype_code(dtype): dtype for dtype in (*_KNOWN_DTYPES, tensor.dtype)}
             described = ", ".join(
                 f"rank {r}: {shape} {by_code.get(code, '?')}"
                 for r, (shape, code) in enumerate(zip(shapes, codes, strict=True))
@@ -248,9 +265,10 @@ class ManualParallelStrategy:
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank arrives (or raise CollectiveError after the timeout)."""
+        label = f"barrier({name!r})" if name else "barrier"
+        self._check_open(label)
         if not self.is_distributed:
             return
-        label = f"barrier({name!r})" if name else "barrier"
         with self._collective(label):
             if self.device.type == "cuda":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
@@ -263,7 +281,8 @@ class ManualParallelStrategy:
         A tensor is broadcast into the tensor each rank passed (same shape and dtype everywhere,
         as in torch). Any other object is pickled; pickle travels only between this job's ranks.
         """
-        self._check_src("broadcast", src)
+        global_src = self._check_src("broadcast", src)
+        self._check_open("broadcast")
         if not self.is_distributed:
             return obj
         if isinstance(obj, torch.Tensor):
@@ -271,13 +290,14 @@ class ManualParallelStrategy:
                 self._check_same_meta("broadcast", obj)
             target = obj if obj.is_contiguous() else obj.contiguous()
             with self._collective(f"broadcast(tensor {tuple(obj.shape)}, src={src})"):
-                dist.broadcast(target, src=src, group=self.group)
+                dist.broadcast(target, src=global_src, group=self.group)
             if target is not obj:
                 obj.copy_(target)
             return obj
         box = [obj if self.rank == src else None]
         with self._collective(f"broadcast(object, src={src})"):
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self._object_device)
+            dist.broadcast_object_list(box, src=global_src, group=self.group,
+                                       device=self._object_device)
         return box[0]  # type: ignore[return-value]
 
     def reduce(
@@ -290,8 +310,8 @@ class ManualParallelStrategy:
         """
         if op not in _TORCH_OPS:
             raise ValueError(f"reduce: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
-        if dst is not None:
-            self._check_src("reduce", dst)
+        global_dst = None if dst is None else self._check_src("reduce", dst)
+        self._check_open(f"reduce(op={op})")
         tensor = torch.as_tensor(value, device=self.device if not isinstance(
             value, torch.Tensor) else value.device)
         result = tensor.detach().clone()
@@ -306,7 +326,7 @@ class ManualParallelStrategy:
                 if dst is None:
                     dist.all_reduce(result, op=_TORCH_OPS[op], group=self.group)
                 else:
-                    dist.reduce(result, dst=dst, op=_TORCH_OPS[op], group=self.group)
+                    dist.reduce(result, dst=global_dst, op=_TORCH_OPS[op], group=self.group)
             if dst is not None and self.rank != dst:
                 return None
         if op == "mean":
@@ -325,6 +345,7 @@ class ManualParallelStrategy:
         Shapes and dtypes are compared first (one tiny extra collective); a mismatch raises
         CollectiveError naming each rank's shape.
         """
+        self._check_open("all_gather")
         if not self.is_distributed:
             return tensor.detach().unsqueeze(0).clone()
         self._check_same_meta("all_gather", tensor)
@@ -335,6 +356,7 @@ class ManualParallelStrategy:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, in rank order."""
+        self._check_open("all_gather_object")
         if not self.is_distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -361,9 +383,11 @@ class ManualParallelStrategy:
         return _checkpoint.load_checkpoint(self, path, state, strict=strict)
 
 
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    dtype: code for code, dtype in enumerate(
-        (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-         torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-    )
-}
+_KNOWN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                 torch.complex128)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same number on every rank for the same dtype (no per-process registry)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF

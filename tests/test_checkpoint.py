@@ -217,3 +217,11 @@ def test_bad_state_keys(tmp_path: Path) -> None:
     strategy = mp.ManualParallelStrategy()
     with pytest.raises(mp.CheckpointError, match=r"key 'a/b' must be a non-empty string"):
         strategy.save_checkpoint(tmp_path / "c", {"a/b": 1})
+
+
+def test_full_export_respects_overwrite(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "full.pt", {"step": 1}, full=True)
+    with pytest.raises(mp.CheckpointError, match="already exists; pass overwrite=True"):
+        strategy.save_checkpoint(tmp_path / "full.pt", {"step": 2}, full=True, overwrite=False)
+    assert torch.load(tmp_path / "full.pt", weights_only=True)["step"] == 1

@@ -107,3 +107,44 @@ def test_checked_reduce_reports_dtype_mismatch() -> None:
 
 def test_collective_error_is_a_runtime_error() -> None:
     assert issubclass(CollectiveError, RuntimeError)
+
+
+def _subgroup_collectives() -> dict | None:
+    import torch.distributed as dist
+
+    world = ManualParallelStrategy()
+    subgroup = dist.new_group([1, 2])  # every rank must take part in creating it
+    if world.rank == 0:
+        world.barrier("done")
+        return None
+    strategy = ManualParallelStrategy(process_group=subgroup)
+    result = {
+        "rank": strategy.rank, "world": strategy.world_size,
+        "broadcast": strategy.broadcast(f"from group rank 0 (global {world.rank})", src=0),
+        "reduce_to_1": strategy.reduce(torch.tensor([float(world.rank)]), op="sum", dst=1),
+    }
+    result["reduce_to_1"] = None if result["reduce_to_1"] is None else result["reduce_to_1"].item()
+    world.barrier("done")
+    return result
+
+
+def test_adopted_subgroup_uses_group_ranks() -> None:
+    _, first, second = run_distributed(_subgroup_collectives, world_size=3,
+                                       env={"CHECK": "1"})
+    assert first == {"rank": 0, "world": 2, "broadcast": "from group rank 0 (global 1)",
+                     "reduce_to_1": None}
+    assert second == {"rank": 1, "world": 2, "broadcast": "from group rank 0 (global 1)",
+                      "reduce_to_1": 3.0}
+
+
+def _collective_after_teardown() -> None:
+    strategy = ManualParallelStrategy()
+    strategy.teardown()
+    strategy.all_reduce(torch.ones(1))
+
+
+def test_collective_after_teardown_raises() -> None:
+    outcomes = run_distributed(_collective_after_teardown, world_size=2, allow_failure=True)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.error_type == "CollectiveError"
+        assert outcome.error.startswith(f"reduce(op=mean) called on rank {rank} after teardown()")

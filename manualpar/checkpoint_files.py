@@ -1,0 +1,123 @@
+"""Checkpoint files on disk: staging paths, atomic commit, the manifest, finding the latest.
+
+A checkpoint is committed by renaming its staging copy (`.name.partial`) into place after every
+rank finished writing; the manifest (`manualpar.json`) inside marks it complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from manualpar.errors import CheckpointError
+
+__all__ = ["MANIFEST", "latest_checkpoint", "read_manifest"]
+
+log = logging.getLogger("manualpar.checkpoint")
+MANIFEST = "manualpar.json"
+FORMAT = "manualpar-checkpoint"
+
+
+def partial_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool) -> None:
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} already exists; pass overwrite=True or choose another path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot create checkpoint directory {path.parent}: {error}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise CheckpointError(f"checkpoint directory {path.parent} is not writable")
+    remove(staging)  # left by an earlier crash; never committed, safe to drop
+    if make_dir:
+        (staging / "objects").mkdir(parents=True)
+
+
+def swap_in(staging: Path, path: Path) -> None:
+    """Swap the finished staging copy in; an existing checkpoint is replaced only after."""
+    old = path.parent / f".{path.name}.old"
+    remove(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync_dir(path.parent)
+    remove(old)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a committed sharded checkpoint (raises CheckpointError otherwise)."""
+    path = Path(path)
+    if path.name.endswith(".partial"):
+        raise CheckpointError(f"{path} is a partial checkpoint that was never committed")
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory")
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        hint = ("it holds torch.distributed.checkpoint files but no manifest: the save did not "
+                "finish") if (path / ".metadata").exists() else "it is not a checkpoint directory"
+        raise CheckpointError(f"{path} is not a complete manualpar checkpoint: {hint}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{manifest_path} is unreadable or corrupted: {error}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path} is not a manualpar manifest")
+    return manifest
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The committed sharded checkpoint in `directory` with the highest step (then newest).
+
+    Partial saves (`.name.partial`) and unreadable entries are skipped; None if there is none.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory of checkpoints")
+    best: tuple[tuple[int, float], Path] | None = None
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except CheckpointError as error:
+            log.warning("skipping %s: %s", entry, error)
+            continue
+        step = manifest.get("step")
+        key = (step if isinstance(step, int) else -1, float(manifest.get("committed_at", 0.0)))
+        if best is None or key > best[0]:
+            best = (key, entry)
+    return None if best is None else best[1]
