@@ -196,7 +196,12 @@ def _collapse_values(leaves: Mapping[str, Any], state: Mapping[str, Any]) -> dic
 
 def _check_match(path: Path, state: Mapping[str, Any], expected: Mapping[str, Any],
                  saved: Mapping[str, Any], strict: bool) -> set[str]:
-    """Compare leaves by key and shape; return the keys to load, or raise listing the problems."""
+    """Compare leaves by key and shape; return the keys to load, or raise listing the problems.
+
+    Only the checkpoint's entries named in `state` are compared: loading just the model from a
+    training checkpoint that also holds an optimizer is fine.
+    """
+    saved = {key: leaf for key, leaf in saved.items() if key.split("/")[0] in state}
     original_saved = list(saved)
     expected, saved = _collapse_values(expected, state), _collapse_values(saved, state)
     missing = sorted(set(expected) - set(saved))

@@ -1,0 +1,141 @@
+"""ParallelModule: an nn.Module whose `setup(strategy)` composes the builders.
+
+The user builds the model (ideally under `empty_init()`), then calls `model.setup(strategy)`, where
+each part is handed to a builder (ddp, fsdp, shard_embeddings, ...). Afterwards the model is a
+plain nn.Module; `dense_parameters()` lists what a plain torch optimizer should train (parameters
+updated by a builder's own fused optimizer are left out).
+
+An optimizer created before setup would hold meta or replaced (pre-sharding) parameters and
+silently train nothing: a step pre-hook on every torch optimizer detects that at the first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from manualpar.errors import BuilderError
+from manualpar.wrappers.ownership import owner_of, replaced_by
+
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["SPARSE_OWNERS", "ParallelModule", "check_optimizer", "load_trained"]
+
+# Builders whose parameters are updated by their own fused optimizer, never by the dense one.
+SPARSE_OWNERS = frozenset({"shard_embeddings"})
+
+
+class ParallelModule(nn.Module):
+    """Override `setup(self, strategy)` to wrap your submodules with builders.
+
+    `setup` may run once; afterwards no parameter may remain on the meta device.
+    """
+
+    strategy: ManualParallelStrategy | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "setup" in cls.__dict__:
+            cls.setup = _checked_setup(cls.__dict__["setup"])  # type: ignore[method-assign]
+
+    def setup(self, strategy: ManualParallelStrategy) -> None:
+        """Default: nothing to wrap (every rank holds a full, unsynchronized replica)."""
+
+    @property
+    def is_setup(self) -> bool:
+        return self.strategy is not None
+
+    def parameters_by_owner(self) -> dict[str | None, list[nn.Parameter]]:
+        """Parameters grouped by the builder that owns them (None: no builder)."""
+        groups: dict[str | None, list[nn.Parameter]] = {}
+        for param in self.parameters():
+            groups.setdefault(owner_of(param), []).append(param)
+        return groups
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters for the dense optimizer: all but those a fused sparse optimizer updates."""
+        if not self.is_setup:
+            raise BuilderError(
+                f"{type(self).__name__}.dense_parameters() called before setup(strategy); "
+                "create the optimizer after setup, when parameters are materialized and sharded"
+            )
+        return (p for p in self.parameters() if owner_of(p) not in SPARSE_OWNERS)
+
+
+def _checked_setup(user_setup: Callable) -> Callable:
+    @functools.wraps(user_setup)
+    def setup(self: ParallelModule, strategy: ManualParallelStrategy) -> None:
+        if self.strategy is not None:
+            raise BuilderError(
+                f"{type(self).__name__}.setup() already ran; build a new model to set up again"
+            )
+        user_setup(self, strategy)
+        self.strategy = strategy
+        left = [name for name, p in self.named_parameters() if p.is_meta]
+        left += [name for name, b in self.named_buffers() if b.is_meta]
+        if left:
+            shown = ", ".join(left[:10]) + (f" ... and {len(left) - 10} more" if len(left) > 10
+                                             else "")
+            raise BuilderError(
+                f"after {type(self).__name__}.setup() these are still on the meta device: "
+                f"{shown}. Wrap them with a builder (ddp/fsdp/shard_embeddings) or call "
+                "manualpar.materialize(submodule, strategy) in setup"
+            )
+
+    return setup
+
+
+# ---- optimizer created before setup -------------------------------------------------------------
+_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise BuilderError if `optimizer` holds meta or builder-replaced parameters."""
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            builder = replaced_by(param)
+            if param.is_meta or builder is not None:
+                why = ("is still on the meta device" if param.is_meta
+                       else f"was replaced by {builder}() (the model now trains a new tensor)")
+                raise BuilderError(
+                    f"{type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(param.shape)} (param group {group_index}) that {why}: the optimizer "
+                    "was created before model.setup(strategy). Create it after setup, e.g. "
+                    "torch.optim.Adam(model.dense_parameters())"
+                )
+
+
+def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _checked_optimizers:
+        return
+    check_optimizer(optimizer)
+    _checked_optimizers.add(optimizer)
+
+
+if os.environ.get("MANUALPAR_NO_OPTIMIZER_CHECK") != "1":
+    torch.optim.Optimizer.register_optimizer_step_pre_hook(_first_step_check)
+
+
+def load_trained(
+    build: Callable[[], ParallelModule], strategy: ManualParallelStrategy,
+    path: str | os.PathLike, *, key: str = "model", strict: bool = True,
+) -> ParallelModule:
+    """Build a model on meta, run its setup, then load its weights: one call, any world size.
+
+    `build()` constructs the model (its __init__ only declares modules); `key` is the name the
+    model was saved under in `strategy.save_checkpoint(path, {key: model, ...})`.
+    """
+    from manualpar.init import empty_init
+
+    with empty_init():
+        model = build()
+    model.setup(strategy)
+    strategy.load_checkpoint(path, {key: model}, strict=strict)
+    return model
