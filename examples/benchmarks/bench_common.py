@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmarks: timing a step as the max over ranks, medians, JSON output.
+
+Absolute times on shared machines swing up to 2x within an hour, so every benchmark runs its
+baseline and its candidate in the same processes, interleaved and repeated, and reports ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import manualpar as mp
+
+
+def time_steps(strategy: mp.ManualParallelStrategy, step: Callable[[], Any], steps: int,
+               warmup: int) -> list[float]:
+    """Seconds per step, each the slowest rank's (a step ends when every rank finished it)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        strategy.barrier()
+        started = time.perf_counter()
+        step()
+        elapsed = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
+        times.append(strategy.all_reduce(elapsed, op="max").item())
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def environment_info(strategy: mp.ManualParallelStrategy) -> dict[str, Any]:
+    return {
+        "torch": str(torch.__version__), "python": sys.version.split()[0],
+        "machine": platform.machine(), "world_size": strategy.world_size,
+        "threads_per_process": torch.get_num_threads(), "device": str(strategy.device),
+    }
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")
