@@ -7,12 +7,14 @@ sharded embedding tables itself in `setup(strategy)`.
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import (
+    BuilderError,
     CheckpointError,
     CheckpointMismatchError,
     ClusterEnvironmentError,
     CollectiveError,
     ManualParError,
 )
+from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
 
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "BuilderError",
     "CheckpointError",
     "CheckpointMismatchError",
     "ClusterEnvironment",
@@ -27,11 +30,13 @@ __all__ = [
     "CollectiveError",
     "ManualParError",
     "ManualParallelStrategy",
+    "ParallelModule",
     "RNGState",
     "capture_rng_state",
     "detect_environment",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_trained",
     "read_manifest",
     "restore_rng_state",
     "save_checkpoint",

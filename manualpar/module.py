@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from manualpar.errors import BuilderError
 from manualpar.wrappers.ownership import owner_of, replaced_by
@@ -120,7 +121,7 @@ def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
 
 
 if os.environ.get("MANUALPAR_NO_OPTIMIZER_CHECK") != "1":
-    torch.optim.Optimizer.register_optimizer_step_pre_hook(_first_step_check)
+    register_optimizer_step_pre_hook(_first_step_check)
 
 
 def load_trained(

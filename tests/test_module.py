@@ -1,0 +1,88 @@
+"""ParallelModule: setup runs once, leaves nothing on meta, and optimizers made too early fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import manualpar as mp
+from manualpar.errors import BuilderError
+from manualpar.module import ParallelModule, check_optimizer
+from manualpar.wrappers.ownership import claim, mark_replaced
+
+
+class TwoTowers(ParallelModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = nn.Linear(3, 3)
+        self.dense = nn.Linear(3, 1)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        claim(self.sparse, "shard_embeddings")  # stands in for a fused-optimizer builder
+        claim(self.dense, "ddp")
+
+
+def test_setup_runs_once_and_groups_parameters_by_owner() -> None:
+    model = TwoTowers()
+    strategy = mp.ManualParallelStrategy()
+    with pytest.raises(BuilderError, match=r"TwoTowers\.dense_parameters\(\) called before setup"):
+        model.dense_parameters()
+    model.setup(strategy)
+    assert model.strategy is strategy
+    assert [p.shape for p in model.dense_parameters()] == [(1, 3), (1,)]
+    by_owner = model.parameters_by_owner()
+    assert sorted(by_owner, key=str) == ["ddp", "shard_embeddings"]
+    with pytest.raises(BuilderError, match=r"TwoTowers\.setup\(\) already ran"):
+        model.setup(strategy)
+
+
+def test_builder_claims_a_module_once() -> None:
+    layer = nn.Linear(2, 2)
+    claim(layer, "ddp")
+    with pytest.raises(BuilderError, match=r"fsdp\(\): module Linear was already set up by ddp"):
+        claim(layer, "fsdp")
+
+
+class ForgetsOnePart(ParallelModule):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.kept = nn.Linear(2, 2)
+        self.real = nn.Linear(2, 2)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        pass
+
+
+def test_parameters_left_on_meta_after_setup_are_named() -> None:
+    with pytest.raises(BuilderError, match=r"after ForgetsOnePart\.setup\(\) these are still on "
+                       r"the meta device: kept\.weight, kept\.bias\. Wrap them"):
+        ForgetsOnePart().setup(mp.ManualParallelStrategy())
+
+
+def test_optimizer_made_before_setup_fails_at_its_first_step() -> None:
+    model = nn.Linear(4, 2)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    mark_replaced(model.parameters(), "fsdp")  # what fsdp() does to the pre-sharding parameters
+    model.weight.grad = torch.zeros_like(model.weight)
+    with pytest.raises(BuilderError, match=r"SGD holds a parameter of shape \(2, 4\) \(param group "
+                       r"0\) that was replaced by fsdp\(\).*created before model\.setup"):
+        early.step()
+
+
+def test_optimizer_over_meta_parameters_is_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(BuilderError, match="is still on the meta device"):
+        check_optimizer(optimizer)
+
+
+def test_a_correct_optimizer_steps_normally() -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.ones(1, 4)).sum().backward()
+    before = model.bias.detach().clone()
+    optimizer.step()
+    torch.testing.assert_close(model.bias, before - 1.0)
