@@ -15,6 +15,7 @@ import time
 
 import torch
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
 
@@ -35,6 +36,7 @@ def batch_for(step: int, rank: int, size: int, true_weight: torch.Tensor) -> tup
     return x, x @ true_weight + 0.01 * torch.randn(size, generator=generator)
 
 
+@record  # a worker's exception reaches torchrun's / torchx's error report
 def main() -> None:
     args = parse_args()
     strategy = mp.ManualParallelStrategy()

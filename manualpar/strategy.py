@@ -179,15 +179,16 @@ class ManualParallelStrategy:
             backend=self.backend, rank=env.rank, world_size=env.world_size, timeout=self.timeout
         )
         try:
+            # Under torchrun the agent already serves the store: join it. Its keys survive a
+            # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
+            # attempt's gloo addresses and times out after a restart).
+            store: dist.Store = dist.TCPStore(
+                env.master_addr, env.master_port, env.world_size,
+                is_master=env.rank == 0 and not env.uses_agent_store, timeout=self.timeout,
+            )
             if env.uses_agent_store:
-                # torchrun already serves the store at MASTER_ADDR:MASTER_PORT; join it.
-                dist.init_process_group(init_method="env://", **kwargs)
-            else:
-                store = dist.TCPStore(
-                    env.master_addr, env.master_port, env.world_size,
-                    is_master=env.rank == 0, timeout=self.timeout,
-                )
-                dist.init_process_group(store=store, **kwargs)
+                store = dist.PrefixStore(f"manualpar/attempt_{env.restart_count}", store)
+            dist.init_process_group(store=store, **kwargs)
         except Exception as error:
             raise CollectiveError(
                 f"rank {env.rank} of {env.world_size} could not join the process group at "

@@ -1,0 +1,67 @@
+"""The torchx component, launched for real through torchx's Runner on local processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppState
+
+from manualpar.components import trainer
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "launched.py")
+
+
+def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: ignore[no-untyped-def]
+    app = trainer(*script_args, script=SCRIPT, j="1x2", max_restarts=max_restarts,
+                  env={"MANUALPAR_TIMEOUT_S": "20"})
+    with get_runner() as runner:
+        handle = runner.run(app, scheduler="local_cwd", cfg={"log_dir": str(tmp_path / "logs")})
+        return runner.wait(handle, wait_interval=0.2)
+
+
+def _reports(directory: Path) -> list[dict]:
+    return [json.loads((directory / f"rank_{r}.json").read_text()) for r in range(2)]
+
+
+def test_component_builds_a_torchrun_command() -> None:
+    app = trainer("--lr", "0.1", script="train.py", j="1x4", max_restarts=2)
+    role = app.roles[0]
+    assert role.entrypoint == sys.executable
+    assert role.args == ["-m", "torch.distributed.run", "--nproc-per-node", "4",
+                         "--max-restarts", "2", "--standalone", "train.py", "--lr", "0.1"]
+    multi = trainer(m="pkg.train", j="3x8").roles[0]
+    assert multi.entrypoint == "bash" and multi.num_replicas == 3
+    assert "--nnodes 3" in multi.args[1] and "-m pkg.train" in multi.args[1]
+    assert "${rank0_env}:=localhost}:29500" in multi.args[1]
+
+
+def test_component_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="pass exactly one of --script and -m"):
+        trainer()
+    with pytest.raises(ValueError, match=r"-j must look like NODESxPROCS \(e\.g\. 1x2\), got '2'"):
+        trainer(script="a.py", j="2")
+
+
+def test_local_launch_runs_two_ranks(tmp_path: Path) -> None:
+    status = _launch(tmp_path, "--out", str(tmp_path / "out"))
+    assert status.state == AppState.SUCCEEDED, status
+    reports = _reports(tmp_path / "out")
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["sum"] == 3.0 and r["source"] == "torchelastic" for r in reports)
+
+
+def test_worker_error_reaches_torchx_status(tmp_path: Path) -> None:
+    status = _launch(tmp_path, "--out", str(tmp_path / "out"), "--fail", "always")
+    assert status.state == AppState.FAILED
+    assert "injected failure on rank 1, attempt 0" in str(status)
+
+
+def test_restart_recovers_from_a_failed_attempt(tmp_path: Path) -> None:
+    status = _launch(tmp_path, "--out", str(tmp_path / "out"), "--fail", "first_attempt",
+                     max_restarts=1)
+    assert status.state == AppState.SUCCEEDED, status
+    assert [r["restart_count"] for r in _reports(tmp_path / "out")] == [1, 1]
