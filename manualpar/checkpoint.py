@@ -30,10 +30,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from manualpar.checkpoint_files import (
     FORMAT,
+    FULL_KEY,
     MANIFEST,
     latest_checkpoint,
     partial_path,
     prepare,
+    read_full,
     read_manifest,
     swap_in,
     write_file,
@@ -57,7 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["MANIFEST", "latest_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]
 
 log = logging.getLogger("manualpar.checkpoint")
-FULL_KEY = "__manualpar__"
 T = TypeVar("T")
 
 
@@ -317,17 +318,7 @@ def _load_sharded(strategy: ManualParallelStrategy, path: Path, state: dict[str,
 
 def _load_full(strategy: ManualParallelStrategy, path: Path, state: dict[str, Any],
                strict: bool) -> None:
-    def read() -> dict[str, Any]:
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as error:
-            raise CheckpointError(
-                f"{path} is corrupted, truncated or not a checkpoint: {error}") from None
-        if not isinstance(blob, dict) or FULL_KEY not in blob:
-            raise CheckpointError(f"{path} is not a manualpar full checkpoint (no {FULL_KEY!r})")
-        return blob
-
-    blob = _agree(strategy, f"reading {path}", read)
+    blob = _agree(strategy, f"reading {path}", lambda: read_full(path))
     shared, _ = _state_dicts(state, full=False)
     per_rank_keys = [k for k, v in state.items() if entry_kind(v) == "per_rank"]
     saved = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v

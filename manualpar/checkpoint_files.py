@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from manualpar.errors import CheckpointError
 
 __all__ = ["MANIFEST", "latest_checkpoint", "read_manifest"]
@@ -20,6 +22,7 @@ __all__ = ["MANIFEST", "latest_checkpoint", "read_manifest"]
 log = logging.getLogger("manualpar.checkpoint")
 MANIFEST = "manualpar.json"
 FORMAT = "manualpar-checkpoint"
+FULL_KEY = "__manualpar__"  # the manifest inside a full export
 
 
 def partial_path(path: Path) -> Path:
@@ -121,3 +124,15 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         if best is None or key > best[0]:
             best = (key, entry)
     return None if best is None else best[1]
+
+
+def read_full(path: Path) -> dict[str, Any]:
+    """A full export, loaded with weights_only=True (memory-mapped: tensors load lazily)."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} is corrupted, truncated or not a checkpoint: {error}") from None
+    if not isinstance(blob, dict) or FULL_KEY not in blob:
+        raise CheckpointError(f"{path} is not a manualpar full checkpoint (no {FULL_KEY!r})")
+    return blob

@@ -1,0 +1,49 @@
+"""`python -m manualpar` on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_models import make_model
+
+import manualpar as mp
+from manualpar.__main__ import main
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1), "step": 7}
+    strategy.save_checkpoint(tmp_path / "step_7", state)
+    strategy.save_checkpoint(tmp_path / "full.pt", state, full=True)
+    return tmp_path
+
+
+def test_inspect_sharded_checkpoint(checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(checkpoints / "step_7")]) == 0
+    out = capsys.readouterr().out
+    assert "kind sharded, step 7, saved by 1 rank(s)" in out
+    assert "entries: model (module), optim (optimizer), step (value)" in out
+    assert [line.split()[:2] for line in out.splitlines() if "model/0.weight" in line] == [
+        ["model/0.weight", "8x4"]]
+
+
+def test_inspect_json_of_full_export(checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "--json", str(checkpoints / "full.pt")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "full" and info["step"] == 7 and info["world_size"] == 1
+    assert info["tensors"]["model/2.weight"] == {"shape": [2, 8], "dtype": "torch.float32",
+                                                "chunks": 1}
+
+
+def test_inspect_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "manualpar", "inspect", str(tmp_path / "no")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: no checkpoint at {tmp_path / 'no'}"
