@@ -11,11 +11,12 @@ main with torch.distributed.elastic.multiprocessing.errors.record so a worker's 
 torchx's status.
 """
 
-from __future__ import annotations
-
+# torchx reads this signature with its own linter and argparse: keep typing.Optional/Dict and
+# real (not postponed) annotations here.
 import os
 import shlex
 import sys
+from typing import Dict, Optional
 
 from torchx import specs
 
@@ -34,15 +35,15 @@ def _nodes_and_procs(j: str) -> tuple[int, int]:
 
 def trainer(
     *script_args: str,
-    script: str | None = None,
-    m: str | None = None,
+    script: Optional[str] = None,
+    m: Optional[str] = None,
     j: str = "1x2",
     max_restarts: int = 0,
     name: str = "manualpar",
     rdzv_port: int = 29500,
     python: str = "",
     image: str = "",
-    env: dict[str, str] | None = None,
+    env: Optional[Dict[str, str]] = None,
     cpu: int = 2,
     gpu: int = 0,
     memMB: int = 4096,

@@ -65,3 +65,10 @@ def test_restart_recovers_from_a_failed_attempt(tmp_path: Path) -> None:
                      max_restarts=1)
     assert status.state == AppState.SUCCEEDED, status
     assert [r["restart_count"] for r in _reports(tmp_path / "out")] == [1, 1]
+
+
+def test_registered_next_to_torchx_builtins() -> None:
+    from torchx.specs.finder import get_components
+
+    names = set(get_components())
+    assert {"manualpar.trainer", "dist.ddp", "utils.echo"} <= names
