@@ -14,6 +14,7 @@ from manualpar.errors import (
     CollectiveError,
     ManualParError,
 )
+from manualpar.init import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
@@ -34,9 +35,12 @@ __all__ = [
     "RNGState",
     "capture_rng_state",
     "detect_environment",
+    "empty_init",
+    "is_meta",
     "latest_checkpoint",
     "load_checkpoint",
     "load_trained",
+    "materialize",
     "read_manifest",
     "restore_rng_state",
     "save_checkpoint",

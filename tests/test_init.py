@@ -1,0 +1,269 @@
+"""empty_init and materialize: meta allocates nothing, values match eager, owned parts only."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import manualpar as mp
+from manualpar.init import empty_init, is_meta, materialize
+from manualpar.testing import run_distributed
+
+MB = 1024 * 1024
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, padding_idx=0)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 8)
+
+
+class Rotary(nn.Module):
+    """A buffer computed in __init__ and no reset_parameters(): meta cannot recover it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim),
+                             persistent=False)
+
+
+class WithRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), Rotary(8))
+
+
+def _eager_and_materialized(build: type[nn.Module], seed: int = 3) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    eager = build()
+    torch.manual_seed(seed)
+    with empty_init():
+        lazy = build()
+    return eager, lazy
+
+
+def _assert_equal_state(a: nn.Module, b: nn.Module) -> None:
+    left, right = a.state_dict(), b.state_dict()
+    assert list(left) == list(right)
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+def test_nothing_is_allocated_inside_empty_init() -> None:
+    with empty_init():
+        model = Model()
+        huge = nn.Sequential(*[nn.Linear(32768, 32768) for _ in range(10)])  # 10.7e9 params
+        norm = nn.BatchNorm1d(4)
+    assert sum(p.numel() for p in huge.parameters()) > 10**10
+    for module in (model, huge, norm):
+        assert is_meta(module)
+        assert all(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    assert not is_meta(nn.Linear(2, 2))
+    with empty_init(enabled=False):
+        assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_materialize_equals_eager_construction_exactly() -> None:
+    torch.manual_seed(3)
+    eager = Model()
+    after_eager = torch.rand(3)
+    torch.manual_seed(3)
+    with empty_init():
+        lazy = Model()
+    assert materialize(lazy, torch.device("cpu")) is lazy
+    assert not is_meta(lazy)
+    _assert_equal_state(eager, lazy)
+    assert torch.equal(torch.rand(3), after_eager), "the RNG advanced exactly as in eager"
+    assert torch.equal(lazy.embed.weight[0], torch.zeros(16)), "padding row zeroed"
+    assert all(p.requires_grad for p in lazy.parameters())
+
+
+def test_batchnorm_running_stats_are_reset_on_the_strategy_device() -> None:
+    strategy = mp.ManualParallelStrategy(accelerator="cpu")
+    with empty_init():
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    materialize(model, strategy)
+    norm = model[1]
+    assert {t.device for t in (*model.parameters(), *model.buffers())} == {strategy.device}
+    assert torch.equal(norm.running_mean, torch.zeros(6))
+    assert torch.equal(norm.running_var, torch.ones(6))
+    assert norm.num_batches_tracked.item() == 0
+    assert torch.equal(norm.weight, torch.ones(6)) and torch.equal(norm.bias, torch.zeros(6))
+
+
+def test_buffer_without_reset_parameters_raises_naming_the_submodule() -> None:
+    with empty_init():
+        model = WithRotary()
+    with pytest.raises(mp.BuilderError, match=r"'block\.1' \(Rotary: inv_freq\).*"
+                       r"add a reset_parameters\(\).*init_fn"):
+        materialize(model, "cpu")
+    assert is_meta(model.proj), "validated before anything was allocated"
+    with pytest.raises(mp.BuilderError, match=r"init_fn did not handle 'block\.1' \(Rotary"):
+        materialize(model, "cpu", init_fn=lambda module: False)
+
+
+class ForgetfulRotary(Rotary):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)  # forgets to recompute inv_freq
+
+
+def test_a_buffer_the_initializer_forgot_raises() -> None:
+    with empty_init():
+        model = nn.Sequential(nn.Linear(8, 8), ForgetfulRotary(8))
+    with pytest.raises(mp.BuilderError, match=r"reset_parameters\(\) of '1' \(ForgetfulRotary\) "
+                       r"left buffers \['inv_freq'\] uninitialized"):
+        materialize(model, "cpu")
+    with empty_init():
+        model = nn.Sequential(nn.Linear(8, 8), Rotary(8))
+    with pytest.raises(mp.BuilderError, match=r"init_fn of '1' \(Rotary\) left buffers"):
+        materialize(model, "cpu", init_fn=lambda module: True)
+
+
+def test_init_fn_recomputes_what_reset_parameters_cannot() -> None:
+    eager, lazy = _eager_and_materialized(WithRotary)
+    seen: list[str] = []
+
+    def init_rotary(module: nn.Module) -> bool:
+        seen.append(type(module).__name__)
+        if not isinstance(module, Rotary):
+            return False
+        dim = module.inv_freq.numel() * 2
+        module.inv_freq.copy_(1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+        return True
+
+    materialize(lazy, "cpu", init_fn=init_rotary)
+    assert seen == ["Rotary"], "init_fn is only asked about modules without reset_parameters"
+    _assert_equal_state(eager, lazy)
+    assert torch.equal(lazy.block[1].inv_freq, eager.block[1].inv_freq)
+
+
+def test_already_real_parameters_are_not_touched() -> None:
+    with empty_init():
+        model = Model()
+    known = nn.Parameter(torch.full((32, 16), 7.0))
+    model.mlp[0].weight = known  # same submodule as a meta bias
+    materialize(model.head, "cpu")
+    head_weight = model.head.weight
+    head_values = head_weight.detach().clone()
+    materialize(model, "cpu")
+    assert model.mlp[0].weight is known and torch.equal(known, torch.full((32, 16), 7.0))
+    assert not model.mlp[0].bias.is_meta
+    assert model.head.weight is head_weight and torch.equal(head_weight, head_values)
+    assert not is_meta(model)
+
+
+def test_tied_weights_stay_tied_and_rng_matches_eager() -> None:
+    def build() -> nn.Module:
+        model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "out": nn.Linear(4, 10)})
+        model["out"].weight = model["embed"].weight
+        return model
+
+    eager, lazy = _eager_and_materialized(build)
+    materialize(lazy, "cpu")
+    assert lazy["out"].weight is lazy["embed"].weight
+    _assert_equal_state(eager, lazy)  # initialized once, by its first owner (the embedding)
+
+
+def test_skip_leaves_subtrees_on_meta() -> None:
+    with empty_init():
+        model = Model()
+    materialize(model, "cpu", skip=["mlp"])
+    assert is_meta(model.mlp) and not is_meta(model.embed) and not is_meta(model.head)
+    with empty_init():
+        model = Model()
+    materialize(model, "cpu", skip=lambda name, module: isinstance(module, nn.Linear))
+    assert is_meta(model.mlp[0]) and is_meta(model.mlp[2]) and is_meta(model.head)
+    assert not is_meta(model.embed) and not is_meta(model.norm)
+    with pytest.raises(ValueError, match=r"skip names \['mpl'\] are not submodules"):
+        materialize(model, "cpu", skip=["mpl"])
+    with pytest.raises(ValueError, match="not meta"):
+        materialize(model, "meta")
+
+
+def test_seeded_values_do_not_depend_on_what_else_is_materialized() -> None:
+    def layers() -> nn.Sequential:
+        with empty_init():
+            return nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
+
+    full, odd = layers(), layers()
+    state = torch.get_rng_state()
+    materialize(full, "cpu", seed=11)
+    materialize(odd, "cpu", seed=11, skip=["0", "2"])
+    assert torch.equal(torch.get_rng_state(), state), "the global RNG is left alone"
+    for index in (1, 3):
+        _assert_equal_state(full[index], odd[index])
+    assert not torch.equal(full[1].weight, full[3].weight)
+    assert is_meta(odd[0]) and is_meta(odd[2])
+
+
+# ---- memory on real processes ----------------------------------------------------------------
+LAYERS, WIDTH = 8, 2048
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _materialize_my_layers() -> dict:
+    strategy = mp.ManualParallelStrategy()
+    before = _peak_rss()
+    with empty_init():
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    others = [str(i) for i in range(LAYERS) if i % strategy.world_size != strategy.rank]
+    materialize(model, strategy, skip=others, seed=5)
+    mine = [i for i in range(LAYERS) if str(i) not in others]
+    result = {
+        "before": before, "peak": _peak_rss(), "mine": mine,
+        "share": sum(p.numel() * p.element_size() for i in mine for p in model[i].parameters()),
+        "full": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "meta": [i for i in range(LAYERS) if is_meta(model[i])],
+        "corners": {i: model[i].weight[:2, :4].detach().clone() for i in mine},
+        "dtensor_kept": _sharded_weight_is_kept(strategy.world_size),
+    }
+    strategy.teardown()
+    return result
+
+
+def _sharded_weight_is_kept(world_size: int) -> bool:
+    """A builder already sharded the weight (a DTensor with a real local shard); only the meta
+    bias of the same Linear is materialized."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with empty_init():
+        layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(distribute_tensor(torch.full((4, 4), 3.0), mesh, [Shard(0)]))
+    weight = layer.weight
+    materialize(layer, "cpu")
+    return (layer.weight is weight and not layer.bias.is_meta
+            and torch.equal(weight.to_local(), torch.full((4 // world_size, 4), 3.0)))
+
+
+def test_each_rank_allocates_only_its_share() -> None:
+    results = run_distributed(_materialize_my_layers, world_size=2, timeout=60)
+    assert [r["mine"] for r in results] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for rank, result in enumerate(results):
+        share, full = result["share"], result["full"]
+        assert share == 4 * (WIDTH * WIDTH + WIDTH) * 4 and full == 2 * share
+        assert result["meta"] == [i for i in range(LAYERS) if i % 2 != rank]
+        assert result["dtensor_kept"]
+        assert result["peak"] < share + 400 * MB, (rank, result["peak"] / MB)
+        grown = result["peak"] - result["before"]
+        assert grown < (share + full) / 2, f"rank {rank} grew {grown / MB:.0f} MB"
+    with empty_init():
+        reference = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    materialize(reference, "cpu", seed=5)  # one process, all layers: the same values
+    for result in results:
+        for index, corner in result["corners"].items():
+            assert torch.equal(corner, reference[index].weight[:2, :4]), index
