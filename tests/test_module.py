@@ -86,3 +86,26 @@ def test_a_correct_optimizer_steps_normally() -> None:
     before = model.bias.detach().clone()
     optimizer.step()
     torch.testing.assert_close(model.bias, before - 1.0)
+
+
+class Regressor(ParallelModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        mp.materialize(self, strategy)
+
+
+def test_load_trained_builds_on_meta_sets_up_and_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    strategy = mp.ManualParallelStrategy()
+    trained = Regressor()
+    trained.setup(strategy)
+    optimizer = torch.optim.Adam(trained.dense_parameters())
+    strategy.save_checkpoint(tmp_path / "ckpt", {"model": trained, "optim": optimizer, "step": 3})
+    loaded = mp.load_trained(Regressor, strategy, tmp_path / "ckpt")
+    assert loaded.is_setup
+    for a, b in zip(loaded.parameters(), trained.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(mp.CheckpointMismatchError, match="missing from the checkpoint: net"):
+        mp.load_trained(Regressor, strategy, tmp_path / "ckpt", key="net")
