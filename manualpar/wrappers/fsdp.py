@@ -1,0 +1,309 @@
+"""fsdp(): shard a module's parameters, gradients and optimizer state with FSDP2 `fully_shard`.
+
+Each rank keeps 1/world_size of every parameter (a DTensor sharded on dim 0); a forward or
+backward all-gathers a block's parameters and frees them again, gradients are reduce-scattered.
+A plain torch optimizer created after setup then updates only the local shards.
+
+Built on meta: the module is sharded first, then only the local shards are allocated and
+initialized. Initialization runs each submodule's `reset_parameters()` on a temporary full CPU
+copy of that submodule's own parameters (one submodule at a time) and keeps this rank's slice,
+so the result equals eager construction under the same `torch.manual_seed`, for any world size
+and device. (DTensor random ops are not used: on CPU they draw every shard from the start of the
+generator, and on CUDA they follow another RNG, so neither matches eager init.) Submodules are
+initialized in registration order (`module.modules()`, parents before children), which is the
+order their `__init__`s ran for the usual containers of leaf layers; only submodules that hold
+parameters or buffers themselves are reset (a parent's reset_parameters that re-initializes its
+children is not called).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from manualpar.errors import BuilderError
+from manualpar.strategy import ManualParallelStrategy
+from manualpar.wrappers.ownership import claim, mark_replaced, owned_by_others, owner_of
+
+__all__ = ["fsdp"]
+
+BUILDER = "fsdp"
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never wrapped alone
+
+
+def fsdp(
+    module: nn.Module, strategy: ManualParallelStrategy, *, reshard_after_forward: bool = True,
+    cpu_offload: bool = False, param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None, min_num_params: int | None = None,
+    wrap: tuple[type[nn.Module], ...] | type[nn.Module] | Sequence[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard `module` over the strategy's ranks (FSDP2) and return it (the same object).
+
+    Args:
+        reshard_after_forward: free gathered parameters after forward (re-gathered in
+            backward): less memory, one more all-gather per block.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
+        param_dtype, reduce_dtype: mixed precision: compute in `param_dtype`, reduce gradients
+            in `reduce_dtype`; the sharded (optimizer) copy stays in the original dtype.
+        min_num_params: size-based auto-wrap: bottom-up, every submodule whose not-yet-wrapped
+            subtree holds at least this many parameters is sharded as its own block.
+        wrap: module classes (each instance is a block) or a list of submodules to shard as
+            blocks; blocks gather their parameters one at a time, which bounds peak memory.
+
+    Parameters another builder already owns are passed to `fully_shard` as ignored and keep
+    their values. With no process group (world size 1) nothing is sharded: the module is moved
+    to (or materialized on) `strategy.device` and returned; mixed precision and CPU offload are
+    then not applied (a warning says so) - use `torch.autocast` for single-process runs.
+    """
+    _check_not_wrapped(module)
+    ignored = _ignored(module)
+    from_meta = _check_meta(module, ignored)
+    blocks = _blocks(module, wrap, min_num_params, ignored)  # validated on one process too
+    if not strategy.is_distributed:
+        if param_dtype is not None or reduce_dtype is not None or cpu_offload:
+            warnings.warn("fsdp(): no process group (world size 1), so the module is not "
+                          "sharded and param_dtype/reduce_dtype/cpu_offload are not applied",
+                          stacklevel=2)
+        if from_meta:
+            _materialize(module, strategy.device, strategy.device, ignored)
+        else:
+            _move(module, strategy.device, ignored)
+        _claim(module)
+        return module
+    mesh = DeviceMesh.from_group(strategy.group, strategy.device.type)
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
+                              if cpu_offload else OffloadPolicy())
+    options = dict(
+        mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        ignored_params=set(ignored.values()) or None,
+    )
+    mark_replaced([p for p in module.parameters() if owner_of(p) is None], BUILDER)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    if from_meta:
+        param_device = torch.device("cpu") if cpu_offload else strategy.device
+        _materialize(module, param_device, strategy.device, ignored)
+    _claim(module)
+    return module
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    builder = getattr(module, "_manualpar_builder", None)
+    if builder is not None or isinstance(module, FSDPModule):
+        raise BuilderError(
+            f"fsdp(): module {type(module).__name__} was already set up by "
+            f"{builder or 'fully_shard'}(); call fsdp once per module (to shard blocks "
+            "separately, pass wrap=... or min_num_params=... to a single call)"
+        )
+    taken = [n for n, p in module.named_parameters()  # skips an fsdp()'d child's subtree
+             if owner_of(p) == BUILDER and any(p is q for q in _own_params(module))]
+    if taken:
+        raise BuilderError(
+            f"fsdp(): parameters of {type(module).__name__} ({', '.join(taken[:3])}) are already "
+            "sharded by an fsdp() call on an enclosing module; shard this part as a block of "
+            "that call instead (wrap=[...] or wrap=(BlockClass,))"
+        )
+
+
+def _claim(module: nn.Module) -> None:
+    claim(module, BUILDER, params=[(n, p) for n, p in module.named_parameters()
+                                   if owner_of(p) is None])
+
+
+# ---- which submodules are this call's, and which become their own FSDP block -------------
+def _own_params(root: nn.Module) -> list[nn.Parameter]:
+    return [p for m in _own_modules(root) for p in m.parameters(recurse=False)]
+
+
+def _ignored(root: nn.Module) -> dict[int, nn.Parameter]:
+    """Parameters other builders own, plus any inside a subtree another builder took over
+    (except an earlier fsdp call's: fully_shard already skips FSDP submodules)."""
+    ignored = {id(p): p for _, p in owned_by_others(root, BUILDER)}
+    own = {id(p) for p in _own_params(root)}
+    for param in root.parameters():
+        if id(param) not in own and owner_of(param) is None:
+            ignored[id(param)] = param
+    return ignored
+
+
+def _own_modules(root: nn.Module) -> Iterator[nn.Module]:
+    """Pre-order, skipping subtrees another builder (or an earlier fsdp call) took over."""
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> Iterator[nn.Module]:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield module
+        for child in module.children():
+            if getattr(child, "_manualpar_builder", None) is None:
+                yield from visit(child)
+
+    yield from visit(root)
+
+
+def _blocks(root: nn.Module, wrap: object, min_num_params: int | None,
+            ignored: dict[int, nn.Parameter]) -> list[nn.Module]:
+    """Submodules to fully_shard before the root, children before parents."""
+    own = list(_own_modules(root))
+    explicit: set[int] = set()
+    if isinstance(wrap, type) or (isinstance(wrap, tuple) and wrap
+                                  and all(isinstance(w, type) for w in wrap)):
+        explicit = {id(m) for m in own[1:] if isinstance(m, wrap)}  # type: ignore[arg-type]
+    elif wrap is not None:
+        listed = list(wrap)  # type: ignore[call-overload]
+        own_ids = {id(m) for m in own}
+        for index, sub in enumerate(listed):
+            if not isinstance(sub, nn.Module) or sub is root or id(sub) not in own_ids:
+                raise BuilderError(
+                    f"fsdp(wrap=...): item {index} ({type(sub).__name__}) is not a submodule of "
+                    f"{type(root).__name__} that this call shards (not the root itself, nor a "
+                    "part another builder owns); pass module classes or submodules"
+                )
+        explicit = {id(m) for m in listed}
+    if min_num_params is not None and min_num_params <= 0:
+        raise BuilderError(f"fsdp(): min_num_params must be positive, got {min_num_params}")
+    chosen = {m for m in own[1:] if id(m) in explicit}
+    if min_num_params is not None:
+        _auto_wrap(root, min_num_params, explicit, ignored, chosen)
+    # Reversed pre-order puts every descendant before its ancestors, as fully_shard requires.
+    return [m for m in reversed(own) if m in chosen]
+
+
+def _auto_wrap(root: nn.Module, min_num_params: int, explicit: set[int],
+               ignored: dict[int, nn.Parameter], chosen: set[nn.Module]) -> None:
+    """fairscale's default_auto_wrap_policy: wrap bottom-up once a subtree is big enough."""
+    seen: set[int] = set()
+
+    def unwrapped_count(module: nn.Module) -> int:
+        if id(module) in seen:
+            return 0
+        seen.add(id(module))
+        count = sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in ignored)
+        for child in module.children():
+            if getattr(child, "_manualpar_builder", None) is None:
+                count += unwrapped_count(child)
+        if module is root:
+            return count
+        if id(module) in explicit or (count >= min_num_params
+                                      and not isinstance(module, _CONTAINERS)):
+            chosen.add(module)
+            return 0
+        return count
+
+    unwrapped_count(root)
+
+
+# ---- meta-device modules: allocate and initialize only what this rank keeps ---------------
+def _check_meta(root: nn.Module, ignored: dict[int, nn.Parameter]) -> bool:
+    """True if this call's parameters are all on meta; raise if only some are, or if a
+    submodule holding meta tensors cannot initialize them (no reset_parameters)."""
+    on_meta, real, missing_reset = [], [], []
+    names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
+    for module in _own_modules(root):
+        direct = [p for p in module.parameters(recurse=False) if id(p) not in ignored]
+        tensors = direct + list(module.buffers(recurse=False))
+        meta_here = [t for t in tensors if t.is_meta]
+        on_meta += meta_here
+        real += [t for t in tensors if not t.is_meta]
+        if meta_here and not callable(getattr(module, "reset_parameters", None)):
+            missing_reset.append(f"{names.get(id(module), '?')} ({type(module).__name__})")
+    if on_meta and real:
+        raise BuilderError(
+            f"fsdp(): {type(root).__name__} has {len(on_meta)} tensors on the meta device and "
+            f"{len(real)} elsewhere; build it entirely under empty_init() or entirely on a "
+            "real device"
+        )
+    if missing_reset:
+        raise BuilderError(
+            "fsdp(): these submodules hold meta-device parameters or buffers but define no "
+            f"reset_parameters(), so they cannot be initialized after sharding: "
+            f"{', '.join(missing_reset)}. Give them a reset_parameters() that initializes their "
+            "own parameters and buffers in place"
+        )
+    return bool(on_meta)
+
+
+def _materialize(root: nn.Module, param_device: torch.device, buffer_device: torch.device,
+                 ignored: dict[int, nn.Parameter]) -> None:
+    own = list(_own_modules(root))
+    kept = {id(p): p.data for module in own for p in module.parameters(recurse=False)
+            if id(p) in ignored}
+    # Children first, so each FSDP module re-registers its shards after they were allocated.
+    for module in reversed(own):
+        module.to_empty(device=param_device, recurse=False)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != buffer_device:
+                module._buffers[name] = torch.empty_like(buffer, device=buffer_device)
+        for param in module.parameters(recurse=False):
+            if id(param) in kept:
+                param.data = kept[id(param)]  # another builder's tensor: keep its values
+    for module in own:  # only modules holding tensors: a parent's reset would hit shards
+        if (callable(getattr(module, "reset_parameters", None))
+                and (module._parameters or module._buffers)):
+            _reset_on_full_copy(module)
+
+
+@torch.no_grad()
+def _reset_on_full_copy(module: nn.Module) -> None:
+    """reset_parameters() on full CPU stand-ins for the direct parameters, then keep the local
+    part (this rank's shard of a DTensor, the whole tensor otherwise)."""
+    originals = dict(module._parameters)
+    for name, param in originals.items():
+        if param is not None:
+            module._parameters[name] = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device="cpu"),
+                requires_grad=param.requires_grad)
+    try:
+        module.reset_parameters()  # type: ignore[operator]
+        for name, param in originals.items():
+            full = module._parameters[name]
+            if param is None or full is None or owner_of(param) not in (None, BUILDER):
+                continue  # ignored: another builder's parameter keeps its values
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.copy_(_local_slice(full, param))
+    finally:
+        module._parameters.update(originals)
+
+
+def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full` under FSDP2's dim-0 sharding (torch.chunk sizes)."""
+    if not isinstance(param, DTensor):
+        return full
+    mesh = param.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = full.shape[0]
+    per_rank = -(-rows // world)
+    start = min(rank * per_rank, rows)
+    local = full[start: start + per_rank]
+    if tuple(local.shape) != tuple(param.to_local().shape):
+        raise BuilderError(
+            f"fsdp(): cannot place the initialized {tuple(full.shape)} parameter: expected a "
+            f"local shard of {tuple(local.shape)}, FSDP holds {tuple(param.to_local().shape)}"
+        )
+    return local
+
+
+def _move(root: nn.Module, device: torch.device, ignored: dict[int, nn.Parameter]) -> None:
+    """Single process: move this call's parameters and buffers to the device, in place."""
+    for module in _own_modules(root):
+        for param in module.parameters(recurse=False):
+            if id(param) not in ignored and param.device != device:
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                module._buffers[name] = buffer.to(device)
