@@ -71,7 +71,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, env: Mapping[str, str], results: Any, args: tuple,
+def _child(fn_bytes: bytes, rank: int, env: Mapping[str, str], results: Any, args: tuple,
            kwargs: dict) -> None:
     for key in list(os.environ):
         if key.startswith(_LAUNCHER_PREFIXES):
@@ -83,6 +83,9 @@ def _child(fn: Callable, rank: int, env: Mapping[str, str], results: Any, args: 
 
     torch.set_num_threads(1)
     try:
+        # Unpickled only now, so the test module is imported with this rank's environment
+        # (e.g. GPUs already hidden when it asks torch.cuda at import time).
+        fn = pickle.loads(fn_bytes)
         value = fn(*args, **kwargs)
         outcome = RankOutcome(rank, ok=True, value=value)
     except BaseException as error:  # report everything, including SystemExit
@@ -122,7 +125,9 @@ def run_distributed(
         "CUDA_VISIBLE_DEVICES": "",  # the CPU/gloo path, also on a GPU machine
         **(env or {}),
     }
-    procs = [ctx.Process(target=_child, args=(fn, rank, base_env, results, args, kwargs or {}),
+    fn_bytes = pickle.dumps(fn)
+    procs = [ctx.Process(target=_child,
+                         args=(fn_bytes, rank, base_env, results, args, kwargs or {}),
                          daemon=True) for rank in range(world_size)]
     for proc in procs:
         proc.start()
