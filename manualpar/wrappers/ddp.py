@@ -76,16 +76,14 @@ def ddp(module: nn.Module, strategy: ManualParallelStrategy, *,
     if not any(p.requires_grad for _, p in taken):
         owners = sorted({str(owner_of(p)) for _, p in module.named_parameters()} - {"None"})
         raise BuilderError(
-            f"ddp(): {type(module).__name__} has no trainable parameter left for DDP "
-            f"(owned by: {', '.join(owners) or 'nobody'}; the rest are frozen); do not wrap it"
+            f"ddp(): {type(module).__name__} has no trainable parameter left for DDP (owned by "
+            f"other builders: {', '.join(owners) or 'none'}; frozen: {len(taken)}); do not wrap it"
         )
     if strategy.world_size > 1 and not strategy.is_distributed:
         raise BuilderError(
             f"ddp(): the strategy has world size {strategy.world_size} but no process group "
             "(was teardown() called?); wrapping now would train each rank alone"
         )
-    claim(module, "ddp", params=taken)
-    object.__setattr__(module, _NORMALIZE_MARK, normalize_by)
     _move(module, strategy.device, taken)
     wrong = sorted({str(p.device) for _, p in taken} - {str(strategy.device)})
     if wrong and "device_ids" not in ddp_kwargs:
@@ -94,6 +92,8 @@ def ddp(module: nn.Module, strategy: ManualParallelStrategy, *,
             f"rank's device is {strategy.device}; move them there first, or pass device_ids= "
             "for a module that spans devices"
         )
+    claim(module, "ddp", params=taken)  # last check passed: nothing below refuses the module
+    object.__setattr__(module, _NORMALIZE_MARK, normalize_by)
     if not strategy.is_distributed:
         return module
     if ignored:
