@@ -18,6 +18,7 @@ from manualpar.init import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
+from manualpar.wrappers import ddp, fsdp, set_batch_size, sharded_grad_scaler, zero_optimizer
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,10 @@ __all__ = [
     "ParallelModule",
     "RNGState",
     "capture_rng_state",
+    "ddp",
     "detect_environment",
     "empty_init",
+    "fsdp",
     "is_meta",
     "latest_checkpoint",
     "load_checkpoint",
@@ -45,4 +48,7 @@ __all__ = [
     "restore_rng_state",
     "save_checkpoint",
     "seed_everything",
+    "set_batch_size",
+    "sharded_grad_scaler",
+    "zero_optimizer",
 ]

@@ -198,10 +198,16 @@ class ManualParallelStrategy:
             ) from error
         return dist.group.WORLD
 
-    def teardown(self) -> None:
+    def teardown(self, *, wait_for_peers: bool = True) -> None:
         """Destroy the process group if this strategy created it. Safe to call twice."""
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            # Let every rank finish its last collective first: destroying the group under a
+            # peer still inside one (e.g. a DDP reducer's) can hang it.
+            try:
+                if wait_for_peers:
+                    self.barrier("teardown")
+            finally:
+                dist.destroy_process_group()
         self._owns_group = False
         self.group = None
         self._torn_down = self.world_size > 1
@@ -209,8 +215,8 @@ class ManualParallelStrategy:
     def __enter__(self) -> ManualParallelStrategy:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.teardown()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.teardown(wait_for_peers=exc_type is None)  # a failing rank must not wait for peers
 
     # ---- collectives ------------------------------------------------------------------------
     @contextmanager
