@@ -22,7 +22,8 @@ def _torchrun(script: str, *args: str) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(EXAMPLES / script), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                            env={**_env(), "MANUALPAR_TIMEOUT_S": "30"})
+                            env={**_env(), "MANUALPAR_TIMEOUT_S": "30",
+                                 "CUDA_VISIBLE_DEVICES": ""})  # the CPU/gloo path everywhere
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
