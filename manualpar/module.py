@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from manualpar.errors import BuilderError
-from manualpar.wrappers.ownership import owner_of, replaced_by
+from manualpar.wrappers.ownership import owner_of, stale_reason
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -101,10 +101,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Raise BuilderError if `optimizer` holds meta or builder-replaced parameters."""
     for group_index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
-            builder = replaced_by(param)
-            if param.is_meta or builder is not None:
-                why = ("is still on the meta device" if param.is_meta
-                       else f"was replaced by {builder}() (the model now trains a new tensor)")
+            why = stale_reason(param)
+            if why is not None:
                 raise BuilderError(
                     f"{type(optimizer).__name__} holds a parameter of shape "
                     f"{tuple(param.shape)} (param group {group_index}) that {why}: the optimizer "

@@ -15,7 +15,8 @@ from torch import nn
 
 from manualpar.errors import BuilderError
 
-__all__ = ["claim", "mark_replaced", "owned_by_others", "owner_of", "replaced_by"]
+__all__ = ["claim", "mark_replaced", "owned_by_others", "owner_of", "replaced_by",
+           "stale_reason"]
 
 _OWNER = "_manualpar_owner"
 _REPLACED = "_manualpar_replaced_by"
@@ -62,3 +63,13 @@ def mark_replaced(params: Iterable[torch.Tensor], builder: str) -> None:
 
 def replaced_by(param: torch.Tensor) -> str | None:
     return getattr(param, _REPLACED, None)
+
+
+def stale_reason(param: torch.Tensor) -> str | None:
+    """Why an optimizer must not hold `param` (on meta, or swapped out by a builder), or None."""
+    if param.is_meta:
+        return "is still on the meta device"
+    builder = replaced_by(param)
+    if builder is not None:
+        return f"was replaced by {builder}() (the model now trains a new tensor)"
+    return None

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
 from manualpar.strategy import ManualParallelStrategy
-from manualpar.wrappers.ownership import replaced_by
+from manualpar.wrappers.ownership import stale_reason
 
 __all__ = ["sharded_grad_scaler", "zero_optimizer"]
 
@@ -73,10 +73,8 @@ def _check_params(tensors: list[torch.Tensor], name: str) -> None:
         if not isinstance(param, torch.Tensor):
             raise BuilderError(f"{name}: parameter {index} is a {type(param).__name__}, "
                                "not a tensor; pass model.parameters() or param groups")
-        builder = replaced_by(param)
-        if param.is_meta or builder is not None:
-            why = ("is still on the meta device" if param.is_meta
-                   else f"was replaced by {builder}() (the model now trains a new tensor)")
+        why = stale_reason(param)
+        if why is not None:
             raise BuilderError(
                 f"{name}: parameter {index} of shape {tuple(param.shape)} {why}. Create the "
                 "optimizer after model.setup(strategy), from the model's current parameters"
