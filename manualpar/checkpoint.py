@@ -37,6 +37,7 @@ from manualpar.checkpoint_files import (
     prepare,
     read_full,
     read_manifest,
+    resolve,
     swap_in,
     write_file,
 )
@@ -51,7 +52,7 @@ from manualpar.checkpoint_state import (
     unflatten,
     validate_state,
 )
-from manualpar.errors import CheckpointError, CheckpointMismatchError
+from manualpar.errors import CheckpointError, CheckpointMismatchError, CollectiveError
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -71,7 +72,11 @@ def _agree(strategy: ManualParallelStrategy, what: str, fn: Callable[[], T]) -> 
     except (Exception, CheckpointException) as error:
         local_error = error
     if strategy.is_distributed:
-        reports = strategy.all_gather_object(None if local_error is None else str(local_error))
+        try:
+            reports = strategy.all_gather_object(
+                None if local_error is None else str(local_error))
+        except CollectiveError as error:  # a peer died or stalled: say what was going on
+            raise CollectiveError(f"{what}: {error}") from error
     else:
         reports = [None if local_error is None else str(local_error)]
     failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
@@ -281,7 +286,7 @@ def load_checkpoint(
     `state`. Any world size can load a sharded checkpoint. Keys and shapes are checked first:
     a mismatch raises CheckpointMismatchError listing them, before anything is modified.
     """
-    path = Path(path).absolute()
+    path = resolve(Path(path).absolute())
     validate_state(state)
     is_full = _agree(strategy, f"opening checkpoint {path}", lambda: _open(path))
     if is_full:

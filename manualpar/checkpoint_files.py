@@ -66,15 +66,36 @@ def prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool) -> None:
         (staging / "objects").mkdir(parents=True)
 
 
+def _old_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
 def swap_in(staging: Path, path: Path) -> None:
-    """Swap the finished staging copy in; an existing checkpoint is replaced only after."""
-    old = path.parent / f".{path.name}.old"
+    """Swap the finished staging copy in; an existing checkpoint is replaced only after.
+
+    Overwriting takes two renames (old copy aside, new copy in). A crash between them leaves the
+    previous checkpoint as `.name.old`: `resolve` and `latest_checkpoint` still find it, and the
+    next save puts it back before it swaps again.
+    """
+    old = _old_path(path)
+    if old.exists() and not path.exists():
+        os.replace(old, path)  # finish an interrupted swap: the previous copy comes back first
     remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(staging, path)
     _fsync_dir(path.parent)
     remove(old)
+
+
+def resolve(path: Path) -> Path:
+    """`path`, or its previous copy if a crash interrupted an overwrite of it."""
+    old = _old_path(path)
+    if not path.exists() and (old / MANIFEST).is_file():
+        log.warning("%s is missing but its previous copy %s is complete (an overwrite was "
+                    "interrupted); using the previous copy", path, old)
+        return old
+    return path
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -112,7 +133,11 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         raise CheckpointError(f"{directory} is not a directory of checkpoints")
     best: tuple[tuple[int, float], Path] | None = None
     for entry in directory.iterdir():
-        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+        if entry.name.startswith("."):  # staging copies are never candidates, but the
+            if not entry.name.endswith(".old"):  # previous copy of an interrupted overwrite is
+                continue
+            entry = resolve(directory / entry.name[1:-len(".old")])
+        if not (entry / MANIFEST).is_file():
             continue
         try:
             manifest = read_manifest(entry)

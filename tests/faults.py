@@ -1,0 +1,61 @@
+"""Fault injection for the tests: make this process die (SIGKILL) at a chosen point of a save.
+
+Call `die_at(point)` inside a child of run_distributed on the rank that should die; the next
+save_checkpoint then kills the process at that point. Points, in the order a save reaches them:
+
+- "before_write":   tensors gathered, nothing written yet
+- "after_write":    this rank's tensor shards written, before objects and the commit
+- "before_commit":  rank 0 only: everything written, before the manifest and the rename
+- "mid_overwrite":  rank 0 only: the old copy was moved aside, the new one not yet renamed in
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+POINTS = ("before_write", "after_write", "before_commit", "mid_overwrite")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_at(point: str) -> None:
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; choose one of {POINTS}")
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import manualpar.checkpoint as checkpoint
+    import manualpar.checkpoint_files as files
+
+    if point in ("before_write", "after_write"):
+        original = FileSystemWriter.write_data
+
+        def write_data(self: Any, plan: Any, planner: Any) -> Any:
+            if point == "before_write":
+                _die()
+            future = original(self, plan, planner)
+            future.wait()
+            _die()
+
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    elif point == "before_commit":
+        checkpoint.write_file_original = checkpoint.write_file  # type: ignore[attr-defined]
+
+        def write_file(path: Any, data: bytes) -> None:
+            if str(path).endswith(files.MANIFEST):
+                _die()
+            checkpoint.write_file_original(path, data)  # type: ignore[attr-defined]
+
+        checkpoint.write_file = write_file  # type: ignore[assignment]
+    else:
+        original_replace = os.replace
+
+        def replace(src: Any, dst: Any) -> None:  # this process dies right after: no cleanup
+            original_replace(src, dst)
+            if str(dst).endswith(".old"):
+                _die()
+
+        files.os.replace = replace  # type: ignore[assignment]
