@@ -238,3 +238,20 @@ def test_full_export_respects_overwrite(tmp_path: Path) -> None:
     with pytest.raises(mp.CheckpointError, match="already exists; pass overwrite=True"):
         strategy.save_checkpoint(tmp_path / "full.pt", {"step": 2}, full=True, overwrite=False)
     assert torch.load(tmp_path / "full.pt", weights_only=True)["step"] == 1
+
+
+def test_corrupted_tensor_shards_and_manifest(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "c", _trained_state())
+    shard = next((tmp_path / "c").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(mp.CheckpointError, match=r"load_checkpoint\(.*\): reading tensor shards"):
+        strategy.load_checkpoint(tmp_path / "c", _trained_state())
+    (tmp_path / "c" / "manualpar.json").write_text("{not json")
+    with pytest.raises(mp.CheckpointError, match=r"manualpar\.json is unreadable or corrupted"):
+        strategy.load_checkpoint(tmp_path / "c", _trained_state())
+    (tmp_path / "c" / ".metadata").write_bytes(b"garbage")
+    (tmp_path / "c" / "manualpar.json").write_text(json.dumps({"format": "manualpar-checkpoint",
+                                                              "kind": "sharded"}))
+    with pytest.raises(mp.CheckpointError, match="is corrupted or truncated"):
+        strategy.load_checkpoint(tmp_path / "c", _trained_state())
