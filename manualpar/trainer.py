@@ -1,0 +1,200 @@
+"""Trainer: a small fit loop on the public API only (strategy, builders, checkpoint IO).
+
+    trainer = mp.Trainer(strategy, "runs/exp1", max_steps=1000, checkpoint_every=100)
+    trainer.fit(model, data)          # model: training_step(batch, step) -> loss (or dict)
+
+What it adds over a hand-written loop: a progress bar on rank 0, metrics averaged over ranks and
+appended to `metrics.jsonl`, validation every N steps, gradient accumulation, checkpoints every N
+steps and at the end, and automatic resume from the latest complete checkpoint (after a
+torchelastic restart or a rerun). Data is addressed by step: `data(step, strategy)` returns this
+rank's batch for that step (or use `StepSampler` over a dataset), so a resumed run sees exactly the
+batches the uninterrupted run would have seen and, on CPU, reproduces it bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from manualpar.checkpoint_files import latest_checkpoint, read_manifest
+from manualpar.module import ParallelModule
+from manualpar.seed import RNGState
+from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger("manualpar.trainer")
+Data = Callable[[int, ManualParallelStrategy], Any]
+
+
+class Trainer:
+    """Runs `model.training_step` for `max_steps` optimizer steps; see the module docstring.
+
+    Args:
+        strategy: the job's strategy.
+        out_dir: holds `checkpoints/step_<n>/` and `metrics.jsonl`.
+        max_steps: optimizer steps to reach (a resumed run continues towards the same number).
+        checkpoint_every: save every N steps (and always at the end); None: only at the end.
+        keep_last: committed checkpoints to keep (older ones are deleted after a save).
+        accumulate: micro-batches per optimizer step (loss divided accordingly).
+        log_every: reduce and record metrics every N steps.
+        val_every / val_steps: run `model.validation_step` on `val_steps` batches every N steps.
+        progress: show a progress bar on rank 0.
+    """
+
+    def __init__(self, strategy: ManualParallelStrategy, out_dir: str | Path, *, max_steps: int,
+                 checkpoint_every: int | None = None, keep_last: int = 2, accumulate: int = 1,
+                 log_every: int = 10, val_every: int | None = None, val_steps: int = 1,
+                 progress: bool = True) -> None:
+        for name, value in (("max_steps", max_steps), ("accumulate", accumulate),
+                            ("log_every", log_every), ("keep_last", keep_last),
+                            ("val_steps", val_steps)):
+            if value < 1:
+                raise ValueError(f"Trainer: {name} must be >= 1, got {value}")
+        self.strategy = strategy
+        self.out_dir = Path(out_dir)
+        self.max_steps, self.accumulate, self.log_every = max_steps, accumulate, log_every
+        self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
+        self.val_every, self.val_steps = val_every, val_steps
+        self.progress = progress
+        self.step = 0
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self, model: nn.Module, data: Data, *, optimizer: torch.optim.Optimizer | None = None,
+            val_data: Data | None = None) -> dict[str, float]:
+        """Train to `max_steps`, resuming if a checkpoint exists; returns the last metrics."""
+        if isinstance(model, ParallelModule) and not model.is_setup:
+            model.setup(self.strategy)
+        if optimizer is None:
+            if not hasattr(model, "configure_optimizers"):
+                raise TypeError(f"{type(model).__name__} has no configure_optimizers(); pass "
+                                "optimizer= to fit()")
+            optimizer = model.configure_optimizers()
+        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState()}
+        self._resume(state)
+        self.step = state["step"]
+        model.train()
+        bar = self._progress_bar()
+        window: dict[str, list[float]] = {}
+        last: dict[str, float] = {}
+        started, steps_in_window = time.perf_counter(), 0
+        while self.step < self.max_steps:
+            for name, value in self._train_step(model, optimizer, data).items():
+                window.setdefault(name, []).append(value)
+            self.step += 1
+            steps_in_window += 1
+            if self.step % self.log_every == 0 or self.step == self.max_steps:
+                rate = steps_in_window / (time.perf_counter() - started)
+                last = self._record(window, rate, optimizer)
+                window, started, steps_in_window = {}, time.perf_counter(), 0
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", steps_per_s=f"{rate:.1f}")
+            if val_data is not None and self.val_every and self.step % self.val_every == 0:
+                last.update(self._validate(model, val_data))
+            if bar is not None:
+                bar.update(1)
+            if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or (
+                    self.step == self.max_steps):
+                state["step"] = self.step
+                self._save(state)
+        if bar is not None:
+            bar.close()
+        return last
+
+    def _train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    data: Data) -> dict[str, float]:
+        optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for micro in range(self.accumulate):
+            index = self.step * self.accumulate + micro
+            out = model.training_step(data(index, self.strategy), index)
+            metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
+            if "loss" not in metrics:
+                raise ValueError(f"{type(model).__name__}.training_step must return a loss "
+                                 "tensor or a dict with 'loss'")
+            (metrics["loss"] / self.accumulate).backward()
+            for name, value in metrics.items():
+                value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+                totals[name] = totals.get(name, 0.0) + value / self.accumulate
+        optimizer.step()
+        return totals
+
+    @torch.no_grad()
+    def _validate(self, model: nn.Module, val_data: Data) -> dict[str, float]:
+        model.eval()
+        sums: dict[str, float] = {}
+        for index in range(self.val_steps):
+            for name, value in model.validation_step(val_data(index, self.strategy)).items():
+                sums[name] = sums.get(name, 0.0) + float(value) / self.val_steps
+        model.train()
+        reduced = self._reduce({f"val/{k}": v for k, v in sums.items()})
+        self._append({"step": self.step, **reduced})
+        return reduced
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def _reduce(self, values: Mapping[str, float]) -> dict[str, float]:
+        """Mean over ranks, in one collective for all names."""
+        names = sorted(values)
+        tensor = torch.tensor([values[n] for n in names], dtype=torch.float64)
+        means = self.strategy.all_reduce(tensor, op="mean").tolist()
+        return dict(zip(names, means, strict=True))
+
+    def _record(self, window: Mapping[str, list[float]], rate: float,
+                optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
+        lr = float(optimizer.param_groups[0].get("lr", 0.0))
+        self._append({"step": self.step, **reduced, "lr": lr, "steps_per_s": rate})
+        return reduced
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        if self.strategy.is_global_zero:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def _progress_bar(self) -> Any:
+        if not (self.progress and self.strategy.is_global_zero):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.max_steps, initial=self.step, desc="train", unit="step",
+                    dynamic_ncols=True)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _resume(self, state: dict[str, Any]) -> None:
+        latest = latest_checkpoint(self.checkpoint_dir)
+        if latest is None:
+            return
+        self.strategy.load_checkpoint(latest, state)
+        log.info("rank %d: resumed from %s at step %d", self.strategy.rank, latest, state["step"])
+        if self.strategy.is_global_zero and self.metrics_path.exists():
+            # Drop what the interrupted run recorded after its last checkpoint: it is redone.
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= state["step"]]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.strategy.barrier("resume")
+
+    def _save(self, state: dict[str, Any]) -> None:
+        self.strategy.save_checkpoint(self.checkpoint_dir / f"step_{self.step:08d}", state)
+        if self.strategy.is_global_zero:
+            committed = sorted(
+                (read_manifest(p)["step"], p) for p in self.checkpoint_dir.iterdir()
+                if not p.name.startswith(".") and (p / "manualpar.json").is_file())
+            for _, old in committed[:-self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
