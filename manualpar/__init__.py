@@ -18,7 +18,7 @@ from manualpar.init import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
-from manualpar.trainer import Trainer
+from manualpar.trainer import Trainer, dataset_batches
 from manualpar.wrappers import ddp, fsdp, set_batch_size, sharded_grad_scaler, zero_optimizer
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "RNGState",
     "Trainer",
     "capture_rng_state",
+    "dataset_batches",
     "ddp",
     "detect_environment",
     "empty_init",

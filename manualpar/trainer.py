@@ -7,8 +7,9 @@ What it adds over a hand-written loop: a progress bar on rank 0, metrics average
 appended to `metrics.jsonl`, validation every N steps, gradient accumulation, checkpoints every N
 steps and at the end, and automatic resume from the latest complete checkpoint (after a
 torchelastic restart or a rerun). Data is addressed by step: `data(step, strategy)` returns this
-rank's batch for that step (or use `StepSampler` over a dataset), so a resumed run sees exactly the
-batches the uninterrupted run would have seen and, on CPU, reproduces it bit for bit.
+rank's batch for that step (`dataset_batches(dataset, global_batch_size)` builds one for a
+map-style dataset), so a resumed run sees exactly the batches the uninterrupted run would have
+seen and, on CPU, reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -29,10 +30,40 @@ from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "dataset_batches"]
 
 log = logging.getLogger("manualpar.trainer")
 Data = Callable[[int, ManualParallelStrategy], Any]
+
+
+def dataset_batches(dataset: Any, global_batch_size: int, *, seed: int = 0,
+                    collate: Callable[[list], Any] | None = None) -> Data:
+    """Step-addressed batches from a map-style dataset: reshuffled each epoch from `seed`, each
+    rank taking every world_size-th sample of the global batch (a partial last batch is dropped).
+    """
+    from torch.utils.data import default_collate
+
+    collate = collate or default_collate
+    size = len(dataset)
+    if global_batch_size < 1 or size < global_batch_size:
+        raise ValueError(f"dataset_batches: global_batch_size {global_batch_size} must be in "
+                         f"[1, len(dataset)={size}]")
+    per_epoch = size // global_batch_size
+    orders: dict[int, torch.Tensor] = {}
+
+    def data(index: int, strategy: ManualParallelStrategy) -> Any:
+        if global_batch_size % strategy.world_size:
+            raise ValueError(f"dataset_batches: global_batch_size {global_batch_size} is not a "
+                             f"multiple of the world size {strategy.world_size}")
+        epoch, position = divmod(index, per_epoch)
+        if epoch not in orders:
+            orders.clear()  # one epoch's permutation at a time
+            orders[epoch] = torch.randperm(size, generator=torch.Generator().manual_seed(
+                seed + epoch))
+        chunk = orders[epoch][position * global_batch_size:(position + 1) * global_batch_size]
+        return collate([dataset[i] for i in chunk[strategy.rank::strategy.world_size].tolist()])
+
+    return data
 
 
 class Trainer:
