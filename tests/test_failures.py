@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_models import make_model, train
+from faults import die_at
 
 import manualpar as mp
 from manualpar.testing import free_port, run_distributed
@@ -67,17 +67,7 @@ def _save_then_die_mid_save(directory: str) -> None:
     train(model, optimizer, steps=1)
     state["step"] = 3
     if strategy.rank == 1:
-        # Die right after this rank wrote its tensor shards, before the commit.
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        original = FileSystemWriter.write_data
-
-        def write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
-            future = original(self, plan, planner)
-            future.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+        die_at("after_write")  # right after this rank wrote its tensor shards, before the commit
     strategy.save_checkpoint(Path(directory) / "step_3", state)
 
 
