@@ -1,4 +1,4 @@
-"""Command line: `python -m manualpar inspect CKPT` and `python -m manualpar launch ...`."""
+"""Command line: `python -m manualpar inspect CKPT | plot RUN_DIR | launch ...`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from manualpar.plot import plot_metrics
+
+    print(plot_metrics(args.run_dir, args.out))
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Replace this process with torchrun on local processes (one node)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -34,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("checkpoint")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
+    plot = commands.add_parser("plot", help="metrics.jsonl of a Trainer run -> PNG")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+    plot.set_defaults(run=_plot)
     launch = commands.add_parser("launch", help="run a script on N local processes (torchrun)")
     launch.add_argument("--nproc", type=int, default=2)
     launch.add_argument("--max-restarts", type=int, default=0)

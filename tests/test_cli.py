@@ -47,3 +47,20 @@ def test_inspect_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> Non
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: no checkpoint at {tmp_path / 'no'}"
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    records = [{"step": s, "loss": 1.0 / s, "lr": 0.1} for s in range(1, 6)]
+    records.append({"step": 5, "val/loss": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "metrics.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_without_metrics_is_a_one_line_error(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: no metrics.jsonl in {tmp_path}; pass the Trainer's out_dir")

@@ -1,0 +1,53 @@
+"""Plot a run's metrics.jsonl (written by the Trainer) to a PNG: one panel per metric."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from manualpar.errors import ManualParError
+
+__all__ = ["plot_metrics"]
+
+
+def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write `<run_dir>/metrics.png` (or `out`); returns its path."""
+    run_dir = Path(run_dir)
+    source = run_dir / "metrics.jsonl"
+    if not source.is_file():
+        raise ManualParError(f"no metrics.jsonl in {run_dir}; pass the Trainer's out_dir")
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for number, line in enumerate(source.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise ManualParError(f"{source}:{number} is not valid JSON") from None
+        for name, value in record.items():
+            if name != "step" and isinstance(value, (int, float)):
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(record["step"])
+                values.append(float(value))
+    if not series:
+        raise ManualParError(f"{source} holds no numeric metrics")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ManualParError("plotting needs matplotlib: pip install 'manualpar[plot]'") from None
+    figure, axes = plt.subplots(len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True,
+                                squeeze=False)
+    for axis, (name, (steps, values)) in zip(axes[:, 0], sorted(series.items()), strict=True):
+        axis.plot(steps, values, marker="." if len(steps) < 50 else None)
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    figure.suptitle(str(run_dir))
+    figure.tight_layout()
+    target = Path(out) if out else run_dir / "metrics.png"
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    return target
