@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
+
+import torch
+from checkpoint_models import make_model, train
+
+import manualpar as mp
 
 POINTS = ("before_write", "after_write", "before_commit", "mid_overwrite")
 
@@ -59,3 +65,25 @@ def die_at(point: str) -> None:
                 _die()
 
         files.os.replace = replace  # type: ignore[assignment]
+
+
+def save_twice(directory: str, victims: tuple[int, ...], point: str, overwrite: bool) -> None:
+    """Commit step 1 as ckpt_a, train a step, then save step 2 while `victims` die at `point`."""
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optimizer, steps=1)
+    state = {"model": model, "optim": optimizer, "step": 1}
+    strategy.save_checkpoint(Path(directory) / "ckpt_a", state)
+    train(model, optimizer, steps=1)
+    state["step"] = 2
+    if strategy.rank in victims:
+        die_at(point)
+    strategy.save_checkpoint(Path(directory) / ("ckpt_a" if overwrite else "ckpt_b"), state)
+
+
+def reference_after_one_step() -> torch.nn.Module:
+    """The parameters save_twice committed in ckpt_a."""
+    model = make_model(seed=0)
+    train(model, torch.optim.Adam(model.parameters(), lr=0.01), steps=1)
+    return model

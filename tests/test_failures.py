@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_models import make_model, train
-from faults import die_at
+from checkpoint_models import make_model
+from faults import reference_after_one_step, save_twice
 
 import manualpar as mp
 from manualpar.testing import free_port, run_distributed
@@ -57,35 +57,22 @@ def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:
         mp.ManualParallelStrategy(environment, accelerator="cpu", timeout=2)
 
 
-def _save_then_die_mid_save(directory: str) -> None:
-    strategy = mp.ManualParallelStrategy()
-    model = make_model(seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    train(model, optimizer, steps=2)
-    state = {"model": model, "optim": optimizer, "step": 2}
-    strategy.save_checkpoint(Path(directory) / "step_2", state)
-    train(model, optimizer, steps=1)
-    state["step"] = 3
-    if strategy.rank == 1:
-        die_at("after_write")  # right after this rank wrote its tensor shards, before the commit
-    strategy.save_checkpoint(Path(directory) / "step_3", state)
-
-
 def test_rank_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    rank0, rank1 = run_distributed(_save_then_die_mid_save, world_size=2, args=(str(tmp_path),),
+    # Rank 1 dies right after writing its tensor shards for ckpt_b, before the commit.
+    rank0, rank1 = run_distributed(save_twice, world_size=2,
+                                   args=(str(tmp_path), (1,), "after_write", False),
                                    collective_timeout=20, timeout=60, allow_failure=True)
     assert rank1.exitcode == -signal.SIGKILL
     assert rank0.error_type in {"CollectiveError", "CheckpointError"}
-    assert "save_checkpoint(" in rank0.error and "step_3" in rank0.error
-    assert not (tmp_path / "step_3").exists()
-    assert mp.latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    assert "save_checkpoint(" in rank0.error and "ckpt_b" in rank0.error
+    assert not (tmp_path / "ckpt_b").exists()
+    assert mp.latest_checkpoint(tmp_path) == tmp_path / "ckpt_a"
     with pytest.raises(mp.CheckpointError, match="partial checkpoint that was never committed"):
-        mp.ManualParallelStrategy().load_checkpoint(tmp_path / ".step_3.partial", {"step": 0})
-    # The previous checkpoint loads and holds step 2's parameters.
-    reference = make_model(seed=0)
-    train(reference, torch.optim.Adam(reference.parameters(), lr=0.01), steps=2)
+        mp.ManualParallelStrategy().load_checkpoint(tmp_path / ".ckpt_b.partial", {"step": 0})
+    # The previous checkpoint loads and holds step 1's parameters.
     state = {"model": make_model(seed=9), "step": 0}
-    mp.ManualParallelStrategy().load_checkpoint(tmp_path / "step_2", state, strict=False)
-    assert state["step"] == 2
-    for loaded, expected in zip(state["model"].parameters(), reference.parameters(), strict=True):
+    mp.ManualParallelStrategy().load_checkpoint(tmp_path / "ckpt_a", state, strict=False)
+    assert state["step"] == 1
+    for loaded, expected in zip(state["model"].parameters(),
+                                reference_after_one_step().parameters(), strict=True):
         torch.testing.assert_close(loaded, expected, rtol=0, atol=0)

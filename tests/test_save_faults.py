@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_models import make_model, train
-from faults import die_at
+from checkpoint_models import make_model
+from faults import reference_after_one_step, save_twice
 
 import manualpar as mp
 from manualpar.testing import run_distributed
@@ -35,30 +35,10 @@ def _trial_plan(index: int) -> tuple[tuple[int, ...], str, bool]:
     return victims, point, overwrite
 
 
-def _save_twice(directory: str, victims: tuple[int, ...], point: str, overwrite: bool) -> None:
-    strategy = mp.ManualParallelStrategy()
-    model = make_model(seed=0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    train(model, optimizer, steps=1)
-    state = {"model": model, "optim": optimizer, "step": 1}
-    strategy.save_checkpoint(Path(directory) / "ckpt_a", state)
-    train(model, optimizer, steps=1)
-    state["step"] = 2
-    if strategy.rank in victims:
-        die_at(point)
-    strategy.save_checkpoint(Path(directory) / ("ckpt_a" if overwrite else "ckpt_b"), state)
-
-
-def _reference_after_one_step() -> torch.nn.Module:
-    model = make_model(seed=0)
-    train(model, torch.optim.Adam(model.parameters(), lr=0.01), steps=1)
-    return model
-
-
 @pytest.mark.parametrize("index", range(TRIALS))
 def test_kill_during_save_keeps_the_previous_checkpoint(index: int, tmp_path: Path) -> None:
     victims, point, overwrite = _trial_plan(index)
-    outcomes = run_distributed(_save_twice, world_size=2,
+    outcomes = run_distributed(save_twice, world_size=2,
                                args=(str(tmp_path), victims, point, overwrite),
                                collective_timeout=15, timeout=60, allow_failure=True)
     for outcome in outcomes:
@@ -74,7 +54,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(index: int, tmp_path: Pa
     mp.ManualParallelStrategy().load_checkpoint(tmp_path / "ckpt_a", state, strict=False)
     assert state["step"] == 1
     for loaded, expected in zip(state["model"].parameters(),
-                                _reference_after_one_step().parameters(), strict=True):
+                                reference_after_one_step().parameters(), strict=True):
         torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
     assert not (tmp_path / "ckpt_b").exists()
     # The next save to the same place recovers and commits normally.
