@@ -87,3 +87,13 @@ def reference_after_one_step() -> torch.nn.Module:
     model = make_model(seed=0)
     train(model, torch.optim.Adam(model.parameters(), lr=0.01), steps=1)
     return model
+
+
+def assert_first_checkpoint_intact(directory: Path) -> None:
+    """ckpt_a (step 1) loads on one process with exactly the parameters save_twice committed."""
+    state = {"model": make_model(seed=9), "step": 0}
+    mp.ManualParallelStrategy().load_checkpoint(directory / "ckpt_a", state, strict=False)
+    assert state["step"] == 1
+    for loaded, expected in zip(state["model"].parameters(),
+                                reference_after_one_step().parameters(), strict=True):
+        torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
