@@ -31,3 +31,13 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 class BuilderError(ManualParError, ValueError):
     """A builder was misused: a module wrapped twice, a parameter claimed by two builders, an
     optimizer created before setup, a submodule that cannot be initialized."""
+
+
+class EmbeddingInputError(ManualParError, ValueError):
+    """A sparse batch does not fit the embedding tables: an id out of range, lengths and ids that
+    disagree, an unknown or missing feature, a wrong dtype. The message names the feature/table."""
+
+
+class PlanError(ManualParError, ValueError):
+    """An embedding sharding plan does not fit the tables or the world size (a table left out,
+    a rank that does not exist, a budget that cannot hold the tables)."""

@@ -1,0 +1,30 @@
+"""Sharded embedding tables: configs, jagged inputs, plans, fused sparse optimizers."""
+
+from manualpar.embeddings.collection import (
+    EmbeddingBagCollection,
+    EmbeddingTable,
+    PooledEmbeddings,
+)
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.features import JaggedFeature, SparseFeatures
+from manualpar.embeddings.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
+from manualpar.embeddings.plan import (
+    EmbeddingPlan,
+    Shard,
+    TablePlacement,
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection, shard_embeddings
+
+__all__ = [
+    "SGD", "Adagrad", "Adam", "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingPlan",
+    "EmbeddingTable", "FusedOptimizer", "JaggedFeature", "PooledEmbeddings", "RowWiseAdagrad",
+    "Shard", "ShardedEmbeddingBagCollection", "SparseFeatures", "SparseOptimizer",
+    "TablePlacement", "column_wise", "data_parallel", "row_wise", "shard_embeddings",
+    "table_row_wise", "table_wise",
+]

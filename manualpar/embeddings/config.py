@@ -1,0 +1,72 @@
+"""EmbeddingBagConfig: one table's shape, the features that look it up, pooling and init."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from manualpar.errors import EmbeddingInputError
+
+__all__ = ["EmbeddingBagConfig", "check_tables"]
+
+POOLINGS = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class EmbeddingBagConfig:
+    """A table of `num_embeddings` rows of `embedding_dim` floats.
+
+    Each feature in `feature_names` (default: the table's own name) is looked up in this table and
+    pooled into one vector per sample (`pooling` "sum" or "mean"; weighted ids scale their rows).
+    Rows start uniform in [-init_bound, init_bound] (default 1/sqrt(num_embeddings), as TorchRec).
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] = field(default=())
+    pooling: str = "sum"
+    init_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_names", tuple(self.feature_names) or (self.name,))
+        if not self.name or "/" in self.name or "." in self.name:
+            raise EmbeddingInputError(
+                f"table name {self.name!r} must be non-empty without '/' or '.'")
+        for what, value in (("num_embeddings", self.num_embeddings),
+                            ("embedding_dim", self.embedding_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise EmbeddingInputError(f"table {self.name!r}: {what} must be a positive int, "
+                                          f"got {value!r}")
+        if self.pooling not in POOLINGS:
+            raise EmbeddingInputError(
+                f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+    @property
+    def bound(self) -> float:
+        return self.init_bound if self.init_bound is not None else 1 / math.sqrt(
+            self.num_embeddings)
+
+    @property
+    def num_bytes(self) -> int:
+        """fp32 weight bytes."""
+        return self.num_embeddings * self.embedding_dim * 4
+
+
+def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
+    """Table names unique, each feature looked up by exactly one table."""
+    names = [t.name for t in tables]
+    if not tables:
+        raise EmbeddingInputError("an embedding collection needs at least one table")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise EmbeddingInputError(f"table names must be unique; repeated: {duplicates}")
+    owners: dict[str, str] = {}
+    for table in tables:
+        for feature in table.feature_names:
+            if feature in owners:
+                raise EmbeddingInputError(
+                    f"feature {feature!r} is listed by tables {owners[feature]!r} and "
+                    f"{table.name!r}; a feature must look up exactly one table")
+            owners[feature] = table.name

@@ -1,0 +1,172 @@
+"""SparseFeatures: a jagged batch of categorical ids, one bag of ids per (feature, sample).
+
+Layout (the one TorchRec and FBGEMM use, so data converts without copies): `values` holds every
+id, feature-major (all bags of the first key, then the second key, ...); `lengths[f * B + b]` is
+the number of ids in bag b of feature f. Optional `weights` hold one float per id (weighted
+pooling). The batch is validated when built, so a malformed batch fails here, naming the
+feature, and not later inside a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from manualpar.errors import EmbeddingInputError
+
+__all__ = ["JaggedFeature", "SparseFeatures"]
+
+
+@dataclass(frozen=True)
+class JaggedFeature:
+    """The bags of one feature: ids, lengths (one per sample) and optional per-id weights."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def offsets(self) -> torch.Tensor:
+        return _offsets(self.lengths)
+
+    def to_lists(self) -> list[list[int]]:
+        return [bag.tolist() for bag in torch.split(self.values, self.lengths.tolist())]
+
+
+@dataclass(frozen=True)
+class SparseFeatures:
+    keys: tuple[str, ...]
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.keys))
+        _validate(self)
+        object.__setattr__(self, "values", self.values.to(torch.int64))
+        object.__setattr__(self, "lengths", self.lengths.to(torch.int64))
+
+    # construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, bags: Mapping[str, Sequence[Sequence[int]]],
+                  weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
+                  ) -> SparseFeatures:
+        """From Python lists: {"user": [[1, 2], [], [7]], "item": [[3], [4], [5, 6]]}."""
+        keys = tuple(bags)
+        sizes = {key: len(b) for key, b in bags.items()}
+        if len(set(sizes.values())) > 1:
+            raise EmbeddingInputError(
+                f"every feature needs one bag per sample, got bag counts {sizes}; "
+                "use an empty list for a sample without ids")
+        if weights is not None and set(weights) != set(keys):
+            raise EmbeddingInputError(
+                f"weights must be given for exactly the features {sorted(keys)}, "
+                f"got {sorted(weights)}")
+        values = [i for key in keys for bag in bags[key] for i in bag]
+        lengths = [len(bag) for key in keys for bag in bags[key]]
+        weight_values = None
+        if weights is not None:
+            for key in keys:
+                if [len(b) for b in weights[key]] != [len(b) for b in bags[key]]:
+                    raise EmbeddingInputError(
+                        f"feature {key!r}: weights must have the same bag sizes as the ids")
+            weight_values = torch.tensor([w for key in keys for bag in weights[key] for w in bag],
+                                         dtype=torch.float32)
+        return cls(keys, torch.tensor(values, dtype=torch.int64),
+                   torch.tensor(lengths, dtype=torch.int64), weight_values)
+
+    @classmethod
+    def from_offsets(cls, keys: Sequence[str], values: torch.Tensor, offsets: torch.Tensor,
+                     weights: torch.Tensor | None = None) -> SparseFeatures:
+        """From offsets (len(keys) * B + 1 entries, starting at 0) instead of lengths."""
+        if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
+            raise EmbeddingInputError("offsets must be a 1-D tensor starting at 0")
+        return cls(tuple(keys), values, torch.diff(offsets), weights)
+
+    @classmethod
+    def from_features(cls, features: Mapping[str, JaggedFeature]) -> SparseFeatures:
+        """Concatenate per-feature bags (all with the same number of samples)."""
+        keys = tuple(features)
+        parts = list(features.values())
+        weighted = [p.weights is not None for p in parts]
+        if any(weighted) and not all(weighted):
+            raise EmbeddingInputError("either every feature has weights or none does")
+        return cls(keys, torch.cat([p.values for p in parts]) if parts else torch.empty(0),
+                   torch.cat([p.lengths for p in parts]) if parts else torch.empty(0),
+                   torch.cat([p.weights for p in parts]) if all(weighted) and parts else None)
+
+    # views ------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys) if self.keys else 0
+
+    def offsets(self) -> torch.Tensor:
+        return _offsets(self.lengths)
+
+    def feature_sizes(self) -> list[int]:
+        """Number of ids of each key."""
+        return self.lengths.view(len(self.keys), -1).sum(1).tolist() if self.keys else []
+
+    def __getitem__(self, key: str) -> JaggedFeature:
+        if key not in self.keys:
+            raise EmbeddingInputError(f"no feature {key!r} in this batch; it has {list(self.keys)}")
+        index = self.keys.index(key)
+        batch = self.batch_size
+        start = int(self.lengths[: index * batch].sum())
+        lengths = self.lengths[index * batch:(index + 1) * batch]
+        end = start + int(lengths.sum())
+        weights = None if self.weights is None else self.weights[start:end]
+        return JaggedFeature(self.values[start:end], lengths, weights)
+
+    def to_dict(self) -> dict[str, JaggedFeature]:
+        return {key: self[key] for key in self.keys}
+
+    def to(self, device: torch.device | str) -> SparseFeatures:
+        weights = None if self.weights is None else self.weights.to(device)
+        return SparseFeatures(self.keys, self.values.to(device), self.lengths.to(device), weights)
+
+    def select(self, keys: Sequence[str]) -> SparseFeatures:
+        """The same batch with only `keys`, in that order."""
+        return SparseFeatures.from_features({key: self[key] for key in keys})
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def _validate(batch: SparseFeatures) -> None:
+    keys, values, lengths, weights = batch.keys, batch.values, batch.lengths, batch.weights
+    if len(set(keys)) != len(keys):
+        raise EmbeddingInputError(f"feature keys must be unique, got {list(keys)}")
+    for name, tensor in (("values", values), ("lengths", lengths)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
+            raise EmbeddingInputError(f"SparseFeatures.{name} must be a 1-D tensor")
+        if tensor.dtype not in (torch.int64, torch.int32):
+            raise EmbeddingInputError(
+                f"SparseFeatures.{name} must hold integer ids (int64 or int32), got {tensor.dtype};"
+                " convert with .long()")
+    if keys and lengths.numel() % len(keys):
+        raise EmbeddingInputError(
+            f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
+            f"{list(keys)}: expected one length per (key, sample)")
+    if not keys and (lengths.numel() or values.numel()):
+        raise EmbeddingInputError("a batch without keys cannot hold ids")
+    if lengths.numel() and bool((lengths < 0).any()):
+        bad = int(torch.nonzero(lengths < 0)[0])
+        raise EmbeddingInputError(
+            f"feature {keys[bad // batch.batch_size]!r}: negative bag length "
+            f"{int(lengths[bad])} for sample {bad % batch.batch_size}")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != values.numel():
+        sizes = dict(zip(keys, lengths.view(len(keys), -1).sum(1).tolist(), strict=True))
+        raise EmbeddingInputError(
+            f"lengths add up to {total} ids (per feature {sizes}) but values "
+            f"holds {values.numel()}; lengths and ids must describe the same bags")
+    if weights is not None and (not weights.is_floating_point()
+                                or weights.shape != values.shape):
+        raise EmbeddingInputError(
+            f"weights must be a float tensor with one weight per id (shape "
+            f"{tuple(values.shape)}), got {weights.dtype} of shape {tuple(weights.shape)}")

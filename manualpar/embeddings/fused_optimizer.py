@@ -1,0 +1,94 @@
+"""FusedOptimizer: the state of a sharded collection's sparse optimizer, next to its rows.
+
+It is not a torch Optimizer (nothing calls step(): updates happen in backward); it is a stateful
+object for checkpoints. Save it with the model:
+
+    strategy.save_checkpoint(path, {"model": model, "sparse_optim": emb.fused_optimizer, ...})
+
+Its state dict holds one entry per table and state tensor, in the unsharded layout ((rows,) for
+row-wise Adagrad, (rows, dim) for Adagrad/Adam), so it reshards like the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from manualpar.embeddings.local_shards import Block, LocalShards
+from manualpar.embeddings.optimizers import SparseOptimizer
+from manualpar.embeddings.plan import Shard
+
+__all__ = ["FusedOptimizer"]
+
+
+class FusedOptimizer:
+    def __init__(self, optimizer: SparseOptimizer, shards: dict[str, Shard | None],
+                 dims: dict[str, int], rows: dict[str, int], device: torch.device,
+                 full_tensor: Callable[[LocalShards], torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.step = 0
+        self._shards, self._dims, self._rows = shards, dims, rows
+        self._full_tensor = full_tensor
+        self.state: dict[str, dict[str, torch.Tensor]] = {
+            name: {key: value.to(device) for key, value in
+                   optimizer.init_state(shard.rows, shard.cols).items()}
+            for name, shard in shards.items() if shard is not None}
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = float(value)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """For logging code that reads param_groups[0]["lr"]."""
+        return [{"lr": self.lr}]
+
+    def __repr__(self) -> str:
+        return f"FusedOptimizer({self.optimizer.describe()}, tables={list(self.state)})"
+
+    # checkpoint ---------------------------------------------------------------------------------
+    def _shards_of(self, table: str, key: str) -> LocalShards:
+        per_row = self.optimizer.STATE[key]
+        shape = (self._rows[table],) if per_row else (self._rows[table], self._dims[table])
+        shard = self._shards.get(table)
+        if shard is None:  # no block of this table here: an entry without blocks
+            return LocalShards(shape, [], torch.float32)
+        tensor = self.state[table][key]
+        primary = not shard.replicated or shard.rank == 0
+        if per_row:  # column blocks all hold the same row statistics: one of them saves them
+            primary = primary and shard.col_start == 0
+            offsets: tuple[int, ...] = (shard.row_start,)
+        else:
+            offsets = (shard.row_start, shard.col_start)
+        return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        from manualpar.embeddings.local_shards import gathering_full_tensors
+
+        state = {table: {key: self._shards_of(table, key) for key in self.optimizer.STATE}
+                 for table in self._rows}
+        if gathering_full_tensors():
+            state = {table: {key: self._full_tensor(value) for key, value in keys.items()}
+                     for table, keys in state.items()}
+        return {"lr": self.lr, "step": self.step, "state": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.lr = state_dict["lr"]
+        self.step = int(state_dict["step"])
+        for table in self._rows:
+            for key in self.optimizer.STATE:
+                value = state_dict["state"][table][key]
+                mine = self._shards_of(table, key)
+                if isinstance(value, LocalShards):
+                    for block, theirs in zip(mine.blocks, value.blocks, strict=True):
+                        if block.tensor.data_ptr() != theirs.tensor.data_ptr():
+                            block.tensor.copy_(theirs.tensor)
+                else:
+                    mine.copy_from_full(value.to(mine.device),
+                                        f"sparse optimizer state {table}/{key}")

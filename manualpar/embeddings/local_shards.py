@@ -1,0 +1,117 @@
+"""LocalShards: the blocks of one global tensor that this rank holds, as DCP sees them.
+
+torch.distributed.checkpoint saves and reshards any state-dict value implementing its
+checkpointable protocol (`__create_write_items__`, `__create_chunk_list__`,
+`__get_tensor_shard__`, as DTensor does). DTensor itself cannot describe a table that lives whole
+on one rank, or column blocks on a subset of ranks; this small class can describe any set of
+rectangles, so a table saved under one plan or world size loads under any other. The blocks are
+views of the live tensors: DCP reads into them in place.
+
+`full_tensors()` switches state dicts to plain, gathered tensors (the `full=True` export).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["Block", "LocalShards", "full_tensors", "gathering_full_tensors"]
+
+_FULL = contextvars.ContextVar("manualpar_full_tensors", default=False)
+
+
+@contextmanager
+def full_tensors() -> Iterator[None]:
+    """Inside, sharded embedding state dicts return full tensors (a collective per tensor)."""
+    token = _FULL.set(True)
+    try:
+        yield
+    finally:
+        _FULL.reset(token)
+
+
+def gathering_full_tensors() -> bool:
+    return _FULL.get()
+
+
+@dataclass(frozen=True)
+class Block:
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+    primary: bool = True  # False for extra replicas: only one rank contributes a replicated block
+
+
+class LocalShards:
+    """This rank's blocks of a tensor of global `shape` (possibly none of them)."""
+
+    def __init__(self, shape: Sequence[int], blocks: Sequence[Block], dtype: torch.dtype) -> None:
+        self.shape = torch.Size(shape)
+        self.blocks = list(blocks)
+        self.dtype = dtype
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0].tensor.device if self.blocks else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{list(b.offsets)}+{list(b.tensor.shape)}" for b in self.blocks)
+        return f"LocalShards(shape={list(self.shape)}, blocks=[{parts}])"
+
+    # DCP checkpointable protocol ----------------------------------------------------------------
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(
+            index=MetadataIndex(fqn, torch.Size(block.offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(block.offsets),
+                                           sizes=block.tensor.shape),
+                properties=TensorProperties.create_from_tensor(block.tensor),
+                size=self.shape))
+            for block in self.blocks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=b.tensor.shape)
+                for b in self.blocks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for block in self.blocks:
+            if index.offset is None or torch.Size(block.offsets) == index.offset:
+                return block.tensor
+        raise ValueError(f"{index.fqn}: this rank holds no block at offset {index.offset}")
+
+    # full tensors ---------------------------------------------------------------------------
+    def gather(self, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The whole tensor on every rank (sum of disjoint primary blocks: one all-reduce)."""
+        full = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for block in self.blocks:
+            if block.primary:
+                full[_region(block)] = block.tensor
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(full, group=group)
+        return full
+
+    def copy_from_full(self, full: torch.Tensor, what: str) -> None:
+        """Fill the local blocks from a full tensor (loading a full export)."""
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"{what}: a full tensor of shape {tuple(full.shape)} does not fit "
+                             f"shape {tuple(self.shape)}")
+        for block in self.blocks:
+            block.tensor.copy_(full[_region(block)])
+
+
+def _region(block: Block) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(block.offsets, block.tensor.shape, strict=True))

@@ -1,0 +1,106 @@
+"""Fused sparse optimizers: applied to the looked-up rows inside backward.
+
+A table's gradient is never formed densely: backward sums the gradient of each distinct id into
+one row and the optimizer updates exactly those rows and their state. The rules match torch's
+sparse optimizers on a coalesced sparse gradient (SGD, Adagrad, SparseAdam), and FBGEMM's
+row-wise Adagrad, whose state is one float per row: the running sum of the mean over the row's
+columns of the squared gradient (the unsharded definition, also under column-wise sharding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer"]
+
+
+@dataclass
+class SparseOptimizer:
+    """Base: `lr` may be changed at any time (e.g. by a schedule) through FusedOptimizer."""
+
+    lr: float
+
+    # one entry per state tensor: name -> per-row (True: one float per row) or per-element
+    STATE: ClassVar[dict[str, bool]] = {}
+    # the update needs the gradient's full width (row-wise statistics under column sharding)
+    needs_full_rows: ClassVar[bool] = False
+
+    def init_state(self, rows: int, cols: int) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(rows) if per_row else torch.zeros(rows, cols)
+                for name, per_row in self.STATE.items()}
+
+    def step_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor,
+                  grad: torch.Tensor, step: int, row_sq_mean: torch.Tensor | None) -> None:
+        """Update `weight[rows]` (and state) given each row's summed gradient `grad`.
+
+        `rows` are distinct local row indices; `row_sq_mean` is the mean over the table's full
+        width of the squared gradient (only for optimizers with `needs_full_rows`).
+        """
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}(lr={self.lr})"
+
+
+@dataclass
+class SGD(SparseOptimizer):
+    """Plain SGD on the looked-up rows (no state)."""
+
+    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+        weight.index_add_(0, rows, grad, alpha=-self.lr)
+
+
+@dataclass
+class Adagrad(SparseOptimizer):
+    """torch.optim.Adagrad on sparse gradients (lr_decay=0, weight_decay=0)."""
+
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    STATE = {"sum": False}
+
+    def init_state(self, rows, cols):
+        return {"sum": torch.full((rows, cols), float(self.initial_accumulator_value))}
+
+    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+        total = state["sum"].index_select(0, rows).addcmul_(grad, grad)
+        state["sum"].index_copy_(0, rows, total)
+        weight.index_add_(0, rows, grad / total.sqrt_().add_(self.eps), alpha=-self.lr)
+
+
+@dataclass
+class RowWiseAdagrad(SparseOptimizer):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row (the mean squared gradient)."""
+
+    eps: float = 1e-10
+    STATE = {"sum": True}
+    needs_full_rows = True
+
+    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+        total = state["sum"].index_select(0, rows).add_(row_sq_mean)
+        state["sum"].index_copy_(0, rows, total)
+        weight.index_add_(0, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
+                          alpha=-self.lr)
+
+
+@dataclass
+class Adam(SparseOptimizer):
+    """Lazy Adam, as torch.optim.SparseAdam: moments and weights of the looked-up rows only;
+    bias correction uses the number of steps taken (one per backward)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    STATE = {"exp_avg": False, "exp_avg_sq": False}
+
+    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+        beta1, beta2 = self.betas
+        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(
+            grad, grad, value=1 - beta2)
+        state["exp_avg"].index_copy_(0, rows, exp_avg)
+        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        weight.index_add_(0, rows, exp_avg / exp_avg_sq.sqrt_().add_(self.eps), alpha=-step_size)

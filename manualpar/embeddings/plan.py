@@ -1,0 +1,232 @@
+"""Sharding plans: where each table's rows and columns live. Plain, printable, serializable.
+
+    plan = EmbeddingPlan(world_size=2, tables={
+        "user": table_wise(rank=0),
+        "item": row_wise(),                 # rows split over all ranks
+        "ad": column_wise(ranks=(0, 1)),    # column block i on ranks[i]
+        "site": table_row_wise(node=0, ranks_per_node=2),
+        "country": data_parallel(),         # small table replicated on every rank
+    })
+    print(plan); plan.to_json()
+
+A plan is checked against the tables and the world size before anything is allocated: a table
+left out, an unknown table, a rank that does not exist all raise PlanError. Rows and columns are
+split as evenly as possible, the first blocks taking the remainder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.errors import PlanError
+
+__all__ = ["SHARDING_TYPES", "EmbeddingPlan", "Shard", "TablePlacement", "column_wise",
+           "data_parallel", "row_wise", "split_evenly", "table_row_wise", "table_wise"]
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows [row_start, row_end) x columns [col_start, col_end) of a table, held by `rank`."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    replicated: bool = False  # data-parallel: every rank holds the whole table
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def cols(self) -> int:
+        return self.col_end - self.col_start
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """How one table is placed; build with table_wise(), row_wise(), ... rather than directly.
+
+    `ranks` is empty for data_parallel and for row_wise over all ranks.
+    """
+
+    sharding: str
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDING_TYPES:
+            raise PlanError(f"sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+
+    def resolved_ranks(self, world_size: int) -> tuple[int, ...]:
+        if self.sharding in ("row_wise", "data_parallel") and not self.ranks:
+            return tuple(range(world_size))
+        return self.ranks
+
+    def __str__(self) -> str:
+        return f"{self.sharding}{list(self.ranks) if self.ranks else ''}"
+
+
+def table_wise(rank: int) -> TablePlacement:
+    """The whole table on one rank."""
+    return TablePlacement("table_wise", (rank,))
+
+
+def row_wise(ranks: Sequence[int] | None = None) -> TablePlacement:
+    """Rows split evenly over `ranks` (default: every rank)."""
+    return TablePlacement("row_wise", tuple(ranks or ()))
+
+
+def column_wise(ranks: Sequence[int]) -> TablePlacement:
+    """Columns split evenly into len(ranks) blocks; block i (all rows) on ranks[i]."""
+    return TablePlacement("column_wise", tuple(ranks))
+
+
+def table_row_wise(node: int, ranks_per_node: int) -> TablePlacement:
+    """Rows split over the ranks of one node: row-wise traffic stays on the node's fast links."""
+    start = node * ranks_per_node
+    return TablePlacement("table_row_wise", tuple(range(start, start + ranks_per_node)))
+
+
+def data_parallel() -> TablePlacement:
+    """A full replica on every rank; gradients all-reduced. Only for small tables."""
+    return TablePlacement("data_parallel")
+
+
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `parts` near-equal blocks, the first ones one larger."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for index in range(parts):
+        end = start + base + (index < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    world_size: int
+    tables: Mapping[str, TablePlacement] = field(default_factory=dict)
+    notes: Mapping[str, str] = field(default_factory=dict)  # why the planner chose each placement
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", dict(self.tables))
+        object.__setattr__(self, "notes", dict(self.notes))
+
+    # checks -----------------------------------------------------------------------------------
+    def validate(self, configs: Sequence[EmbeddingBagConfig], world_size: int) -> None:
+        """Raise PlanError unless the plan places exactly these tables on existing ranks."""
+        if self.world_size != world_size:
+            raise PlanError(
+                f"this plan was made for world size {self.world_size}, but the job has "
+                f"{world_size} ranks; make a plan for {world_size} ranks (plan='auto' does)")
+        names = [c.name for c in configs]
+        missing = [n for n in names if n not in self.tables]
+        if missing:
+            raise PlanError(f"the plan leaves out tables {missing}; every table needs a "
+                            "placement (tables are never dropped silently)")
+        unknown = sorted(set(self.tables) - set(names))
+        if unknown:
+            raise PlanError(f"the plan places tables {unknown} that the collection does not "
+                            f"have; its tables are {names}")
+        for config in configs:
+            self._check_placement(config, self.tables[config.name], world_size)
+
+    @staticmethod
+    def _check_placement(config: EmbeddingBagConfig, placement: TablePlacement,
+                         world_size: int) -> None:
+        ranks = placement.resolved_ranks(world_size)
+        where = f"table {config.name!r} ({placement})"
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise PlanError(f"{where}: ranks {bad} do not exist in a job of {world_size} ranks")
+        if len(set(ranks)) != len(ranks):
+            raise PlanError(f"{where}: a rank appears twice; give each block its own rank")
+        if placement.sharding == "table_wise" and len(ranks) != 1:
+            raise PlanError(f"{where}: table_wise takes exactly one rank")
+        if placement.sharding in ("column_wise", "table_row_wise") and not ranks:
+            raise PlanError(f"{where}: needs at least one rank")
+        if placement.sharding in ("row_wise", "table_row_wise") and \
+                config.num_embeddings < len(ranks):
+            raise PlanError(f"{where}: {config.num_embeddings} rows cannot be split over "
+                            f"{len(ranks)} ranks; use table_wise")
+        if placement.sharding == "column_wise" and config.embedding_dim < len(ranks):
+            raise PlanError(f"{where}: {config.embedding_dim} columns cannot be split over "
+                            f"{len(ranks)} ranks")
+
+    # shards -----------------------------------------------------------------------------------
+    def shards(self, config: EmbeddingBagConfig) -> list[Shard]:
+        """The blocks of one table, in row-major block order."""
+        placement = self.tables[config.name]
+        ranks = placement.resolved_ranks(self.world_size)
+        rows, dim = config.num_embeddings, config.embedding_dim
+        if placement.sharding == "data_parallel":
+            return [Shard(r, 0, rows, 0, dim, replicated=True) for r in ranks]
+        if placement.sharding == "column_wise":
+            return [Shard(r, 0, rows, c0, c1)
+                    for r, (c0, c1) in zip(ranks, split_evenly(dim, len(ranks)), strict=True)]
+        return [Shard(r, r0, r1, 0, dim) for r, (r0, r1) in zip(ranks, split_evenly(
+            rows, len(ranks)), strict=True)]
+
+    def bytes_per_rank(self, configs: Sequence[EmbeddingBagConfig],
+                       state_bytes_per_row: int = 4) -> list[int]:
+        """Weight bytes (fp32) plus optimizer state (default: row-wise Adagrad) on each rank."""
+        total = [0] * self.world_size
+        for config in configs:
+            for shard in self.shards(config):
+                total[shard.rank] += shard.rows * (shard.cols * 4 + state_bytes_per_row)
+        return total
+
+    # presentation -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size,
+                "tables": {name: {"sharding": p.sharding, "ranks": list(p.ranks)}
+                           for name, p in self.tables.items()},
+                "notes": dict(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingPlan:
+        try:
+            return cls(int(data["world_size"]),
+                       {name: TablePlacement(p["sharding"], tuple(p.get("ranks", ())))
+                        for name, p in data["tables"].items()},
+                       dict(data.get("notes", {})))
+        except (KeyError, TypeError) as error:
+            raise PlanError(f"not a plan: {error!r}; expected {{'world_size': N, 'tables': "
+                            "{name: {'sharding': ..., 'ranks': [...]}}}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> EmbeddingPlan:
+        return cls.from_dict(json.loads(text))
+
+    def describe(self, configs: Sequence[EmbeddingBagConfig]) -> str:
+        """A table: placement, shards and bytes per rank (what `print(plan)` shows, with sizes)."""
+        lines = [f"embedding plan for {self.world_size} ranks"]
+        for config in configs:
+            shards = ", ".join(
+                f"r{s.rank}:rows[{s.row_start}:{s.row_end}]"
+                + (f"cols[{s.col_start}:{s.col_end}]" if s.cols != config.embedding_dim else "")
+                for s in self.shards(config)) if config.name in self.tables else "-"
+            note = f"  ({self.notes[config.name]})" if config.name in self.notes else ""
+            lines.append(f"  {config.name:<16} {config.num_embeddings:>12} x "
+                         f"{config.embedding_dim:<4} {self.tables[config.name]!s:<22} "
+                         f"{shards}{note}")
+        per_rank = self.bytes_per_rank(configs)
+        lines.append("  bytes per rank (weights + row-wise state): "
+                     + ", ".join(f"r{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank)))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        body = ", ".join(f"{name}: {p}" for name, p in self.tables.items())
+        return f"EmbeddingPlan(world_size={self.world_size}, {body})"

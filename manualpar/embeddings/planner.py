@@ -1,0 +1,126 @@
+"""plan="auto": place each table from its size, its lookups and a per-rank memory budget.
+
+Rules, in order (each table's note says which applied):
+1. A table of at most `replicate_bytes` (weights + state) is replicated (data_parallel): its
+   lookups need no communication, and its all-reduce is small.
+2. Tables go whole to one rank (table_wise: the cheapest communication, one pooled row per bag)
+   largest first, each to the rank with the least estimated load, where load mixes memory and
+   lookup work (pooling factor x dim).
+3. A table that fits no rank's remaining budget, or is larger than an even share of all tables
+   (it would leave one rank the straggler), is split by rows over every rank (row_wise), or
+   over one node's ranks (table_row_wise) when that fits, keeping its traffic on the node.
+4. If even an even split cannot fit the budget, PlanError says how much memory is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.optimizers import SparseOptimizer
+from manualpar.embeddings.plan import (
+    EmbeddingPlan,
+    TablePlacement,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.errors import PlanError
+
+__all__ = ["plan_tables", "table_bytes"]
+
+GiB = 2**30
+
+
+def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
+    """fp32 weights plus the optimizer's state (row-wise Adagrad if none given)."""
+    per_row = config.embedding_dim * 4
+    states = optimizer.STATE if optimizer is not None else {"sum": True}
+    per_row += sum(4 if row_state else config.embedding_dim * 4 for row_state in states.values())
+    return config.num_embeddings * per_row
+
+
+def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
+                ranks_per_node: int | None = None, memory_budget_bytes: int | None = None,
+                optimizer: SparseOptimizer | None = None,
+                pooling_factors: Mapping[str, float] | None = None,
+                replicate_bytes: int = 256 * 2**10) -> EmbeddingPlan:
+    """A plan for `tables` on `world_size` ranks; see the module docstring for the rules."""
+    ranks_per_node = ranks_per_node or world_size
+    pooling = {c.name: float((pooling_factors or {}).get(c.name, 1.0)) for c in tables}
+    sizes = {c.name: table_bytes(c, optimizer) for c in tables}
+    budget = memory_budget_bytes
+    _check_fits(tables, sizes, world_size, budget)
+    memory = [0] * world_size
+    work = [0.0] * world_size
+    total_work = sum(pooling[c.name] * c.embedding_dim * len(c.feature_names) for c in tables)
+    placements: dict[str, TablePlacement] = {}
+    notes: dict[str, str] = {}
+    even_share = sum(sizes.values()) / world_size
+
+    def load(rank: int) -> float:
+        return memory[rank] / max(even_share, 1) + work[rank] / max(total_work, 1)
+
+    for config in sorted(tables, key=lambda c: sizes[c.name], reverse=True):
+        size, name = sizes[config.name], config.name
+        lookups = pooling[name] * config.embedding_dim * len(config.feature_names)
+        if size <= replicate_bytes and (budget is None or
+                                        max(memory) + size <= budget) and world_size > 1:
+            placements[name] = data_parallel()
+            notes[name] = f"replicated: {_mb(size)} <= {_mb(replicate_bytes)}"
+            memory = [m + size for m in memory]
+            continue
+        fits = [r for r in range(world_size) if budget is None or memory[r] + size <= budget]
+        too_big = world_size > 1 and size > even_share * 1.0001
+        if fits and not too_big:
+            rank = min(fits, key=load)
+            placements[name] = table_wise(rank)
+            notes[name] = f"whole on rank {rank} ({_mb(size)}; least-loaded rank)"
+            memory[rank] += size
+            work[rank] += lookups
+            continue
+        reason = "fits no single rank's budget" if not fits else "larger than an even share"
+        nodes = world_size // ranks_per_node
+        node_share = -(-size // ranks_per_node)
+        if nodes > 1:
+            node = min(range(nodes), key=lambda n: max(
+                memory[n * ranks_per_node:(n + 1) * ranks_per_node]))
+            node_ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+            if budget is None or all(memory[r] + node_share <= budget for r in node_ranks):
+                placements[name] = table_row_wise(node, ranks_per_node)
+                notes[name] = f"rows split over node {node} ({reason})"
+                for r in node_ranks:
+                    memory[r] += node_share
+                    work[r] += lookups / ranks_per_node
+                continue
+        share = -(-size // world_size)
+        if budget is not None and any(m + share > budget for m in memory):
+            raise PlanError(
+                f"table {name!r} needs {_mb(share)} per rank split over {world_size} ranks, but "
+                f"ranks already hold {[_mb(m) for m in memory]} of a {_mb(budget)} budget; "
+                f"all tables need at least {_mb(-(-sum(sizes.values()) // world_size))} per rank."
+                " Raise memory_budget_bytes, add ranks, or shrink the tables")
+        placements[name] = row_wise()
+        notes[name] = f"rows split over all {world_size} ranks ({reason}; {_mb(share)} each)"
+        memory = [m + share for m in memory]
+        work = [w + lookups / world_size for w in work]
+    ordered = {c.name: placements[c.name] for c in tables}
+    return EmbeddingPlan(world_size, ordered, {c.name: notes[c.name] for c in tables})
+
+
+def _check_fits(tables: Sequence[EmbeddingBagConfig], sizes: Mapping[str, int], world_size: int,
+                budget: int | None) -> None:
+    if budget is None:
+        return
+    need = -(-sum(sizes.values()) // world_size)
+    if need > budget:
+        raise PlanError(
+            f"the {len(tables)} tables hold {_mb(sum(sizes.values()))} with optimizer state: at "
+            f"least {_mb(need)} per rank on {world_size} ranks, more than the budget of "
+            f"{_mb(budget)}; raise memory_budget_bytes to {_mb(need)} or more, use "
+            f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables")
+
+
+def _mb(size: float) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"

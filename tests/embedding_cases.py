@@ -1,0 +1,122 @@
+"""Shared tables, batches and the single-process reference for the sharded embedding tests.
+
+The reference trains the unsharded EmbeddingBagCollection with torch's own sparse optimizers
+(SGD, Adagrad, SparseAdam) or, for row-wise Adagrad, the rule written out on the coalesced
+sparse gradient. Each rank's loss is a mean over its local batch and the reference's loss is
+the mean of the ranks' losses, which is the gradient rule `shard_embeddings` promises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from manualpar.embeddings import (
+    SGD,
+    Adagrad,
+    Adam,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    SparseFeatures,
+    SparseOptimizer,
+)
+
+TABLES = (
+    EmbeddingBagConfig("t0", 50, 6),
+    EmbeddingBagConfig("t1", 37, 4, feature_names=("f1a", "f1b")),
+    EmbeddingBagConfig("t2", 23, 5),
+    EmbeddingBagConfig("t3", 9, 3, pooling="mean"),
+    EmbeddingBagConfig("t4", 41, 4),
+    EmbeddingBagConfig("t5", 30, 7, pooling="mean", feature_names=("f5a", "f5b")),
+)
+FEATURES = tuple(f for t in TABLES for f in t.feature_names)
+STEPS = 3
+SEED = 11
+
+
+def optimizer(name: str) -> SparseOptimizer:
+    return {"sgd": SGD(lr=0.5), "adagrad": Adagrad(lr=0.3), "rowwise": RowWiseAdagrad(lr=0.3),
+            "adam": Adam(lr=0.05)}[name]
+
+
+def make_batch(rank: int, step: int, batch: int, weighted: bool = False,
+               tables: Sequence[EmbeddingBagConfig] = TABLES) -> SparseFeatures:
+    """Random bags (0 to 4 ids, some empty), duplicate ids likely; keys in a shuffled order."""
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    bags, weights = {}, {}
+    for table in tables:
+        for feature in table.feature_names:
+            lengths = torch.randint(0, 5, (batch,), generator=generator).tolist()
+            bags[feature] = [torch.randint(0, table.num_embeddings, (n,),
+                                           generator=generator).tolist() for n in lengths]
+            weights[feature] = [torch.rand(n, generator=generator).tolist() for n in lengths]
+    keys = list(bags)
+    keys = keys[1:] + keys[:1]  # not the tables' order: the collection must reorder
+    return SparseFeatures.from_dict({k: bags[k] for k in keys},
+                                    {k: weights[k] for k in keys} if weighted else None)
+
+
+def coefficients(rank: int, step: int, batch: int, dim: int) -> torch.Tensor:
+    return torch.randn(batch, dim, generator=torch.Generator().manual_seed(77 + 10 * rank + step))
+
+
+def local_loss(pooled: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """Mean over the local batch of a nonlinear function of every pooled column."""
+    coef = coefficients(rank, step, pooled.shape[0], pooled.shape[1])
+    return ((pooled * coef).sum(1) - 0.5).square().mean() if pooled.shape[0] else pooled.sum()
+
+
+def reference(opt_name: str, batch_sizes: Sequence[int], weighted: bool = False,
+              normalize: str = "world", tables: Sequence[EmbeddingBagConfig] = TABLES,
+              ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, dict]]:
+    """Outputs of step 0 per rank, then tables and optimizer state after STEPS steps."""
+    ebc = EmbeddingBagCollection(tables, seed=SEED)
+    params = {name: table.weight for name, table in ebc.tables.items()}
+    rule = optimizer(opt_name)
+    torch_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
+                 "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
+                 "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas,
+                                                          eps=rule.eps),
+                 "rowwise": None}[opt_name]
+    opt = torch_opt(list(params.values())) if torch_opt else None
+    row_state = {name: torch.zeros(p.shape[0]) for name, p in params.items()}
+    world, total = len(batch_sizes), sum(batch_sizes)
+    first_outputs = []
+    for step in range(STEPS):
+        loss = 0
+        for rank, batch in enumerate(batch_sizes):
+            pooled = ebc(make_batch(rank, step, batch, weighted, tables)).values
+            if step == 0:
+                first_outputs.append(pooled.detach().clone())
+            weight = 1 / world if normalize == "world" else batch / total
+            loss = loss + weight * local_loss(pooled, rank, step)
+        for p in params.values():
+            p.grad = None
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            continue
+        with torch.no_grad():
+            for name, p in params.items():
+                grad = p.grad.coalesce()
+                rows, values = grad.indices()[0], grad.values()
+                row_state[name][rows] += values.square().mean(1)
+                p[rows] -= rule.lr * values / (row_state[name][rows].sqrt() + rule.eps)[:, None]
+    tables_after = {name: p.detach().clone() for name, p in params.items()}
+    state: dict[str, dict] = {}
+    for name, p in params.items():
+        if opt_name == "rowwise":
+            state[name] = {"sum": row_state[name]}
+        elif opt_name == "adagrad":
+            state[name] = {"sum": opt.state[p]["sum"].to_dense()}
+        elif opt_name == "adam":
+            state[name] = {k: opt.state[p][k].to_dense() for k in ("exp_avg", "exp_avg_sq")}
+        else:
+            state[name] = {}
+    return first_outputs, tables_after, state
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
