@@ -46,6 +46,7 @@ from manualpar.checkpoint_state import (
     entry_kind,
     entry_state_dict,
     flatten,
+    is_tensor_leaf,
     load_entry,
     split_leaves,
     to_safe_bytes,
@@ -215,7 +216,7 @@ def _check_match(path: Path, state: Mapping[str, Any], expected: Mapping[str, An
     shapes = sorted(
         f"{key}: checkpoint {saved[key]} vs current {describe_shape(expected[key])}"
         for key in set(expected) & set(saved)
-        if isinstance(expected[key], torch.Tensor) and isinstance(saved[key], tuple)
+        if is_tensor_leaf(expected[key]) and isinstance(saved[key], tuple)
         and tuple(expected[key].shape) != saved[key]
     )
     problems = []

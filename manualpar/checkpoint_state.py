@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from manualpar.embeddings.local_shards import full_tensors
 from manualpar.errors import CheckpointError
 
 SEP = "/"
@@ -68,7 +69,14 @@ def _check_optimizer_covered(key: str, optimizer: torch.optim.Optimizer, state: 
 
 def entry_state_dict(key: str, value: Any, state: Mapping[str, Any], *, full: bool) -> Any:
     """The state dict of one entry; with `full`, unsharded and on CPU (collective for FSDP)."""
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    if full:  # sharded embedding tables return gathered tensors inside this context
+        with full_tensors():
+            return _entry_state_dict(value, state, StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    return _entry_state_dict(value, state, StateDictOptions())
+
+
+def _entry_state_dict(value: Any, state: Mapping[str, Any], options: StateDictOptions) -> Any:
     kind = entry_kind(value)
     if kind == "module":
         return get_model_state_dict(value, options=options)
@@ -123,8 +131,8 @@ def unflatten(flat: Mapping[str, Any], prefix: str) -> Any:
 
 def split_leaves(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors (for DCP) and everything else (for the weights-only object files)."""
-    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in flat.items() if is_tensor_leaf(v)}
+    objects = {k: v for k, v in flat.items() if not is_tensor_leaf(v)}
     return tensors, objects
 
 
@@ -145,5 +153,10 @@ def to_safe_bytes(obj: Any, what: str) -> bytes:
     return buffer.getvalue()
 
 
+def is_tensor_leaf(value: Any) -> bool:
+    """A tensor, or a sharded value DCP can checkpoint (DTensor-like protocol, LocalShards)."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "__create_chunk_list__")
+
+
 def describe_shape(value: Any) -> str:
-    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+    return str(tuple(value.shape)) if is_tensor_leaf(value) else type(value).__name__

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from manualpar.checkpoint_files import latest_checkpoint, read_manifest
+from manualpar.embeddings.sharded import fused_optimizers
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
@@ -117,7 +118,8 @@ class Trainer:
                 raise TypeError(f"{type(model).__name__} has no configure_optimizers(); pass "
                                 "optimizer= to fit()")
             optimizer = model.configure_optimizers()
-        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState()}
+        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(),
+                 **fused_optimizers(model)}
         self._resume(state)
         self.step = state["step"]
         model.train()

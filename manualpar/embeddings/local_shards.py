@@ -52,22 +52,35 @@ class Block:
     primary: bool = True  # False for extra replicas: only one rank contributes a replicated block
 
 
-class LocalShards:
-    """This rank's blocks of a tensor of global `shape` (possibly none of them)."""
+class LocalShards(torch.Tensor):
+    """This rank's blocks of a tensor of global `shape` (possibly none of them).
 
-    def __init__(self, shape: Sequence[int], blocks: Sequence[Block], dtype: torch.dtype) -> None:
-        self.shape = torch.Size(shape)
+    A storage-less tensor subclass: DCP looks state-dict values up only if they are tensors, and
+    then asks them for their blocks through the protocol below. Any other op raises.
+    """
+
+    blocks: list[Block]
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], blocks: Sequence[Block], dtype: torch.dtype,
+                ) -> LocalShards:
+        device = blocks[0].tensor.device if blocks else torch.device("cpu")
+        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
+                                                   device=device)
         self.blocks = list(blocks)
-        self.dtype = dtype
+        return self
 
-    def size(self) -> torch.Size:
-        return self.shape
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @property
-    def device(self) -> torch.device:
-        return self.blocks[0].tensor.device if self.blocks else torch.device("cpu")
+    @classmethod
+    def __torch_dispatch__(cls, func: object, types: object, args: object = (),
+                           kwargs: object = None) -> None:
+        raise NotImplementedError(
+            f"{func}: a LocalShards value only describes this rank's blocks of a sharded tensor "
+            "for checkpointing; read the module's parameters, or use full_tensors() for a "
+            "gathered tensor")
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]
         parts = ", ".join(f"{list(b.offsets)}+{list(b.tensor.shape)}" for b in self.blocks)
         return f"LocalShards(shape={list(self.shape)}, blocks=[{parts}])"
 

@@ -48,7 +48,7 @@ from manualpar.wrappers.ownership import claim, mark_replaced
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["ShardedEmbeddingBagCollection", "shard_embeddings"]
+__all__ = ["ShardedEmbeddingBagCollection", "fused_optimizers", "shard_embeddings"]
 
 BUILDER = "shard_embeddings"
 NORMALIZATIONS = ("world", "global_samples")
@@ -339,3 +339,15 @@ def _fill_block(weight: nn.Parameter, source: torch.Tensor, config: Any, seed: i
         else:
             weight.copy_(source[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
 
+
+
+def fused_optimizers(model: nn.Module) -> dict[str, FusedOptimizer]:
+    """Checkpoint entries for every sharded collection's fused optimizer in `model`.
+
+    Keys: "sparse_optim" for a single collection, else "sparse_optim_<module path>".
+    """
+    found = {name: m.fused_optimizer for name, m in model.named_modules()
+             if isinstance(m, ShardedEmbeddingBagCollection)}
+    if len(found) == 1:
+        return {"sparse_optim": next(iter(found.values()))}
+    return {"sparse_optim_" + name.replace(".", "_"): opt for name, opt in found.items()}
