@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean torchrec-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,18 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q
+
+# The TorchRec + FBGEMM (CPU) peer of the embedding benchmark, in its own environment.
+TORCHREC_PYTHON ?= python3.11
+TORCHREC_VENV := .venv-torchrec
+TORCHREC_PIP := $(TORCHREC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	-c examples/benchmarks/torchrec-constraints.txt
+
+torchrec-peer:
+	$(TORCHREC_PYTHON) -m venv $(TORCHREC_VENV)
+	$(TORCHREC_PIP) "torch==2.13.0"
+	$(TORCHREC_PIP) --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
+	$(TORCHREC_PIP) tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,89 @@
+"""The embedding benchmark's workload and measurement protocol, shared by every variant.
+
+Plain torch only (no manualpar import): the TorchRec peer runs this module from its own virtual
+environment. Every variant sees the same ids: batch `step` of rank `rank` is drawn from a
+generator seeded by (rank, step), so variants differ only in how they look the ids up.
+
+A worker writes one JSON result (see `write_result`) that bench_embeddings.py collects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", choices=("table_wise", "row_wise"), default="table_wise")
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048, help="global batch (all ranks)")
+    parser.add_argument("--ids-per-bag", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+
+
+def local_batch(args: argparse.Namespace, world_size: int) -> int:
+    return args.batch // world_size
+
+
+def batch_ids(args: argparse.Namespace, rank: int, world_size: int, step: int) -> torch.Tensor:
+    """Ids of one step on one rank, table-major: shape (tables, local_batch * ids_per_bag).
+
+    Every bag holds exactly `ids_per_bag` ids drawn uniformly from the table's rows.
+    """
+    generator = torch.Generator().manual_seed(1_000_003 * rank + step)
+    count = local_batch(args, world_size) * args.ids_per_bag
+    return torch.randint(0, args.rows, (args.tables, count), generator=generator)
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def max_over_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def time_steps(step: Callable[[int], Any], args: argparse.Namespace) -> list[float]:
+    """Milliseconds per step after warm-up, each the slowest rank's (a barrier before each step)."""
+    for index in range(args.warmup):
+        step(index)
+    times = []
+    for index in range(args.warmup, args.warmup + args.steps):
+        dist.barrier()
+        started = time.perf_counter()
+        step(index)
+        times.append(1000 * max_over_ranks(time.perf_counter() - started))
+    return times
+
+
+def write_result(args: argparse.Namespace, variant: str, step_ms: list[float],
+                 init_s: float, **extra: Any) -> None:
+    """Gather peak RSS from every rank; rank 0 writes the JSON result."""
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_rss_gb())
+    if dist.get_rank() == 0:
+        median_ms = statistics.median(step_ms)
+        lookups = args.batch * args.tables * args.ids_per_bag
+        Path(args.result).write_text(json.dumps({
+            "variant": variant, "plan": args.plan, "ms_per_step": median_ms,
+            "step_ms": step_ms, "lookups_per_s": lookups / (median_ms / 1000),
+            "init_s": init_s, "peak_rss_gb_per_rank": peaks,
+            "table_gb": args.tables * args.rows * args.dim * 4 / 2**30, **extra,
+        }, indent=2))
