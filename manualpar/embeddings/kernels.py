@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bag_offsets", "pooled_sum", "row_gradients"]
+__all__ = ["add_to_rows", "bag_offsets", "pooled_sum", "row_gradients"]
 
 
 def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -32,11 +32,23 @@ def pooled_sum(weight: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
 
 def row_gradients(ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
                   bag_grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct rows looked up, and the summed gradient of each (rows, width)."""
+    """Distinct rows looked up (sorted), and the summed gradient of each (rows, width).
+
+    The sum is itself a pooled lookup: sort the ids, and each distinct id's "bag" holds the
+    bags it occurs in, so embedding_bag over the bag gradients sums them with the fast kernel
+    (index_add_ on CPU loops per index and is several times slower).
+    """
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-    per_id = bag_grads.index_select(0, bag)
-    if weights is not None:
-        per_id.mul_(weights.unsqueeze(1))
-    rows, inverse = torch.unique(ids, return_inverse=True)
-    summed = bag_grads.new_zeros(rows.numel(), bag_grads.shape[1]).index_add_(0, inverse, per_id)
+    sorted_ids, order = torch.sort(ids)
+    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    if rows.numel() == 0:
+        return rows, bag_grads.new_zeros(0, bag_grads.shape[1])
+    summed = F.embedding_bag(bag[order], bag_grads, bag_offsets(counts), mode="sum",
+                             per_sample_weights=None if weights is None else weights[order])
     return rows, summed
+
+
+def add_to_rows(tensor: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor,
+                alpha: float = 1.0) -> None:
+    """tensor[rows] += alpha * delta for distinct rows (gather, add, scatter: no index_add_)."""
+    tensor.index_copy_(0, rows, tensor.index_select(0, rows).add_(delta, alpha=alpha))

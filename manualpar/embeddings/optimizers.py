@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from manualpar.embeddings.kernels import add_to_rows
+
 __all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer"]
 
 
@@ -51,7 +53,7 @@ class SGD(SparseOptimizer):
     """Plain SGD on the looked-up rows (no state)."""
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
-        weight.index_add_(0, rows, grad, alpha=-self.lr)
+        add_to_rows(weight, rows, grad, -self.lr)
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Adagrad(SparseOptimizer):
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).addcmul_(grad, grad)
         state["sum"].index_copy_(0, rows, total)
-        weight.index_add_(0, rows, grad / total.sqrt_().add_(self.eps), alpha=-self.lr)
+        add_to_rows(weight, rows, grad / total.sqrt_().add_(self.eps), -self.lr)
 
 
 @dataclass
@@ -82,8 +84,8 @@ class RowWiseAdagrad(SparseOptimizer):
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).add_(row_sq_mean)
         state["sum"].index_copy_(0, rows, total)
-        weight.index_add_(0, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
-                          alpha=-self.lr)
+        add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
+                    -self.lr)
 
 
 @dataclass
@@ -103,4 +105,4 @@ class Adam(SparseOptimizer):
         state["exp_avg"].index_copy_(0, rows, exp_avg)
         state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        weight.index_add_(0, rows, exp_avg / exp_avg_sq.sqrt_().add_(self.eps), alpha=-step_size)
+        add_to_rows(weight, rows, exp_avg / exp_avg_sq.sqrt_().add_(self.eps), -step_size)
