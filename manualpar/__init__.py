@@ -5,6 +5,13 @@ sharded embedding tables itself in `setup(strategy)`.
 """
 
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingPlan,
+    SparseFeatures,
+    shard_embeddings,
+)
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import (
     BuilderError,
@@ -12,7 +19,9 @@ from manualpar.errors import (
     CheckpointMismatchError,
     ClusterEnvironmentError,
     CollectiveError,
+    EmbeddingInputError,
     ManualParError,
+    PlanError,
 )
 from manualpar.init import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
@@ -31,10 +40,16 @@ __all__ = [
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "CollectiveError",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingInputError",
+    "EmbeddingPlan",
     "ManualParError",
     "ManualParallelStrategy",
     "ParallelModule",
+    "PlanError",
     "RNGState",
+    "SparseFeatures",
     "Trainer",
     "capture_rng_state",
     "dataset_batches",
@@ -52,6 +67,7 @@ __all__ = [
     "save_checkpoint",
     "seed_everything",
     "set_batch_size",
+    "shard_embeddings",
     "sharded_grad_scaler",
     "zero_optimizer",
 ]
