@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install demo test lint clean torchrec-peer
+.PHONY: install demo demo-strategy test lint clean torchrec-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,14 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The recommender example: sharded tables + DDP MLPs, validation AUC, checkpoints, metrics.png.
 demo: install
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
-		examples/strategy_demo.py --out runs/demo
+		examples/recsys/train.py --out runs/demo
+
+demo-strategy: install
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
+		examples/strategy_demo.py --out runs/strategy_demo
 
 lint: install
 	$(PY) -m ruff check manualpar tests examples

@@ -1,0 +1,279 @@
+"""Criteo-shaped click data: a synthetic generator with a learnable signal, and a TSV reader.
+
+Both give `Batch`es addressed by step, the Trainer's data contract: `train(step, strategy)` is
+this rank's share of global batch `step`, the same on every run, so a resumed run sees exactly
+the batches the uninterrupted one would have seen.
+
+Synthetic samples are a pure function of (seed, sample index): each value is drawn from a hash of
+(seed, index, field), so any range of samples can be produced by any rank, in any order. The
+label is Bernoulli(sigmoid(logit)); the logit depends on three dense features, on hidden
+per-id effects of five categorical features and on one cross effect between two features, so a
+model that learns those ids' embeddings and the dense response reaches an AUC well above 0.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from manualpar import ManualParallelStrategy
+from manualpar.embeddings import EmbeddingBagConfig, SparseFeatures
+
+NUM_DENSE, NUM_SPARSE = 13, 26
+FEATURES = tuple(f"cat_{i}" for i in range(NUM_SPARSE))
+
+# Rows per categorical feature, as published with DLRM/TorchRec for the two Criteo datasets.
+CARDINALITIES = {
+    "kaggle": (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
+               3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
+               142572),
+    "terabyte": (45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176,
+                 345138, 10, 2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537,
+                 452104, 12606, 104, 35),
+}
+
+# The hidden signal: dense feature -> weight on its standardized latent, categorical feature ->
+# standard deviation of its per-id effect (tables of 27 to 93k rows), and one cross effect: the
+# dot product of rank-4 per-id vectors of two features, what DLRM's dot interaction models.
+DENSE_WEIGHTS = {0: 0.8, 1: -0.6, 2: 0.5}
+ID_EFFECTS = {0: 0.8, 4: 0.7, 6: 0.8, 9: 0.6, 13: 0.5}
+CROSS_FIELDS, CROSS_RANK, CROSS_SCALE = (2, 10), 4, 0.8
+BIAS = -1.1  # about 30% positives, Criteo-like (26%)
+VALIDATION_OFFSET = 2**40  # validation samples never overlap training samples
+
+
+def table_rows(cardinalities: str = "kaggle", max_rows: int | None = 100_000) -> list[int]:
+    """Rows of the 26 tables: the published cardinalities, capped at `max_rows` (None: uncapped)."""
+    rows = CARDINALITIES[cardinalities]
+    return [r if max_rows is None else min(r, max_rows) for r in rows]
+
+
+def make_tables(rows: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
+    """One table per categorical feature (the feature takes the table's name)."""
+    return [EmbeddingBagConfig(name, num_embeddings=r, embedding_dim=dim)
+            for name, r in zip(FEATURES, rows, strict=True)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch of samples: dense (B, 13) log(1 + count), one id per categorical feature."""
+
+    dense: torch.Tensor
+    sparse: SparseFeatures
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+
+def log_counts(counts: np.ndarray) -> np.ndarray:
+    """Dense features as DLRM feeds them: log(1 + count), missing or negative counts as 0."""
+    return np.log1p(np.maximum(counts, 0)).astype(np.float32)
+
+
+def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> Batch:
+    """From columns: labels (B,), dense (B, 13) log counts, ids (B, 26)."""
+    dense = torch.from_numpy(np.asarray(dense, dtype=np.float32))
+    values = torch.from_numpy(np.ascontiguousarray(ids.T, dtype=np.int64)).flatten()
+    lengths = torch.ones(values.numel(), dtype=torch.int64)  # Criteo: single-valued features
+    sparse = SparseFeatures(FEATURES, values, lengths)
+    return Batch(dense, sparse, torch.from_numpy(labels.astype(np.float32)))
+
+
+def rank_slice(global_batch: int, strategy: ManualParallelStrategy) -> tuple[int, int]:
+    """(offset, size) of this rank's contiguous share of a global batch."""
+    world, rank = strategy.world_size, strategy.rank
+    if global_batch % world:
+        raise ValueError(f"global batch {global_batch} is not a multiple of {world} ranks")
+    size = global_batch // world
+    return rank * size, size
+
+
+# ---- synthetic ------------------------------------------------------------------------------
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective, well-mixed 64-bit hash (uint64 arithmetic wraps)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _hash(*parts: np.ndarray | int) -> np.ndarray:
+    out = np.asarray(0, dtype=np.uint64)
+    for part in parts:
+        out = _mix(out ^ np.asarray(part).astype(np.uint64))
+    return out
+
+
+def _uniform(*parts: np.ndarray | int) -> np.ndarray:
+    """Floats in (0, 1), one per broadcast element of `parts`."""
+    return ((_hash(*parts) >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def _normal(*parts: np.ndarray | int) -> np.ndarray:
+    return torch.special.ndtri(torch.from_numpy(_uniform(*parts))).numpy()
+
+
+class SyntheticCriteo:
+    """Criteo-like samples with a learnable signal; see the module docstring.
+
+    Ids are heavy-tailed (log-uniform ranks, as click logs: a few ids are very frequent) and
+    scattered over the table by a bijective multiplicative hash, so frequent ids land on every
+    shard of a row-wise table.
+    """
+
+    # hash streams
+    DENSE, IDS, EFFECT, LABEL, CROSS = 1, 2, 3, 4, 5
+    SCATTER = 2_654_435_761  # prime: a bijection modulo any table size it does not divide
+
+    def __init__(self, rows: Sequence[int], *, seed: int = 0, batch_size: int = 512,
+                 val_samples: int = 8192) -> None:
+        if len(rows) != NUM_SPARSE:
+            raise ValueError(f"expected {NUM_SPARSE} table sizes, got {len(rows)}")
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.seed, self.batch_size, self.val_samples = seed, batch_size, val_samples
+
+    def raw(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Labels (B,), counts (B, 13) and ids (B, 26) of samples [start, start + count)."""
+        index = np.arange(start, start + count, dtype=np.uint64)[:, None]
+        latent = _normal(self.seed, self.DENSE, index, np.arange(NUM_DENSE))
+        counts = np.floor(np.expm1(np.maximum(1.5 + 1.2 * latent, 0.0))).astype(np.int64)
+        u = _uniform(self.seed, self.IDS, index, np.arange(NUM_SPARSE))
+        ranks = np.minimum(np.floor(self.rows.astype(np.float64) ** u) - 1, self.rows - 1)
+        ids = (ranks.astype(np.int64) * self.SCATTER + 7919 * np.arange(NUM_SPARSE)) % self.rows
+        logit = np.full(count, BIAS)
+        for field, weight in DENSE_WEIGHTS.items():
+            logit += weight * latent[:, field]
+        for field, scale in ID_EFFECTS.items():
+            logit += scale * _normal(self.seed, self.EFFECT, field, ids[:, field])
+        left, right = (_normal(self.seed, self.CROSS, f, ids[:, f, None], np.arange(CROSS_RANK))
+                       for f in CROSS_FIELDS)
+        logit += CROSS_SCALE * (left * right).sum(1) / np.sqrt(CROSS_RANK)
+        p = 1 / (1 + np.exp(-logit))
+        labels = (_uniform(self.seed, self.LABEL, index[:, 0]) < p).astype(np.int64)
+        return labels, counts, ids
+
+    def samples(self, start: int, count: int) -> Batch:
+        labels, counts, ids = self.raw(start, count)
+        return make_batch(labels, log_counts(counts), ids)
+
+    def train(self, step: int, strategy: ManualParallelStrategy) -> Batch:
+        """This rank's share of global batch `step` (the Trainer's `data`)."""
+        offset, size = rank_slice(self.batch_size, strategy)
+        return self.samples(step * self.batch_size + offset, size)
+
+    def validation(self, index: int, strategy: ManualParallelStrategy) -> Batch:
+        """This rank's share of the whole validation set (one batch; `index` is always 0)."""
+        offset, size = rank_slice(self.val_samples, strategy)
+        return self.samples(VALIDATION_OFFSET + index * self.val_samples + offset, size)
+
+
+# ---- the public Criteo TSV format -----------------------------------------------------------
+def parse_line(line: str, rows: Sequence[int]) -> tuple[int, list[int], list[int]]:
+    """label, 13 counts (-1 if missing) and 26 ids from `label \\t 13 ints \\t 26 hex strings`.
+
+    A hex string maps to 1 + int(hex, 16) % (rows - 1); a missing one to row 0 (its own row, as
+    DLRM's preprocessing gives missing values one).
+    """
+    fields = line.rstrip("\r\n").split("\t")
+    if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
+        raise ValueError(f"expected {1 + NUM_DENSE + NUM_SPARSE} tab-separated fields, got "
+                         f"{len(fields)}")
+    counts = [int(v) if v else -1 for v in fields[1:1 + NUM_DENSE]]
+    ids = [1 + int(v, 16) % (r - 1) if v and r > 1 else 0
+           for v, r in zip(fields[1 + NUM_DENSE:], rows, strict=True)]
+    return int(fields[0]), counts, ids
+
+
+def write_criteo_tsv(path: str | Path, records: Iterable[tuple[int, Sequence[int | None],
+                                                                Sequence[str | None]]]) -> None:
+    """Write (label, 13 counts or None, 26 hex strings or None) records in Criteo's format."""
+    with open(path, "w") as handle:
+        for label, counts, cats in records:
+            fields = [str(label), *("" if c is None else str(c) for c in counts),
+                      *("" if c is None else c for c in cats)]
+            handle.write("\t".join(fields) + "\n")
+
+
+def synthetic_records(source: SyntheticCriteo, start: int, count: int
+                      ) -> Iterable[tuple[int, list[int], list[str]]]:
+    """Synthetic samples as Criteo TSV records (ids as 8-digit hex), to try the TSV path."""
+    labels, counts, ids = source.raw(start, count)
+    for label, row_counts, row_ids in zip(labels, counts, ids, strict=True):
+        yield int(label), row_counts.tolist(), [f"{i:08x}" for i in row_ids]
+
+
+class CriteoTSV:
+    """A Criteo TSV file in memory, step-addressed like SyntheticCriteo.
+
+    Each rank reads the file but parses and keeps only its lines (line k * world_size + rank),
+    so a global batch of consecutive lines is split over the ranks and memory is divided by the
+    world size (157 bytes per kept line: log counts as float32, ids as int32). The last
+    `val_samples` lines are the validation set; training wraps around (epochs).
+    """
+
+    CHUNK = 1 << 16  # lines parsed into Python lists before they become compact arrays
+
+    def __init__(self, path: str | Path, rows: Sequence[int], strategy: ManualParallelStrategy,
+                 *, batch_size: int = 512, val_samples: int = 8192, limit: int | None = None
+                 ) -> None:
+        world, rank = strategy.world_size, strategy.rank
+        chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        pending: list[tuple[int, list[int], list[int]]] = []
+        lines = 0
+        with open(path) as handle:
+            for line in handle:
+                if limit is not None and lines >= limit:
+                    break
+                if lines % world == rank:
+                    pending.append(parse_line(line, rows))
+                    if len(pending) == self.CHUNK:
+                        chunks.append(_columns(pending))
+                        pending = []
+                lines += 1
+        chunks.append(_columns(pending))
+        local = lines // world  # the same on every rank: equal batches, equal validation sets
+        val_local = val_samples // world
+        if local - val_local < batch_size // world:
+            raise ValueError(f"{path}: {local * world} usable lines, fewer than the validation "
+                             f"set ({val_samples}) plus one global batch ({batch_size})")
+        columns = zip(*chunks, strict=True)  # (labels chunks, dense chunks, ids chunks)
+        self.labels, self.dense, self.ids = (np.concatenate(c)[:local] for c in columns)
+        self.train_local = local - val_local
+        self.batch_size, self.val_samples = batch_size, val_samples
+
+    def _rows(self, positions: np.ndarray) -> Batch:
+        return make_batch(self.labels[positions], self.dense[positions], self.ids[positions])
+
+    def train(self, step: int, strategy: ManualParallelStrategy) -> Batch:
+        _, size = rank_slice(self.batch_size, strategy)
+        return self._rows((step * size + np.arange(size)) % self.train_local)
+
+    def validation(self, index: int, strategy: ManualParallelStrategy) -> Batch:
+        return self._rows(np.arange(self.train_local, len(self.labels)))
+
+
+def _columns(parsed: Sequence[tuple[int, list[int], list[int]]]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    labels = np.fromiter((p[0] for p in parsed), dtype=np.int8, count=len(parsed))
+    counts = np.array([p[1] for p in parsed], dtype=np.float64).reshape(-1, NUM_DENSE)
+    ids = np.array([p[2] for p in parsed], dtype=np.int32).reshape(-1, NUM_SPARSE)
+    return labels, log_counts(counts), ids
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write synthetic samples as a Criteo TSV file.")
+    parser.add_argument("path")
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-rows", type=int, default=100_000)
+    args = parser.parse_args()
+    generator = SyntheticCriteo(table_rows(max_rows=args.max_rows), seed=args.seed)
+    write_criteo_tsv(args.path, synthetic_records(generator, 0, args.samples))

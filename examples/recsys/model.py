@@ -1,0 +1,137 @@
+"""DLRM: sharded embedding tables, a bottom MLP over dense features, a top MLP over interactions.
+
+Built on the meta device (`with mp.empty_init(): model = DLRM(...)`), nothing is allocated
+until `setup(strategy)`: shard_embeddings then allocates only this rank's shards (initialized
+with the values the unsharded tables would have), materialize() allocates the two small MLPs,
+and ddp() wraps them. The tables are trained by a fused row-wise Adagrad inside backward; the
+Trainer's dense optimizer (configure_optimizers) sees only the MLPs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from data import Batch
+from einops import einsum, rearrange
+from metrics import distributed_auc
+from torch import nn
+
+import manualpar as mp
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingPlan,
+    RowWiseAdagrad,
+    row_wise,
+    shard_embeddings,
+    table_wise,
+)
+
+
+def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
+    """Linear layers with ReLUs between them (and after the last: the bottom MLP's output is a
+    vector like the embeddings, as in DLRM; the top MLP ends in a logit)."""
+    layers: list[nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if last_relu or index < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def make_plan(kind: str, tables: Sequence[EmbeddingBagConfig], world_size: int
+              ) -> str | EmbeddingPlan:
+    """"auto" (left to shard_embeddings' planner), "table_wise" (whole tables, largest first to
+    the emptiest rank), "row_wise" (every table split by rows over all ranks), or the path of a
+    plan saved with plan.to_json() (e.g. a run's plan.json, edited)."""
+    if kind == "auto":
+        return "auto"
+    if kind == "row_wise":
+        return EmbeddingPlan(world_size, {t.name: row_wise() for t in tables})
+    if kind == "table_wise":
+        load, placements = [0] * world_size, {}
+        for table in sorted(tables, key=lambda t: t.num_bytes, reverse=True):
+            rank = load.index(min(load))
+            placements[table.name] = table_wise(rank)
+            load[rank] += table.num_bytes
+        return EmbeddingPlan(world_size, {t.name: placements[t.name] for t in tables})
+    return EmbeddingPlan.from_json(Path(kind).read_text())
+
+
+class DLRM(mp.ParallelModule):
+    """Click-through-rate model of DLRM's shape (Naumov et al., 2019).
+
+    interaction="dot": pairwise dot products of the pooled embeddings and the bottom MLP's
+    output (all of width `dim`), concatenated with that output; "cat": plain concatenation.
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], *, num_dense: int = 13,
+                 bottom: Sequence[int] = (64,), top: Sequence[int] = (64, 32),
+                 interaction: str = "dot", plan: str = "auto", emb_lr: float = 0.05,
+                 lr: float = 1e-3, seed: int = 0, memory_budget_bytes: int | None = None
+                 ) -> None:
+        super().__init__()
+        self.dim = tables[0].embedding_dim
+        if any(t.embedding_dim != self.dim for t in tables):
+            raise ValueError("DLRM needs one embedding_dim for all tables")
+        if interaction not in ("dot", "cat"):
+            raise ValueError(f"interaction must be 'dot' or 'cat', got {interaction!r}")
+        self.tables, self.interaction, self.plan_kind = tuple(tables), interaction, plan
+        self.emb_lr, self.lr, self.seed = emb_lr, lr, seed
+        self.memory_budget_bytes = memory_budget_bytes
+        vectors = len(tables) + 1
+        top_in = (vectors * (vectors - 1) // 2 + self.dim if interaction == "dot"
+                  else vectors * self.dim)
+        self.embeddings = EmbeddingBagCollection(tables, seed=seed)
+        self.bottom = mlp([num_dense, *bottom, self.dim], last_relu=True)
+        self.top = mlp([top_in, *top, 1], last_relu=False)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        plan = make_plan(self.plan_kind, self.tables, strategy.world_size)
+        self.embeddings = shard_embeddings(
+            self.embeddings, strategy, plan=plan, optimizer=RowWiseAdagrad(lr=self.emb_lr),
+            memory_budget_bytes=self.memory_budget_bytes)
+        mp.materialize(self, strategy, seed=self.seed)  # the MLPs: the same values on every rank
+        self.bottom = mp.ddp(self.bottom, strategy)
+        self.top = mp.ddp(self.top, strategy)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits (B,)."""
+        device = self.strategy.device if self.strategy is not None else torch.device("cpu")
+        dense = self.bottom(batch.dense.to(device))                           # (B, dim)
+        pooled = rearrange(self.embeddings(batch.sparse).values, "b (f d) -> b f d", d=self.dim)
+        vectors = torch.cat([rearrange(dense, "b d -> b 1 d"), pooled], dim=1)  # (B, 27, dim)
+        if self.interaction == "dot":
+            gram = einsum(vectors, vectors, "b f d, b g d -> b f g")
+            i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1,
+                                      device=device)
+            features = torch.cat([dense, gram[:, i, j]], dim=1)
+        else:
+            features = rearrange(vectors, "b f d -> b (f d)")
+        return rearrange(self.top(features), "b 1 -> b")
+
+    def training_step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+        logits = self(batch)
+        labels = batch.labels.to(logits.device)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        accuracy = ((logits > 0) == (labels > 0.5)).float().mean()
+        return {"loss": loss, "accuracy": accuracy.detach()}
+
+    @torch.no_grad()
+    def validation_step(self, batch: Batch) -> dict[str, float]:
+        """AUC and log loss of the whole validation set (every rank's share gathered)."""
+        assert self.strategy is not None
+        logits = self(batch)
+        labels = batch.labels.to(logits.device)
+        loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+        count = torch.tensor(float(len(batch)), device=logits.device)
+        totals = self.strategy.all_reduce(torch.stack([loss, count]), op="sum")
+        return {"auc": distributed_auc(self.strategy, logits, labels),
+                "loss": float(totals[0] / totals[1])}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=self.lr)

@@ -1,0 +1,153 @@
+"""Train a DLRM click model on Criteo-shaped data with sharded embedding tables.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/recsys/train.py
+
+Runs as one process too (`python examples/recsys/train.py`). By default the data is synthetic
+(Criteo's 13 dense and 26 categorical features, with a hidden signal to learn); `--criteo FILE`
+trains on the public Criteo TSV format instead. The Trainer checkpoints to OUT/checkpoints,
+appends metrics to OUT/metrics.jsonl (validation AUC every --val-every steps) and resumes from
+the latest checkpoint when run again; at the end the metrics are drawn to OUT/metrics.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+from data import CriteoTSV, SyntheticCriteo, make_tables, table_rows
+from model import DLRM, make_plan
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import manualpar as mp
+from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
+from manualpar.embeddings.planner import plan_tables
+from manualpar.plot import plot_metrics
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--out", default="runs/recsys", help="run directory (checkpoints, metrics, plot)")
+    add("--steps", type=int, default=1500, help="optimizer steps to reach")
+    add("--batch", type=int, default=2048, help="global batch size (all ranks together)")
+    add("--lr", type=float, default=3e-3, help="Adam learning rate of the MLPs")
+    add("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the tables")
+    add("--dim", type=int, default=16, help="embedding dimension")
+    add("--bottom", default="64", help="bottom MLP hidden sizes, comma-separated")
+    add("--top", default="128,64", help="top MLP hidden sizes, comma-separated")
+    add("--interaction", choices=("dot", "cat"), default="dot")
+    add("--cardinalities", choices=("kaggle", "terabyte"), default="kaggle",
+        help="which published table sizes to use")
+    add("--max-rows", type=int, default=100_000, help="cap on rows per table")
+    add("--huge", action="store_true",
+        help="no cap: the full published table sizes (only this rank's shards are allocated)")
+    add("--plan", default="auto",
+        help="auto, table_wise, row_wise, or a JSON file written by EmbeddingPlan.to_json()")
+    add("--memory-budget-gb", type=float, default=None,
+        help="per-rank budget for the planner (default with --huge: 70%% of RAM per local rank)")
+    add("--plan-only", type=int, metavar="WORLD_SIZE", default=None,
+        help="write OUT/plan.json for WORLD_SIZE ranks, print it and exit (allocates nothing)")
+    add("--val-every", type=int, default=100, help="validation AUC every N steps")
+    add("--val-samples", type=int, default=8192, help="validation set size (all ranks)")
+    add("--checkpoint-every", type=int, default=500)
+    add("--log-every", type=int, default=20)
+    add("--seed", type=int, default=0)
+    add("--criteo", default=None, help="a Criteo TSV file (label, 13 ints, 26 hex strings)")
+    add("--criteo-limit", type=int, default=None, help="read at most this many lines")
+    add("--no-progress", action="store_true", help="hide the progress bar")
+    add("--no-plot", action="store_true", help="do not write metrics.png")
+    return parser.parse_args()
+
+
+def memory_budget(args: argparse.Namespace, local_ranks: int) -> int | None:
+    if args.memory_budget_gb is not None:
+        return int(args.memory_budget_gb * 2**30)
+    if not args.huge:
+        return None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.7 * ram / local_ranks)
+
+
+def save_plan(plan: EmbeddingPlan, out: str) -> Path:
+    """OUT/plan.json: edit it and pass it back with --plan to place tables by hand."""
+    path = Path(out) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan.to_json() + "\n")
+    return path
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    rows = table_rows(args.cardinalities, None if args.huge else args.max_rows)
+    tables = make_tables(rows, args.dim)
+    unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
+    if args.plan_only is not None:
+        plan = make_plan(args.plan, tables, args.plan_only)
+        if plan == "auto":
+            plan = plan_tables(tables, args.plan_only, memory_budget_bytes=memory_budget(args, 1),
+                               optimizer=RowWiseAdagrad(lr=args.emb_lr))
+        print(plan.describe(tables))
+        print(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of fp32 weights unsharded")
+        print(f"plan {save_plan(plan, args.out)}")
+        return
+    strategy = mp.ManualParallelStrategy()
+    say = print if strategy.is_global_zero else (lambda *a, **k: None)
+    strategy.seed_everything(args.seed)
+    with mp.empty_init():  # nothing allocated: tables may be far larger than one process's RAM
+        model = DLRM(tables, bottom=[int(s) for s in args.bottom.split(",")],
+                     top=[int(s) for s in args.top.split(",")], interaction=args.interaction,
+                     plan=args.plan, emb_lr=args.emb_lr, lr=args.lr, seed=args.seed,
+                     memory_budget_bytes=memory_budget(
+                         args, strategy.environment.local_world_size))
+    model.setup(strategy)
+    say(model.embeddings.plan.describe(tables))
+    if strategy.is_global_zero:
+        say(f"plan {save_plan(model.embeddings.plan, args.out)}")
+    local_gib = sum(p.numel() * p.element_size() for p in model.embeddings.parameters()) / 2**30
+    say(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB unsharded (never allocated); "
+        f"rank 0 holds {local_gib:.3f} GiB of them")
+    if args.criteo:
+        data = CriteoTSV(args.criteo, rows, strategy, batch_size=args.batch,
+                         val_samples=args.val_samples, limit=args.criteo_limit)
+    else:
+        data = SyntheticCriteo(rows, seed=args.seed, batch_size=args.batch,
+                               val_samples=args.val_samples)
+    trainer = mp.Trainer(strategy, args.out, max_steps=args.steps,
+                         checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                         val_every=args.val_every, val_steps=1, progress=not args.no_progress)
+    resumed = mp.latest_checkpoint(trainer.checkpoint_dir)
+    first = mp.read_manifest(resumed)["step"] if resumed is not None else 0
+    if resumed is not None:
+        say(f"resuming from {resumed}")
+    started = time.perf_counter()
+    trainer.fit(model, data.train, val_data=data.validation)
+    seconds = time.perf_counter() - started
+    model.eval()
+    final = model.validation_step(data.validation(0, strategy))
+    peak = strategy.all_reduce(torch.tensor(peak_rss_gib()), op="max").item()
+    steps = trainer.step - first
+    if steps:
+        say(f"trained steps {first}-{trainer.step} in {seconds:.1f} s ({steps / seconds:.1f} "
+            f"steps/s, {args.batch} samples per step on {strategy.world_size} ranks); peak "
+            f"memory per rank {peak:.2f} GiB")
+    else:
+        say(f"already at step {first}: pass a larger --steps to train on, or a new --out")
+    say(f"validation AUC {final['auc']:.4f}, log loss {final['loss']:.4f} "
+        f"({args.val_samples} samples)")
+    say(f"checkpoint {mp.latest_checkpoint(trainer.checkpoint_dir)}")
+    if strategy.is_global_zero and not args.no_plot:
+        say(f"plot {plot_metrics(args.out)}")
+    strategy.teardown()
+
+
+if __name__ == "__main__":
+    main()
