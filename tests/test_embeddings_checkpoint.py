@@ -17,10 +17,7 @@ import manualpar as mp
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingPlan,
-    column_wise,
-    row_wise,
     shard_embeddings,
-    table_wise,
 )
 from manualpar.embeddings.local_shards import full_tensors
 from manualpar.testing import run_distributed
@@ -33,17 +30,13 @@ from tests.embedding_cases import (
     optimizer,
     reference,
 )
-from tests.test_embeddings_sharded import mixed_plan
+from tests.test_embeddings_sharded import mixed_plan, uniform_plan
 
 BATCHES = [5, 3]
 
 
 def plan_named(name: str, world: int) -> EmbeddingPlan:
-    if name == "mixed":
-        return mixed_plan(world)
-    make = {"table_wise": lambda i: table_wise(i % world), "row_wise": lambda i: row_wise(),
-            "column_wise": lambda i: column_wise(tuple(range(world)))}[name]
-    return EmbeddingPlan(world, {t.name: make(i) for i, t in enumerate(TABLES)})
+    return mixed_plan(world) if name == "mixed" else uniform_plan(name, world)
 
 
 def job(plan: str, opt_name: str, steps: range, load: str | None, save: str | None,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from manualpar.embeddings.local_shards import Block, LocalShards
+from manualpar.embeddings.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.optimizers import SparseOptimizer
 from manualpar.embeddings.plan import Shard
 
@@ -69,8 +69,6 @@ class FusedOptimizer:
         return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        from manualpar.embeddings.local_shards import gathering_full_tensors
-
         state = {table: {key: self._shards_of(table, key) for key in self.optimizer.STATE}
                  for table in self._rows}
         if gathering_full_tensors():

@@ -164,7 +164,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         send, send_splits = split_output(routing, pooled, received.batch_sizes)
         back = self._all_to_all(send, send_splits, output_splits(routing, batch), "pooled output")
         out = assemble_output(routing, back, batch)
-        feature_ids = _split_features(features)
+        # per-feature views are needed only by replicated tables (looked up locally)
+        feature_ids = _split_features(features) if routing.data_parallel else []
         for f, (_, t) in enumerate(routing.features):
             if t in routing.data_parallel:
                 ids, lengths, weights = feature_ids[f]
