@@ -53,6 +53,8 @@ def _fit(out_dir: str, max_steps: int, crash_at: int | None = None) -> dict:
                          keep_last=2, log_every=1, val_every=5, val_steps=2, progress=False)
     last = trainer.fit(model, data, val_data=data)
     params = {k: v.detach().clone() for k, v in model.net.module.state_dict().items()}
+    # DDP must go before its process group: freeing it after teardown can hang in gloo
+    del trainer, model
     strategy.teardown()
     return {"params": params, "last": last}
 
