@@ -122,25 +122,29 @@ def check_features(features: SparseFeatures, tables: Sequence[EmbeddingBagConfig
     if list(features.keys) != expected:
         features = features.select(expected)
     sizes = iter(features.feature_sizes())
-    start = 0
+    start, batch, index = 0, features.batch_size, 0
     for config in tables:
         for name in config.feature_names:
             size = next(sizes)
             ids = features.values[start:start + size]
             start += size
             if size:
-                _check_ids(ids, name, config)
+                _check_ids(ids, features.lengths[index * batch:(index + 1) * batch], name,
+                           config)
+            index += 1
     return features
 
 
-def _check_ids(ids: torch.Tensor, feature: str, config: EmbeddingBagConfig) -> None:
+def _check_ids(ids: torch.Tensor, lengths: torch.Tensor, feature: str,
+               config: EmbeddingBagConfig) -> None:
     low, high = ids.aminmax()
     if low >= 0 and high < config.num_embeddings:
         return
     bad_value = int(low if low < 0 else high)
     position = int((ids == bad_value).nonzero()[0])
+    sample = int(torch.searchsorted(lengths.cumsum(0), position, right=True))
     raise EmbeddingInputError(
         f"feature {feature!r} (table {config.name!r}, {config.num_embeddings} rows): id "
-        f"{bad_value} at position {position} of the feature's ids is "
+        f"{bad_value} at position {position} of the feature's ids (sample {sample}) is "
         + ("negative" if bad_value < 0 else "out of range")
         + f"; ids must be in [0, {config.num_embeddings}) (hash or clamp them first)")

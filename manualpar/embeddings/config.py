@@ -30,13 +30,17 @@ class EmbeddingBagConfig:
     init_bound: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.feature_names, str):  # tuple("abc") would be three features
+            raise EmbeddingInputError(
+                f"table {self.name!r}: feature_names must be a sequence of names, got the string "
+                f"{self.feature_names!r}; write feature_names=({self.feature_names!r},)")
         object.__setattr__(self, "feature_names", tuple(self.feature_names) or (self.name,))
         if not self.name or "/" in self.name or "." in self.name:
             raise EmbeddingInputError(
                 f"table name {self.name!r} must be non-empty without '/' or '.'")
         for what, value in (("num_embeddings", self.num_embeddings),
                             ("embedding_dim", self.embedding_dim)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise EmbeddingInputError(f"table {self.name!r}: {what} must be a positive int, "
                                           f"got {value!r}")
         if self.pooling not in POOLINGS:

@@ -143,11 +143,17 @@ def _validate(batch: SparseFeatures) -> None:
         raise EmbeddingInputError(f"feature keys must be unique, got {list(keys)}")
     for name, tensor in (("values", values), ("lengths", lengths)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-            raise EmbeddingInputError(f"SparseFeatures.{name} must be a 1-D tensor")
-        if tensor.dtype not in (torch.int64, torch.int32):
+            got = (f"a tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                   else type(tensor).__name__)
             raise EmbeddingInputError(
-                f"SparseFeatures.{name} must hold integer ids (int64 or int32), got {tensor.dtype};"
-                " convert with .long()")
+                f"SparseFeatures.{name} must be a 1-D tensor, got {got}; use from_dict() to "
+                "build a batch from Python lists")
+        if tensor.dtype not in (torch.int64, torch.int32):
+            what, hint = (("ids", " (hash float or string categories to ids first)")
+                          if name == "values" else ("bag lengths", ""))
+            raise EmbeddingInputError(
+                f"SparseFeatures.{name} (features {list(keys)}) must hold integer {what} (int64 "
+                f"or int32), got {tensor.dtype}; convert with .long(){hint}")
     if keys and lengths.numel() % len(keys):
         raise EmbeddingInputError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
@@ -158,7 +164,8 @@ def _validate(batch: SparseFeatures) -> None:
         bad = int(torch.nonzero(lengths < 0)[0])
         raise EmbeddingInputError(
             f"feature {keys[bad // batch.batch_size]!r}: negative bag length "
-            f"{int(lengths[bad])} for sample {bad % batch.batch_size}")
+            f"{int(lengths[bad])} for sample {bad % batch.batch_size}; a length counts the ids "
+            "of one bag and must be >= 0")
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.numel():
         sizes = dict(zip(keys, lengths.view(len(keys), -1).sum(1).tolist(), strict=True))

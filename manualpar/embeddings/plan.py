@@ -17,6 +17,7 @@ split as evenly as possible, the first blocks taking the remainder.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,7 @@ class TablePlacement:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_TYPES:
             raise PlanError(f"sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "ranks", _ranks(self.sharding, self.ranks))
 
     def resolved_ranks(self, world_size: int) -> tuple[int, ...]:
         if self.sharding in ("row_wise", "data_parallel") and not self.ranks:
@@ -72,6 +73,16 @@ class TablePlacement:
 
     def __str__(self) -> str:
         return f"{self.sharding}{list(self.ranks) if self.ranks else ''}"
+
+
+def _ranks(sharding: str, ranks: Sequence[int]) -> tuple[int, ...]:
+    """Plain ints (numpy/torch integers accepted); a float, string or bool is a mistake."""
+    try:
+        if any(isinstance(r, bool) for r in ranks):
+            raise TypeError("bool")
+        return tuple(operator.index(r) for r in ranks)
+    except TypeError:
+        raise PlanError(f"{sharding}: ranks must be integers, got {list(ranks)!r}") from None
 
 
 def table_wise(rank: int) -> TablePlacement:
@@ -118,6 +129,9 @@ class EmbeddingPlan:
     notes: Mapping[str, str] = field(default_factory=dict)  # why the planner chose each placement
 
     def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
+                or self.world_size < 1:
+            raise PlanError(f"a plan's world_size must be an int >= 1, got {self.world_size!r}")
         object.__setattr__(self, "tables", dict(self.tables))
         object.__setattr__(self, "notes", dict(self.notes))
 
@@ -136,7 +150,7 @@ class EmbeddingPlan:
         unknown = sorted(set(self.tables) - set(names))
         if unknown:
             raise PlanError(f"the plan places tables {unknown} that the collection does not "
-                            f"have; its tables are {names}")
+                            f"have; remove them or fix their names (its tables are {names})")
         for config in configs:
             self._check_placement(config, self.tables[config.name], world_size)
 
@@ -147,7 +161,8 @@ class EmbeddingPlan:
         where = f"table {config.name!r} ({placement})"
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
-            raise PlanError(f"{where}: ranks {bad} do not exist in a job of {world_size} ranks")
+            raise PlanError(f"{where}: ranks {bad} do not exist in a job of {world_size} ranks; "
+                            f"use ranks in [0, {world_size})")
         if len(set(ranks)) != len(ranks):
             raise PlanError(f"{where}: a rank appears twice; give each block its own rank")
         if placement.sharding == "table_wise" and len(ranks) != 1:
@@ -208,7 +223,13 @@ class EmbeddingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> EmbeddingPlan:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise PlanError(f"a plan must be JSON from EmbeddingPlan.to_json(): {error}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
 
     def describe(self, configs: Sequence[EmbeddingBagConfig]) -> str:
         """A table: placement, shards and bytes per rank (what `print(plan)` shows, with sizes)."""
