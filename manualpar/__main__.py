@@ -1,4 +1,4 @@
-"""Command line: `python -m manualpar inspect CKPT | plot RUN_DIR | launch ...`."""
+"""Command line: `python -m manualpar inspect CKPT | plot RUN_DIR | launch ... | plan ...`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def _plot(args: argparse.Namespace) -> int:
 
     print(plot_metrics(args.run_dir, args.out))
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from manualpar.plan_command import run
+
+    return run(args)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -51,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)
+    plan = commands.add_parser("plan", help="an embedding sharding plan for tables on N ranks")
+    from manualpar.plan_command import add_arguments
+
+    add_arguments(plan)
+    plan.set_defaults(run=_plan)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

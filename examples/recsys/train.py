@@ -12,10 +12,14 @@ the latest checkpoint when run again; at the end the metrics are drawn to OUT/me
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from data import CriteoTSV, SyntheticCriteo, make_tables, table_rows
@@ -60,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     add("--criteo-limit", type=int, default=None, help="read at most this many lines")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--no-plot", action="store_true", help="do not write metrics.png")
+    add("--fail-once-at-step", type=int, default=None, metavar="N",
+        help="fault drill: rank 1 raises at step N once (OUT/failed_once marks it done), so a "
+        "launcher with restarts resumes from the last checkpoint")
     return parser.parse_args()
 
 
@@ -72,12 +79,29 @@ def memory_budget(args: argparse.Namespace, local_ranks: int) -> int | None:
     return int(0.7 * ram / local_ranks)
 
 
-def save_plan(plan: EmbeddingPlan, out: str) -> Path:
-    """OUT/plan.json: edit it and pass it back with --plan to place tables by hand."""
+def save_plan(plan: EmbeddingPlan, tables: list, out: str) -> Path:
+    """OUT/plan.json: edit it and pass it back with --plan to place tables by hand; and
+    OUT/tables.json, which `python -m manualpar plan --tables` reads to plan other jobs."""
     path = Path(out) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")
+    configs = (json.dumps(dataclasses.asdict(table)) for table in tables)
+    (path.parent / "tables.json").write_text("[\n" + ",\n".join(configs) + "\n]\n")
     return path
+
+
+def fail_once(data: Callable[[int, Any], Any], step: int, out: str) -> Callable[[int, Any], Any]:
+    """`data` that makes rank 1 raise at `step` unless OUT/failed_once exists (it writes it
+    first): the restarted attempt then trains through, which is what a restart drill needs."""
+    marker = Path(out) / "failed_once"
+
+    def batch(index: int, strategy: Any) -> Any:
+        if index == step and strategy.rank == 1 and not marker.exists():
+            marker.write_text(f"rank 1 failed at step {step}\n")
+            raise RuntimeError(f"injected failure on rank 1 at step {step} (--fail-once-at-step)")
+        return data(index, strategy)
+
+    return batch
 
 
 def peak_rss_gib() -> float:
@@ -97,7 +121,7 @@ def main() -> None:
                                optimizer=RowWiseAdagrad(lr=args.emb_lr))
         print(plan.describe(tables))
         print(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of fp32 weights unsharded")
-        print(f"plan {save_plan(plan, args.out)}")
+        print(f"plan {save_plan(plan, tables, args.out)}")
         return
     strategy = mp.ManualParallelStrategy()
     say = print if strategy.is_global_zero else (lambda *a, **k: None)
@@ -111,7 +135,7 @@ def main() -> None:
     model.setup(strategy)
     say(model.embeddings.plan.describe(tables))
     if strategy.is_global_zero:
-        say(f"plan {save_plan(model.embeddings.plan, args.out)}")
+        say(f"plan {save_plan(model.embeddings.plan, tables, args.out)}")
     local_gib = sum(p.numel() * p.element_size() for p in model.embeddings.parameters()) / 2**30
     say(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB unsharded (never allocated); "
         f"rank 0 holds {local_gib:.3f} GiB of them")
@@ -129,7 +153,10 @@ def main() -> None:
     if resumed is not None:
         say(f"resuming from {resumed}")
     started = time.perf_counter()
-    trainer.fit(model, data.train, val_data=data.validation)
+    train = data.train
+    if args.fail_once_at_step is not None:
+        train = fail_once(train, args.fail_once_at_step, args.out)
+    trainer.fit(model, train, val_data=data.validation)
     seconds = time.perf_counter() - started
     model.eval()
     final = model.validation_step(data.validation(0, strategy))
