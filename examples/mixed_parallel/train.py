@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import manualpar as mp
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = RunConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=100)
     add("--log-every", type=int, default=10)
     add("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def layout(model: torch.nn.Module) -> str:
@@ -62,8 +62,9 @@ def layout(model: torch.nn.Module) -> str:
 
 
 @record
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """The command line; `argv` lets tests run it inside their own processes."""
+    args = parse_args(argv)
     config = RunConfig(vocab=args.vocab, seq_len=args.seq_len, width=args.width,
                        depth=args.depth, heads=args.heads, lr=args.lr,
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
