@@ -5,6 +5,7 @@ sharded embedding tables itself in `setup(strategy)`.
 """
 
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from manualpar.checks import check_finite
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -21,6 +22,7 @@ from manualpar.errors import (
     CollectiveError,
     EmbeddingInputError,
     ManualParError,
+    NonFiniteError,
     PlanError,
 )
 from manualpar.init import empty_init, is_meta, materialize
@@ -46,12 +48,14 @@ __all__ = [
     "EmbeddingPlan",
     "ManualParError",
     "ManualParallelStrategy",
+    "NonFiniteError",
     "ParallelModule",
     "PlanError",
     "RNGState",
     "SparseFeatures",
     "Trainer",
     "capture_rng_state",
+    "check_finite",
     "dataset_batches",
     "ddp",
     "detect_environment",

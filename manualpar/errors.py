@@ -41,3 +41,8 @@ class EmbeddingInputError(ManualParError, ValueError):
 class PlanError(ManualParError, ValueError):
     """An embedding sharding plan does not fit the tables or the world size (a table left out,
     a rank that does not exist, a budget that cannot hold the tables)."""
+
+
+class NonFiniteError(ManualParError, ValueError):
+    """`check_finite` found NaN or inf in a tensor; the message names the tensor, the count and
+    the first bad index."""
