@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import warnings
@@ -32,6 +33,7 @@ from manualpar.checkpoint_files import (
     FORMAT,
     FULL_KEY,
     MANIFEST,
+    check_free_space,
     latest_checkpoint,
     partial_path,
     prepare,
@@ -145,10 +147,12 @@ def save_checkpoint(
 def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any],
                   overwrite: bool) -> None:
     staging = partial_path(path)
-    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
-        path, staging, overwrite, make_dir=True))
     shared, per_rank = _state_dicts(state, full=False)
     tensors, objects = split_leaves(shared)
+    # Global shapes (DTensor and LocalShards report them too): what all ranks write together.
+    needed = sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
+    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
+        path, staging, overwrite, make_dir=True, needed=needed))
     _dcp_call(strategy, f"save_checkpoint({path}): writing tensor shards", lambda: dcp.save(
         tensors, storage_writer=dcp.FileSystemWriter(staging), process_group=strategy.group))
 
@@ -187,7 +191,9 @@ def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str,
 
     def write() -> None:
         if strategy.is_global_zero:
-            write_file(staging, to_safe_bytes(blob, "checkpoint state"))
+            data = to_safe_bytes(blob, "checkpoint state")
+            check_free_space(path.parent, len(data), path)
+            write_file(staging, data)
             swap_in(staging, path)
 
     _agree(strategy, f"save_checkpoint({path}, full=True)", write)

@@ -51,19 +51,40 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool) -> None:
+def prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool, needed: int = 0) -> None:
+    """Check the target before anything is written: overwrite, a writable parent, free space."""
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True or choose another path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise CheckpointError(
-            f"cannot create checkpoint directory {path.parent}: {error}") from None
+            f"cannot create checkpoint directory {path.parent}: {error}; save under a directory "
+            "you can write to (no part of the path may be an existing file)") from None
     if not os.access(path.parent, os.W_OK):
-        raise CheckpointError(f"checkpoint directory {path.parent} is not writable")
+        raise CheckpointError(f"checkpoint directory {path.parent} is not writable; fix its "
+                              "permissions or save elsewhere")
+    check_free_space(path.parent, needed, path)
     remove(staging)  # left by an earlier crash; never committed, safe to drop
     if make_dir:
         (staging / "objects").mkdir(parents=True)
+
+
+def check_free_space(directory: Path, needed: int, path: Path) -> None:
+    """Refuse a save the filesystem cannot hold, before writing a byte: a disk that fills up
+    mid-save fails later, with a partial copy taking the space (the previous checkpoint is safe
+    either way). `needed` is an estimate (the tensors' bytes); 0 skips the check."""
+    if needed <= 0:
+        return
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointError(
+            f"not enough disk space to save {path}: it needs about {_size(needed)} but "
+            f"{directory} has {_size(free)} free; delete old checkpoints or save elsewhere")
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB ({count} bytes)"
 
 
 def _old_path(path: Path) -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,38 +16,60 @@ import manualpar as mp
 from manualpar.testing import free_port, run_distributed
 
 
-def _rank_one_raises_before_barrier() -> None:
+@contextmanager
+def _timed(out: str) -> Iterator[None]:
+    """Write how long the block took (also when it raised) to `out`: time to fail, measured."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        Path(out).write_text(f"{time.monotonic() - started:.3f}")
+
+
+def _seconds(path: Path, what: str) -> float:
+    seconds = float(path.read_text())
+    print(f"\nMEASURED {what}: {seconds:.2f}s")  # for docs/reliability.md (pytest -s)
+    return seconds
+
+
+def _rank_one_raises_before_barrier(out: str) -> None:
     strategy = mp.ManualParallelStrategy()
     if strategy.rank == 1:
         raise ValueError("injected failure on rank 1")
-    strategy.barrier("sync")
+    with _timed(out):
+        strategy.barrier("sync")
 
 
-def test_dead_rank_makes_the_others_fail_naming_the_operation() -> None:
+def test_dead_rank_makes_the_others_fail_naming_the_operation(tmp_path: Path) -> None:
     rank0, rank1 = run_distributed(_rank_one_raises_before_barrier, world_size=2,
+                                   args=(str(tmp_path / "rank0.s"),),
                                    collective_timeout=30, timeout=60, allow_failure=True)
     assert rank1.error_type == "ValueError"
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith(
         "barrier('sync') failed on rank 0 of 2 (backend gloo, timeout 30s)")
     assert "check the other ranks' logs" in rank0.error
+    # The dead peer's closed connection ends the wait long before the 30 s timeout.
+    assert _seconds(tmp_path / "rank0.s", "survivor of a dead rank failed after") < 10
 
 
-def _rank_one_stalls() -> None:
+def _rank_one_stalls(out: str) -> None:
     strategy = mp.ManualParallelStrategy()
     if strategy.rank == 1:
         time.sleep(6)  # longer than the collective timeout; then exits without the collective
         return
-    strategy.all_reduce(torch.ones(3), op="sum")
+    with _timed(out):
+        strategy.all_reduce(torch.ones(3), op="sum")
 
 
-def test_stalled_rank_times_out_within_the_configured_timeout() -> None:
-    rank0, rank1 = run_distributed(_rank_one_stalls, world_size=2, collective_timeout=2,
-                                   timeout=60, allow_failure=True)
+def test_stalled_rank_times_out_within_the_configured_timeout(tmp_path: Path) -> None:
+    rank0, rank1 = run_distributed(_rank_one_stalls, world_size=2, args=(str(tmp_path / "r0.s"),),
+                                   collective_timeout=2, timeout=60, allow_failure=True)
     assert rank1.ok
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith("reduce(op=sum, shape=(3,)) failed on rank 0 of 2")
     assert "timeout 2s" in rank0.error
+    assert 1.5 < _seconds(tmp_path / "r0.s", "peer of a stalled rank failed after") < 5
 
 
 def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:

@@ -1,0 +1,193 @@
+"""Bad inputs and faults the other test files do not cover: non-finite data (opt-in check), a full
+disk, an unwritable directory, a checkpoint of other table sizes, a file that is not a
+checkpoint, and collectives called with different shapes on different ranks.
+
+Each case asserts the exception type, the key parts of the message, and that nothing was lost:
+the previous checkpoint still loads. docs/reliability.md lists every case with its node id.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoint_models import make_model
+from faults import assert_first_checkpoint_intact, reference_after_one_step
+
+import manualpar as mp
+import manualpar.checkpoint as checkpoint
+from manualpar.embeddings import SGD, EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
+from manualpar.embeddings import shard_embeddings as shard
+from manualpar.testing import run_distributed
+
+
+def _raises(error: type[Exception], *parts: str) -> pytest.RaisesContext:
+    """pytest.raises matching every literal fragment, in order."""
+    return pytest.raises(error, match=".*".join(re.escape(p) for p in parts))
+
+
+# ---- non-finite inputs: opt-in check_finite ----------------------------------------------------
+def test_nan_in_a_dense_batch_names_the_tensor_count_and_first_index() -> None:
+    dense = torch.ones(4, 3)
+    dense[2, 1] = float("nan")
+    dense[3, 0] = float("inf")
+    batch = {"ids": torch.tensor([1, 2]), "dense": [torch.zeros(2), dense]}
+    with _raises(mp.NonFiniteError, "batch['dense'][1]: 2 non-finite value(s) (1 NaN, 1 inf) in "
+                 "a torch.float32 tensor of shape (4, 3); the first is nan at index (2, 1). Fix "
+                 "or drop this input"):
+        mp.check_finite(batch, where="batch")
+
+
+def test_infinite_loss_and_sparse_weights() -> None:
+    with _raises(mp.NonFiniteError, "loss at step 7: 1 non-finite value(s) (0 NaN, 1 inf)"):
+        mp.check_finite(torch.tensor(float("inf")), where="loss at step 7")
+    sparse = SparseFeatures(("user",), torch.tensor([1, 2]), torch.tensor([1, 1]),
+                            torch.tensor([0.5, float("nan")]))
+    with _raises(mp.NonFiniteError, "batch['sparse'].weights: 1 non-finite value(s) (1 NaN, 0 "
+                 "inf)", "the first is nan at index (1,)"):
+        mp.check_finite({"sparse": sparse}, where="batch")
+
+
+def test_finite_values_pass_through_unchanged() -> None:
+    batch = {"x": torch.randn(3, 2), "ids": torch.tensor([1]), "name": "a", "n": 3}
+    assert mp.check_finite(batch, where="batch") is batch
+    assert issubclass(mp.NonFiniteError, ValueError)
+
+
+# ---- saving: a full disk, an unwritable directory ----------------------------------------------
+def _committed(directory: Path) -> dict[str, Any]:
+    """ckpt_a (step 1) as tests/faults.py's save_twice commits it; the state to save next."""
+    model = reference_after_one_step()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    mp.ManualParallelStrategy().save_checkpoint(directory / "ckpt_a", {"model": model, "step": 1})
+    return {"model": model, "optim": optimizer, "step": 2}
+
+
+def _disk_with_free_bytes(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    usage = shutil.disk_usage(".")
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: usage._replace(free=free))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_full_disk_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: bool) -> None:
+    state = _committed(tmp_path)
+    _disk_with_free_bytes(monkeypatch, 100)
+    target = tmp_path / ("ckpt_b.pt" if full else "ckpt_b")
+    with _raises(mp.CheckpointError, f"not enough disk space to save {target}: it needs about",
+                 f"but {tmp_path} has 0.0 MiB (100 bytes) free; delete old checkpoints or save "
+                 "elsewhere"):
+        mp.ManualParallelStrategy().save_checkpoint(target, state, full=full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_a"]  # no partial copy either
+    assert_first_checkpoint_intact(tmp_path)
+
+
+def test_disk_filling_up_mid_save_keeps_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _committed(tmp_path)
+
+    def no_space(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "write_file", no_space)  # the object files, after the tensors
+    with _raises(mp.CheckpointError, f"save_checkpoint({tmp_path / 'ckpt_a'}): writing objects "
+                 "failed on rank 0: [Errno 28] No space left on device"):
+        mp.ManualParallelStrategy().save_checkpoint(tmp_path / "ckpt_a", state)  # an overwrite
+    assert mp.latest_checkpoint(tmp_path) == tmp_path / "ckpt_a"
+    assert_first_checkpoint_intact(tmp_path)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_directory_that_cannot_be_created(tmp_path: Path, full: bool) -> None:
+    # A parent that is a regular file blocks writes even for root, unlike chmod.
+    (tmp_path / "runs").write_text("not a directory")
+    target = tmp_path / "runs" / "ckpt"
+    with _raises(mp.CheckpointError, f"cannot create checkpoint directory {tmp_path / 'runs'}:",
+                 "save under a directory you can write to"):
+        mp.ManualParallelStrategy().save_checkpoint(target, {"step": 1}, full=full)
+    assert (tmp_path / "runs").read_text() == "not a directory"
+
+
+# ---- loading: a checkpoint of another model, a file that is not one ----------------------------
+def test_checkpoint_with_other_table_sizes(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+
+    def sharded(rows: int) -> Any:
+        tables = [EmbeddingBagConfig("user", rows, 4), EmbeddingBagConfig("item", 6, 4)]
+        return shard(EmbeddingBagCollection(tables), strategy, "auto", SGD(lr=0.1))
+
+    saved = sharded(10)
+    strategy.save_checkpoint(tmp_path / "c", {"model": saved})
+    other = sharded(12)
+    with _raises(mp.CheckpointMismatchError, f"checkpoint {tmp_path / 'c'} does not match the "
+                 "state being loaded; shape mismatches: model/tables.user.weight: checkpoint "
+                 "(10, 4) vs current (12, 4). It was probably saved from another model"):
+        strategy.load_checkpoint(tmp_path / "c", {"model": other})
+
+
+def test_a_file_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with _raises(mp.CheckpointError, f"{tmp_path / 'notes.txt'} is corrupted, truncated or not a "
+                 "checkpoint"):
+        mp.ManualParallelStrategy().load_checkpoint(tmp_path / "notes.txt", {"step": 0})
+    with _raises(mp.CheckpointError, f"{tmp_path / 'notes.txt'} is not a directory of "
+                 "checkpoints"):
+        mp.latest_checkpoint(tmp_path / "notes.txt")
+
+
+def test_a_plain_torch_file_is_not_taken_for_a_full_export(tmp_path: Path) -> None:
+    torch.save(make_model(0).state_dict(), tmp_path / "weights.pt")
+    with _raises(mp.CheckpointError, "is not a manualpar full checkpoint (no '__manualpar__')"):
+        mp.ManualParallelStrategy().load_checkpoint(tmp_path / "weights.pt", {"step": 0})
+
+
+# ---- collectives with different shapes on different ranks -------------------------------------
+def _broadcast_mismatch(checked: bool) -> list[float]:
+    strategy = mp.ManualParallelStrategy(check_collectives=checked)
+    tensor = torch.zeros(2) if strategy.rank == 0 else torch.full((3,), 7.0)
+    result = strategy.broadcast(tensor, src=0).tolist()
+    strategy.teardown()
+    return result
+
+
+def test_mismatched_broadcast_unchecked_is_silent_checked_raises_on_every_rank() -> None:
+    # Measured, not promised: unchecked, gloo fills only the common prefix and nobody notices.
+    assert run_distributed(_broadcast_mismatch, world_size=2, args=(False,)) == [
+        [0.0, 0.0], [0.0, 0.0, 7.0]]
+    outcomes = run_distributed(_broadcast_mismatch, world_size=2, args=(True,),
+                               allow_failure=True)
+    for outcome in outcomes:
+        assert outcome.error_type == "CollectiveError", outcome.describe()
+        assert outcome.error.startswith("broadcast: ranks passed tensors of different shapes or "
+                                        "dtypes (rank 0: (2,) torch.float32, rank 1: (3,) "
+                                        "torch.float32); every rank must pass the same shape")
+
+
+# ---- security: nothing is unpickled from disk by manualpar's own code ---------------------------
+def _calls(name: str) -> list[tuple[str, ast.Call]]:
+    """Every call of `name` (e.g. "torch.load") in the manualpar package, with its file."""
+    found = []
+    for path in sorted(Path(mp.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == name:
+                found.append((path.name, node))
+    return found
+
+
+def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
+    loads = _calls("torch.load")
+    assert loads, "the scan found no torch.load at all"
+    for filename, call in loads:
+        flags = {k.arg: ast.unparse(k.value) for k in call.keywords}
+        assert flags.get("weights_only") == "True", f"{filename}: {ast.unparse(call)}"
+    # The test helper unpickles only what its own child processes sent it.
+    unpickled = [(f, ast.unparse(c)) for name in ("pickle.load", "pickle.loads")
+                 for f, c in _calls(name) if f != "testing.py"]
+    assert unpickled == []
