@@ -12,3 +12,12 @@ def _single_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests run as a single process, whatever launcher started pytest."""
     for key in LAUNCHER_VARIABLES:
         monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _native_kernels_built() -> None:
+    """Build the C++ embedding kernels once, before any test starts ranks: a first build takes
+    tens of seconds, longer than the tests' collective timeouts."""
+    from manualpar.embeddings.native import native_kernels
+
+    native_kernels()

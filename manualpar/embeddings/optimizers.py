@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from manualpar.embeddings.kernels import add_to_rows
+from manualpar.embeddings.native import native_kernels, supports
 
 __all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer"]
 
@@ -43,6 +44,14 @@ class SparseOptimizer:
         width of the squared gradient (only for optimizers with `needs_full_rows`).
         """
         raise NotImplementedError
+
+    def step_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], ids: torch.Tensor,
+                  lengths: torch.Tensor, weights: torch.Tensor | None, bag_grads: torch.Tensor,
+                  scale: float, col_start: int, step: int) -> bool:
+        """Update straight from bag gradients (`bag_grads` full-width if `needs_full_rows`) in
+        one fused pass, if this rule has such a kernel for these tensors; False: not done, the
+        caller sums row gradients and calls `step_rows`."""
+        return False
 
     def describe(self) -> str:
         return f"{type(self).__name__}(lr={self.lr})"
@@ -86,6 +95,16 @@ class RowWiseAdagrad(SparseOptimizer):
         state["sum"].index_copy_(0, rows, total)
         add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
                     -self.lr)
+
+    def step_bags(self, weight, state, ids, lengths, weights, bag_grads, scale, col_start, step):
+        if not (supports(weight, bag_grads, weights) and weight.is_contiguous()
+                and bag_grads.dtype == weight.dtype
+                and (weights is None or weights.dtype == weight.dtype)):
+            return False
+        native_kernels().rowwise_adagrad_backward(weight, state["sum"], ids, lengths, weights,
+                                                  bag_grads.contiguous(), scale, col_start,
+                                                  self.lr, self.eps)
+        return True
 
 
 @dataclass

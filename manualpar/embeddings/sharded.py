@@ -214,10 +214,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 per_bag = torch.repeat_interleave(scales, torch.tensor(
                     [len(shard.features) * b for b in batch_sizes]))
                 grads = grads * per_bag.unsqueeze(1).to(device=grads.device, dtype=grads.dtype)
-            rows, summed = row_gradients(inp.ids, inp.lengths, inp.weights, grads)
-            if uniform:
-                summed.mul_(float(scales[0]))
-            self._update(shard.table, shard.shard, rows, summed)
+            self._update_from_bags(shard.table, shard.shard, inp, grads,
+                                   float(scales[0]) if uniform else 1.0)
         if routing.data_parallel:
             self._update_data_parallel(grad, saved, scales[routing.rank])
 
@@ -227,6 +225,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return torch.full((len(batch_sizes),), 1 / len(batch_sizes))
         total = sum(batch_sizes)
         return torch.tensor([b / total if total else 0.0 for b in batch_sizes])
+
+    def _update_from_bags(self, t: int, shard: Any, inp: Any, bag_grads: torch.Tensor,
+                          scale: float) -> None:
+        """Update a shard from its bags' gradients: fused if the rule can, else per row."""
+        name = self.configs[t].name
+        optimizer = self.fused_optimizer
+        with torch.no_grad():
+            if optimizer.optimizer.step_bags(self.tables[name].weight, optimizer.state[name],
+                                             inp.ids, inp.lengths, inp.weights, bag_grads,
+                                             scale, shard.col_start, optimizer.step):
+                return
+        rows, summed = row_gradients(inp.ids, inp.lengths, inp.weights, bag_grads,
+                                     shard.rows, scale)
+        self._update(t, shard, rows, summed)
 
     def _update(self, t: int, shard: Any, rows: torch.Tensor, summed: torch.Tensor) -> None:
         config = self.configs[t]
@@ -253,7 +265,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 ids, lengths, weights = saved["features"][f]
                 start = routing.feature_offsets[f]
                 bag_grads = grad[:, start:start + config.embedding_dim] * my_scale
-                rows, summed = row_gradients(ids, lengths, weights, bag_grads)
+                rows, summed = row_gradients(ids, lengths, weights, bag_grads,
+                                             config.num_embeddings)
                 dense[rows, :-1] += summed
                 dense[rows, -1] += 1
             buffers.append(dense)

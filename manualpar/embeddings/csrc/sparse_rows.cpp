@@ -1,0 +1,248 @@
+// CPU kernels for the backward of sharded embedding tables: the gradient of each distinct row
+// (duplicate ids summed), and in-place updates of only those rows. The pure-torch path in
+// kernels.py / optimizers.py computes the same numbers; these exist because on CPU the torch ops
+// make several passes over randomly addressed rows (gather, update, scatter) where one suffices.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRadixBits = 11;
+constexpr int64_t kPrefetchAhead = 8;
+
+// Positions of `keys` (all in [0, max_key]) ordered by key, stable: LSD radix sort.
+std::vector<int64_t> order_by_key(const int64_t* keys, int64_t n, int64_t max_key) {
+  std::vector<int64_t> order(n), scratch(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  const int64_t buckets = int64_t{1} << kRadixBits;
+  std::vector<int64_t> counts(buckets);
+  for (int64_t shift = 0; (max_key >> shift) > 0; shift += kRadixBits) {
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++counts[(keys[i] >> shift) & (buckets - 1)];
+    int64_t total = 0;
+    for (auto& c : counts) {
+      const int64_t here = c;
+      c = total;
+      total += here;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = order[i];
+      scratch[counts[(keys[pos] >> shift) & (buckets - 1)]++] = pos;
+    }
+    order.swap(scratch);
+  }
+  return order;
+}
+
+// Occurrences of each distinct id: positions ordered by id, and where each id's run starts.
+struct Groups {
+  std::vector<int64_t> bag_of;  // position -> bag
+  std::vector<int64_t> order;   // positions sorted by id
+  std::vector<int64_t> starts;  // run u is order[starts[u] : starts[u + 1]]
+  int64_t size() const { return static_cast<int64_t>(starts.size()) - 1; }
+};
+
+Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t num_rows) {
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  Groups groups;
+  groups.bag_of.resize(n);
+  int64_t filled = 0;
+  for (int64_t b = 0; b < lengths.numel(); ++b) {
+    TORCH_CHECK(len[b] >= 0 && filled + len[b] <= n, "lengths disagree with ids");
+    std::fill(groups.bag_of.begin() + filled, groups.bag_of.begin() + filled + len[b], b);
+    filled += len[b];
+  }
+  TORCH_CHECK(filled == n, "lengths sum to ", filled, " but there are ", n, " ids");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
+  }
+  groups.order = order_by_key(id, n, std::max<int64_t>(num_rows - 1, 0));
+  groups.starts.reserve(n + 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || id[groups.order[i]] != id[groups.order[i - 1]]) groups.starts.push_back(i);
+  }
+  groups.starts.push_back(n);
+  return groups;
+}
+
+// For each distinct id in parallel: its summed gradient (times `scale`) into `row_grad`, then
+// `visit(u, row, row_grad)`. `ahead(row)` is called for the row a few groups later (prefetch).
+template <typename scalar_t, typename Visit, typename Ahead>
+void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
+                           const c10::optional<torch::Tensor>& weights,
+                           const torch::Tensor& bag_grads, double scale, Visit visit,
+                           Ahead ahead) {
+  const int64_t cols = bag_grads.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const scalar_t* grad = bag_grads.data_ptr<scalar_t>();
+  const scalar_t* weight = weights ? weights->data_ptr<scalar_t>() : nullptr;
+  const scalar_t factor = static_cast<scalar_t>(scale);
+  const int64_t* order = groups.order.data();
+  const int64_t* starts = groups.starts.data();
+  const int64_t* bag_of = groups.bag_of.data();
+  at::parallel_for(0, groups.size(), 256, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> buffer(cols);
+    scalar_t* __restrict__ row_grad = buffer.data();
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetchAhead < end) ahead(id[order[starts[u + kPrefetchAhead]]]);
+      std::fill(buffer.begin(), buffer.end(), scalar_t(0));
+      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
+        const int64_t pos = order[k];
+        const scalar_t w = weight ? weight[pos] * factor : factor;
+        const scalar_t* __restrict__ src = grad + bag_of[pos] * cols;
+        for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
+      }
+      visit(u, id[order[starts[u]]], row_grad);
+    }
+  });
+}
+
+template <typename scalar_t>
+std::vector<torch::Tensor> segment_sum_impl(const torch::Tensor& ids, const torch::Tensor& lengths,
+                                            const c10::optional<torch::Tensor>& weights,
+                                            const torch::Tensor& bag_grads, int64_t num_rows,
+                                            double scale) {
+  const Groups groups = group_ids(ids, lengths, num_rows);
+  const int64_t cols = bag_grads.size(1);
+  auto rows = torch::empty({groups.size()}, ids.options());
+  auto summed = torch::empty({groups.size(), cols}, bag_grads.options());
+  int64_t* row_out = rows.data_ptr<int64_t>();
+  scalar_t* out = summed.data_ptr<scalar_t>();
+  for_each_row_gradient<scalar_t>(
+      groups, ids, weights, bag_grads, scale,
+      [&](int64_t u, int64_t row, const scalar_t* g) {
+        row_out[u] = row;
+        std::copy(g, g + cols, out + u * cols);
+      },
+      [](int64_t) {});
+  return {rows, summed};
+}
+
+// Exact row-wise Adagrad on one distinct row: `g` is the full-width gradient, the block holds
+// columns [col_start, col_start + cols).
+template <typename scalar_t>
+inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const scalar_t* g,
+                                int64_t full, int64_t col_start, int64_t cols, scalar_t lr,
+                                scalar_t eps) {
+  double squares = 0;  // in double: the state is a running sum, its rounding compounds
+  for (int64_t c = 0; c < full; ++c) squares += static_cast<double>(g[c]) * g[c];
+  const scalar_t total = *sum + static_cast<scalar_t>(squares / static_cast<double>(full));
+  *sum = total;
+  const scalar_t step = lr / (std::sqrt(total) + eps);
+  const scalar_t* __restrict__ src = g + col_start;
+  for (int64_t c = 0; c < cols; ++c) w[c] -= step * src[c];
+}
+
+template <typename scalar_t>
+void rowwise_adagrad_backward_impl(torch::Tensor& weight, torch::Tensor& state,
+                                   const torch::Tensor& ids, const torch::Tensor& lengths,
+                                   const c10::optional<torch::Tensor>& weights,
+                                   const torch::Tensor& bag_grads, double scale,
+                                   int64_t col_start, double lr, double eps) {
+  const Groups groups = group_ids(ids, lengths, weight.size(0));
+  const int64_t full = bag_grads.size(1), cols = weight.size(1), stride = weight.stride(0);
+  scalar_t* w = weight.data_ptr<scalar_t>();
+  scalar_t* sum = state.data_ptr<scalar_t>();
+  const scalar_t lr_ = static_cast<scalar_t>(lr), eps_ = static_cast<scalar_t>(eps);
+  for_each_row_gradient<scalar_t>(
+      groups, ids, weights, bag_grads, scale,
+      [&](int64_t, int64_t row, const scalar_t* g) {
+        rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, full, col_start, cols, lr_,
+                                      eps_);
+      },
+      [&](int64_t row) {
+        __builtin_prefetch(w + row * stride, 1);
+        __builtin_prefetch(sum + row, 1);
+      });
+}
+
+template <typename scalar_t>
+void add_to_rows_impl(torch::Tensor& tensor, const torch::Tensor& rows, const torch::Tensor& delta,
+                      double alpha) {
+  const int64_t unique = rows.numel();
+  const int64_t cols = tensor.numel() / std::max<int64_t>(tensor.size(0), 1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const scalar_t* src = delta.data_ptr<scalar_t>();
+  scalar_t* dst = tensor.data_ptr<scalar_t>();
+  const scalar_t a = static_cast<scalar_t>(alpha);
+  at::parallel_for(0, unique, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetchAhead < end) __builtin_prefetch(dst + row[u + kPrefetchAhead] * cols, 1);
+      scalar_t* d = dst + row[u] * cols;
+      const scalar_t* s = src + u * cols;
+      for (int64_t c = 0; c < cols; ++c) d[c] += a * s[c];
+    }
+  });
+}
+
+void check_cpu_contiguous(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
+}
+
+void check_inputs(const torch::Tensor& ids, const torch::Tensor& lengths,
+                  const c10::optional<torch::Tensor>& weights, const torch::Tensor& bag_grads) {
+  check_cpu_contiguous(ids, "ids");
+  check_cpu_contiguous(lengths, "lengths");
+  check_cpu_contiguous(bag_grads, "bag_grads");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "ids and lengths must be int64");
+  if (weights) {
+    check_cpu_contiguous(*weights, "weights");
+    TORCH_CHECK(weights->scalar_type() == bag_grads.scalar_type(), "weights dtype");
+  }
+}
+
+}  // namespace
+
+// (distinct rows sorted, (rows, cols) summed gradient of each) from ids, bag lengths, optional
+// per-id weights and each bag's gradient, all times `scale`.
+std::vector<torch::Tensor> segment_sum(torch::Tensor ids, torch::Tensor lengths,
+                                       c10::optional<torch::Tensor> weights,
+                                       torch::Tensor bag_grads, int64_t num_rows, double scale) {
+  check_inputs(ids, lengths, weights, bag_grads);
+  std::vector<torch::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(bag_grads.scalar_type(), "segment_sum", [&] {
+    result = segment_sum_impl<scalar_t>(ids, lengths, weights, bag_grads, num_rows, scale);
+  });
+  return result;
+}
+
+// Row-wise Adagrad straight from bag gradients: duplicate ids summed, each distinct row updated
+// once; no (rows, cols) gradient is materialized.
+void rowwise_adagrad_backward(torch::Tensor weight, torch::Tensor state, torch::Tensor ids,
+                              torch::Tensor lengths, c10::optional<torch::Tensor> weights,
+                              torch::Tensor bag_grads, double scale, int64_t col_start, double lr,
+                              double eps) {
+  check_cpu_contiguous(weight, "weight");
+  check_cpu_contiguous(state, "state");
+  check_inputs(ids, lengths, weights, bag_grads);
+  TORCH_CHECK(col_start + weight.size(1) <= bag_grads.size(1), "column block outside gradient");
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_backward", [&] {
+    rowwise_adagrad_backward_impl<scalar_t>(weight, state, ids, lengths, weights, bag_grads,
+                                            scale, col_start, lr, eps);
+  });
+}
+
+// tensor[rows] += alpha * delta for distinct rows, in place.
+void add_to_rows(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta, double alpha) {
+  check_cpu_contiguous(tensor, "tensor");
+  check_cpu_contiguous(rows, "rows");
+  check_cpu_contiguous(delta, "delta");
+  AT_DISPATCH_FLOATING_TYPES(tensor.scalar_type(), "add_to_rows", [&] {
+    add_to_rows_impl<scalar_t>(tensor, rows, delta, alpha);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("segment_sum", &segment_sum);
+  m.def("rowwise_adagrad_backward", &rowwise_adagrad_backward);
+  m.def("add_to_rows", &add_to_rows);
+}

@@ -1,0 +1,85 @@
+"""The C++ backward kernels against the pure-torch path (which CUDA and compiler-less hosts use):
+duplicate-id sums, the fused row-wise Adagrad (column blocks included), row updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manualpar.embeddings import RowWiseAdagrad, kernels, native
+
+pytestmark = pytest.mark.skipif(native.native_kernels() is None,
+                                reason="the C++ kernels could not be built on this machine")
+
+
+@pytest.fixture
+def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the pure-torch path, as on CUDA or without a compiler."""
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_tried", True)
+
+
+def _case(dtype: torch.dtype, weighted: bool, rows: int = 300, bags: int = 40):
+    generator = torch.Generator().manual_seed(7)
+    lengths = torch.randint(0, 9, (bags,), generator=generator)
+    lengths[3] = 0  # an empty bag
+    ids = torch.randint(0, rows // 10, (int(lengths.sum()),), generator=generator) * 7 % rows
+    weights = torch.rand(ids.shape, generator=generator, dtype=dtype) if weighted else None
+    grads = torch.randn(bags, 12, generator=generator, dtype=dtype)
+    return ids, lengths, weights, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_segment_sum_matches_torch(dtype, weighted, monkeypatch):
+    ids, lengths, weights, grads = _case(dtype, weighted)
+    rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=0.25)
+    monkeypatch.setattr(native, "_loaded", None)
+    expected_rows, expected = kernels.row_gradients(ids, lengths, weights, grads, 300,
+                                                    scale=0.25)
+    assert torch.equal(rows, expected_rows)
+    assert torch.equal(rows, torch.unique(ids))
+    torch.testing.assert_close(summed, expected)
+
+
+@pytest.mark.parametrize("col_start, cols", [(0, 12), (4, 5)])
+def test_fused_rowwise_adagrad_matches_row_by_row(col_start, cols, torch_only):
+    ids, lengths, weights, grads = _case(torch.float32, weighted=True)
+    rule = RowWiseAdagrad(lr=0.1, eps=1e-8)
+    weight = torch.randn(300, cols)
+    state = {"sum": torch.rand(300)}
+    expected_weight, expected_state = weight.clone(), {"sum": state["sum"].clone()}
+    # pure torch: per-row sums, then the per-row rule on this column block
+    rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=0.5)
+    rule.step_rows(expected_weight, expected_state, rows,
+                   summed[:, col_start:col_start + cols], 1, summed.square().mean(1))
+    native._loaded, native._tried = None, False  # back on: the fused kernel
+    assert rule.step_bags(weight, state, ids, lengths, weights, grads, 0.5, col_start, 1)
+    torch.testing.assert_close(weight, expected_weight)
+    torch.testing.assert_close(state["sum"], expected_state["sum"])
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(state["sum"][untouched], expected_state["sum"][untouched])
+
+
+def test_add_to_rows_matches_index_add():
+    tensor = torch.randn(50, 6, dtype=torch.float64)
+    rows = torch.tensor([1, 4, 9, 49])
+    delta = torch.randn(4, 6, dtype=torch.float64)
+    expected = tensor.clone().index_add_(0, rows, delta, alpha=-0.5)
+    kernels.add_to_rows(tensor, rows, delta, alpha=-0.5)
+    torch.testing.assert_close(tensor, expected)
+
+
+def test_kernels_refuse_ids_outside_the_table():
+    ids, lengths, _, grads = _case(torch.float32, weighted=False)
+    ids = ids % 100
+    ids[5] = 280
+    with pytest.raises(RuntimeError, match=r"id 280 outside \[0, 100\)"):
+        native.native_kernels().segment_sum(ids, lengths, None, grads, 100, 1.0)
+
+
+def test_non_cpu_or_half_tensors_take_the_torch_path():
+    assert not native.supports(torch.zeros(2, dtype=torch.bfloat16))
+    assert not native.supports(torch.zeros(2, device="meta"))
+    assert native.supports(torch.zeros(2), None, torch.zeros(2, dtype=torch.int64))
