@@ -122,6 +122,16 @@ def test_resumes_on_one_process_and_trains_on(run: tuple[Path, str], tmp_path: P
     assert evals[STEPS + 10] < evals[STEPS]  # still learning after the move to 1 process
 
 
+@pytest.mark.timeout(60)
+def test_resuming_with_another_model_shape_is_refused(run: tuple[Path, str]) -> None:
+    out = run[0]
+    before = (out / "config.json").read_text()
+    [outcome] = run_distributed(_train, world_size=1, allow_failure=True, args=(
+        "--out", str(out), "--steps", str(STEPS + 10), *SMALL, "--depth", "3"))
+    assert outcome.error_type == "SystemExit" and "--depth 2 -> 3" in str(outcome.error)
+    assert (out / "config.json").read_text() == before
+
+
 def test_data_is_split_over_ranks_and_follows_the_chain() -> None:
     text = data.MarkovText(vocab=8, seq_len=16, batch_size=12, eval_batch_size=6, seed=3)
     whole = text.sequences(5, 12)

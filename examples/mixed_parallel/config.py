@@ -10,6 +10,8 @@ from pathlib import Path
 from data import MarkovText
 from model import TinyLM
 
+SHAPE = ("vocab", "seq_len", "width", "depth", "heads", "seed")  # fixed for the life of a run
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -32,11 +34,20 @@ class RunConfig:
         return MarkovText(self.vocab, self.seq_len, batch_size=self.batch_size,
                           eval_batch_size=self.eval_batch_size, seed=self.seed)
 
+    def shape_changes(self, saved: RunConfig) -> list[str]:
+        """The model or data fields that differ from `saved` (a resumed run must keep them)."""
+        return [f"--{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(self, name)}"
+                for name in SHAPE if getattr(saved, name) != getattr(self, name)]
+
     def save(self, out: str | Path) -> Path:
         path = Path(out) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
         return path
+
+    @classmethod
+    def exists(cls, out: str | Path) -> bool:
+        return (Path(out) / "config.json").is_file()
 
     @classmethod
     def load(cls, out: str | Path) -> RunConfig:

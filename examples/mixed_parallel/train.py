@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
                        depth=args.depth, heads=args.heads, lr=args.lr,
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
                        seed=args.seed)
+    if RunConfig.exists(args.out) and mp.latest_checkpoint(f"{args.out}/checkpoints"):
+        changed = config.shape_changes(RunConfig.load(args.out))
+        if changed:  # the checkpoint would not fit, or the task would change under the model
+            raise SystemExit(f"{args.out} holds a run of another shape ({', '.join(changed)}); "
+                             "pass the same flags to resume it, or a new --out")
     strategy = mp.ManualParallelStrategy()
     say = print if strategy.is_global_zero else (lambda *a, **k: None)
     strategy.seed_everything(args.seed)
