@@ -92,7 +92,10 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
         if unknown or missing:
             raise UsageError(f"--tables {path}: entry {index} has unknown fields {unknown} or "
                              f"lacks {missing}; the fields are {fields}")
-        tables.append(EmbeddingBagConfig(**entry))
+        try:
+            tables.append(EmbeddingBagConfig(**entry))
+        except TypeError as error:  # e.g. a number where a name belongs
+            raise UsageError(f"--tables {path}: entry {index}: {error}") from None
     return tables
 
 
@@ -202,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  bytes per rank ({what}): "
               + ", ".join(f"r{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank)))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(plan.to_json() + "\n")
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(plan.to_json() + "\n")
+        except OSError as error:
+            raise UsageError(f"--json {args.json}: cannot write the plan: {error}") from None
         print(f"plan written to {args.json}")
     return 0
