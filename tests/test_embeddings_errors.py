@@ -178,7 +178,8 @@ def test_plan_with_an_unknown_table() -> None:
 
 @pytest.mark.parametrize(("placement", "bad"), [(table_wise(3), "[3]"),
                                                  (column_wise((0, -1)), "[-1]"),
-                                                 (row_wise((0, 2)), "[2]")])
+                                                 (row_wise((0, 2)), "[2]")],
+                         ids=["table_wise_3", "column_wise_minus_1", "row_wise_0_2"])
 def test_plan_naming_a_rank_that_does_not_exist(placement: TablePlacement, bad: str) -> None:
     plan = EmbeddingPlan(2, {"user": placement, "item": table_wise(0)})
     with _raises(PlanError, f"table 'user' ({placement}): ranks {bad} do not exist in a job of 2 "
