@@ -18,6 +18,7 @@ from torch import nn
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels import bag_offsets
+from manualpar.embeddings.memory import empty_rows
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import EmbeddingInputError
 
@@ -53,7 +54,7 @@ class EmbeddingTable(nn.Module):
                  cols: int | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config, self.seed = config, seed
-        self.weight = nn.Parameter(torch.empty(
+        self.weight = nn.Parameter(empty_rows(
             config.num_embeddings if rows is None else rows,
             config.embedding_dim if cols is None else cols, device=device))
 
@@ -61,10 +62,8 @@ class EmbeddingTable(nn.Module):
         """Seeded per block of rows: the same values whatever the sharding (see table_init)."""
         if self.weight.is_meta:
             return
-        values = init_rows(self.config, self.seed, (0, self.config.num_embeddings),
-                           (0, self.config.embedding_dim))
-        with torch.no_grad():
-            self.weight.copy_(values)
+        init_rows(self.config, self.seed, (0, self.config.num_embeddings),
+                  (0, self.config.embedding_dim), out=self.weight.detach())
 
 
 class EmbeddingBagCollection(nn.Module):

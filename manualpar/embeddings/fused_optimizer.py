@@ -32,8 +32,7 @@ class FusedOptimizer:
         self._shards, self._dims, self._rows = shards, dims, rows
         self._full_tensor = full_tensor
         self.state: dict[str, dict[str, torch.Tensor]] = {
-            name: {key: value.to(device) for key, value in
-                   optimizer.init_state(shard.rows, shard.cols).items()}
+            name: optimizer.init_state(shard.rows, shard.cols, device)
             for name, shard in shards.items() if shard is not None}
 
     @property

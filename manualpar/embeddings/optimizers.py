@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from manualpar.embeddings.kernels import add_to_rows
+from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import native_kernels, supports
 
 __all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer"]
@@ -32,8 +33,10 @@ class SparseOptimizer:
     # the update needs the gradient's full width (row-wise statistics under column sharding)
     needs_full_rows: ClassVar[bool] = False
 
-    def init_state(self, rows: int, cols: int) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros(rows) if per_row else torch.zeros(rows, cols)
+    def init_state(self, rows: int, cols: int,
+                   device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        return {name: zeros_rows(rows, device=device) if per_row
+                else zeros_rows(rows, cols, device=device)
                 for name, per_row in self.STATE.items()}
 
     def step_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor,
@@ -73,8 +76,9 @@ class Adagrad(SparseOptimizer):
     initial_accumulator_value: float = 0.0
     STATE = {"sum": False}
 
-    def init_state(self, rows, cols):
-        return {"sum": torch.full((rows, cols), float(self.initial_accumulator_value))}
+    def init_state(self, rows, cols, device=None):
+        return {"sum": empty_rows(rows, cols, device=device).fill_(
+            self.initial_accumulator_value)}
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).addcmul_(grad, grad)

@@ -347,9 +347,9 @@ def _fill_block(weight: nn.Parameter, source: torch.Tensor, config: Any, seed: i
                 shard: Any) -> None:
     """This rank's block: the source's values if it is real, else the seeded initial values."""
     with torch.no_grad():
-        if source.is_meta:
-            weight.copy_(init_rows(config, seed, (shard.row_start, shard.row_end),
-                                   (shard.col_start, shard.col_end)))
+        if source.is_meta:  # generated in place: no second copy of the block, even briefly
+            init_rows(config, seed, (shard.row_start, shard.row_end),
+                      (shard.col_start, shard.col_end), out=weight.detach())
         else:
             weight.copy_(source[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
 

@@ -14,7 +14,18 @@
 namespace {
 
 constexpr int64_t kRadixBits = 11;
-constexpr int64_t kPrefetchAhead = 8;
+constexpr int64_t kPrefetchAhead = 16;  // rows: far enough to hide a DRAM miss per row
+constexpr int64_t kCacheLine = 64;
+
+// Ask for every cache line of a row that will be written a few rows from now.
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t cols) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < cols * static_cast<int64_t>(sizeof(scalar_t));
+       offset += kCacheLine) {
+    __builtin_prefetch(bytes + offset, 1);
+  }
+}
 
 // Positions of `keys` (all in [0, max_key]) ordered by key, stable: LSD radix sort.
 std::vector<int64_t> order_by_key(const int64_t* keys, int64_t n, int64_t max_key) {
@@ -73,13 +84,21 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
   return groups;
 }
 
+// Rows a visit will write: prefetched a few groups ahead (none if `rows` is null).
+template <typename scalar_t>
+struct Written {
+  scalar_t* rows = nullptr;
+  int64_t stride = 0, cols = 0;
+  scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
+};
+
 // For each distinct id in parallel: its summed gradient (times `scale`) into `row_grad`, then
-// `visit(u, row, row_grad)`. `ahead(row)` is called for the row a few groups later (prefetch).
-template <typename scalar_t, typename Visit, typename Ahead>
+// `visit(u, row, row_grad)`.
+template <typename scalar_t, typename Visit>
 void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
                            const c10::optional<torch::Tensor>& weights,
                            const torch::Tensor& bag_grads, double scale, Visit visit,
-                           Ahead ahead) {
+                           Written<scalar_t> written = {}) {
   const int64_t cols = bag_grads.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
   const scalar_t* grad = bag_grads.data_ptr<scalar_t>();
@@ -92,7 +111,11 @@ void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
     std::vector<scalar_t> buffer(cols);
     scalar_t* __restrict__ row_grad = buffer.data();
     for (int64_t u = begin; u < end; ++u) {
-      if (u + kPrefetchAhead < end) ahead(id[order[starts[u + kPrefetchAhead]]]);
+      if (written.rows != nullptr && u + kPrefetchAhead < end) {
+        const int64_t next = id[order[starts[u + kPrefetchAhead]]];
+        prefetch_row(written.rows + next * written.stride, written.cols);
+        if (written.per_row != nullptr) __builtin_prefetch(written.per_row + next, 1);
+      }
       std::fill(buffer.begin(), buffer.end(), scalar_t(0));
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         const int64_t pos = order[k];
@@ -121,8 +144,7 @@ std::vector<torch::Tensor> segment_sum_impl(const torch::Tensor& ids, const torc
       [&](int64_t u, int64_t row, const scalar_t* g) {
         row_out[u] = row;
         std::copy(g, g + cols, out + u * cols);
-      },
-      [](int64_t) {});
+      });
   return {rows, summed};
 }
 
@@ -132,13 +154,22 @@ template <typename scalar_t>
 inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const scalar_t* g,
                                 int64_t full, int64_t col_start, int64_t cols, scalar_t lr,
                                 scalar_t eps) {
-  double squares = 0;  // in double: the state is a running sum, its rounding compounds
-  for (int64_t c = 0; c < full; ++c) squares += static_cast<double>(g[c]) * g[c];
+  // In double (the state is a running sum: its rounding compounds), in independent lanes so the
+  // compiler can vectorize the reduction without reassociating it.
+  constexpr int64_t kLanes = 8;
+  double lanes[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= full; c += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(g[c + l]) * g[c + l];
+  }
+  for (; c < full; ++c) lanes[0] += static_cast<double>(g[c]) * g[c];
+  double squares = 0;
+  for (const double lane : lanes) squares += lane;
   const scalar_t total = *sum + static_cast<scalar_t>(squares / static_cast<double>(full));
   *sum = total;
   const scalar_t step = lr / (std::sqrt(total) + eps);
   const scalar_t* __restrict__ src = g + col_start;
-  for (int64_t c = 0; c < cols; ++c) w[c] -= step * src[c];
+  for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
 }
 
 template <typename scalar_t>
@@ -158,10 +189,7 @@ void rowwise_adagrad_backward_impl(torch::Tensor& weight, torch::Tensor& state,
         rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, full, col_start, cols, lr_,
                                       eps_);
       },
-      [&](int64_t row) {
-        __builtin_prefetch(w + row * stride, 1);
-        __builtin_prefetch(sum + row, 1);
-      });
+      Written<scalar_t>{w, stride, cols, sum});
 }
 
 template <typename scalar_t>
@@ -175,7 +203,7 @@ void add_to_rows_impl(torch::Tensor& tensor, const torch::Tensor& rows, const to
   const scalar_t a = static_cast<scalar_t>(alpha);
   at::parallel_for(0, unique, 256, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      if (u + kPrefetchAhead < end) __builtin_prefetch(dst + row[u + kPrefetchAhead] * cols, 1);
+      if (u + kPrefetchAhead < end) prefetch_row(dst + row[u + kPrefetchAhead] * cols, cols);
       scalar_t* d = dst + row[u] * cols;
       const scalar_t* s = src + u * cols;
       for (int64_t c = 0; c < cols; ++c) d[c] += a * s[c];
