@@ -14,7 +14,7 @@
 namespace {
 
 constexpr int64_t kRadixBits = 11;
-constexpr int64_t kPrefetchAhead = 16;  // rows: far enough to hide a DRAM miss per row
+constexpr int64_t kPrefetchAhead = 8;  // rows ahead: hides a DRAM miss, within the miss buffers
 constexpr int64_t kCacheLine = 64;
 
 // Ask for every cache line of a row that will be written a few rows from now.
@@ -92,8 +92,9 @@ struct Written {
   scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
 };
 
-// For each distinct id in parallel: its summed gradient (times `scale`) into `row_grad`, then
-// `visit(u, row, row_grad)`.
+// For each distinct id in parallel: `visit(u, row, g, g_scale)`, where g * g_scale is the row's
+// summed gradient times `scale`. A row looked up once (the common case for large tables) is
+// visited with its bag's gradient row itself, not a copy.
 template <typename scalar_t, typename Visit>
 void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
                            const c10::optional<torch::Tensor>& weights,
@@ -116,6 +117,11 @@ void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
         prefetch_row(written.rows + next * written.stride, written.cols);
         if (written.per_row != nullptr) __builtin_prefetch(written.per_row + next, 1);
       }
+      const int64_t first = order[starts[u]];
+      if (starts[u + 1] - starts[u] == 1) {
+        visit(u, id[first], grad + bag_of[first] * cols, weight ? weight[first] * factor : factor);
+        continue;
+      }
       std::fill(buffer.begin(), buffer.end(), scalar_t(0));
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         const int64_t pos = order[k];
@@ -123,7 +129,7 @@ void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
         const scalar_t* __restrict__ src = grad + bag_of[pos] * cols;
         for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
       }
-      visit(u, id[order[starts[u]]], row_grad);
+      visit(u, id[first], row_grad, scalar_t(1));
     }
   });
 }
@@ -141,19 +147,20 @@ std::vector<torch::Tensor> segment_sum_impl(const torch::Tensor& ids, const torc
   scalar_t* out = summed.data_ptr<scalar_t>();
   for_each_row_gradient<scalar_t>(
       groups, ids, weights, bag_grads, scale,
-      [&](int64_t u, int64_t row, const scalar_t* g) {
+      [&](int64_t u, int64_t row, const scalar_t* g, scalar_t g_scale) {
         row_out[u] = row;
-        std::copy(g, g + cols, out + u * cols);
+        scalar_t* __restrict__ dst = out + u * cols;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = g_scale * g[c];
       });
   return {rows, summed};
 }
 
-// Exact row-wise Adagrad on one distinct row: `g` is the full-width gradient, the block holds
-// columns [col_start, col_start + cols).
+// Exact row-wise Adagrad on one distinct row whose gradient is g * g_scale (full width); the
+// block holds columns [col_start, col_start + cols).
 template <typename scalar_t>
 inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const scalar_t* g,
-                                int64_t full, int64_t col_start, int64_t cols, scalar_t lr,
-                                scalar_t eps) {
+                                scalar_t g_scale, int64_t full, int64_t col_start, int64_t cols,
+                                scalar_t lr, scalar_t eps) {
   // In double (the state is a running sum: its rounding compounds), in independent lanes so the
   // compiler can vectorize the reduction without reassociating it.
   constexpr int64_t kLanes = 8;
@@ -165,9 +172,11 @@ inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const s
   for (; c < full; ++c) lanes[0] += static_cast<double>(g[c]) * g[c];
   double squares = 0;
   for (const double lane : lanes) squares += lane;
-  const scalar_t total = *sum + static_cast<scalar_t>(squares / static_cast<double>(full));
+  const double scaled = static_cast<double>(g_scale);
+  const scalar_t total = *sum + static_cast<scalar_t>(squares * scaled * scaled /
+                                                      static_cast<double>(full));
   *sum = total;
-  const scalar_t step = lr / (std::sqrt(total) + eps);
+  const scalar_t step = lr * g_scale / (std::sqrt(total) + eps);
   const scalar_t* __restrict__ src = g + col_start;
   for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
 }
@@ -185,9 +194,9 @@ void rowwise_adagrad_backward_impl(torch::Tensor& weight, torch::Tensor& state,
   const scalar_t lr_ = static_cast<scalar_t>(lr), eps_ = static_cast<scalar_t>(eps);
   for_each_row_gradient<scalar_t>(
       groups, ids, weights, bag_grads, scale,
-      [&](int64_t, int64_t row, const scalar_t* g) {
-        rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, full, col_start, cols, lr_,
-                                      eps_);
+      [&](int64_t, int64_t row, const scalar_t* g, scalar_t g_scale) {
+        rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, g_scale, full, col_start,
+                                      cols, lr_, eps_);
       },
       Written<scalar_t>{w, stride, cols, sum});
 }
