@@ -83,3 +83,19 @@ def test_non_cpu_or_half_tensors_take_the_torch_path():
     assert not native.supports(torch.zeros(2, dtype=torch.bfloat16))
     assert not native.supports(torch.zeros(2, device="meta"))
     assert native.supports(torch.zeros(2), None, torch.zeros(2, dtype=torch.int64))
+
+
+def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
+    from manualpar.embeddings import EmbeddingBagConfig
+    from manualpar.embeddings.table_init import init_rows
+
+    config = EmbeddingBagConfig("t", 9000, 24, feature_names=("f",), init_bound=0.5)
+    native_block = init_rows(config, 3, (4000, 9000), (5, 24))
+    native_double = init_rows(config, 3, (0, 10), (0, 24), out=torch.empty(10, 24,
+                                                                         dtype=torch.float64))
+    monkeypatch.setattr(native, "_loaded", None)
+    torch_block = init_rows(config, 3, (4000, 9000), (5, 24))
+    assert torch.equal(native_block, torch_block)
+    assert torch.equal(native_double, init_rows(config, 3, (0, 10), (0, 24)).double())
+    assert -0.5 <= float(torch_block.min()) < -0.49 and 0.49 < float(torch_block.max()) < 0.5
+    assert not torch.equal(torch_block, init_rows(config, 4, (4000, 9000), (5, 24)))

@@ -176,6 +176,8 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
              "baseline": (sys.executable, Path(__file__), ["--worker", "baseline"])}
     if args.peer_python:
         found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
+    if args.skip_baseline:
+        del found["baseline"]
     return found
 
 
@@ -239,6 +241,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plans", nargs="+", default=["table_wise", "row_wise"])
     parser.add_argument("--peer-python", help="python of a venv where torchrec + fbgemm import")
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="leave out the plain-torch baseline (quicker runs against the peer)")
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument("--scale-gib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--json")

@@ -59,7 +59,7 @@ class EmbeddingTable(nn.Module):
             config.embedding_dim if cols is None else cols, device=device))
 
     def reset_parameters(self) -> None:
-        """Seeded per block of rows: the same values whatever the sharding (see table_init)."""
+        """Hashed per element: the same values whatever the sharding (see table_init)."""
         if self.weight.is_meta:
             return
         init_rows(self.config, self.seed, (0, self.config.num_embeddings),

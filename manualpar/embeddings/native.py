@@ -36,8 +36,9 @@ def native_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        _loaded = load("manualpar_sparse_rows", [str(SOURCE)], extra_cflags=["-O3"],
-                       verbose=False)
+        # no FMA contraction: the kernels must round as the torch ops do on every machine
+        _loaded = load("manualpar_sparse_rows", [str(SOURCE)],
+                       extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, loudly
         warnings.warn(f"manualpar: the C++ embedding kernels could not be built ({error}); "
                       f"using the pure-torch path, which gives the same results more slowly. "

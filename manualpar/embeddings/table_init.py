@@ -1,8 +1,10 @@
 """Initial table values that do not depend on how the table is sharded.
 
-Rows are generated in fixed blocks of ROW_BLOCK rows, each from a generator seeded by (seed,
-table name, block index): any rank can produce any rectangle of any table by itself, and a
-sharded table holds exactly the values of the unsharded one, for every plan and world size.
+Each value is a hash of (seed, table name, row, column): any rank produces any rectangle of any
+table by itself, in one pass, and a sharded table holds exactly the values of the unsharded one
+for every plan and world size. The hash is splitmix64's finalizer over a per-element counter,
+the top 24 bits giving a uniform float in [0, 1). The C++ kernel and the torch ops below produce
+identical bits; the C++ one is about 10x faster than `uniform_` on CPU.
 """
 
 from __future__ import annotations
@@ -12,14 +14,42 @@ import zlib
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.native import native_kernels, supports
 
-__all__ = ["ROW_BLOCK", "init_rows"]
+__all__ = ["init_rows", "table_key"]
 
-ROW_BLOCK = 4096
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
 
 
-def _block_seed(seed: int, table: str, block: int) -> int:
-    return (seed * 1_000_003 + zlib.crc32(table.encode()) * 65_537 + block) % (2**63 - 1)
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def table_key(seed: int, table: str) -> int:
+    """The 64-bit stream key of one table (unsigned)."""
+    return _mix((seed * _GOLDEN + zlib.crc32(table.encode())) & _MASK64)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int64 bit patterns (torch's >> on int64 is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _torch_uniform(key: int, counters: torch.Tensor) -> torch.Tensor:
+    z = counters * _signed(_GOLDEN) + _signed(key)  # int64 arithmetic wraps like uint64
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) * 2.0**-24
 
 
 @torch.no_grad()
@@ -29,13 +59,14 @@ def init_rows(config: EmbeddingBagConfig, seed: int, rows: tuple[int, int],
     (r0, r1), (c0, c1) = rows, columns
     if out is None:
         out = torch.empty(r1 - r0, c1 - c0)
-    generator = torch.Generator()
-    for block in range(r0 // ROW_BLOCK, (r1 - 1) // ROW_BLOCK + 1 if r1 > r0 else 0):
-        start = block * ROW_BLOCK
-        size = min(ROW_BLOCK, config.num_embeddings - start)
-        generator.manual_seed(_block_seed(seed, config.name, block))
-        values = torch.rand(size, config.embedding_dim, generator=generator)
-        lo, hi = max(start, r0), min(start + size, r1)
-        piece = values[lo - start:hi - start, c0:c1].mul_(2 * config.bound).sub_(config.bound)
-        out[lo - r0:hi - r0].copy_(piece)
+    key, bound, dim = table_key(seed, config.name), config.bound, config.embedding_dim
+    if supports(out) and out.is_contiguous():
+        native_kernels().uniform_rows(out, _signed(key), r0, c0, dim, bound)
+        return out
+    for start in range(r0, r1, 4096):  # bounded temporaries on the torch path
+        stop = min(start + 4096, r1)
+        counters = (torch.arange(start, stop, device=out.device).unsqueeze(1) * dim
+                    + torch.arange(c0, c1, device=out.device))
+        values = _torch_uniform(key, counters).mul_(2 * bound).sub_(bound)
+        out[start - r0:stop - r0].copy_(values)
     return out

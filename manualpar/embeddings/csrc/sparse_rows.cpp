@@ -278,8 +278,36 @@ void add_to_rows(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta, 
   });
 }
 
+// Initial table values (see table_init.py): out[i][j] = bound * (2u - 1), u the top 24 bits of
+// splitmix64's finalizer over key + counter * golden, counter = (row0 + i) * dim + col0 + j.
+void uniform_rows(torch::Tensor out, int64_t key, int64_t row0, int64_t col0, int64_t dim,
+                  double bound) {
+  check_cpu_contiguous(out, "out");
+  const int64_t rows = out.size(0), cols = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "uniform_rows", [&] {
+    scalar_t* data = out.data_ptr<scalar_t>();
+    const uint64_t k = static_cast<uint64_t>(key);
+    at::parallel_for(0, rows, 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint64_t base = static_cast<uint64_t>((row0 + i) * dim + col0);
+        scalar_t* row = data + i * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          uint64_t z = k + (base + static_cast<uint64_t>(j)) * 0x9E3779B97F4A7C15ULL;
+          z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+          z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+          z ^= z >> 31;
+          const float u = static_cast<float>(z >> 40) * 0x1.0p-24f;
+          row[j] = static_cast<scalar_t>(u * static_cast<float>(2 * bound) -
+                                         static_cast<float>(bound));
+        }
+      }
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segment_sum", &segment_sum);
   m.def("rowwise_adagrad_backward", &rowwise_adagrad_backward);
   m.def("add_to_rows", &add_to_rows);
+  m.def("uniform_rows", &uniform_rows);
 }
