@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from manualpar.embeddings.routing import LocalShard, Routing
+from manualpar.errors import EmbeddingInputError
 
 __all__ = [
+    "REFUSED",
     "ReceivedIds",
     "SentIds",
     "assemble_output",
@@ -31,6 +33,7 @@ __all__ = [
 ]
 
 AllToAll = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+REFUSED = -1  # the sizes a rank sends when its own batch failed validation
 
 
 @dataclass
@@ -115,6 +118,11 @@ def exchange_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
     sizes_out = torch.tensor([[batch, p.numel(), int(weighted)] for p in payloads],
                              dtype=torch.int64, device=values.device).flatten()
     sizes_in = all_to_all(sizes_out, [3] * world, [3] * world).view(world, 3).tolist()
+    refused = [rank for rank, size in enumerate(sizes_in) if size[0] == REFUSED]
+    if refused:
+        raise EmbeddingInputError(
+            f"rank {', '.join(map(str, refused))} refused its batch (the error is in that "
+            f"rank's log); every rank stops at this step. Fix the input on that rank")
     received = all_to_all(torch.cat(payloads), [p.numel() for p in payloads],
                           [size[1] for size in sizes_in])
     batch_sizes = [size[0] for size in sizes_in]

@@ -26,6 +26,7 @@ from manualpar.embeddings.collection import (
     check_features,
 )
 from manualpar.embeddings.exchange import (
+    REFUSED,
     assemble_output,
     exchange_ids,
     grad_receive_splits,
@@ -42,7 +43,7 @@ from manualpar.embeddings.optimizers import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.routing import Routing
 from manualpar.embeddings.table_init import init_rows
-from manualpar.errors import BuilderError, PlanError
+from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
 from manualpar.wrappers.ownership import claim, mark_replaced
 
 if TYPE_CHECKING:
@@ -135,10 +136,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
-        features = check_features(features, self.configs)
+        try:
+            features = check_features(features, self.configs)
+        except EmbeddingInputError:
+            self._refuse_step()
+            raise
         features = features.to(self.strategy.device)
         values = _EmbeddingLookup.apply(self._anchor, self, features)
         return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
+
+    def _refuse_step(self) -> None:
+        """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
+        ranks stop at this step with an error instead of waiting for the collective timeout."""
+        world = self.strategy.world_size
+        if world > 1:
+            self._all_to_all(torch.full((3 * world,), REFUSED, device=self.strategy.device),
+                             [3] * world, [3] * world, "ids")
 
     def _all_to_all(self, tensor: torch.Tensor, send: list[int], receive: list[int],
                     what: str) -> torch.Tensor:
