@@ -19,9 +19,11 @@ import torch
 import manualpar as mp
 from manualpar.embeddings import (
     SGD,
+    Adam,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingPlan,
+    RowWiseAdagrad,
     SparseFeatures,
     TablePlacement,
     column_wise,
@@ -277,3 +279,26 @@ def test_sharded_bad_ids_raise_on_their_rank_and_stop_the_peer_at_the_same_step(
                                  "rank's log); every rank stops at this step"), peer.error
     # it failed while the bad rank was still alive, so not by the collective timeout
     assert _peer_seconds(tmp_path, 1 - bad_rank) < COLLECTIVE_TIMEOUT
+
+
+# ---- optimizers ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: SGD(lr=-1), "SGD: lr must be a finite number >= 0, got -1"),
+    (lambda: SGD(lr="0.1"), "SGD: lr must be a finite number >= 0, got '0.1'"),
+    (lambda: SGD(lr=float("nan")), "SGD: lr must be a finite number >= 0, got nan"),
+    (lambda: RowWiseAdagrad(lr=0.1, eps=0), "RowWiseAdagrad: eps must be a finite number > 0"),
+    (lambda: Adam(lr=0.1, betas=(1.5, 0.9)), "Adam: betas must be two numbers in [0, 1), got "
+     "(1.5, 0.9)"),
+], ids=["negative_lr", "string_lr", "nan_lr", "zero_eps", "adam_beta"])
+def test_bad_optimizer_settings(make, message: str) -> None:
+    with _raises(BuilderError, message):
+        make()
+
+
+def test_bad_learning_rate_set_during_training() -> None:
+    emb = shard_embeddings(EmbeddingBagCollection(TABLES), mp.ManualParallelStrategy(),
+                           "auto", SGD(lr=0.1))
+    emb.fused_optimizer.lr = 0.05
+    with _raises(BuilderError, "fused optimizer: lr must be a finite number >= 0, got inf"):
+        emb.fused_optimizer.lr = float("inf")
+    assert emb.fused_optimizer.lr == 0.05

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from manualpar.embeddings.local_shards import Block, LocalShards, gathering_full_tensors
-from manualpar.embeddings.optimizers import SparseOptimizer
+from manualpar.embeddings.optimizers import SparseOptimizer, check_lr
 from manualpar.embeddings.plan import Shard
 
 __all__ = ["FusedOptimizer"]
@@ -41,7 +41,7 @@ class FusedOptimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.lr = float(value)
+        self.optimizer.lr = check_lr(value, "fused optimizer")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

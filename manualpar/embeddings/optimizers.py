@@ -18,8 +18,23 @@ import torch
 from manualpar.embeddings.kernels import add_to_rows
 from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import native_kernels, supports
+from manualpar.errors import BuilderError
 
-__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer"]
+__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "check_lr"]
+
+
+def check_lr(value: object, where: str) -> float:
+    """A learning rate: a finite number >= 0 (a typo here would train silently on garbage)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise BuilderError(f"{where}: lr must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_positive(value: object, name: str, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise BuilderError(f"{where}: {name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass
@@ -32,6 +47,11 @@ class SparseOptimizer:
     STATE: ClassVar[dict[str, bool]] = {}
     # the update needs the gradient's full width (row-wise statistics under column sharding)
     needs_full_rows: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self.lr = check_lr(self.lr, type(self).__name__)
+        if hasattr(self, "eps"):
+            _check_positive(self.eps, "eps", type(self).__name__)
 
     def init_state(self, rows: int, cols: int,
                    device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
@@ -119,6 +139,12 @@ class Adam(SparseOptimizer):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     STATE = {"exp_avg": False, "exp_avg_sq": False}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.betas) != 2 or not all(
+                isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise BuilderError(f"Adam: betas must be two numbers in [0, 1), got {self.betas!r}")
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         beta1, beta2 = self.betas
