@@ -99,3 +99,22 @@ def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
     assert torch.equal(native_double, init_rows(config, 3, (0, 10), (0, 24)).double())
     assert -0.5 <= float(torch_block.min()) < -0.49 and 0.49 < float(torch_block.max()) < 0.5
     assert not torch.equal(torch_block, init_rows(config, 4, (4000, 9000), (5, 24)))
+
+
+def test_split_by_rows_matches_torch(monkeypatch):
+    from manualpar.embeddings import EmbeddingBagConfig, EmbeddingPlan, row_wise
+    from manualpar.embeddings.exchange import split_by_rows
+    from manualpar.embeddings.routing import Routing
+
+    config = EmbeddingBagConfig("t", 300, 4, feature_names=("f",))
+    routing = Routing((config,), EmbeddingPlan(3, {"t": row_wise()}), 0)
+    ids, lengths, _, _ = _case(torch.float32, weighted=False)
+    native_result = split_by_rows(ids, lengths, routing, 0)
+    monkeypatch.setattr(native, "_loaded", None)
+    torch_result = split_by_rows(ids, lengths, routing, 0)
+    for native_part, torch_part in zip(native_result, torch_result, strict=True):
+        assert torch.equal(native_part, torch_part)
+    counts, local, _ = torch_result
+    assert counts.shape == (3, lengths.numel()) and int(counts.sum()) == ids.numel()
+    assert torch.equal(counts.sum(0), lengths)
+    assert int(local.max()) < 100 and int(local.min()) >= 0

@@ -166,8 +166,12 @@ def launch(python: str, script: Path, extra: list[str], args: argparse.Namespace
                    "--warmup", str(args.warmup), "--lr", str(args.lr), "--result", result]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if run.returncode or not os.path.exists(result):
+        if not os.path.exists(result):
             raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
+        if run.returncode:  # measured and written, then died on the way out: keep, but say so
+            print(f"  (exit code {run.returncode} after writing its result: "
+                  f"{run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else ''})",
+                  flush=True)
         return json.loads(Path(result).read_text())
 
 

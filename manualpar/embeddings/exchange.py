@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from manualpar.embeddings.native import native_kernels, supports
 from manualpar.embeddings.routing import LocalShard, Routing
 from manualpar.errors import EmbeddingInputError
 
@@ -28,6 +29,7 @@ __all__ = [
     "exchange_ids",
     "grad_receive_splits",
     "pack_output_grad",
+    "split_by_rows",
     "split_output",
     "unpack_output_grad",
 ]
@@ -96,18 +98,14 @@ def exchange_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
                 if w is not None:
                     weights_to[dest].append(w)
             continue
-        groups = len(routing.row_starts[table])
-        group = torch.bucketize(ids, routing.row_boundaries[table], right=True)
-        bag = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths[f])
-        order = torch.argsort(group, stable=True)
-        counts = torch.bincount(group * batch + bag, minlength=groups * batch).view(groups, batch)
+        counts, local_ids, order = split_by_rows(ids, lengths[f], routing, table)
         sizes = counts.sum(1).tolist()
-        id_parts = ids[order].split(sizes)
+        id_parts = local_ids.split(sizes)
         w_parts = None if w is None else w[order].split(sizes)
         for dest, route in routes:
             g = route.row_group
             lens_to[dest].append(counts[g])
-            ids_to[dest].append(id_parts[g] - route.shard.row_start)
+            ids_to[dest].append(id_parts[g])
             if w_parts is not None:
                 weights_to[dest].append(w_parts[g])
     weighted = weights is not None
@@ -128,6 +126,24 @@ def exchange_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
     batch_sizes = [size[0] for size in sizes_in]
     shards = _unpack_ids(routing, received, sizes_in)
     return SentIds(batch, lengths, batch_sizes), ReceivedIds(shards, batch_sizes)
+
+
+def split_by_rows(ids: torch.Tensor, lengths: torch.Tensor, routing: Routing, table: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row-split table's ids grouped by the row range holding them, bag order kept inside
+    each group: (groups, bags) counts, the ids made local to their range, and the order taken
+    (to reorder per-id weights)."""
+    starts = routing.row_start_tensors[table]
+    if supports(ids) and ids.dtype == torch.int64 and lengths.dtype == torch.int64:
+        counts, local, order = native_kernels().split_by_rows(ids.contiguous(),
+                                                              lengths.contiguous(), starts)
+        return counts, local, order
+    batch = lengths.numel()
+    group = torch.bucketize(ids, routing.row_boundaries[table], right=True)
+    bag = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
+    order = torch.argsort(group, stable=True)
+    counts = torch.bincount(group * batch + bag, minlength=len(starts) * batch)
+    return counts.view(len(starts), batch), ids[order] - starts.to(ids.device)[group[order]], order
 
 
 def _unpack_ids(routing: Routing, received: torch.Tensor, sizes_in: list[list[int]],

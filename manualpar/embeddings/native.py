@@ -1,15 +1,21 @@
-"""Optional C++ kernels for the CPU backward, compiled at first use and cached.
+"""Optional C++ kernels for the CPU backward and init, compiled at first use and cached.
 
-torch's extension loader builds `csrc/sparse_rows.cpp` once per machine (about 40 s, in torch's
-extensions cache; `TORCH_EXTENSIONS_DIR` moves it) and reloads it afterwards in milliseconds.
-Ranks of one job that start together share the build: torch's loader takes a lock in the build
-directory. Where no compiler is found, or `MANUALPAR_NATIVE_KERNELS=0`, everything runs on the
-pure-torch path (the one CUDA tensors always take), with the same numbers, more slowly.
+torch's extension loader builds `csrc/sparse_rows.cpp` once per machine and source version
+(about 40 s, under torch's extensions cache; `TORCH_EXTENSIONS_DIR` moves it). Each version has
+its own directory, named by a hash of the source, the torch version and the flags, so a built
+library is imported directly (milliseconds, no compiler or ninja run) and two versions never
+overwrite each other. Ranks of one job that start together share the build: torch's loader
+takes a lock in the build directory. Where no compiler is found, or `MANUALPAR_NATIVE_KERNELS=0`,
+everything runs on the pure-torch path (the one CUDA tensors always take), with the same
+numbers, more slowly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -20,9 +26,37 @@ __all__ = ["native_kernels", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "sparse_rows.cpp"
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
+# no FMA contraction: the kernels must round as the torch ops do, on every machine
+CFLAGS = ["-O3", "-ffp-contract=off"]
 _NATIVE_DTYPES = (torch.float32, torch.float64)
 _loaded: ModuleType | None = None
 _tried = False
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
+    return f"manualpar_sparse_rows_{digest.hexdigest()[:16]}"
+
+
+def _extensions_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "torch_extensions" / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu"
+
+
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    library = directory / f"{name}.so"
+    if not library.exists() or (directory / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def native_kernels() -> ModuleType | None:
@@ -33,12 +67,16 @@ def native_kernels() -> ModuleType | None:
     _tried = True
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
+    name = _build_name()
+    directory = _extensions_root() / name
     try:
-        from torch.utils.cpp_extension import load
+        _loaded = _import_built(name, directory)
+        if _loaded is None:
+            from torch.utils.cpp_extension import load
 
-        # no FMA contraction: the kernels must round as the torch ops do on every machine
-        _loaded = load("manualpar_sparse_rows", [str(SOURCE)],
-                       extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+            directory.mkdir(parents=True, exist_ok=True)
+            _loaded = load(name, [str(SOURCE)], extra_cflags=CFLAGS,
+                           build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, loudly
         warnings.warn(f"manualpar: the C++ embedding kernels could not be built ({error}); "
                       f"using the pure-torch path, which gives the same results more slowly. "

@@ -73,6 +73,8 @@ class Routing:
                 self.routes_of_feature[route.feature].append((dest, route))
         self.row_boundaries = [torch.tensor(starts[1:], dtype=torch.int64)
                                for starts in self.row_starts]
+        self.row_start_tensors = [torch.tensor(starts, dtype=torch.int64)
+                                  for starts in self.row_starts]
 
     def _local_shards(self) -> list[LocalShard]:
         local: list[LocalShard] = []
