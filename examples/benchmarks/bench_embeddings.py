@@ -218,18 +218,32 @@ def compare(args: argparse.Namespace) -> dict:
 
 
 def scale(args: argparse.Namespace) -> dict:
-    """manualpar alone at 1, 4 and 16 GiB of tables, equal lookups."""
+    """manualpar alone at 1, 4 and 16 GiB of tables, equal lookups; sizes interleave in a
+    rotating order over `--repeats`, and step time is compared as the median per size."""
     python, script, extra = variants(args)["manualpar"]
-    out = {}
-    for gib in args.scale_gib:
-        rows = int(gib * 2**30 / (args.tables * args.dim * 4))
-        result = launch(python, script, extra, args, args.plans[0], rows)
-        out[f"{gib}GiB"] = result
-        tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
-        print(f"{gib:>4} GiB tables: {result['ms_per_step']:7.1f} ms/step, peak RSS per rank "
-              f"{max(result['peak_rss_gb_per_rank']):.2f} GiB (bound "
-              f"{tables_state / 2 + 0.5:.2f}), init {result['init_s']:.1f} s", flush=True)
-    return out
+    sizes = list(args.scale_gib)
+    runs: dict[float, list[dict]] = {gib: [] for gib in sizes}
+    for repeat in range(args.repeats):
+        for gib in sizes[repeat % len(sizes):] + sizes[:repeat % len(sizes)]:
+            rows = int(gib * 2**30 / (args.tables * args.dim * 4))
+            result = launch(python, script, extra, args, args.plans[0], rows)
+            runs[gib].append(result)
+            tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
+            result["rss_bound_gb"] = tables_state / 2 + 0.5
+            print(f"repeat {repeat} {gib:>4} GiB tables: {result['ms_per_step']:7.1f} ms/step, "
+                  f"peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB (bound "
+                  f"{result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s", flush=True)
+    summary = {}
+    first = statistics.median(r["ms_per_step"] for r in runs[sizes[0]])
+    for gib, results in runs.items():
+        median_ms = statistics.median(r["ms_per_step"] for r in results)
+        summary[f"{gib}GiB"] = {
+            "median_ms_per_step": median_ms, f"vs_{sizes[0]}GiB": median_ms / first,
+            "max_peak_rss_gb": max(max(r["peak_rss_gb_per_rank"]) for r in results),
+            "rss_bound_gb": results[0]["rss_bound_gb"],
+            "median_init_s": statistics.median(r["init_s"] for r in results)}
+    print(json.dumps(summary, indent=2))
+    return {"summary": summary, "runs": {f"{gib}GiB": r for gib, r in runs.items()}}
 
 
 def main() -> None:
