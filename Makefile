@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install demo demo-strategy test lint clean torchrec-peer
+.PHONY: install kernels demo demo-strategy test lint clean torchrec-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ demo-strategy: install
 lint: install
 	$(PY) -m ruff check manualpar tests examples
 
-test: install lint
+# The C++ embedding kernels: built once per machine and source version (about 40 s), before the
+# tests start ranks; without a compiler this warns and the torch path is used.
+kernels: install
+	$(PY) -c "from manualpar.embeddings.native import native_kernels; native_kernels()"
+
+test: install lint kernels
 	$(PY) -m pytest -q
 
 # The TorchRec + FBGEMM (CPU) peer of the embedding benchmark, in its own environment.
