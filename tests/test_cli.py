@@ -128,8 +128,8 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
     (["--table", "user:10:4", "--table", "user:20:4"],
      "error: table names must be unique; repeated: ['user']"),
     (["--table", "user:10000000:64", "--memory-budget", "1GiB"],
-     "error: the 1 tables hold 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
-     "ranks, more than the budget of 1.00 GiB; raise memory_budget_bytes to 1.21 GiB or more, "
+     "error: the table holds 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
+     "ranks, more than the budget of 1.00 GiB; raise the memory budget to 1.21 GiB or more, "
      "use 3 or more ranks, or shrink the tables"),
     (["--table", "user:10000000:64", "--table", "item:10:4", "--plan", "table_wise",
       "--memory-budget", "2147483648"], "error: plan table_wise puts 2.42 GiB on rank 0, more "

@@ -116,11 +116,17 @@ def _check_fits(tables: Sequence[EmbeddingBagConfig], sizes: Mapping[str, int], 
     need = -(-sum(sizes.values()) // world_size)
     if need > budget:
         raise PlanError(
-            f"the {len(tables)} tables hold {_mb(sum(sizes.values()))} with optimizer state: at "
+            f"{_tables(len(tables))} {_mb(sum(sizes.values()))} with optimizer state: at "
             f"least {_mb(need)} per rank on {world_size} ranks, more than the budget of "
-            f"{_mb(budget)}; raise memory_budget_bytes to {_mb(need)} or more, use "
+            f"{_mb(budget)}; raise the memory budget to {_mb(need)} or more, use "
             f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables")
 
 
+def _tables(count: int) -> str:
+    return "the table holds" if count == 1 else f"the {count} tables hold"
+
+
 def _mb(size: float) -> str:
-    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
+    if size >= GiB:
+        return f"{size / GiB:.2f} GiB"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{int(size)} bytes"
