@@ -98,6 +98,7 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.step = 0
+        self._fused: dict[str, Any] = {}
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -118,8 +119,8 @@ class Trainer:
                 raise TypeError(f"{type(model).__name__} has no configure_optimizers(); pass "
                                 "optimizer= to fit()")
             optimizer = model.configure_optimizers()
-        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(),
-                 **fused_optimizers(model)}
+        self._fused = fused_optimizers(model)
+        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._fused}
         self._resume(state)
         self.step = state["step"]
         model.train()
@@ -192,7 +193,9 @@ class Trainer:
                 optimizer: torch.optim.Optimizer) -> dict[str, float]:
         reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
         lr = float(optimizer.param_groups[0].get("lr", 0.0))
-        self._append({"step": self.step, **reduced, "lr": lr, "steps_per_s": rate})
+        # sharded tables train with their own fused optimizers: log their rates too
+        fused_lr = {f"{name}/lr": fused.lr for name, fused in self._fused.items()}
+        self._append({"step": self.step, **reduced, "lr": lr, **fused_lr, "steps_per_s": rate})
         return reduced
 
     def _append(self, record: Mapping[str, Any]) -> None:

@@ -57,6 +57,7 @@ def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
     losses = [r["loss"] for r in records if "loss" in r]
     aucs = [r["val/auc"] for r in records if "val/auc" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.05
+    assert {r["sparse_optim/lr"] for r in records if "loss" in r} == {0.05}  # --emb-lr default
     assert len(aucs) == 2 and aucs[-1] > 0.6
     final = float(re.search(r"validation AUC (\d\.\d+)", out).group(1))
     assert math.isclose(final, aucs[-1], abs_tol=1e-4)  # the final evaluation: same model
