@@ -27,6 +27,7 @@ from torch import nn
 
 from manualpar.checkpoint_files import latest_checkpoint, read_manifest
 from manualpar.embeddings.sharded import fused_optimizers
+from manualpar.logs import log_with_rank
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
@@ -92,6 +93,7 @@ class Trainer:
             if value < 1:
                 raise ValueError(f"Trainer: {name} must be >= 1, got {value}")
         self.strategy = strategy
+        log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
         self.max_steps, self.accumulate, self.log_every = max_steps, accumulate, log_every
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
@@ -218,7 +220,7 @@ class Trainer:
         if latest is None:
             return
         self.strategy.load_checkpoint(latest, state)
-        log.info("rank %d: resumed from %s at step %d", self.strategy.rank, latest, state["step"])
+        log.info("resumed from %s at step %d", latest, state["step"])
         if self.strategy.is_global_zero and self.metrics_path.exists():
             # Drop what the interrupted run recorded after its last checkpoint: it is redone.
             kept = [line for line in self.metrics_path.read_text().splitlines()
