@@ -118,3 +118,16 @@ def test_split_by_rows_matches_torch(monkeypatch):
     assert counts.shape == (3, lengths.numel()) and int(counts.sum()) == ids.numel()
     assert torch.equal(counts.sum(0), lengths)
     assert int(local.max()) < 100 and int(local.min()) >= 0
+
+
+def test_huge_page_advice_is_given_to_large_cpu_blocks_and_can_be_switched_off(monkeypatch):
+    from manualpar.embeddings import memory
+
+    advised = []
+    monkeypatch.setattr(memory, "_madvise_huge", lambda t: advised.append(t.shape) or True)
+    assert memory.zeros_rows(4096, 256).abs().sum() == 0  # 4 MiB: advised, then zeroed
+    memory.empty_rows(10, 4)  # small: not advised
+    assert advised == [(4096, 256)]
+    monkeypatch.undo()
+    monkeypatch.setenv("MANUALPAR_HUGE_PAGES", "0")
+    assert not memory._madvise_huge(torch.empty(4096, 256))
