@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from manualpar import checkpoint as _checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
-from manualpar.errors import CollectiveError
+from manualpar.errors import ClusterEnvironmentError, CollectiveError
 from manualpar.seed import seed_everything
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV_VAR", "ManualParallelStrategy", "ReduceOp"]
@@ -42,11 +42,14 @@ def resolve_timeout(timeout: float | timedelta | None) -> timedelta:
         try:
             timeout = float(raw)
         except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
+            raise ClusterEnvironmentError(
+                f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds; set it to e.g. 120 or "
+                "unset it for the 5-minute default") from None
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
-        raise ValueError(f"collective timeout must be positive, got {timeout}")
+        raise ValueError(f"collective timeout must be positive, got {timeout.total_seconds():g} s; "
+                         f"pass seconds > 0 (or set {TIMEOUT_ENV_VAR})")
     return timeout
 
 

@@ -24,6 +24,7 @@ import manualpar as mp
 import manualpar.checkpoint as checkpoint
 from manualpar.embeddings import SGD, EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
 from manualpar.embeddings import shard_embeddings as shard
+from manualpar.errors import ClusterEnvironmentError
 from manualpar.testing import run_distributed
 
 
@@ -191,3 +192,17 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
     unpickled = [(f, ast.unparse(c)) for name in ("pickle.load", "pickle.loads")
                  for f, c in _calls(name) if f != "testing.py"]
     assert unpickled == []
+
+
+@pytest.mark.parametrize(("raw", "error", "message"), [
+    ("abc", ClusterEnvironmentError, "MANUALPAR_TIMEOUT_S='abc' is not a number of seconds; set it "
+     "to e.g. 120 or unset it for the 5-minute default"),
+    ("-5", ValueError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
+], ids=["not_a_number", "negative"])
+def test_bad_timeout_variable(raw, error, message, monkeypatch):
+    from manualpar.strategy import resolve_timeout
+
+    monkeypatch.setenv("MANUALPAR_TIMEOUT_S", raw)
+    with pytest.raises(error) as raised:
+        resolve_timeout(None)
+    assert str(raised.value).startswith(message)
