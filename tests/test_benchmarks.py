@@ -1,0 +1,44 @@
+"""The embedding benchmark runs end to end at toy size (numbers are not asserted: timing has no
+place in tests), so it does not rot between the runs that produce docs' numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "examples" / "benchmarks" / "bench_embeddings.py"
+TOY = ["--rows", "3000", "--tables", "2", "--dim", "8", "--batch", "64", "--steps", "2",
+       "--warmup", "1", "--repeats", "1"]
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "result.json"
+    run = subprocess.run([sys.executable, str(BENCH), *TOY, *extra, "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
+    result = _run(tmp_path)
+    for plan in ("table_wise", "row_wise"):
+        ratio = result["summary"][plan]["manualpar/baseline"]
+        assert ratio["pairs"] == 1 and ratio["ms_per_step"] > 0 and ratio["peak_rss"] > 0
+        for name in ("manualpar", "baseline"):
+            (run,) = result["runs"][plan][name]
+            assert run["plan"] == plan and len(run["step_ms"]) == 2
+            assert len(run["peak_rss_gb_per_rank"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--scale", "--scale-gib", "0.001", "0.002")
+    summary = result["summary"]
+    assert summary["0.001GiB"]["vs_0.001GiB"] == 1.0
+    assert summary["0.002GiB"]["rss_bound_gb"] > summary["0.001GiB"]["rss_bound_gb"]
+    assert len(result["runs"]["0.002GiB"]) == 1
