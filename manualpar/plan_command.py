@@ -31,6 +31,7 @@ from manualpar.embeddings import (
     table_wise,
 )
 from manualpar.embeddings.config import check_tables
+from manualpar.embeddings.plan import format_bytes
 from manualpar.embeddings.planner import plan_tables, table_bytes
 from manualpar.errors import ManualParError, PlanError
 
@@ -160,13 +161,9 @@ def _check_budget(kind: str, per_rank: Sequence[int], budget: int | None) -> Non
     over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
     if over:
         rank = max(over, key=lambda r: per_rank[r])
-        raise PlanError(f"plan {kind} puts {_size(per_rank[rank])} on rank {rank}, more than "
-                        f"the memory budget of {_size(budget or 0)}; try --plan auto, more "
-                        "ranks or a larger --memory-budget")
-
-
-def _size(size: float) -> str:
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        raise PlanError(f"plan {kind} puts {format_bytes(per_rank[rank])} on rank {rank}, more "
+                        f"than the memory budget of {format_bytes(budget or 0)}; try --plan auto, "
+                        "more ranks or a larger --memory-budget")
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

@@ -25,11 +25,30 @@ from typing import Any
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.errors import PlanError
 
-__all__ = ["SHARDING_TYPES", "EmbeddingPlan", "Shard", "TablePlacement", "column_wise",
-           "data_parallel", "row_wise", "split_evenly", "table_row_wise", "table_wise"]
+__all__ = [
+    "SHARDING_TYPES",
+    "EmbeddingPlan",
+    "Shard",
+    "TablePlacement",
+    "column_wise",
+    "data_parallel",
+    "format_bytes",
+    "row_wise",
+    "split_evenly",
+    "table_row_wise",
+    "table_wise",
+]
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
+
+
+def format_bytes(size: float) -> str:
+    """A size in the largest unit that keeps it >= 1 (GiB, MiB, KiB, bytes)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}" if unit == "GiB" else f"{size / scale:.1f} {unit}"
+    return f"{int(size)} bytes"
 
 @dataclass(frozen=True)
 class Shard:
@@ -245,7 +264,7 @@ class EmbeddingPlan:
                          f"{shards}{note}")
         per_rank = self.bytes_per_rank(configs)
         lines.append("  bytes per rank (weights + row-wise state): "
-                     + ", ".join(f"r{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank)))
+                     + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank)))
         return "\n".join(lines)
 
     def __str__(self) -> str:

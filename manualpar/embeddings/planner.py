@@ -22,6 +22,7 @@ from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
     data_parallel,
+    format_bytes,
     row_wise,
     table_row_wise,
     table_wise,
@@ -68,7 +69,7 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
         if size <= replicate_bytes and (budget is None or
                                         max(memory) + size <= budget) and world_size > 1:
             placements[name] = data_parallel()
-            notes[name] = f"replicated: {_mb(size)} <= {_mb(replicate_bytes)}"
+            notes[name] = f"replicated: {format_bytes(size)} <= {format_bytes(replicate_bytes)}"
             memory = [m + size for m in memory]
             continue
         fits = [r for r in range(world_size) if budget is None or memory[r] + size <= budget]
@@ -76,7 +77,7 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
         if fits and not too_big:
             rank = min(fits, key=load)
             placements[name] = table_wise(rank)
-            notes[name] = f"whole on rank {rank} ({_mb(size)}; least-loaded rank)"
+            notes[name] = f"whole on rank {rank} ({format_bytes(size)}; least-loaded rank)"
             memory[rank] += size
             work[rank] += lookups
             continue
@@ -96,13 +97,16 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
                 continue
         share = -(-size // world_size)
         if budget is not None and any(m + share > budget for m in memory):
+            held = [format_bytes(m) for m in memory]
+            least = format_bytes(-(-sum(sizes.values()) // world_size))
             raise PlanError(
-                f"table {name!r} needs {_mb(share)} per rank split over {world_size} ranks, but "
-                f"ranks already hold {[_mb(m) for m in memory]} of a {_mb(budget)} budget; "
-                f"all tables need at least {_mb(-(-sum(sizes.values()) // world_size))} per rank."
-                " Raise memory_budget_bytes, add ranks, or shrink the tables")
+                f"table {name!r} needs {format_bytes(share)} per rank split over {world_size} "
+                f"ranks, but ranks already hold {held} of a {format_bytes(budget)} budget; all "
+                f"tables need at least {least} per rank. Raise the memory budget, add ranks, or "
+                "shrink the tables")
         placements[name] = row_wise()
-        notes[name] = f"rows split over all {world_size} ranks ({reason}; {_mb(share)} each)"
+        notes[name] = (f"rows split over all {world_size} ranks ({reason}; "
+                       f"{format_bytes(share)} each)")
         memory = [m + share for m in memory]
         work = [w + lookups / world_size for w in work]
     ordered = {c.name: placements[c.name] for c in tables}
@@ -116,17 +120,11 @@ def _check_fits(tables: Sequence[EmbeddingBagConfig], sizes: Mapping[str, int], 
     need = -(-sum(sizes.values()) // world_size)
     if need > budget:
         raise PlanError(
-            f"{_tables(len(tables))} {_mb(sum(sizes.values()))} with optimizer state: at "
-            f"least {_mb(need)} per rank on {world_size} ranks, more than the budget of "
-            f"{_mb(budget)}; raise the memory budget to {_mb(need)} or more, use "
+            f"{_tables(len(tables))} {format_bytes(sum(sizes.values()))} with optimizer state: at "
+            f"least {format_bytes(need)} per rank on {world_size} ranks, more than the budget of "
+            f"{format_bytes(budget)}; raise the memory budget to {format_bytes(need)} or more, use "
             f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables")
 
 
 def _tables(count: int) -> str:
     return "the table holds" if count == 1 else f"the {count} tables hold"
-
-
-def _mb(size: float) -> str:
-    if size >= GiB:
-        return f"{size / GiB:.2f} GiB"
-    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{int(size)} bytes"
