@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         what = f"weights + {type(optimizer).__name__} state" if optimizer.STATE else \
             f"weights only, {type(optimizer).__name__} keeps no state"
         print(f"  bytes per rank ({what}): "
-              + ", ".join(f"r{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank)))
+              + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank)))
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
