@@ -139,7 +139,7 @@ def split_by_rows(ids: torch.Tensor, lengths: torch.Tensor, routing: Routing, ta
                                                               lengths.contiguous(), starts)
         return counts, local, order
     batch = lengths.numel()
-    group = torch.bucketize(ids, routing.row_boundaries[table], right=True)
+    group = torch.bucketize(ids, routing.row_boundaries[table].to(ids.device), right=True)
     bag = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
     order = torch.argsort(group, stable=True)
     counts = torch.bincount(group * batch + bag, minlength=len(starts) * batch)
