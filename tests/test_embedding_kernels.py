@@ -131,3 +131,18 @@ def test_huge_page_advice_is_given_to_large_cpu_blocks_and_can_be_switched_off(m
     monkeypatch.undo()
     monkeypatch.setenv("MANUALPAR_HUGE_PAGES", "0")
     assert not memory._madvise_huge(torch.empty(4096, 256))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not native.clear_stale_lock(tmp_path, max_age_s=600) and lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
+        assert native.clear_stale_lock(tmp_path, max_age_s=600)
+    assert not lock.exists()
+    assert not native.clear_stale_lock(tmp_path)  # nothing there

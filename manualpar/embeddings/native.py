@@ -16,19 +16,23 @@ import hashlib
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["native_kernels", "supports"]
+__all__ = ["clear_stale_lock", "native_kernels", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "sparse_rows.cpp"
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]
 _NATIVE_DTYPES = (torch.float32, torch.float64)
+# A build takes about 40 s; a lock older than this was left by a build that was killed, and
+# torch's loader would wait on it forever.
+STALE_LOCK_S = 600
 _loaded: ModuleType | None = None
 _tried = False
 
@@ -59,6 +63,20 @@ def _import_built(name: str, directory: Path) -> ModuleType | None:
     return module
 
 
+def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove a build lock older than `max_age_s` (its build was killed); True if removed."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime <= max_age_s:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    warnings.warn(f"manualpar: removed a stale build lock {lock} (a build was interrupted); "
+                  "building the C++ kernels again", RuntimeWarning, stacklevel=3)
+    return True
+
+
 def native_kernels() -> ModuleType | None:
     """The compiled kernels, or None (switched off, or no compiler: warns once why)."""
     global _loaded, _tried
@@ -75,6 +93,7 @@ def native_kernels() -> ModuleType | None:
             from torch.utils.cpp_extension import load
 
             directory.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(directory)
             _loaded = load(name, [str(SOURCE)], extra_cflags=CFLAGS,
                            build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, loudly
