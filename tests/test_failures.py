@@ -49,8 +49,10 @@ def test_dead_rank_makes_the_others_fail_naming_the_operation(tmp_path: Path) ->
     assert rank0.error.startswith(
         "barrier('sync') failed on rank 0 of 2 (backend gloo, timeout 30s)")
     assert "check the other ranks' logs" in rank0.error
-    # The dead peer's closed connection ends the wait long before the 30 s timeout.
-    assert _seconds(tmp_path / "rank0.s", "survivor of a dead rank failed after") < 10
+    # The dead peer's closed connection ends the wait, not the 30 s timeout (the time it took is
+    # printed for docs/reliability.md, not asserted: timing has no place in tests).
+    assert "Connection closed by peer" in rank0.error and "Timed out" not in rank0.error
+    _seconds(tmp_path / "rank0.s", "survivor of a dead rank failed after")
 
 
 def _rank_one_stalls(out: str) -> None:
@@ -69,7 +71,9 @@ def test_stalled_rank_times_out_within_the_configured_timeout(tmp_path: Path) ->
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith("reduce(op=sum, shape=(3,)) failed on rank 0 of 2")
     assert "timeout 2s" in rank0.error
-    assert 1.5 < _seconds(tmp_path / "r0.s", "peer of a stalled rank failed after") < 5
+    # the configured 2 s timeout ended the wait, not the stalled rank's exit at 6 s
+    assert "Timed out waiting 2000ms" in rank0.error
+    _seconds(tmp_path / "r0.s", "peer of a stalled rank failed after")
 
 
 def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:
