@@ -20,37 +20,16 @@ import torch.distributed as dist
 
 from manualpar import checkpoint as _checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
-from manualpar.errors import ClusterEnvironmentError, CollectiveError
+from manualpar.errors import CollectiveError
 from manualpar.seed import seed_everything
+from manualpar.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV_VAR", "ManualParallelStrategy", "ReduceOp"]
 
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-TIMEOUT_ENV_VAR = "MANUALPAR_TIMEOUT_S"
 ReduceOp = Literal["mean", "sum", "max", "min"]
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 T = TypeVar("T")
-
-
-def resolve_timeout(timeout: float | timedelta | None) -> timedelta:
-    """Argument, else $MANUALPAR_TIMEOUT_S, else 5 minutes; never torch's 30-minute default."""
-    if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV_VAR)
-        if raw is None:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ClusterEnvironmentError(
-                f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds; set it to e.g. 120 or "
-                "unset it for the 5-minute default") from None
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"collective timeout must be positive, got {timeout.total_seconds():g} s; "
-                         f"pass seconds > 0 (or set {TIMEOUT_ENV_VAR})")
-    return timeout
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:

@@ -200,7 +200,7 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
     ("-5", ValueError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
 ], ids=["not_a_number", "negative"])
 def test_bad_timeout_variable(raw, error, message, monkeypatch):
-    from manualpar.strategy import resolve_timeout
+    from manualpar.timeouts import resolve_timeout
 
     monkeypatch.setenv("MANUALPAR_TIMEOUT_S", raw)
     with pytest.raises(error) as raised:
