@@ -139,11 +139,12 @@ def split_by_rows(ids: torch.Tensor, lengths: torch.Tensor, routing: Routing, ta
                                                               lengths.contiguous(), starts)
         return counts, local, order
     batch = lengths.numel()
-    group = torch.bucketize(ids, routing.row_boundaries[table].to(ids.device), right=True)
+    starts = starts.to(ids.device)
+    group = torch.bucketize(ids, starts[1:], right=True)
     bag = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
     order = torch.argsort(group, stable=True)
     counts = torch.bincount(group * batch + bag, minlength=len(starts) * batch)
-    return counts.view(len(starts), batch), ids[order] - starts.to(ids.device)[group[order]], order
+    return counts.view(len(starts), batch), ids[order] - starts[group[order]], order
 
 
 def _unpack_ids(routing: Routing, received: torch.Tensor, sizes_in: list[list[int]],

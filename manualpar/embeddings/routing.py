@@ -71,8 +71,6 @@ class Routing:
         for dest, routes in enumerate(self.routes_to):
             for route in routes:
                 self.routes_of_feature[route.feature].append((dest, route))
-        self.row_boundaries = [torch.tensor(starts[1:], dtype=torch.int64)
-                               for starts in self.row_starts]
         self.row_start_tensors = [torch.tensor(starts, dtype=torch.int64)
                                   for starts in self.row_starts]
 
