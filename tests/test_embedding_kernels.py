@@ -12,13 +12,6 @@ pytestmark = pytest.mark.skipif(native.native_kernels() is None,
                                 reason="the C++ kernels could not be built on this machine")
 
 
-@pytest.fixture
-def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the pure-torch path, as on CUDA or without a compiler."""
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_tried", True)
-
-
 def _case(dtype: torch.dtype, weighted: bool, rows: int = 300, bags: int = 40):
     generator = torch.Generator().manual_seed(7)
     lengths = torch.randint(0, 9, (bags,), generator=generator)
@@ -42,24 +35,73 @@ def test_segment_sum_matches_torch(dtype, weighted, monkeypatch):
     torch.testing.assert_close(summed, expected)
 
 
-@pytest.mark.parametrize("col_start, cols", [(0, 12), (4, 5)])
-def test_fused_rowwise_adagrad_matches_row_by_row(col_start, cols, torch_only):
-    ids, lengths, weights, grads = _case(torch.float32, weighted=True)
+def _reference_update(ids, lengths, weights, grads, cols, col_start, scale):
+    """Pure torch: per-row sums, then the per-row rule on this column block."""
     rule = RowWiseAdagrad(lr=0.1, eps=1e-8)
-    weight = torch.randn(300, cols)
-    state = {"sum": torch.rand(300)}
+    weight = torch.randn(300, cols, generator=torch.Generator().manual_seed(1))
+    state = {"sum": torch.rand(300, generator=torch.Generator().manual_seed(2))}
     expected_weight, expected_state = weight.clone(), {"sum": state["sum"].clone()}
-    # pure torch: per-row sums, then the per-row rule on this column block
-    rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=0.5)
+    rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=scale)
     rule.step_rows(expected_weight, expected_state, rows,
                    summed[:, col_start:col_start + cols], 1, summed.square().mean(1))
-    native._loaded, native._tried = None, False  # back on: the fused kernel
-    assert rule.step_bags(weight, state, ids, lengths, weights, grads, 0.5, col_start, 1)
+    return rule, weight, state, expected_weight, expected_state, rows
+
+
+@pytest.mark.parametrize("col_start, cols", [(0, 12), (4, 5)])
+def test_fused_rowwise_adagrad_matches_row_by_row(col_start, cols):
+    ids, lengths, weights, grads = _case(torch.float32, weighted=True)
+    rule, weight, state, expected_weight, expected_state, rows = _reference_update(
+        ids, lengths, weights, grads, cols, col_start, scale=0.5)
+    bags = kernels.ShardBags(ids, lengths, weights, 0, lengths.numel())
+    bags.groups = kernels.group_rows(bags, 300)
+    grads_in = kernels.BagGradients([grads], [0.5])
+    assert rule.step_bags(weight, state, bags, grads_in, col_start, 1, kernels.RowPass.ALL)
     torch.testing.assert_close(weight, expected_weight)
     torch.testing.assert_close(state["sum"], expected_state["sum"])
     untouched = torch.ones(300, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(state["sum"][untouched], expected_state["sum"][untouched])
+
+
+def test_fused_update_in_two_passes_equals_one():
+    """This rank's rows first (the other bags' gradients absent), then the rest, from strided
+    blocks with one scale per sender: the same result as one pass over one dense gradient."""
+    ids, lengths, weights, grads = _case(torch.float32, weighted=True)
+    own = (10, 25)  # bags 10..24 are "this rank's", between two other senders'; bag 3 is empty
+    scales = [0.2, 0.25, 0.55]
+    per_bag = torch.cat([torch.full((10,), scales[0]), torch.full((15,), scales[1]),
+                         torch.full((15,), scales[2])])
+    rule, weight, state, expected_weight, expected_state, _ = _reference_update(
+        ids, lengths, weights, grads * per_bag.unsqueeze(1), 12, 0, scale=1.0)
+    wide = torch.randn(15, 30)
+    wide[:, 7:19] = grads[10:25]  # the own block as a column slice of a wider output
+    blocks = [grads[:10], wide[:, 7:19], grads[25:]]
+    bags = kernels.ShardBags(ids, lengths, weights, *own)
+    bags.groups = kernels.group_rows(bags, 300)
+    before = weight.clone()
+    assert rule.step_bags(weight, state, bags,
+                          kernels.BagGradients(blocks[1:2], scales[1:2]),
+                          0, 1, kernels.RowPass.OWN)
+    starts = torch.cumsum(lengths, 0) - lengths
+    own_ids = ids[int(starts[own[0]]):int(starts[own[1]])]
+    other_ids = torch.cat([ids[:int(starts[own[0]])], ids[int(starts[own[1]]):]])
+    changed = set(torch.nonzero((weight != before).any(1)).flatten().tolist())
+    assert changed == set(own_ids.tolist()) - set(other_ids.tolist())
+    assert rule.step_bags(weight, state, bags, kernels.BagGradients(blocks, scales), 0, 1,
+                          kernels.RowPass.REST)
+    torch.testing.assert_close(weight, expected_weight)
+    torch.testing.assert_close(state["sum"], expected_state["sum"])
+
+
+def test_fused_update_refuses_missing_gradients():
+    ids, lengths, _, grads = _case(torch.float32, weighted=False)
+    bags = kernels.ShardBags(ids, lengths, None, 0, lengths.numel())
+    bags.groups = kernels.group_rows(bags, 300)
+    rule = RowWiseAdagrad(lr=0.1)
+    with pytest.raises(RuntimeError, match=r"gradients given for 20 bags, but these rows occur "
+                                           r"in bags 0\.\.39"):
+        rule.step_bags(torch.zeros(300, 12), {"sum": torch.zeros(300)}, bags,
+                       kernels.BagGradients([grads[:20]], [1.0]), 0, 1, kernels.RowPass.ALL)
 
 
 def test_add_to_rows_matches_index_add():

@@ -8,12 +8,90 @@ ops below are the same computation for CUDA and for machines without a compiler.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import IntEnum
+
 import torch
 import torch.nn.functional as F
 
 from manualpar.embeddings.native import native_kernels, supports
 
-__all__ = ["add_to_rows", "bag_offsets", "pooled_sum", "row_gradients"]
+__all__ = ["BagGradients", "RowGroups", "RowPass", "ShardBags", "add_to_rows", "bag_offsets",
+           "group_rows", "pooled_sum", "row_gradients"]
+
+
+@dataclass
+class RowGroups:
+    """The occurrences of each distinct id (made once per step, while an exchange is in flight),
+    ordered by id: each one's original position and bag, where each id's run starts and its
+    row, and the runs to visit, the `num_own` touched only by this rank's own bags first."""
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    bags: torch.Tensor
+    rows: torch.Tensor
+    runs: torch.Tensor
+    num_own: int
+
+
+@dataclass
+class ShardBags:
+    """A local shard's bags in one step, every sender's in rank order (the same order on every
+    rank, so replicated state sums in the same order everywhere); this rank's own are bags
+    [own_begin, own_end)."""
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None
+    own_begin: int
+    own_end: int
+    groups: RowGroups | None = None
+
+
+@dataclass
+class BagGradients:
+    """The gradient of a shard's bags as blocks over consecutive bags (a sender's bags, or one
+    feature's column slice of this rank's own output gradient), each with its sender's weight in
+    the table gradient. Blocks may be strided views: nothing is copied to line them up."""
+
+    blocks: list[torch.Tensor]
+    scales: list[float]
+
+    def dense(self) -> tuple[torch.Tensor, float]:
+        """(bags, width) gradient and a common scale, for the per-row (torch) path."""
+        if len(set(self.scales)) <= 1:
+            scale = self.scales[0] if self.scales else 1.0
+            return torch.cat(self.blocks) if len(self.blocks) != 1 else self.blocks[0], scale
+        return torch.cat([b * s for b, s in zip(self.blocks, self.scales, strict=True)]), 1.0
+
+
+class RowPass(IntEnum):
+    """Which distinct rows an update pass touches. A row's gradient is complete once all its
+    bags have theirs, so rows looked up only by this rank's own bags go first, while the other
+    ranks' gradients are still on their way."""
+
+    ALL = 0
+    OWN = 1     # rows whose bags are all this rank's own; gradients of those bags only
+    REST = 2    # every other row; gradients of all bags
+
+    def span(self, bags: ShardBags) -> tuple[int, int, int, int]:
+        """(first run, end run, first bag, end bag) of this pass over `bags`."""
+        groups = bags.groups
+        assert groups is not None
+        runs, num_bags = groups.runs.numel(), bags.lengths.numel()
+        if self is RowPass.OWN:
+            return 0, groups.num_own, bags.own_begin, bags.own_end
+        return (groups.num_own if self is RowPass.REST else 0), runs, 0, num_bags
+
+
+def group_rows(bags: ShardBags, num_rows: int) -> RowGroups | None:
+    """Group a shard's ids by row with the C++ kernel; None where it does not apply."""
+    if not (supports(bags.ids) and bags.ids.dtype == torch.int64
+            and bags.lengths.dtype == torch.int64):
+        return None
+    return RowGroups(*native_kernels().group_rows(bags.ids.contiguous(),
+                                                  bags.lengths.contiguous(), num_rows,
+                                                  bags.own_begin, bags.own_end))
 
 
 def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:

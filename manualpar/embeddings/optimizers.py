@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from manualpar.embeddings.kernels import add_to_rows
+from manualpar.embeddings.kernels import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import native_kernels, supports
 from manualpar.errors import BuilderError
@@ -47,6 +47,8 @@ class SparseOptimizer:
     STATE: ClassVar[dict[str, bool]] = {}
     # the update needs the gradient's full width (row-wise statistics under column sharding)
     needs_full_rows: ClassVar[bool] = False
+    # has a fused `step_bags` (it needs the rows grouped in forward)
+    fuses_bags: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.lr = check_lr(self.lr, type(self).__name__)
@@ -68,12 +70,12 @@ class SparseOptimizer:
         """
         raise NotImplementedError
 
-    def step_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], ids: torch.Tensor,
-                  lengths: torch.Tensor, weights: torch.Tensor | None, bag_grads: torch.Tensor,
-                  scale: float, col_start: int, step: int) -> bool:
-        """Update straight from bag gradients (`bag_grads` full-width if `needs_full_rows`) in
-        one fused pass, if this rule has such a kernel for these tensors; False: not done, the
-        caller sums row gradients and calls `step_rows`."""
+    def step_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], bags: ShardBags,
+                  grads: BagGradients, col_start: int, step: int, rows: RowPass) -> bool:
+        """Update the `rows` of this pass straight from the bags' gradients (full width if
+        `needs_full_rows`) in one fused pass, if this rule has such a kernel for these tensors;
+        False: not done, the caller sums row gradients (once all have come) and calls
+        `step_rows`."""
         return False
 
     def describe(self) -> str:
@@ -113,6 +115,7 @@ class RowWiseAdagrad(SparseOptimizer):
     eps: float = 1e-10
     STATE = {"sum": True}
     needs_full_rows = True
+    fuses_bags = True
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).add_(row_sq_mean)
@@ -120,14 +123,18 @@ class RowWiseAdagrad(SparseOptimizer):
         add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
                     -self.lr)
 
-    def step_bags(self, weight, state, ids, lengths, weights, bag_grads, scale, col_start, step):
-        if not (supports(weight, bag_grads, weights) and weight.is_contiguous()
-                and bag_grads.dtype == weight.dtype
-                and (weights is None or weights.dtype == weight.dtype)):
+    def step_bags(self, weight, state, bags, grads, col_start, step, rows):
+        if not (bags.groups is not None and supports(weight, bags.weights, *grads.blocks)
+                and weight.is_contiguous()
+                and all(b.dtype == weight.dtype and b.stride(-1) == 1 for b in grads.blocks)
+                and (bags.weights is None or bags.weights.dtype == weight.dtype)):
             return False
-        native_kernels().rowwise_adagrad_backward(weight, state["sum"], ids, lengths, weights,
-                                                  bag_grads.contiguous(), scale, col_start,
-                                                  self.lr, self.eps)
+        groups = bags.groups
+        run_begin, run_end, first_bag, end_bag = rows.span(bags)
+        native_kernels().rowwise_adagrad_update(
+            weight, state["sum"], bags.weights, groups.order, groups.starts, groups.bags,
+            groups.rows, groups.runs, run_begin, run_end, grads.blocks, grads.scales,
+            first_bag, end_bag, col_start, self.lr, self.eps)
         return True
 
 

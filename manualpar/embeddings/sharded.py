@@ -25,23 +25,14 @@ from manualpar.embeddings.collection import (
     PooledEmbeddings,
     check_features,
 )
-from manualpar.embeddings.exchange import (
-    REFUSED,
-    assemble_output,
-    exchange_ids,
-    grad_receive_splits,
-    output_splits,
-    pack_output_grad,
-    split_output,
-    unpack_output_grad,
-)
+from manualpar.embeddings.exchange import REFUSED
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.kernels import pooled_sum, row_gradients
 from manualpar.embeddings.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.optimizers import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
-from manualpar.embeddings.routing import Routing
+from manualpar.embeddings.routing import LocalShard, Routing
+from manualpar.embeddings.step import apply_gradient, lookup, start_all_to_all
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
 from manualpar.wrappers.ownership import claim, mark_replaced
@@ -150,111 +141,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ranks stop at this step with an error instead of waiting for the collective timeout."""
         world = self.strategy.world_size
         if world > 1:
-            self._all_to_all(torch.full((3 * world,), REFUSED, device=self.strategy.device),
-                             [3] * world, [3] * world, "ids")
+            self.all_to_all(torch.full((3 * world,), REFUSED, device=self.strategy.device),
+                            [3] * world, [3] * world, "ids")
 
-    def _all_to_all(self, tensor: torch.Tensor, send: list[int], receive: list[int],
-                    what: str) -> torch.Tensor:
+    def collective_name(self, what: str) -> str:
+        """How errors name a collective of this module."""
+        return f"{BUILDER}: {what}"
+
+    def all_to_all(self, tensor: torch.Tensor, send: list[int], receive: list[int],
+                   what: str) -> torch.Tensor:
+        """A blocking all_to_all_single (the tensor itself on one process)."""
         if self.strategy.world_size == 1:
             return tensor
-        out = tensor.new_empty(sum(receive))
-        with self.strategy._collective(f"{BUILDER}: {what} all_to_all"):
-            torch.distributed.all_to_all_single(out, tensor.contiguous(), receive, send,
-                                                group=self.strategy.group)
-        return out
+        return start_all_to_all(self, tensor, send, receive, what).wait()
 
-    def lookup(self, features: SparseFeatures) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Forward without autograd: pooled values and what backward needs."""
-        routing = self.routing
-        batch = features.batch_size
-        sent, received = exchange_ids(
-            routing, features.values, features.lengths, features.weights,
-            lambda t, s, r: self._all_to_all(t, s, r, "ids"))
-        local = routing.routed_local_shards()
-        pooled = [pooled_sum(self.tables[self.configs[s.table].name].weight.detach(),
-                             inp.ids, inp.lengths, inp.weights)
-                  for s, inp in zip(local, received.shards, strict=True)]
-        send, send_splits = split_output(routing, pooled, received.batch_sizes)
-        back = self._all_to_all(send, send_splits, output_splits(routing, batch), "pooled output")
-        out = assemble_output(routing, back, batch)
-        # per-feature views are needed only by replicated tables (looked up locally)
-        feature_ids = _split_features(features) if routing.data_parallel else []
-        for f, (_, t) in enumerate(routing.features):
-            if t in routing.data_parallel:
-                ids, lengths, weights = feature_ids[f]
-                weight = self.tables[self.configs[t].name].weight.detach()
-                start = routing.feature_offsets[f]
-                out[:, start:start + routing.dims[f]] = pooled_sum(weight, ids, lengths, weights)
-        mean_scale = self._mean_scale(sent.lengths, out.dtype)
-        if mean_scale is not None:
-            out.mul_(mean_scale)
-        return out, {"received": received, "sent": sent, "features": feature_ids,
-                     "mean_scale": mean_scale}
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
 
-    def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
-        routing = self.routing
-        means = [f for f, (_, t) in enumerate(routing.features)
-                 if self.configs[t].pooling == "mean"]
-        if not means:
-            return None
-        scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype,
-                           device=lengths.device)
-        for f in means:
-            start = routing.feature_offsets[f]
-            scale[:, start:start + routing.dims[f]] = 1 / lengths[f].clamp(min=1).to(
-                dtype).unsqueeze(1)
-        return scale
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.tables.values())).weight.dtype
 
-    # backward: gradient exchange and fused update ---------------------------------------------
-    def apply_gradient(self, grad: torch.Tensor, saved: dict[str, Any]) -> None:
-        routing, optimizer = self.routing, self.fused_optimizer
-        rule = optimizer.optimizer
-        optimizer.step += 1
-        if saved["mean_scale"] is not None:
-            grad = grad * saved["mean_scale"]
-        received = saved["received"]
-        batch_sizes = received.batch_sizes
-        scales = self._sender_scales(batch_sizes)
-        send, send_splits = pack_output_grad(routing, grad, rule.needs_full_rows)
-        recv_splits = grad_receive_splits(routing, batch_sizes, rule.needs_full_rows)
-        received_grad = self._all_to_all(send, send_splits, recv_splits, "output gradient")
-        bag_grads = unpack_output_grad(routing, received_grad, batch_sizes, rule.needs_full_rows)
-        uniform = bool((scales == scales[0]).all())
-        local = routing.routed_local_shards()
-        for shard, inp, grads in zip(local, received.shards, bag_grads, strict=True):
-            if not uniform:
-                per_bag = torch.repeat_interleave(scales, torch.tensor(
-                    [len(shard.features) * b for b in batch_sizes]))
-                grads = grads * per_bag.unsqueeze(1).to(device=grads.device, dtype=grads.dtype)
-            self._update_from_bags(shard.table, shard.shard, inp, grads,
-                                   float(scales[0]) if uniform else 1.0)
-        if routing.data_parallel:
-            self._update_data_parallel(grad, saved, scales[routing.rank])
+    def weight_of(self, shard: LocalShard) -> torch.Tensor:
+        return self.tables[self.configs[shard.table].name].weight.detach()
 
-    def _sender_scales(self, batch_sizes: list[int]) -> torch.Tensor:
-        """Weight of each rank's loss in the table gradient (1/world, or its sample share)."""
-        if self.normalize_by == "world":
-            return torch.full((len(batch_sizes),), 1 / len(batch_sizes))
-        total = sum(batch_sizes)
-        return torch.tensor([b / total if total else 0.0 for b in batch_sizes])
-
-    def _update_from_bags(self, t: int, shard: Any, inp: Any, bag_grads: torch.Tensor,
-                          scale: float) -> None:
-        """Update a shard from its bags' gradients: fused if the rule can, else per row."""
-        name = self.configs[t].name
-        optimizer = self.fused_optimizer
-        with torch.no_grad():
-            if optimizer.optimizer.step_bags(self.tables[name].weight, optimizer.state[name],
-                                             inp.ids, inp.lengths, inp.weights, bag_grads,
-                                             scale, shard.col_start, optimizer.step):
-                return
-        rows, summed = row_gradients(inp.ids, inp.lengths, inp.weights, bag_grads,
-                                     shard.rows, scale)
-        self._update(t, shard, rows, summed)
-
-    def _update(self, t: int, shard: Any, rows: torch.Tensor, summed: torch.Tensor) -> None:
+    def update_rows(self, t: int, rows: torch.Tensor, summed: torch.Tensor) -> None:
+        """Apply the optimizer to distinct `rows` of table `t` given their summed gradients
+        (full width for a column block if the rule needs full rows)."""
         config = self.configs[t]
+        shard = self._shards[config.name]
         rule = self.fused_optimizer.optimizer
         row_sq_mean = summed.square().mean(1) if rule.needs_full_rows else None
         if summed.shape[1] != shard.cols:  # full-width gradient of a column block
@@ -262,37 +178,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         with torch.no_grad():
             rule.step_rows(self.tables[config.name].weight, self.fused_optimizer.state[
                 config.name], rows, summed, self.fused_optimizer.step, row_sq_mean)
-
-    def _update_data_parallel(self, grad: torch.Tensor, saved: dict[str, Any],
-                              my_scale: torch.Tensor) -> None:
-        """Replicated tables: sum dense row gradients and touch counts over ranks (one
-        all_reduce for all of them; such tables are small by construction)."""
-        routing = self.routing
-        buffers = []
-        for t in routing.data_parallel:
-            config = self.configs[t]
-            dense = grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
-            for f, (_, ft) in enumerate(routing.features):
-                if ft != t:
-                    continue
-                ids, lengths, weights = saved["features"][f]
-                start = routing.feature_offsets[f]
-                bag_grads = grad[:, start:start + config.embedding_dim] * my_scale
-                rows, summed = row_gradients(ids, lengths, weights, bag_grads,
-                                             config.num_embeddings)
-                dense[rows, :-1] += summed
-                dense[rows, -1] += 1
-            buffers.append(dense)
-        flat = torch.cat([b.flatten() for b in buffers])
-        if self.strategy.world_size > 1:
-            with self.strategy._collective(f"{BUILDER}: data-parallel gradient all_reduce"):
-                torch.distributed.all_reduce(flat, group=self.strategy.group)
-        offset = 0
-        for t, buffer in zip(routing.data_parallel, buffers, strict=True):
-            dense = flat[offset:offset + buffer.numel()].view_as(buffer)
-            offset += buffer.numel()
-            rows = torch.nonzero(dense[:, -1]).flatten()
-            self._update(t, self._shards[self.configs[t].name], rows, dense[rows, :-1])
 
     # checkpoint -------------------------------------------------------------------------------
     def _table_block(self, table: EmbeddingTable) -> LocalShards:
@@ -334,26 +219,15 @@ class _EmbeddingLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, module: ShardedEmbeddingBagCollection,
                 features: SparseFeatures) -> torch.Tensor:
-        out, saved = module.lookup(features)
+        out, saved = lookup(module, features)
         ctx.module, ctx.saved = module, saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.module.apply_gradient(grad.contiguous(), ctx.saved)
+        apply_gradient(ctx.module, grad.contiguous(), ctx.saved)
         ctx.saved = None
         return None, None, None
-
-
-def _split_features(features: SparseFeatures) -> list[tuple[torch.Tensor, torch.Tensor,
-                                                             torch.Tensor | None]]:
-    batch = features.batch_size
-    sizes = features.feature_sizes()
-    values = features.values.split(sizes)
-    weights = features.weights.split(sizes) if features.weights is not None else [None] * len(
-        sizes)
-    return [(values[f], features.lengths[f * batch:(f + 1) * batch], weights[f])
-            for f in range(len(sizes))]
 
 
 def _fill_block(weight: nn.Parameter, source: torch.Tensor, config: Any, seed: int,

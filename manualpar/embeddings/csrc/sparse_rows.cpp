@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -31,10 +32,12 @@ inline void prefetch_row(const scalar_t* row, int64_t cols) {
   }
 }
 
-// Positions of `keys` (all in [0, max_key]) ordered by key, stable: LSD radix sort.
-std::vector<int64_t> order_by_key(const int64_t* keys, int64_t n, int64_t max_key) {
-  std::vector<int64_t> order(n), scratch(n);
-  for (int64_t i = 0; i < n; ++i) order[i] = i;
+// Positions of `keys` (all in [0, max_key]) ordered by key into `order`, stable: LSD radix sort.
+void order_by_key(const int64_t* keys, int64_t n, int64_t max_key, int64_t* order) {
+  std::vector<int64_t> scratch(n);
+  int64_t* current = order;
+  int64_t* next = scratch.data();
+  for (int64_t i = 0; i < n; ++i) current[i] = i;
   const int64_t buckets = int64_t{1} << kRadixBits;
   std::vector<int64_t> counts(buckets);
   for (int64_t shift = 0; (max_key >> shift) > 0; shift += kRadixBits) {
@@ -47,48 +50,125 @@ std::vector<int64_t> order_by_key(const int64_t* keys, int64_t n, int64_t max_ke
       total += here;
     }
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = order[i];
-      scratch[counts[(keys[pos] >> shift) & (buckets - 1)]++] = pos;
+      const int64_t pos = current[i];
+      next[counts[(keys[pos] >> shift) & (buckets - 1)]++] = pos;
     }
-    order.swap(scratch);
+    std::swap(current, next);
   }
-  return order;
+  if (current != order) std::copy(current, current + n, order);
 }
 
-// Occurrences of each distinct id: positions ordered by id, and where each id's run starts.
+// Occurrences of each distinct id, kept as tensors so a caller can group in one phase (forward,
+// while an exchange is in flight) and update in another. Positions are ordered by id: `order`
+// maps back to the original position (for per-id weights), `bags` holds each one's bag, run u
+// is positions [starts[u], starts[u + 1]) of row rows[u]. `runs` is the visit order: first the
+// `num_own` runs whose bags all lie in [own_begin, own_end), then the others, each by ascending
+// row. A row's gradient is complete once all its bags have theirs, so the own runs (rows only
+// this rank's bags touch) can be updated while the other ranks' gradients are on their way.
+// Everything the update reads per id is laid out in visit order: no random reads but the rows.
 struct Groups {
-  std::vector<int64_t> bag_of;  // position -> bag
-  std::vector<int64_t> order;   // positions sorted by id
-  std::vector<int64_t> starts;  // run u is order[starts[u] : starts[u + 1]]
-  int64_t size() const { return static_cast<int64_t>(starts.size()) - 1; }
+  torch::Tensor order, starts, bags, rows, runs;
+  int64_t num_own = 0;
 };
 
-Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t num_rows) {
+struct GroupsView {
+  const int64_t* order;
+  const int64_t* starts;
+  const int64_t* bags;
+  const int64_t* rows;
+  const int64_t* runs;
+  explicit GroupsView(const Groups& g)
+      : order(g.order.data_ptr<int64_t>()), starts(g.starts.data_ptr<int64_t>()),
+        bags(g.bags.data_ptr<int64_t>()), rows(g.rows.data_ptr<int64_t>()),
+        runs(g.runs.data_ptr<int64_t>()) {}
+};
+
+torch::Tensor to_tensor(const std::vector<int64_t>& values, const torch::TensorOptions& options) {
+  return torch::from_blob(const_cast<int64_t*>(values.data()),
+                          {static_cast<int64_t>(values.size())}, options).clone();
+}
+
+Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t num_rows,
+                 int64_t own_begin, int64_t own_end) {
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
-  Groups groups;
-  groups.bag_of.resize(n);
+  std::vector<int64_t> bag_of(n);
   int64_t filled = 0;
   for (int64_t b = 0; b < lengths.numel(); ++b) {
     TORCH_CHECK(len[b] >= 0 && filled + len[b] <= n, "lengths disagree with ids");
-    std::fill(groups.bag_of.begin() + filled, groups.bag_of.begin() + filled + len[b], b);
+    std::fill(bag_of.begin() + filled, bag_of.begin() + filled + len[b], b);
     filled += len[b];
   }
   TORCH_CHECK(filled == n, "lengths sum to ", filled, " but there are ", n, " ids");
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
   }
-  groups.order = order_by_key(id, n, std::max<int64_t>(num_rows - 1, 0));
-  groups.starts.reserve(n + 1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || id[groups.order[i]] != id[groups.order[i - 1]]) groups.starts.push_back(i);
+  Groups groups;
+  groups.order = torch::empty({n}, ids.options());
+  groups.bags = torch::empty({n}, ids.options());
+  int64_t* order = groups.order.data_ptr<int64_t>();
+  int64_t* bags = groups.bags.data_ptr<int64_t>();
+  order_by_key(id, n, std::max<int64_t>(num_rows - 1, 0), order);
+  std::vector<int64_t> starts, rows, own, rest;
+  starts.reserve(n + 1);
+  rows.reserve(n);
+  own.reserve(n);
+  bool only_own = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t row = id[order[k]];
+    if (k == 0 || row != rows.back()) {
+      if (k > 0) (only_own ? own : rest).push_back(static_cast<int64_t>(rows.size()) - 1);
+      starts.push_back(k);
+      rows.push_back(row);
+      only_own = true;
+    }
+    bags[k] = bag_of[order[k]];
+    only_own = only_own && bags[k] >= own_begin && bags[k] < own_end;
   }
-  groups.starts.push_back(n);
+  if (n > 0) (only_own ? own : rest).push_back(static_cast<int64_t>(rows.size()) - 1);
+  starts.push_back(n);
+  groups.num_own = static_cast<int64_t>(own.size());
+  own.insert(own.end(), rest.begin(), rest.end());
+  groups.starts = to_tensor(starts, ids.options());
+  groups.rows = to_tensor(rows, ids.options());
+  groups.runs = to_tensor(own, ids.options());
   return groups;
 }
 
-// Rows a visit will write: prefetched a few groups ahead (none if `rows` is null).
+// Each bag's gradient row and weight, from blocks that cover consecutive bags (one block per
+// sender or per feature; a block's rows may be strided, e.g. a column slice of the output).
+template <typename scalar_t>
+struct BagRows {
+  std::vector<const scalar_t*> row;  // indexed by bag - first
+  std::vector<scalar_t> scale;
+  int64_t cols = 0, first = 0;
+  const scalar_t* row_of(int64_t bag) const { return row[bag - first]; }
+  scalar_t scale_of(int64_t bag) const { return scale[bag - first]; }
+};
+
+template <typename scalar_t>
+BagRows<scalar_t> bag_rows(const std::vector<torch::Tensor>& blocks,
+                           const std::vector<double>& scales, int64_t first_bag) {
+  TORCH_CHECK(blocks.size() == scales.size(), "one scale per gradient block");
+  BagRows<scalar_t> bags;
+  bags.first = first_bag;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const torch::Tensor& block = blocks[i];
+    TORCH_CHECK(block.device().is_cpu() && block.dim() == 2 && block.stride(1) == 1,
+                "gradient blocks must be 2-D CPU tensors with contiguous rows");
+    TORCH_CHECK(i == 0 || block.size(1) == bags.cols, "gradient blocks differ in width");
+    bags.cols = block.size(1);
+    const scalar_t* data = block.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < block.size(0); ++r) {
+      bags.row.push_back(data + r * block.stride(0));
+      bags.scale.push_back(static_cast<scalar_t>(scales[i]));
+    }
+  }
+  return bags;
+}
+
+// Rows to be written are prefetched ahead of their visit (none if `rows` is null).
 template <typename scalar_t>
 struct Written {
   scalar_t* rows = nullptr;
@@ -96,48 +176,50 @@ struct Written {
   scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
 };
 
-// For each distinct id in parallel: `visit(u, row, g, g_scale)`, where g * g_scale is the row's
-// summed gradient times `scale`. A row looked up once (the common case for large tables) is
-// visited with its bag's gradient row itself, not a copy.
+// For each distinct id of runs [run_begin, run_end): `visit(u, row, g, g_scale)`, where g * g_scale is the row's
+// summed gradient. A row looked up once (the common case for large tables) is visited with its
+// bag's gradient row itself, not a copy.
 template <typename scalar_t, typename Visit>
-void for_each_row_gradient(const Groups& groups, const torch::Tensor& ids,
+void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t run_end,
                            const c10::optional<torch::Tensor>& weights,
-                           const torch::Tensor& bag_grads, double scale, Visit visit,
+                           const BagRows<scalar_t>& bags, Visit visit,
                            Written<scalar_t> written = {}) {
-  const int64_t cols = bag_grads.size(1);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const scalar_t* grad = bag_grads.data_ptr<scalar_t>();
+  const int64_t cols = bags.cols;
   const scalar_t* weight = weights ? weights->data_ptr<scalar_t>() : nullptr;
-  const scalar_t factor = static_cast<scalar_t>(scale);
-  const int64_t* order = groups.order.data();
-  const int64_t* starts = groups.starts.data();
-  const int64_t* bag_of = groups.bag_of.data();
-  at::parallel_for(0, groups.size(), 256, [&](int64_t begin, int64_t end) {
+  const int64_t* order = groups.order;
+  const int64_t* starts = groups.starts;
+  const int64_t* bag_of = groups.bags;
+  const int64_t* rows = groups.rows;
+  const int64_t* selected = groups.runs + run_begin;
+  at::parallel_for(0, run_end - run_begin, 256, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> buffer(cols);
     scalar_t* __restrict__ row_grad = buffer.data();
-    for (int64_t u = begin; u < end; ++u) {
-      if (written.rows != nullptr && u + kPrefetchFar < end) {
-        const int64_t far = id[order[starts[u + kPrefetchFar]]];
-        prefetch_row<1>(written.rows + far * written.stride, written.cols);
+    for (int64_t i = begin; i < end; ++i) {
+      if (written.rows != nullptr && i + kPrefetchFar < end) {
+        prefetch_row<1>(written.rows + rows[selected[i + kPrefetchFar]] * written.stride,
+                        written.cols);
       }
-      if (written.rows != nullptr && u + kPrefetchNear < end) {
-        const int64_t near = id[order[starts[u + kPrefetchNear]]];
+      if (written.rows != nullptr && i + kPrefetchNear < end) {
+        const int64_t near = rows[selected[i + kPrefetchNear]];
         prefetch_row<3>(written.rows + near * written.stride, written.cols);
         if (written.per_row != nullptr) __builtin_prefetch(written.per_row + near, 1, 3);
       }
-      const int64_t first = order[starts[u]];
-      if (starts[u + 1] - starts[u] == 1) {
-        visit(u, id[first], grad + bag_of[first] * cols, weight ? weight[first] * factor : factor);
+      const int64_t u = selected[i];
+      const int64_t first = starts[u];
+      if (starts[u + 1] - first == 1) {
+        const int64_t bag = bag_of[first];
+        visit(u, rows[u], bags.row_of(bag),
+              weight ? weight[order[first]] * bags.scale_of(bag) : bags.scale_of(bag));
         continue;
       }
       std::fill(buffer.begin(), buffer.end(), scalar_t(0));
-      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
-        const int64_t pos = order[k];
-        const scalar_t w = weight ? weight[pos] * factor : factor;
-        const scalar_t* __restrict__ src = grad + bag_of[pos] * cols;
+      for (int64_t k = first; k < starts[u + 1]; ++k) {
+        const int64_t bag = bag_of[k];
+        const scalar_t w = weight ? weight[order[k]] * bags.scale_of(bag) : bags.scale_of(bag);
+        const scalar_t* __restrict__ src = bags.row_of(bag);
         for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
       }
-      visit(u, id[first], row_grad, scalar_t(1));
+      visit(u, rows[u], row_grad, scalar_t(1));
     }
   });
 }
@@ -147,14 +229,17 @@ std::vector<torch::Tensor> segment_sum_impl(const torch::Tensor& ids, const torc
                                             const c10::optional<torch::Tensor>& weights,
                                             const torch::Tensor& bag_grads, int64_t num_rows,
                                             double scale) {
-  const Groups groups = group_ids(ids, lengths, num_rows);
-  const int64_t cols = bag_grads.size(1);
-  auto rows = torch::empty({groups.size()}, ids.options());
-  auto summed = torch::empty({groups.size(), cols}, bag_grads.options());
+  TORCH_CHECK(bag_grads.size(0) == lengths.numel(), "one gradient row per bag");
+  const Groups grouped = group_ids(ids, lengths, num_rows, 0, lengths.numel());
+  const GroupsView groups(grouped);
+  const auto bags = bag_rows<scalar_t>({bag_grads}, {scale}, 0);
+  const int64_t count = grouped.runs.numel(), cols = bag_grads.size(1);
+  auto rows = torch::empty({count}, ids.options());
+  auto summed = torch::empty({count, cols}, bag_grads.options());
   int64_t* row_out = rows.data_ptr<int64_t>();
   scalar_t* out = summed.data_ptr<scalar_t>();
   for_each_row_gradient<scalar_t>(
-      groups, ids, weights, bag_grads, scale,
+      groups, 0, count, weights, bags,
       [&](int64_t u, int64_t row, const scalar_t* g, scalar_t g_scale) {
         row_out[u] = row;
         scalar_t* __restrict__ dst = out + u * cols;
@@ -190,18 +275,24 @@ inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const s
 }
 
 template <typename scalar_t>
-void rowwise_adagrad_backward_impl(torch::Tensor& weight, torch::Tensor& state,
-                                   const torch::Tensor& ids, const torch::Tensor& lengths,
-                                   const c10::optional<torch::Tensor>& weights,
-                                   const torch::Tensor& bag_grads, double scale,
-                                   int64_t col_start, double lr, double eps) {
-  const Groups groups = group_ids(ids, lengths, weight.size(0));
-  const int64_t full = bag_grads.size(1), cols = weight.size(1), stride = weight.stride(0);
+void rowwise_adagrad_update_impl(torch::Tensor& weight, torch::Tensor& state,
+                                 const c10::optional<torch::Tensor>& weights,
+                                 const Groups& grouped, const std::vector<torch::Tensor>& blocks,
+                                 const std::vector<double>& scales, int64_t run_begin,
+                                 int64_t run_end, int64_t first_bag, int64_t end_bag,
+                                 int64_t col_start, double lr, double eps) {
+  const GroupsView groups(grouped);
+  const auto bags = bag_rows<scalar_t>(blocks, scales, first_bag);
+  TORCH_CHECK(static_cast<int64_t>(bags.row.size()) == end_bag - first_bag, "gradients given for ",
+              bags.row.size(), " bags, but these rows occur in bags ", first_bag, "..",
+              end_bag - 1);
+  const int64_t full = bags.cols, cols = weight.size(1), stride = weight.stride(0);
+  TORCH_CHECK(run_begin == run_end || col_start + cols <= full, "column block outside gradient");
   scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* sum = state.data_ptr<scalar_t>();
   const scalar_t lr_ = static_cast<scalar_t>(lr), eps_ = static_cast<scalar_t>(eps);
   for_each_row_gradient<scalar_t>(
-      groups, ids, weights, bag_grads, scale,
+      groups, run_begin, run_end, weights, bags,
       [&](int64_t, int64_t row, const scalar_t* g, scalar_t g_scale) {
         rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, g_scale, full, col_start,
                                       cols, lr_, eps_);
@@ -261,19 +352,50 @@ std::vector<torch::Tensor> segment_sum(torch::Tensor ids, torch::Tensor lengths,
   return result;
 }
 
-// Row-wise Adagrad straight from bag gradients: duplicate ids summed, each distinct row updated
-// once; no (rows, cols) gradient is materialized.
-void rowwise_adagrad_backward(torch::Tensor weight, torch::Tensor state, torch::Tensor ids,
-                              torch::Tensor lengths, c10::optional<torch::Tensor> weights,
-                              torch::Tensor bag_grads, double scale, int64_t col_start, double lr,
-                              double eps) {
+// (order, starts, bags, rows, runs, num_own): the occurrences of each distinct id (Groups).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>
+group_rows(torch::Tensor ids, torch::Tensor lengths, int64_t num_rows, int64_t own_begin,
+           int64_t own_end) {
+  check_cpu_contiguous(ids, "ids");
+  check_cpu_contiguous(lengths, "lengths");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "ids and lengths must be int64");
+  Groups g = group_ids(ids, lengths, num_rows, own_begin, own_end);
+  return {g.order, g.starts, g.bags, g.rows, g.runs, g.num_own};
+}
+
+// Row-wise Adagrad straight from bag gradients: duplicate ids summed, each distinct row of runs
+// [run_begin, run_end) updated once, no (rows, cols) gradient materialized. `blocks` hold the
+// gradients of consecutive bags [first_bag, end_bag), all the bags those runs occur in.
+void rowwise_adagrad_update(torch::Tensor weight, torch::Tensor state,
+                            c10::optional<torch::Tensor> weights, torch::Tensor order,
+                            torch::Tensor starts, torch::Tensor bags, torch::Tensor rows,
+                            torch::Tensor runs, int64_t run_begin, int64_t run_end,
+                            std::vector<torch::Tensor> blocks, std::vector<double> scales,
+                            int64_t first_bag, int64_t end_bag, int64_t col_start, double lr,
+                            double eps) {
   check_cpu_contiguous(weight, "weight");
   check_cpu_contiguous(state, "state");
-  check_inputs(ids, lengths, weights, bag_grads);
-  TORCH_CHECK(col_start + weight.size(1) <= bag_grads.size(1), "column block outside gradient");
-  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_backward", [&] {
-    rowwise_adagrad_backward_impl<scalar_t>(weight, state, ids, lengths, weights, bag_grads,
-                                            scale, col_start, lr, eps);
+  for (const auto* t : {&order, &starts, &bags, &rows, &runs}) {
+    check_cpu_contiguous(*t, "groups");
+  }
+  TORCH_CHECK(order.numel() == bags.numel() && starts.numel() == rows.numel() + 1 &&
+                  runs.numel() == rows.numel(), "inconsistent groups");
+  TORCH_CHECK(0 <= run_begin && run_begin <= run_end && run_end <= runs.numel(),
+              "runs outside the groups");
+  if (weights) {
+    check_cpu_contiguous(*weights, "weights");
+    TORCH_CHECK(weights->scalar_type() == weight.scalar_type(), "weights dtype");
+    TORCH_CHECK(weights->numel() == order.numel(), "one weight per id");
+  }
+  for (const auto& block : blocks) {
+    TORCH_CHECK(block.scalar_type() == weight.scalar_type(), "gradient dtype");
+  }
+  Groups groups{order, starts, bags, rows, runs};
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update", [&] {
+    rowwise_adagrad_update_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
+                                          run_begin, run_end, first_bag, end_bag, col_start, lr,
+                                          eps);
   });
 }
 
@@ -360,7 +482,8 @@ std::vector<torch::Tensor> split_by_rows(torch::Tensor ids, torch::Tensor length
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segment_sum", &segment_sum);
-  m.def("rowwise_adagrad_backward", &rowwise_adagrad_backward);
+  m.def("group_rows", &group_rows);
+  m.def("rowwise_adagrad_update", &rowwise_adagrad_update);
   m.def("add_to_rows", &add_to_rows);
   m.def("uniform_rows", &uniform_rows);
   m.def("split_by_rows", &split_by_rows);

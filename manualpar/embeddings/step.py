@@ -1,0 +1,284 @@
+"""One step of a sharded collection: lookups in forward, the fused update in backward.
+
+Each exchange (exchange.py) runs asynchronously and the compute that does not need it runs
+meanwhile: in forward, this rank's own bags are looked up while the other ranks' ids travel, and
+the rows of every shard are grouped for backward while the pooled rows travel; in backward, the
+rows that only this rank's own bags touch are updated while the other ranks' gradients travel.
+Every row is still updated once, with its whole gradient, so the numbers are those of a
+sequential step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manualpar.embeddings.exchange import (
+    SenderBags,
+    add_block,
+    check_refusals,
+    combine_senders,
+    grad_blocks,
+    grad_receive_splits,
+    output_splits,
+    own_grad_blocks,
+    pack_ids,
+    pack_output_grad,
+    pack_pooled,
+    pooled_blocks,
+    size_header,
+    unpack_ids,
+)
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.kernels import (
+    BagGradients,
+    RowPass,
+    ShardBags,
+    group_rows,
+    pooled_sum,
+    row_gradients,
+)
+
+if TYPE_CHECKING:
+    from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection
+
+__all__ = ["PendingAllToAll", "apply_gradient", "lookup", "start_all_to_all"]
+
+
+@dataclass
+class PendingAllToAll:
+    """An all_to_all in flight; `wait()` gives the received tensor (or raises CollectiveError)."""
+
+    module: ShardedEmbeddingBagCollection
+    work: Any
+    sent: torch.Tensor
+    received: torch.Tensor
+    what: str
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            name = self.module.collective_name(f"{self.what} all_to_all")
+            with self.module.strategy._collective(name):
+                self.work.wait()
+            self.work = None
+        return self.received
+
+
+def start_all_to_all(module: ShardedEmbeddingBagCollection, tensor: torch.Tensor,
+                     send: list[int], receive: list[int], what: str) -> PendingAllToAll:
+    received = tensor.new_empty(sum(receive))
+    work = None
+    if module.strategy.world_size > 1:
+        tensor = tensor.contiguous()
+        with module.strategy._collective(module.collective_name(f"{what} all_to_all")):
+            work = torch.distributed.all_to_all_single(received, tensor, receive, send,
+                                                       group=module.strategy.group,
+                                                       async_op=True)
+    return PendingAllToAll(module, work, tensor, received, what)
+
+
+# forward ---------------------------------------------------------------------------------------
+def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
+           ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
+    routing = module.routing
+    rank, world = routing.rank, routing.world_size
+    batch = features.batch_size
+    lengths = features.lengths.view(len(routing.features), batch)
+    weighted = features.weights is not None
+    payloads = pack_ids(routing, features.values, lengths, features.weights)
+    sizes_in = module.all_to_all(size_header(batch, payloads, weighted), [3] * world,
+                                 [3] * world, "ids").view(world, 3).tolist()
+    check_refusals(sizes_in)
+    senders = [(s, size[0]) for s, size in enumerate(sizes_in) if s != rank]
+    ids_in = start_all_to_all(
+        module, torch.cat([p for d, p in enumerate(payloads) if d != rank] or [payloads[rank][:0]]),
+        [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
+        [0 if s == rank else size[1] for s, size in enumerate(sizes_in)], "ids")
+
+    local = routing.routed_local_shards()
+    parts: list[list[SenderBags]] = [[] for _ in range(world)]  # per sender, per local shard
+    parts[rank] = unpack_ids(routing, payloads[rank], batch, weighted)
+    out = torch.zeros(batch, routing.total_dim, dtype=module.dtype, device=module.device)
+    own_routes = iter(routing.routes_to[rank])
+    for shard, own_bags in zip(local, parts[rank], strict=True):
+        pooled = pooled_sum(module.weight_of(shard), *own_bags)
+        for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
+            add_block(routing, out, next(own_routes), block)
+
+    received = ids_in.wait()
+    offset = 0
+    for sender, sender_batch in senders:
+        length, sender_weighted = sizes_in[sender][1], bool(sizes_in[sender][2])
+        parts[sender] = unpack_ids(routing, received[offset:offset + length], sender_batch,
+                                   sender_weighted)
+        offset += length
+    pooled_in = None
+    if senders:
+        pooled = [None if s == rank else [pooled_sum(module.weight_of(shard), *bags)
+                                          for shard, bags in zip(local, parts[s], strict=True)]
+                  for s in range(world)]
+        flat, splits = pack_pooled(pooled)
+        pooled_in = start_all_to_all(module, flat, splits, output_splits(routing, batch),
+                                     "pooled output")
+    bags = [combine_senders([parts[s][k] for s in range(world)], rank)
+            for k in range(len(local))]
+    if module.fused_optimizer.optimizer.fuses_bags:
+        for shard, shard_bags in zip(local, bags, strict=True):
+            shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
+    if pooled_in is not None:
+        back = pooled_in.wait()
+        offset = 0
+        for owner, size in enumerate(output_splits(routing, batch)):
+            if size:
+                for route, block in pooled_blocks(routing, owner, back[offset:offset + size],
+                                                  batch):
+                    add_block(routing, out, route, block)
+            offset += size
+
+    feature_ids = _lookup_data_parallel(module, features, out)
+    mean_scale = _mean_scale(module, lengths, out.dtype)
+    if mean_scale is not None:
+        out.mul_(mean_scale)
+    batch_sizes = [size[0] for size in sizes_in]
+    return out, {"bags": bags, "senders": senders, "batch_sizes": batch_sizes,
+                 "features": feature_ids, "mean_scale": mean_scale}
+
+
+def _lookup_data_parallel(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
+                          out: torch.Tensor) -> list:
+    """Replicated tables are looked up locally; returns per-feature (ids, lengths, weights)."""
+    routing = module.routing
+    if not routing.data_parallel:
+        return []
+    feature_ids = split_features(features)
+    for f, (_, t) in enumerate(routing.features):
+        if t in routing.data_parallel:
+            ids, lengths, weights = feature_ids[f]
+            weight = module.tables[module.configs[t].name].weight.detach()
+            start = routing.feature_offsets[f]
+            out[:, start:start + routing.dims[f]] = pooled_sum(weight, ids, lengths, weights)
+    return feature_ids
+
+
+def _mean_scale(module: ShardedEmbeddingBagCollection, lengths: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
+    routing = module.routing
+    means = [f for f, (_, t) in enumerate(routing.features)
+             if module.configs[t].pooling == "mean"]
+    if not means:
+        return None
+    scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype, device=lengths.device)
+    for f in means:
+        start = routing.feature_offsets[f]
+        scale[:, start:start + routing.dims[f]] = 1 / lengths[f].clamp(min=1).to(
+            dtype).unsqueeze(1)
+    return scale
+
+
+def split_features(features: SparseFeatures) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor | None]]:
+    batch = features.batch_size
+    sizes = features.feature_sizes()
+    values = features.values.split(sizes)
+    weights = (features.weights.split(sizes) if features.weights is not None
+               else [None] * len(sizes))
+    return [(values[f], features.lengths[f * batch:(f + 1) * batch], weights[f])
+            for f in range(len(sizes))]
+
+
+# backward --------------------------------------------------------------------------------------
+def apply_gradient(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
+                   saved: dict[str, Any]) -> None:
+    """Send the output gradient to the shards' owners and update our shards with theirs."""
+    routing, optimizer = module.routing, module.fused_optimizer
+    rule = optimizer.optimizer
+    optimizer.step += 1
+    if saved["mean_scale"] is not None:
+        grad = grad * saved["mean_scale"]
+    batch_sizes, senders = saved["batch_sizes"], saved["senders"]
+    scales = sender_scales(module.normalize_by, batch_sizes)
+    full = rule.needs_full_rows
+    flat, splits = pack_output_grad(routing, grad, full)
+    grads_in = start_all_to_all(module, flat, splits,
+                                grad_receive_splits(routing, batch_sizes, full),
+                                "output gradient")
+    local = routing.routed_local_shards()
+    own = own_grad_blocks(routing, grad, full)
+    own_scale = scales[routing.rank]
+    first_pass = RowPass.OWN if senders else RowPass.ALL
+    fused = [_step_bags(module, shard, bags,
+                        BagGradients(blocks, [own_scale] * len(blocks)),
+                        first_pass)
+             for shard, bags, blocks in zip(local, saved["bags"], own, strict=True)]
+    remote = grad_blocks(routing, grads_in.wait(), batch_sizes, full)
+    for k, (shard, bags) in enumerate(zip(local, saved["bags"], strict=True)):
+        blocks, block_scales = [], []
+        for sender in range(routing.world_size):  # bag order: every sender's, in rank order
+            sender_blocks = own[k] if sender == routing.rank else [remote[k][sender]]
+            blocks += sender_blocks
+            block_scales += [scales[sender]] * len(sender_blocks)
+        grads = BagGradients(blocks, block_scales)
+        if not fused[k]:
+            bag_grads, scale = grads.dense()
+            rows, summed = row_gradients(bags.ids, bags.lengths, bags.weights, bag_grads,
+                                         shard.shard.rows, scale)
+            module.update_rows(shard.table, rows, summed)
+        elif senders:
+            _step_bags(module, shard, bags, grads, RowPass.REST)
+    if routing.data_parallel:
+        _update_data_parallel(module, grad, saved, own_scale)
+
+
+def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
+    """Weight of each rank's loss in the table gradient (1/world, or its sample share)."""
+    if normalize_by == "world":
+        return [1 / len(batch_sizes)] * len(batch_sizes)
+    total = sum(batch_sizes)
+    return [b / total if total else 0.0 for b in batch_sizes]
+
+
+def _step_bags(module: ShardedEmbeddingBagCollection, shard: Any, bags: ShardBags,
+               grads: BagGradients, rows: RowPass) -> bool:
+    name = module.configs[shard.table].name
+    optimizer = module.fused_optimizer
+    with torch.no_grad():
+        return optimizer.optimizer.step_bags(module.tables[name].weight, optimizer.state[name],
+                                             bags, grads, shard.shard.col_start, optimizer.step,
+                                             rows)
+
+
+def _update_data_parallel(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
+                          saved: dict[str, Any], my_scale: float) -> None:
+    """Replicated tables: sum dense row gradients and touch counts over ranks (one all_reduce
+    for all of them; such tables are small by construction)."""
+    routing = module.routing
+    buffers = []
+    for t in routing.data_parallel:
+        config = module.configs[t]
+        dense = grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
+        for f, (_, ft) in enumerate(routing.features):
+            if ft != t:
+                continue
+            ids, lengths, weights = saved["features"][f]
+            start = routing.feature_offsets[f]
+            bag_grads = grad[:, start:start + config.embedding_dim] * my_scale
+            rows, summed = row_gradients(ids, lengths, weights, bag_grads,
+                                         config.num_embeddings)
+            dense[rows, :-1] += summed
+            dense[rows, -1] += 1
+        buffers.append(dense)
+    flat = torch.cat([b.flatten() for b in buffers])
+    if module.strategy.world_size > 1:
+        with module.strategy._collective(module.collective_name(
+                "data-parallel gradient all_reduce")):
+            torch.distributed.all_reduce(flat, group=module.strategy.group)
+    offset = 0
+    for t, buffer in zip(routing.data_parallel, buffers, strict=True):
+        dense = flat[offset:offset + buffer.numel()].view_as(buffer)
+        offset += buffer.numel()
+        rows = torch.nonzero(dense[:, -1]).flatten()
+        module.update_rows(t, rows, dense[rows, :-1])
