@@ -2,7 +2,8 @@
 
     python examples/benchmarks/bench_embeddings.py --repeats 3 --json runs/bench_embeddings.json \
         [--peer-python .venv-torchrec/bin/python]        # `make torchrec-peer` builds it
-    python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json
+    python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json \
+        [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
 
 Each measurement is a fresh 2-process torchrun job (init time and peak RSS are per process);
 variants alternate in a rotating order and repeat, and the report gives the median over repeats
@@ -218,23 +219,41 @@ def compare(args: argparse.Namespace) -> dict:
 
 
 def scale(args: argparse.Namespace) -> dict:
-    """manualpar alone at 1, 4 and 16 GiB of tables, equal lookups; sizes interleave in a
-    rotating order over `--repeats`, and step time is compared as the median per size."""
-    python, script, extra = variants(args)["manualpar"]
+    """manualpar (and TorchRec, given --peer-python) at 1, 4 and 16 GiB of tables, equal
+    lookups; (size, variant) jobs interleave in a rotating order over `--repeats`. Each variant's
+    step time is compared with its own at the first size (median per size), so a slowdown the
+    machine causes shows in both."""
+    names = [name for name in variants(args) if name != "baseline"]
     sizes = list(args.scale_gib)
-    runs: dict[float, list[dict]] = {gib: [] for gib in sizes}
+    jobs = [(gib, name) for gib in sizes for name in names]
+    runs: dict[str, dict[float, list[dict]]] = {name: {gib: [] for gib in sizes} for name in names}
     for repeat in range(args.repeats):
-        for gib in sizes[repeat % len(sizes):] + sizes[:repeat % len(sizes)]:
+        shift = repeat % len(jobs)
+        for gib, name in jobs[shift:] + jobs[:shift]:
+            python, script, extra = variants(args)[name]
             rows = int(gib * 2**30 / (args.tables * args.dim * 4))
             result = launch(python, script, extra, args, args.plans[0], rows)
-            runs[gib].append(result)
+            runs[name][gib].append(result)
             tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
             result["rss_bound_gb"] = tables_state / 2 + 0.5
-            print(f"repeat {repeat} {gib:>4} GiB tables: {result['ms_per_step']:7.1f} ms/step, "
-                  f"peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB (bound "
-                  f"{result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s", flush=True)
-    summary = {}
+            print(f"repeat {repeat} {gib:>4} GiB tables {name:<9}: {result['ms_per_step']:7.1f} "
+                  f"ms/step, peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB "
+                  f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s",
+                  flush=True)
+    summaries = {name: _scale_summary(runs[name], sizes) for name in names}
+    summary = summaries["manualpar"]
+    if "torchrec" in summaries:
+        summary["torchrec"] = summaries["torchrec"]
+    print(json.dumps(summary, indent=2))
+    return {"summary": summary,
+            "runs": {f"{gib}GiB": r for gib, r in runs["manualpar"].items()},
+            **({"torchrec_runs": {f"{gib}GiB": r for gib, r in runs["torchrec"].items()}}
+               if "torchrec" in runs else {})}
+
+
+def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
     first = statistics.median(r["ms_per_step"] for r in runs[sizes[0]])
+    summary = {}
     for gib, results in runs.items():
         median_ms = statistics.median(r["ms_per_step"] for r in results)
         summary[f"{gib}GiB"] = {
@@ -242,8 +261,7 @@ def scale(args: argparse.Namespace) -> dict:
             "max_peak_rss_gb": max(max(r["peak_rss_gb_per_rank"]) for r in results),
             "rss_bound_gb": results[0]["rss_bound_gb"],
             "median_init_s": statistics.median(r["init_s"] for r in results)}
-    print(json.dumps(summary, indent=2))
-    return {"summary": summary, "runs": {f"{gib}GiB": r for gib, r in runs.items()}}
+    return summary
 
 
 def main() -> None:
