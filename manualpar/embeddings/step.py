@@ -40,6 +40,7 @@ from manualpar.embeddings.kernels import (
     pooled_sum,
     row_gradients,
 )
+from manualpar.embeddings.routing import Routing
 
 if TYPE_CHECKING:
     from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection
@@ -87,64 +88,93 @@ def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
     rank, world = routing.rank, routing.world_size
     batch = features.batch_size
     lengths = features.lengths.view(len(routing.features), batch)
-    weighted = features.weights is not None
-    payloads = pack_ids(routing, features.values, lengths, features.weights)
-    sizes_in = module.all_to_all(size_header(batch, payloads, weighted), [3] * world,
-                                 [3] * world, "ids").view(world, 3).tolist()
-    check_refusals(sizes_in)
-    senders = [(s, size[0]) for s, size in enumerate(sizes_in) if s != rank]
-    ids_in = start_all_to_all(
-        module, torch.cat([p for d, p in enumerate(payloads) if d != rank] or [payloads[rank][:0]]),
-        [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
-        [0 if s == rank else size[1] for s, size in enumerate(sizes_in)], "ids")
-
-    local = routing.routed_local_shards()
-    parts: list[list[SenderBags]] = [[] for _ in range(world)]  # per sender, per local shard
-    parts[rank] = unpack_ids(routing, payloads[rank], batch, weighted)
+    sizes, parts, ids_in = _send_ids(module, features, lengths)
     out = torch.zeros(batch, routing.total_dim, dtype=module.dtype, device=module.device)
-    own_routes = iter(routing.routes_to[rank])
-    for shard, own_bags in zip(local, parts[rank], strict=True):
-        pooled = pooled_sum(module.weight_of(shard), *own_bags)
-        for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
-            add_block(routing, out, next(own_routes), block)
-
-    received = ids_in.wait()
-    offset = 0
-    for sender, sender_batch in senders:
-        length, sender_weighted = sizes_in[sender][1], bool(sizes_in[sender][2])
-        parts[sender] = unpack_ids(routing, received[offset:offset + length], sender_batch,
-                                   sender_weighted)
-        offset += length
-    pooled_in = None
-    if senders:
-        pooled = [None if s == rank else [pooled_sum(module.weight_of(shard), *bags)
-                                          for shard, bags in zip(local, parts[s], strict=True)]
-                  for s in range(world)]
-        flat, splits = pack_pooled(pooled)
-        pooled_in = start_all_to_all(module, flat, splits, output_splits(routing, batch),
-                                     "pooled output")
+    _add_own_pooled(module, parts[rank], out, batch)  # while the other ranks' ids travel
+    _unpack_others(routing, ids_in.wait(), sizes, parts)
+    pooled_in = _send_pooled(module, parts, batch) if world > 1 else None
+    local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank)
             for k in range(len(local))]
-    if module.fused_optimizer.optimizer.fuses_bags:
+    if module.fused_optimizer.optimizer.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
             shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
     if pooled_in is not None:
-        back = pooled_in.wait()
-        offset = 0
-        for owner, size in enumerate(output_splits(routing, batch)):
-            if size:
-                for route, block in pooled_blocks(routing, owner, back[offset:offset + size],
-                                                  batch):
-                    add_block(routing, out, route, block)
-            offset += size
-
+        _add_received_pooled(routing, pooled_in.wait(), out, batch)
     feature_ids = _lookup_data_parallel(module, features, out)
     mean_scale = _mean_scale(module, lengths, out.dtype)
     if mean_scale is not None:
         out.mul_(mean_scale)
-    batch_sizes = [size[0] for size in sizes_in]
-    return out, {"bags": bags, "senders": senders, "batch_sizes": batch_sizes,
+    return out, {"bags": bags, "batch_sizes": [size[0] for size in sizes],
                  "features": feature_ids, "mean_scale": mean_scale}
+
+
+def _send_ids(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
+              lengths: torch.Tensor,
+              ) -> tuple[list[list[int]], list[list[SenderBags]], PendingAllToAll]:
+    """Exchange sizes (blocking), then send the ids (in flight on return). Returns every
+    rank's [batch, payload length, weighted], the bags per sender rank and local shard (only
+    this rank's own filled yet), and the pending exchange."""
+    routing = module.routing
+    rank, world = routing.rank, routing.world_size
+    weighted = features.weights is not None
+    payloads = pack_ids(routing, features.values, lengths, features.weights)
+    sizes = module.all_to_all(size_header(features.batch_size, payloads, weighted),
+                              [3] * world, [3] * world, "ids").view(world, 3).tolist()
+    check_refusals(sizes)
+    others = [p for d, p in enumerate(payloads) if d != rank]
+    pending = start_all_to_all(
+        module, torch.cat(others) if others else payloads[rank][:0],
+        [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
+        [0 if s == rank else size[1] for s, size in enumerate(sizes)], "ids")
+    parts: list[list[SenderBags]] = [[] for _ in range(world)]
+    parts[rank] = unpack_ids(routing, payloads[rank], features.batch_size, weighted)
+    return sizes, parts, pending
+
+
+def _unpack_others(routing: Routing, received: torch.Tensor, sizes: list[list[int]],
+                   parts: list[list[SenderBags]]) -> None:
+    offset = 0
+    for sender, (batch, length, weighted) in enumerate(sizes):
+        if sender != routing.rank:
+            parts[sender] = unpack_ids(routing, received[offset:offset + length], batch,
+                                       bool(weighted))
+            offset += length
+
+
+def _add_own_pooled(module: ShardedEmbeddingBagCollection, own: list[SenderBags],
+                    out: torch.Tensor, batch: int) -> None:
+    """Look up this rank's own bags in its own shards, straight into the output."""
+    routing = module.routing
+    routes = iter(routing.routes_to[routing.rank])
+    for shard, bags in zip(routing.routed_local_shards(), own, strict=True):
+        pooled = pooled_sum(module.weight_of(shard), *bags)
+        for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
+            add_block(routing, out, next(routes), block)
+
+
+def _send_pooled(module: ShardedEmbeddingBagCollection, parts: list[list[SenderBags]],
+                 batch: int) -> PendingAllToAll:
+    """Look up the other ranks' bags and send them their pooled rows (in flight on return)."""
+    routing = module.routing
+    local = routing.routed_local_shards()
+    pooled = [None if s == routing.rank else
+              [pooled_sum(module.weight_of(shard), *bags)
+               for shard, bags in zip(local, parts[s], strict=True)]
+              for s in range(routing.world_size)]
+    flat, splits = pack_pooled(pooled)
+    return start_all_to_all(module, flat, splits, output_splits(routing, batch), "pooled output")
+
+
+def _add_received_pooled(routing: Routing, received: torch.Tensor, out: torch.Tensor,
+                         batch: int) -> None:
+    offset = 0
+    for owner, size in enumerate(output_splits(routing, batch)):
+        if size:
+            for route, block in pooled_blocks(routing, owner, received[offset:offset + size],
+                                              batch):
+                add_block(routing, out, route, block)
+        offset += size
 
 
 def _lookup_data_parallel(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
@@ -195,39 +225,37 @@ def apply_gradient(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
                    saved: dict[str, Any]) -> None:
     """Send the output gradient to the shards' owners and update our shards with theirs."""
     routing, optimizer = module.routing, module.fused_optimizer
-    rule = optimizer.optimizer
+    full = optimizer.optimizer.needs_full_rows
     optimizer.step += 1
     if saved["mean_scale"] is not None:
         grad = grad * saved["mean_scale"]
-    batch_sizes, senders = saved["batch_sizes"], saved["senders"]
+    batch_sizes = saved["batch_sizes"]
     scales = sender_scales(module.normalize_by, batch_sizes)
-    full = rule.needs_full_rows
     flat, splits = pack_output_grad(routing, grad, full)
     grads_in = start_all_to_all(module, flat, splits,
                                 grad_receive_splits(routing, batch_sizes, full),
                                 "output gradient")
-    local = routing.routed_local_shards()
+    local, all_bags = routing.routed_local_shards(), saved["bags"]
     own = own_grad_blocks(routing, grad, full)
     own_scale = scales[routing.rank]
-    first_pass = RowPass.OWN if senders else RowPass.ALL
-    fused = [_step_bags(module, shard, bags,
-                        BagGradients(blocks, [own_scale] * len(blocks)),
-                        first_pass)
-             for shard, bags, blocks in zip(local, saved["bags"], own, strict=True)]
-    remote = grad_blocks(routing, grads_in.wait(), batch_sizes, full)
-    for k, (shard, bags) in enumerate(zip(local, saved["bags"], strict=True)):
-        blocks, block_scales = [], []
-        for sender in range(routing.world_size):  # bag order: every sender's, in rank order
-            sender_blocks = own[k] if sender == routing.rank else [remote[k][sender]]
-            blocks += sender_blocks
-            block_scales += [scales[sender]] * len(sender_blocks)
-        grads = BagGradients(blocks, block_scales)
+    alone = routing.world_size == 1
+    # while the other ranks' gradients travel: rows only our own bags touched
+    fused = [_step_bags(module, shard, bags, BagGradients(blocks, [own_scale] * len(blocks)),
+                        RowPass.ALL if alone else RowPass.OWN)
+             for shard, bags, blocks in zip(local, all_bags, own, strict=True)]
+    others = grad_blocks(routing, grads_in.wait(), batch_sizes, full)
+    for k, (shard, bags) in enumerate(zip(local, all_bags, strict=True)):
+        grads = BagGradients([], [])
+        for sender, scale in enumerate(scales):  # bag order: every sender's, in rank order
+            blocks = own[k] if sender == routing.rank else [others[k][sender]]
+            grads.blocks += blocks
+            grads.scales += [scale] * len(blocks)
         if not fused[k]:
             bag_grads, scale = grads.dense()
             rows, summed = row_gradients(bags.ids, bags.lengths, bags.weights, bag_grads,
                                          shard.shard.rows, scale)
             module.update_rows(shard.table, rows, summed)
-        elif senders:
+        elif not alone:
             _step_bags(module, shard, bags, grads, RowPass.REST)
     if routing.data_parallel:
         _update_data_parallel(module, grad, saved, own_scale)
