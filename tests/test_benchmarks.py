@@ -43,3 +43,22 @@ def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
     assert summary["0.001GiB"]["vs_0.001GiB"] == 1.0
     assert summary["0.002GiB"]["rss_bound_gb"] > summary["0.001GiB"]["rss_bound_gb"]
     assert len(result["runs"]["0.002GiB"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_kernel_benchmark_reports_each_table_size(tmp_path: Path) -> None:
+    from manualpar.embeddings.native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("the C++ kernels could not be built on this machine")
+    out = tmp_path / "kernels.json"
+    script = BENCH.parent / "bench_embedding_kernels.py"
+    run = subprocess.run([sys.executable, str(script), "--rows", "5000", "20000", "--bags", "64",
+                          "--repeats", "2", "--warmup", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in results] == [5000, 20000]
+    for result in results:
+        assert {"lookup_ms", "group_ms", "update_ms", "update_vs_lookup"} <= set(result)
+        assert all(len(samples) == 2 for samples in result["samples"].values())

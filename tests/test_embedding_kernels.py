@@ -188,3 +188,14 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
         assert native.clear_stale_lock(tmp_path, max_age_s=600)
     assert not lock.exists()
     assert not native.clear_stale_lock(tmp_path)  # nothing there
+
+
+def test_vectorized_sum_of_squares_agrees_to_the_bit():
+    """Row-wise Adagrad's state adds the row's squares in fixed lanes; the AVX version (chosen
+    at run time) must give the portable version's bits, or states would differ by machine."""
+    generator = torch.Generator().manual_seed(3)
+    for width in (1, 7, 8, 64, 67, 128):
+        row = torch.randn(width, generator=generator) * torch.logspace(-3, 3, width)
+        portable, dispatched = native.native_kernels().sum_squares_versions(row)
+        assert portable == dispatched, width
+        assert portable == pytest.approx(float(row.double().square().sum()), rel=1e-12)
