@@ -54,7 +54,7 @@ class PendingAllToAll:
 
     module: ShardedEmbeddingBagCollection
     work: Any
-    sent: torch.Tensor
+    sent: torch.Tensor      # kept alive until the exchange is done
     received: torch.Tensor
     what: str
 
@@ -69,6 +69,8 @@ class PendingAllToAll:
 
 def start_all_to_all(module: ShardedEmbeddingBagCollection, tensor: torch.Tensor,
                      send: list[int], receive: list[int], what: str) -> PendingAllToAll:
+    """Start an all_to_all_single of `tensor` (`send`/`receive`: elements per rank); waits use
+    the strategy's collective timeout. On one process nothing is sent."""
     received = tensor.new_empty(sum(receive))
     work = None
     if module.strategy.world_size > 1:
