@@ -163,10 +163,12 @@ def combine_senders(parts: list[SenderBags], rank: int) -> ShardBags:
 
 
 # 3: pooled output -----------------------------------------------------------------------------
-def pack_pooled(pooled: list[list[torch.Tensor] | None]) -> tuple[torch.Tensor, list[int]]:
+def pack_pooled(pooled: list[list[torch.Tensor] | None], like: torch.Tensor,
+                ) -> tuple[torch.Tensor, list[int]]:
     """Owner side: per sender rank, the pooled rows of its bags for each local shard (None for
-    ourselves) -> one buffer by destination, and the send splits (0 to ourselves)."""
-    flat = [torch.cat([rows.flatten() for rows in shards]) if shards else torch.empty(0)
+    ourselves) -> one buffer by destination (dtype and device of `like`), and the send splits
+    (0 to ourselves)."""
+    flat = [torch.cat([rows.flatten() for rows in shards]) if shards else like.new_empty(0)
             for shards in pooled]
     return torch.cat(flat), [p.numel() for p in flat]
 

@@ -94,7 +94,7 @@ def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
     out = torch.zeros(batch, routing.total_dim, dtype=module.dtype, device=module.device)
     _add_own_pooled(module, parts[rank], out, batch)  # while the other ranks' ids travel
     _unpack_others(routing, ids_in.wait(), sizes, parts)
-    pooled_in = _send_pooled(module, parts, batch) if world > 1 else None
+    pooled_in = _send_pooled(module, parts, out) if world > 1 else None
     local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank)
             for k in range(len(local))]
@@ -156,16 +156,18 @@ def _add_own_pooled(module: ShardedEmbeddingBagCollection, own: list[SenderBags]
 
 
 def _send_pooled(module: ShardedEmbeddingBagCollection, parts: list[list[SenderBags]],
-                 batch: int) -> PendingAllToAll:
-    """Look up the other ranks' bags and send them their pooled rows (in flight on return)."""
+                 out: torch.Tensor) -> PendingAllToAll:
+    """Look up the other ranks' bags and send them their pooled rows (in flight on return;
+    `out`, this rank's output, gives the batch size, dtype and device)."""
     routing = module.routing
     local = routing.routed_local_shards()
     pooled = [None if s == routing.rank else
               [pooled_sum(module.weight_of(shard), *bags)
                for shard, bags in zip(local, parts[s], strict=True)]
               for s in range(routing.world_size)]
-    flat, splits = pack_pooled(pooled)
-    return start_all_to_all(module, flat, splits, output_splits(routing, batch), "pooled output")
+    flat, splits = pack_pooled(pooled, like=out)
+    return start_all_to_all(module, flat, splits, output_splits(routing, out.shape[0]),
+                            "pooled output")
 
 
 def _add_received_pooled(routing: Routing, received: torch.Tensor, out: torch.Tensor,
