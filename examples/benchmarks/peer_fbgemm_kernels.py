@@ -1,0 +1,72 @@
+"""FBGEMM's CPU table-batched embedding on one table, the peer of bench_embedding_kernels.py.
+
+    .venv-torchrec/bin/python examples/benchmarks/peer_fbgemm_kernels.py --rows 1000000 16000000
+
+Runs in the TorchRec peer environment (`make torchrec-peer`), never in manualpar's: one table of
+rows x 64 fp32 on the host, EXACT_ROWWISE_ADAGRAD applied in backward, fresh uniform ids each
+repetition (2048 bags of 20), one thread. Times the forward lookup and the backward with its
+fused update, so FBGEMM's growth with table size can be set beside manualpar's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    EmbeddingLocation,
+    OptimType,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+
+def measure(rows: int, args: argparse.Namespace) -> dict:
+    table = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, args.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8)
+    offsets = torch.arange(0, args.bags * args.ids_per_bag + 1, args.ids_per_bag)
+    forward, backward = [], []
+    for repeat in range(args.warmup + args.repeats):
+        ids = torch.randint(0, rows, (args.bags * args.ids_per_bag,))
+        started = time.perf_counter()
+        out = table(ids, offsets)
+        looked_up = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        updated = time.perf_counter()
+        if repeat >= args.warmup:
+            forward.append(1000 * (looked_up - started))
+            backward.append(1000 * (updated - looked_up))
+    return {"rows": rows, "forward_ms": statistics.median(forward),
+            "backward_update_ms": statistics.median(backward)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 16_000_000])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--bags", type=int, default=2048)
+    parser.add_argument("--ids-per-bag", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for rows in args.rows:
+        result = measure(rows, args)
+        results.append(result)
+        print(f"{rows:>11,} rows: forward {result['forward_ms']:.2f} ms, backward with update "
+              f"{result['backward_update_ms']:.2f} ms per {args.bags * args.ids_per_bag:,} ids",
+              flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
+                                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
