@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from embedding_workload import add_kernel_args
 
 from manualpar.embeddings import RowWiseAdagrad
 from manualpar.embeddings.kernels import (
@@ -68,13 +69,7 @@ def measure(rows: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--bags", type=int, default=2048)
-    parser.add_argument("--ids-per-bag", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json")
+    add_kernel_args(parser)
     args = parser.parse_args()
     if native_kernels() is None:
         raise SystemExit("the C++ kernels could not be built here; this benchmark times them")

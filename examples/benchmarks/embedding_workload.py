@@ -35,6 +35,17 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
 
 
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """The one-table kernel benchmarks' arguments (manualpar's and FBGEMM's peer share them)."""
+    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--bags", type=int, default=2048)
+    parser.add_argument("--ids-per-bag", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json")
+
+
 def local_batch(args: argparse.Namespace, world_size: int) -> int:
     return args.batch // world_size
 

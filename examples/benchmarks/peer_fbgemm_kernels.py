@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from embedding_workload import add_kernel_args
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     EmbeddingLocation,
@@ -47,13 +48,7 @@ def measure(rows: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 16_000_000])
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--bags", type=int, default=2048)
-    parser.add_argument("--ids-per-bag", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json")
+    add_kernel_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
