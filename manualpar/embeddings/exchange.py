@@ -24,9 +24,13 @@ from manualpar.errors import EmbeddingInputError
 __all__ = [
     "REFUSED",
     "SenderBags",
+    "add_block",
     "check_refusals",
     "combine_senders",
     "grad_blocks",
+    "grad_receive_splits",
+    "grad_width",
+    "output_splits",
     "own_grad_blocks",
     "pack_ids",
     "pack_output_grad",

@@ -56,6 +56,7 @@ class PendingAllToAll:
     work: Any
     sent: torch.Tensor      # kept alive until the exchange is done
     received: torch.Tensor
+    receive: list[int]      # elements from each rank
     what: str
 
     def wait(self) -> torch.Tensor:
@@ -79,7 +80,7 @@ def start_all_to_all(module: ShardedEmbeddingBagCollection, tensor: torch.Tensor
             work = torch.distributed.all_to_all_single(received, tensor, receive, send,
                                                        group=module.strategy.group,
                                                        async_op=True)
-    return PendingAllToAll(module, work, tensor, received, what)
+    return PendingAllToAll(module, work, tensor, received, receive, what)
 
 
 # forward ---------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
         for shard, shard_bags in zip(local, bags, strict=True):
             shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
     if pooled_in is not None:
-        _add_received_pooled(routing, pooled_in.wait(), out, batch)
+        _add_received_pooled(routing, pooled_in.wait(), pooled_in.receive, out, batch)
     feature_ids = _lookup_data_parallel(module, features, out)
     mean_scale = _mean_scale(module, lengths, out.dtype)
     if mean_scale is not None:
@@ -170,10 +171,10 @@ def _send_pooled(module: ShardedEmbeddingBagCollection, parts: list[list[SenderB
                             "pooled output")
 
 
-def _add_received_pooled(routing: Routing, received: torch.Tensor, out: torch.Tensor,
-                         batch: int) -> None:
+def _add_received_pooled(routing: Routing, received: torch.Tensor, splits: list[int],
+                         out: torch.Tensor, batch: int) -> None:
     offset = 0
-    for owner, size in enumerate(output_splits(routing, batch)):
+    for owner, size in enumerate(splits):
         if size:
             for route, block in pooled_blocks(routing, owner, received[offset:offset + size],
                                               batch):
