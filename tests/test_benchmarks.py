@@ -37,6 +37,17 @@ def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_floor_runs_every_lookup_without_exchanges(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--floor", "--skip-baseline")
+    for plan in ("table_wise", "row_wise"):
+        assert set(result["summary"][plan]["manualpar/local"]) == {"ms_per_step", "peak_rss",
+                                                                   "init_s", "pairs"}
+        (run,) = result["runs"][plan]["local"]
+        # 2 tables x global batch 64 x 20 ids, each looked up by exactly one of the two ranks
+        assert run["ids_looked_up"] == 2 * 64 * 20 and len(run["step_ms"]) == 2
+
+
+@pytest.mark.timeout(300)
 def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
     result = _run(tmp_path, "--scale", "--scale-gib", "0.001", "0.002")
     summary = result["summary"]

@@ -4,6 +4,7 @@
         [--peer-python .venv-torchrec/bin/python]        # `make torchrec-peer` builds it
     python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json \
         [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
+    ... --floor     # also manualpar's step with no exchanges: the floor its kernels set
 
 Each measurement is a fresh 2-process torchrun job (init time and peak RSS are per process);
 variants alternate in a rotating order and repeat, and the report gives the median over repeats
@@ -74,6 +75,78 @@ def worker_manualpar(args: argparse.Namespace) -> None:
 
     write_result(args, "manualpar", time_steps(step, args), init_s, sharding=args.plan)
     strategy.teardown()
+
+
+def worker_local(args: argparse.Namespace) -> None:
+    """manualpar's step without its exchanges: a floor for any exchange scheme on its kernels.
+
+    Each process holds, in a one-process module, exactly the shard it holds in the sharded run
+    and is fed the ids the sharded run would route to it (from every rank's batch), so it does
+    the same lookups, grouping and fused updates; the two processes still run at the same time,
+    sharing memory bandwidth as in the real step. Nothing is exchanged or packed; the loss is
+    taken over the same number of pooled values as a rank's output in the sharded run.
+    """
+    import torch
+    import torch.distributed as dist
+    from embedding_workload import batch_ids, max_over_ranks, time_steps, write_result
+
+    import manualpar as mp
+    from manualpar.embeddings import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingPlan,
+        RowWiseAdagrad,
+        SparseFeatures,
+        shard_embeddings,
+        table_wise,
+    )
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    strategy = mp.ManualParallelStrategy(process_group=alone)
+    if args.plan == "table_wise":
+        mine = [t for t in range(args.tables) if t * world // args.tables == rank]
+        lo, hi = 0, args.rows
+    else:
+        mine = list(range(args.tables))
+        lo, hi = args.rows * rank // world, args.rows * (rank + 1) // world
+    tables = [EmbeddingBagConfig(f"t{t}", hi - lo, args.dim, feature_names=(f"f{t}",))
+              for t in mine]
+    dist.barrier()
+    started = time.perf_counter()
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(tables)
+    emb = shard_embeddings(ebc, strategy, EmbeddingPlan(1, {t.name: table_wise(0) for t in tables}),
+                           RowWiseAdagrad(lr=args.lr, eps=1e-8))
+    init_s = max_over_ranks(time.perf_counter() - started)
+    keys = tuple(f"f{t}" for t in mine)
+    bags_per_rank = args.batch // world
+
+    def routed_here(index: int) -> SparseFeatures:
+        """Every sender's bags of this rank's tables, keeping only ids of its rows."""
+        ids = torch.cat([batch_ids(args, sender, world, index)[mine] for sender in range(world)],
+                        1).view(len(mine), -1, args.ids_per_bag)
+        if args.plan == "table_wise":
+            return SparseFeatures(keys, ids.flatten(),
+                                  torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag))
+        held = (ids >= lo) & (ids < hi)
+        return SparseFeatures(keys, ids[held] - lo, held.sum(2).flatten())
+
+    routed = [routed_here(index) for index in range(args.warmup + args.steps)]
+    looked_up = torch.tensor([routed[0].values.numel()])
+    dist.all_reduce(looked_up)  # every id of step 0, over both ranks: the whole batch's
+
+    def step(index: int) -> None:
+        batch_ids(args, rank, world, index)  # drawn as in the sharded step, whose ids are routed
+        pooled = emb(routed[index]).values  # (world * local batch, dims of this rank's tables)
+        if args.plan == "row_wise":  # partial sums of every rank's bags: the reduce-scatter's input
+            pooled = pooled.view(world, bags_per_rank, -1).sum(0)
+        pooled.square().mean().backward()
+
+    write_result(args, "local", time_steps(step, args), init_s, sharding=args.plan,
+                 ids_looked_up=looked_up.item())
+    dist.destroy_process_group()
 
 
 def worker_baseline(args: argparse.Namespace) -> None:
@@ -170,10 +243,17 @@ def launch(python: str, script: Path, extra: list[str], args: argparse.Namespace
         if not os.path.exists(result):
             raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
         if run.returncode:  # measured and written, then died on the way out: keep, but say so
-            print(f"  (exit code {run.returncode} after writing its result: "
-                  f"{run.stderr.strip().splitlines()[-1][:120] if run.stderr.strip() else ''})",
+            print(f"  (exit code {run.returncode} after writing its result; its errors:)\n"
+                  + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr)),
                   flush=True)
         return json.loads(Path(result).read_text())
+
+
+def _error_lines(stderr: str, keep: int = 6) -> list[str]:
+    """The lines of a failed job's stderr that say what failed (not torchrun's banners)."""
+    marks = ("Error", "error", "Signal", "signal", "Traceback", "terminate", "Exception")
+    lines = [line for line in stderr.splitlines() if any(m in line for m in marks)]
+    return lines[-keep:] or stderr.strip().splitlines()[-keep:]
 
 
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]:
@@ -183,6 +263,8 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
         found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
     if args.skip_baseline:
         del found["baseline"]
+    if args.floor:
+        found["local"] = (sys.executable, Path(__file__), ["--worker", "local"])
     return found
 
 
@@ -211,6 +293,10 @@ def compare(args: argparse.Namespace) -> dict:
                                               / max(b["peak_rss_gb_per_rank"]) for a, b in pairs),
                 "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
                 "pairs": len(pairs)}
+        if "local" in by_name and "torchrec" in by_name:  # the floor against TorchRec
+            summary[plan]["local/torchrec"] = {"ms_per_step": statistics.median(
+                a["ms_per_step"] / b["ms_per_step"]
+                for a, b in zip(by_name["local"], by_name["torchrec"], strict=True))}
         summary[plan]["median_ms_per_step"] = {
             name: statistics.median(r["ms_per_step"] for r in results)
             for name, results in by_name.items()}
@@ -242,13 +328,13 @@ def scale(args: argparse.Namespace) -> dict:
                   flush=True)
     summaries = {name: _scale_summary(runs[name], sizes) for name in names}
     summary = summaries["manualpar"]
-    if "torchrec" in summaries:
-        summary["torchrec"] = summaries["torchrec"]
+    for name in names[1:]:  # torchrec and the no-exchange floor (--floor), each on its own
+        summary[name] = summaries[name]
     print(json.dumps(summary, indent=2))
     return {"summary": summary,
             "runs": {f"{gib}GiB": r for gib, r in runs["manualpar"].items()},
-            **({"torchrec_runs": {f"{gib}GiB": r for gib, r in runs["torchrec"].items()}}
-               if "torchrec" in runs else {})}
+            **{f"{name}_runs": {f"{gib}GiB": r for gib, r in runs[name].items()}
+               for name in names[1:]}}
 
 
 def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
@@ -268,17 +354,20 @@ def main() -> None:
     from embedding_workload import add_workload_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("manualpar", "baseline"))
+    parser.add_argument("--worker", choices=("manualpar", "baseline", "local"))
     if "--worker" in sys.argv:
         add_workload_args(parser)
         args = parser.parse_args()
-        {"manualpar": worker_manualpar, "baseline": worker_baseline}[args.worker](args)
+        {"manualpar": worker_manualpar, "baseline": worker_baseline,
+         "local": worker_local}[args.worker](args)
         return
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plans", nargs="+", default=["table_wise", "row_wise"])
     parser.add_argument("--peer-python", help="python of a venv where torchrec + fbgemm import")
     parser.add_argument("--skip-baseline", action="store_true",
                         help="leave out the plain-torch baseline (quicker runs against the peer)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run manualpar's step with no exchanges (worker_local)")
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument("--scale-gib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--json")
