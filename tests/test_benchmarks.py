@@ -73,3 +73,22 @@ def test_kernel_benchmark_reports_each_table_size(tmp_path: Path) -> None:
     for result in results:
         assert {"lookup_ms", "group_ms", "update_ms", "update_vs_lookup"} <= set(result)
         assert all(len(samples) == 2 for samples in result["samples"].values())
+
+
+def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from bench_embeddings import _error_lines
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    stderr = "\n".join([
+        "W1123 torch/distributed/run.py] *****************************************",
+        "Traceback (most recent call last):",
+        '  File "worker.py", line 3, in <module>',
+        "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
+        "============================================================",
+        "Root Cause (first observed failure):",
+    ])
+    assert _error_lines(stderr) == ["Traceback (most recent call last):",
+                                    "RuntimeError: Connection closed by peer [127.0.0.1]:29500"]
+    assert _error_lines("killed\n=====") == ["killed", "====="]
