@@ -16,14 +16,12 @@ hour. Needs the C++ kernels (a compiler); no communication, one thread.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from embedding_workload import add_kernel_args
+from embedding_workload import add_kernel_args, run_per_table_size
 
 from manualpar.embeddings import RowWiseAdagrad
 from manualpar.embeddings.kernels import (
@@ -73,21 +71,9 @@ def main() -> None:
     args = parser.parse_args()
     if native_kernels() is None:
         raise SystemExit("the C++ kernels could not be built here; this benchmark times them")
-    torch.set_num_threads(1)
-    results = []
-    for rows in args.rows:
-        result = measure(rows, args)
-        results.append(result)
-        print(f"{rows:>11,} rows ({result['table_gib']:.2f} GiB): lookup "
-              f"{result['lookup_ms']:.2f} ms, group {result['group_ms']:.2f} ms, update "
-              f"{result['update_ms']:.2f} ms per {args.bags * args.ids_per_bag:,} ids; update / "
-              f"lookup {result['update_vs_lookup']:.2f}x", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
-                                              indent=2))
-        print(f"wrote {args.json}")
-
+    run_per_table_size(args, measure, lambda r: (
+        f" ({r['table_gib']:.2f} GiB): lookup {r['lookup_ms']:.2f} ms, group {r['group_ms']:.2f} "
+        f"ms, update {r['update_ms']:.2f} ms; update / lookup {r['update_vs_lookup']:.2f}x"))
 
 if __name__ == "__main__":
     main()

@@ -46,6 +46,25 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json")
 
 
+def run_per_table_size(args: argparse.Namespace, measure: Callable[[int, argparse.Namespace], dict],
+                       describe: Callable[[dict], str]) -> list[dict]:
+    """The kernel benchmarks' loop: one thread, `measure(rows, args)` per table size, a line
+    each (`describe(result)`), and the results as JSON to `--json` if given."""
+    torch.set_num_threads(1)
+    results = []
+    for rows in args.rows:
+        result = measure(rows, args)
+        results.append(result)
+        print(f"{rows:>11,} rows{describe(result)} per {args.bags * args.ids_per_bag:,} ids",
+              flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
+                                              indent=2))
+        print(f"wrote {args.json}")
+    return results
+
+
 def local_batch(args: argparse.Namespace, world_size: int) -> int:
     return args.batch // world_size
 

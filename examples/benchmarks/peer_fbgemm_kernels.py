@@ -11,13 +11,11 @@ fused update, so FBGEMM's growth with table size can be set beside manualpar's k
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from embedding_workload import add_kernel_args
+from embedding_workload import add_kernel_args, run_per_table_size
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     EmbeddingLocation,
@@ -50,18 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_kernel_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    results = []
-    for rows in args.rows:
-        result = measure(rows, args)
-        results.append(result)
-        print(f"{rows:>11,} rows: forward {result['forward_ms']:.2f} ms, backward with update "
-              f"{result['backward_update_ms']:.2f} ms per {args.bags * args.ids_per_bag:,} ids",
-              flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
-                                              indent=2))
-
+    run_per_table_size(args, measure, lambda r: (
+        f": forward {r['forward_ms']:.2f} ms, backward with update "
+        f"{r['backward_update_ms']:.2f} ms"))
 
 if __name__ == "__main__":
     main()
