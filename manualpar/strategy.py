@@ -30,6 +30,12 @@ ReduceOp = Literal["mean", "sum", "max", "min"]
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 T = TypeVar("T")
+# Groups this process destroyed, kept referenced until interpreter exit. A DDP Reducer holds its
+# group, and when a model is freed the Reducer's destructor (GIL held) joins gloo's worker
+# threads, one of which may still need the GIL to drop a finished collective's tensors: a
+# deadlock at exit. While this list holds the group, the last reference dies here instead, in
+# the group's own Python binding, whose destructor releases the GIL.
+_RETIRED_GROUPS: list[dist.ProcessGroup] = []
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
@@ -189,6 +195,8 @@ class ManualParallelStrategy:
                 if wait_for_peers:
                     self.barrier("teardown")
             finally:
+                if self.group is not None:
+                    _RETIRED_GROUPS.append(self.group)
                 dist.destroy_process_group()
         self._owns_group = False
         self.group = None
