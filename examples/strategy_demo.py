@@ -47,8 +47,10 @@ def main() -> None:
     ranks = strategy.all_gather(torch.tensor([strategy.rank]))
     config = strategy.broadcast({"lr": 0.05, "hidden": 16} if strategy.is_global_zero else None)
     total = strategy.all_reduce(torch.tensor(float(strategy.rank + 1)), op="sum")
-    say(f"all_gather of ranks -> {ranks.flatten().tolist()}; broadcast config -> {config}; "
-        f"sum of (rank + 1) -> {total.item():g}")
+    say(
+        f"all_gather of ranks -> {ranks.flatten().tolist()}; broadcast config -> {config}; "
+        f"sum of (rank + 1) -> {total.item():g}"
+    )
 
     strategy.seed_everything(0)
     true_weight = torch.linspace(-1, 1, 8)

@@ -33,9 +33,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """Replace this process with torchrun on local processes (one node)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc), "--max-restarts", str(args.max_restarts),
-               args.script, *args.script_args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--max-restarts",
+        str(args.max_restarts),
+        args.script,
+        *args.script_args,
+    ]
     os.execv(sys.executable, command)
     return 0  # pragma: no cover - execv does not return
 

@@ -76,8 +76,7 @@ def _agree(strategy: ManualParallelStrategy, what: str, fn: Callable[[], T]) -> 
         local_error = error
     if strategy.is_distributed:
         try:
-            reports = strategy.all_gather_object(
-                None if local_error is None else str(local_error))
+            reports = strategy.all_gather_object(None if local_error is None else str(local_error))
         except CollectiveError as error:  # a peer died or stalled: say what was going on
             raise CollectiveError(f"{what}: {error}") from error
     else:
@@ -116,16 +115,24 @@ def _state_dicts(state: Mapping[str, Any], *, full: bool) -> tuple[dict[str, Any
 def _manifest(strategy: ManualParallelStrategy, state: Mapping[str, Any], kind: str) -> dict:
     step = state.get("step")
     return {
-        "format": FORMAT, "version": 1, "kind": kind, "world_size": strategy.world_size,
+        "format": FORMAT,
+        "version": 1,
+        "kind": kind,
+        "world_size": strategy.world_size,
         "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
         "entries": {key: entry_kind(value) for key, value in state.items()},
-        "committed_at": time.time(), "torch": str(torch.__version__),
+        "committed_at": time.time(),
+        "torch": str(torch.__version__),
     }
 
 
 def save_checkpoint(
-    strategy: ManualParallelStrategy, path: str | os.PathLike, state: Mapping[str, Any], *,
-    full: bool = False, overwrite: bool = True,
+    strategy: ManualParallelStrategy,
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    full: bool = False,
+    overwrite: bool = True,
 ) -> Path:
     """Save `state` (collective: call on every rank with the same keys). Returns the path.
 
@@ -144,25 +151,38 @@ def save_checkpoint(
     return path
 
 
-def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any],
-                  overwrite: bool) -> None:
+def _save_sharded(
+    strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any], overwrite: bool
+) -> None:
     staging = partial_path(path)
     shared, per_rank = _state_dicts(state, full=False)
     tensors, objects = split_leaves(shared)
     # Global shapes (DTensor and LocalShards report them too): what all ranks write together.
     needed = sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
-    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
-        path, staging, overwrite, make_dir=True, needed=needed))
-    _dcp_call(strategy, f"save_checkpoint({path}): writing tensor shards", lambda: dcp.save(
-        tensors, storage_writer=dcp.FileSystemWriter(staging), process_group=strategy.group))
+    _agree(
+        strategy,
+        f"preparing checkpoint {path}",
+        lambda: (
+            strategy.is_global_zero
+            and prepare(path, staging, overwrite, make_dir=True, needed=needed)
+        ),
+    )
+    _dcp_call(
+        strategy,
+        f"save_checkpoint({path}): writing tensor shards",
+        lambda: dcp.save(
+            tensors, storage_writer=dcp.FileSystemWriter(staging), process_group=strategy.group
+        ),
+    )
 
     def write_objects() -> None:
         if per_rank:
             blob = to_safe_bytes(per_rank, f"per-rank entries on rank {strategy.rank}")
             write_file(staging / "objects" / f"rank_{strategy.rank}.pt", blob)
         if strategy.is_global_zero:
-            write_file(staging / "objects" / "replicated.pt",
-                        to_safe_bytes(objects, "checkpoint state"))
+            write_file(
+                staging / "objects" / "replicated.pt", to_safe_bytes(objects, "checkpoint state")
+            )
 
     _agree(strategy, f"save_checkpoint({path}): writing objects", write_objects)
 
@@ -175,11 +195,15 @@ def _save_sharded(strategy: ManualParallelStrategy, path: Path, state: Mapping[s
     _agree(strategy, f"save_checkpoint({path}): commit", commit)
 
 
-def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any],
-               overwrite: bool) -> None:
+def _save_full(
+    strategy: ManualParallelStrategy, path: Path, state: Mapping[str, Any], overwrite: bool
+) -> None:
     staging = partial_path(path)
-    _agree(strategy, f"preparing checkpoint {path}", lambda: strategy.is_global_zero and prepare(
-        path, staging, overwrite, make_dir=False))
+    _agree(
+        strategy,
+        f"preparing checkpoint {path}",
+        lambda: strategy.is_global_zero and prepare(path, staging, overwrite, make_dir=False),
+    )
     blob: dict[str, Any] = {}
     for key, value in state.items():
         local = entry_state_dict(key, value, state, full=True)
@@ -203,12 +227,19 @@ def _save_full(strategy: ManualParallelStrategy, path: Path, state: Mapping[str,
 def _collapse_values(leaves: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     """Plain values are replaced whole, so compare them by entry name, not by their leaves."""
     values = {key for key, value in state.items() if entry_kind(value) == "value"}
-    return {key.split("/")[0] if key.split("/")[0] in values else key: leaf
-            for key, leaf in leaves.items()}
+    return {
+        key.split("/")[0] if key.split("/")[0] in values else key: leaf
+        for key, leaf in leaves.items()
+    }
 
 
-def _check_match(path: Path, state: Mapping[str, Any], expected: Mapping[str, Any],
-                 saved: Mapping[str, Any], strict: bool) -> set[str]:
+def _check_match(
+    path: Path,
+    state: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    strict: bool,
+) -> set[str]:
     """Compare leaves by key and shape; return the keys to load, or raise listing the problems.
 
     Only the checkpoint's entries named in `state` are compared: loading just the model from a
@@ -222,7 +253,8 @@ def _check_match(path: Path, state: Mapping[str, Any], expected: Mapping[str, An
     shapes = sorted(
         f"{key}: checkpoint {saved[key]} vs current {describe_shape(expected[key])}"
         for key in set(expected) & set(saved)
-        if is_tensor_leaf(expected[key]) and isinstance(saved[key], tuple)
+        if is_tensor_leaf(expected[key])
+        and isinstance(saved[key], tuple)
         and tuple(expected[key].shape) != saved[key]
     )
     problems = []
@@ -234,7 +266,8 @@ def _check_match(path: Path, state: Mapping[str, Any], expected: Mapping[str, An
         problems.append(f"unexpected in the checkpoint: {_clip(unexpected)}")
     if problems:
         raise CheckpointMismatchError(
-            f"checkpoint {path} does not match the state being loaded; " + "; ".join(problems)
+            f"checkpoint {path} does not match the state being loaded; "
+            + "; ".join(problems)
             + ". It was probably saved from another model or configuration"
             + ("; strict=False loads only the matching keys." if not shapes else ".")
         )
@@ -254,19 +287,34 @@ def _saved_leaves(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         objects = torch.load(path / "objects" / "replicated.pt", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"checkpoint {path} is corrupted or truncated: {error}") from None
-    shapes = {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
-              if hasattr(meta, "size")}
+    shapes = {
+        key: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
     return shapes, objects
 
 
-def _apply(strategy: ManualParallelStrategy, state: dict[str, Any], leaves: Mapping[str, Any],
-           per_rank: Mapping[str, Any] | None, *, full: bool, strict: bool, path: Path) -> None:
+def _apply(
+    strategy: ManualParallelStrategy,
+    state: dict[str, Any],
+    leaves: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None,
+    *,
+    full: bool,
+    strict: bool,
+    path: Path,
+) -> None:
     for key, value in list(state.items()):
         kind = entry_kind(value)
         if kind == "per_rank":
             if per_rank is None or not any(k == key or k.startswith(key + "/") for k in per_rank):
-                log.warning("rank %d: %s holds no %r for this rank; keeping the current value",
-                            strategy.rank, path, key)
+                log.warning(
+                    "rank %d: %s holds no %r for this rank; keeping the current value",
+                    strategy.rank,
+                    path,
+                    key,
+                )
                 continue
             loaded = unflatten(per_rank, key)
         else:
@@ -284,7 +332,10 @@ def _apply(strategy: ManualParallelStrategy, state: dict[str, Any], leaves: Mapp
 
 
 def load_checkpoint(
-    strategy: ManualParallelStrategy, path: str | os.PathLike, state: dict[str, Any], *,
+    strategy: ManualParallelStrategy,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
     strict: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into `state` in place (collective); returns `state`.
@@ -310,41 +361,70 @@ def _open(path: Path) -> bool:
     return False
 
 
-def _load_sharded(strategy: ManualParallelStrategy, path: Path, state: dict[str, Any],
-                  strict: bool) -> None:
+def _load_sharded(
+    strategy: ManualParallelStrategy, path: Path, state: dict[str, Any], strict: bool
+) -> None:
     shared, _ = _state_dicts(state, full=False)
     tensors, _objects = split_leaves(shared)
     saved_shapes, saved_objects = _agree(strategy, f"reading {path}", lambda: _saved_leaves(path))
-    keep = _agree(strategy, f"checking {path}", lambda: _check_match(
-        path, state, shared, {**saved_shapes, **saved_objects}, strict))
+    keep = _agree(
+        strategy,
+        f"checking {path}",
+        lambda: _check_match(path, state, shared, {**saved_shapes, **saved_objects}, strict),
+    )
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
-    _dcp_call(strategy, f"load_checkpoint({path}): reading tensor shards", lambda: dcp.load(
-        to_load, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group))
+    _dcp_call(
+        strategy,
+        f"load_checkpoint({path}): reading tensor shards",
+        lambda: dcp.load(
+            to_load, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group
+        ),
+    )
     rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
-    per_rank = _agree(strategy, f"reading {rank_file}", lambda: torch.load(
-        rank_file, weights_only=True) if rank_file.exists() else None)
+    per_rank = _agree(
+        strategy,
+        f"reading {rank_file}",
+        lambda: torch.load(rank_file, weights_only=True) if rank_file.exists() else None,
+    )
     leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
-    _agree(strategy, f"load_checkpoint({path}): applying", lambda: _apply(
-        strategy, state, leaves, per_rank, full=False, strict=strict, path=path))
+    _agree(
+        strategy,
+        f"load_checkpoint({path}): applying",
+        lambda: _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path),
+    )
 
 
-def _load_full(strategy: ManualParallelStrategy, path: Path, state: dict[str, Any],
-               strict: bool) -> None:
+def _load_full(
+    strategy: ManualParallelStrategy, path: Path, state: dict[str, Any], strict: bool
+) -> None:
     blob = _agree(strategy, f"reading {path}", lambda: read_full(path))
     shared, _ = _state_dicts(state, full=False)
     per_rank_keys = [k for k, v in state.items() if entry_kind(v) == "per_rank"]
-    saved = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v
-             for key, value in blob.items() if key != FULL_KEY and key not in per_rank_keys
-             for k, v in flatten(value, key).items()}
-    keep = _agree(strategy, f"checking {path}",
-                  lambda: _check_match(path, state, shared, saved, strict))
-    leaves = {k: v for key, value in blob.items() if key != FULL_KEY and key not in per_rank_keys
-              for k, v in flatten(value, key).items() if k in keep}
+    saved = {
+        k: tuple(v.shape) if isinstance(v, torch.Tensor) else v
+        for key, value in blob.items()
+        if key != FULL_KEY and key not in per_rank_keys
+        for k, v in flatten(value, key).items()
+    }
+    keep = _agree(
+        strategy, f"checking {path}", lambda: _check_match(path, state, shared, saved, strict)
+    )
+    leaves = {
+        k: v
+        for key, value in blob.items()
+        if key != FULL_KEY and key not in per_rank_keys
+        for k, v in flatten(value, key).items()
+        if k in keep
+    }
     mine = f"rank_{strategy.rank}"
     per_rank = {}
     for key in per_rank_keys:
         if isinstance(blob.get(key), dict) and mine in blob[key]:
             per_rank.update(flatten(blob[key][mine], key))
-    _agree(strategy, f"load_checkpoint({path}): applying", lambda: _apply(
-        strategy, state, leaves, per_rank or None, full=True, strict=strict, path=path))
-
+    _agree(
+        strategy,
+        f"load_checkpoint({path}): applying",
+        lambda: _apply(
+            strategy, state, leaves, per_rank or None, full=True, strict=strict, path=path
+        ),
+    )

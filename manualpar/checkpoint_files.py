@@ -60,10 +60,13 @@ def prepare(path: Path, staging: Path, overwrite: bool, make_dir: bool, needed: 
     except OSError as error:
         raise CheckpointError(
             f"cannot create checkpoint directory {path.parent}: {error}; save under a directory "
-            "you can write to (no part of the path may be an existing file)") from None
+            "you can write to (no part of the path may be an existing file)"
+        ) from None
     if not os.access(path.parent, os.W_OK):
-        raise CheckpointError(f"checkpoint directory {path.parent} is not writable; fix its "
-                              "permissions or save elsewhere")
+        raise CheckpointError(
+            f"checkpoint directory {path.parent} is not writable; fix its "
+            "permissions or save elsewhere"
+        )
     check_free_space(path.parent, needed, path)
     remove(staging)  # left by an earlier crash; never committed, safe to drop
     if make_dir:
@@ -80,7 +83,8 @@ def check_free_space(directory: Path, needed: int, path: Path) -> None:
     if free < needed:
         raise CheckpointError(
             f"not enough disk space to save {path}: it needs about {_size(needed)} but "
-            f"{directory} has {_size(free)} free; delete old checkpoints or save elsewhere")
+            f"{directory} has {_size(free)} free; delete old checkpoints or save elsewhere"
+        )
 
 
 def _size(count: int) -> str:
@@ -113,8 +117,12 @@ def resolve(path: Path) -> Path:
     """`path`, or its previous copy if a crash interrupted an overwrite of it."""
     old = _old_path(path)
     if not path.exists() and (old / MANIFEST).is_file():
-        log.warning("%s is missing but its previous copy %s is complete (an overwrite was "
-                    "interrupted); using the previous copy", path, old)
+        log.warning(
+            "%s is missing but its previous copy %s is complete (an overwrite was "
+            "interrupted); using the previous copy",
+            path,
+            old,
+        )
         return old
     return path
 
@@ -130,8 +138,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory")
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
-        hint = ("it holds torch.distributed.checkpoint files but no manifest: the save did not "
-                "finish") if (path / ".metadata").exists() else "it is not a checkpoint directory"
+        hint = (
+            ("it holds torch.distributed.checkpoint files but no manifest: the save did not finish")
+            if (path / ".metadata").exists()
+            else "it is not a checkpoint directory"
+        )
         raise CheckpointError(f"{path} is not a complete manualpar checkpoint: {hint}")
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -157,7 +168,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         if entry.name.startswith("."):  # staging copies are never candidates, but the
             if not entry.name.endswith(".old"):  # previous copy of an interrupted overwrite is
                 continue
-            entry = resolve(directory / entry.name[1:-len(".old")])
+            entry = resolve(directory / entry.name[1 : -len(".old")])
         if not (entry / MANIFEST).is_file():
             continue
         try:
@@ -178,7 +189,8 @@ def read_full(path: Path) -> dict[str, Any]:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise CheckpointError(
-            f"{path} is corrupted, truncated or not a checkpoint: {error}") from None
+            f"{path} is corrupted, truncated or not a checkpoint: {error}"
+        ) from None
     if not isinstance(blob, dict) or FULL_KEY not in blob:
         raise CheckpointError(f"{path} is not a manualpar full checkpoint (no {FULL_KEY!r})")
     return blob

@@ -71,8 +71,9 @@ def entry_state_dict(key: str, value: Any, state: Mapping[str, Any], *, full: bo
     """The state dict of one entry; with `full`, unsharded and on CPU (collective for FSDP)."""
     if full:  # sharded embedding tables return gathered tensors inside this context
         with full_tensors():
-            return _entry_state_dict(value, state, StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
+            return _entry_state_dict(
+                value, state, StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
     return _entry_state_dict(value, state, StateDictOptions())
 
 
@@ -87,8 +88,9 @@ def _entry_state_dict(value: Any, state: Mapping[str, Any], options: StateDictOp
     return value
 
 
-def load_entry(key: str, value: Any, loaded: Any, state: dict[str, Any], *, full: bool,
-               strict: bool) -> None:
+def load_entry(
+    key: str, value: Any, loaded: Any, state: dict[str, Any], *, full: bool, strict: bool
+) -> None:
     """Apply a loaded state dict to the entry (plain values are replaced in `state`)."""
     options = StateDictOptions(full_state_dict=full, strict=strict)
     kind = entry_kind(value)
@@ -121,7 +123,7 @@ def unflatten(flat: Mapping[str, Any], prefix: str) -> Any:
     for key, value in flat.items():
         if not key.startswith(start):
             continue
-        parts = key[len(start):].split(SEP)
+        parts = key[len(start) :].split(SEP)
         node = root
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -143,8 +145,10 @@ def to_safe_bytes(obj: Any, what: str) -> bytes:
         torch.save(obj, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as error:
-        reason = next((line.strip() for line in str(error).splitlines()
-                       if "Unsupported global" in line), str(error).splitlines()[0])
+        reason = next(
+            (line.strip() for line in str(error).splitlines() if "Unsupported global" in line),
+            str(error).splitlines()[0],
+        )
         raise CheckpointError(
             f"{what} holds a value that cannot be loaded back safely with "
             f"torch.load(weights_only=True) ({reason}). Store plain types (dict, list, tuple, str, "

@@ -40,7 +40,8 @@ def check_finite(value: T, where: str = "tensor") -> T:
             f"{name}: {nans + infs} non-finite value(s) ({nans} NaN, {infs} inf) in a "
             f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}; the first is {bad} at index "
             f"{first}. Fix or drop this input before it reaches the model (a NaN loss usually "
-            "means a NaN input or too high a learning rate)")
+            "means a NaN input or too high a learning rate)"
+        )
     return value
 
 

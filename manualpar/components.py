@@ -72,27 +72,52 @@ def trainer(
     nodes, procs = _nodes_and_procs(j)
     python = python or sys.executable
     target = [script] if script is not None else ["-m", m]
-    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-                "--max-restarts", str(max_restarts)]
+    torchrun = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(procs),
+        "--max-restarts",
+        str(max_restarts),
+    ]
     if nodes == 1:
         # A free port per job: two local jobs never collide on the rendezvous.
         entrypoint, args = python, [*torchrun, "--standalone", *target, *script_args]
     else:
         # The scheduler names the first node's host in ${rank0_env}; bash expands it on each node.
         endpoint = f"$${{{specs.macros.rank0_env}:=localhost}}:{rdzv_port}"
-        command = [shlex.quote(python), *torchrun, "--nnodes", str(nodes),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                   "--rdzv-id", specs.macros.app_id,
-                   *(shlex.quote(a) for a in (*target, *script_args))]
+        command = [
+            shlex.quote(python),
+            *torchrun,
+            "--nnodes",
+            str(nodes),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            specs.macros.app_id,
+            *(shlex.quote(a) for a in (*target, *script_args)),
+        ]
         entrypoint, args = "bash", ["-c", "exec " + " ".join(command)]
-    role_env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1",
-                **(env or {})}
+    role_env = {
+        "LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     return specs.AppDef(
         name=name,
-        roles=[specs.Role(
-            name="worker", image=image or os.getcwd(), entrypoint=entrypoint, args=args,
-            num_replicas=nodes, env=role_env, max_retries=max_retries,
-            resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB),
-            port_map={"c10d": rdzv_port},
-        )],
+        roles=[
+            specs.Role(
+                name="worker",
+                image=image or os.getcwd(),
+                entrypoint=entrypoint,
+                args=args,
+                num_replicas=nodes,
+                env=role_env,
+                max_retries=max_retries,
+                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB),
+                port_map={"c10d": rdzv_port},
+            )
+        ],
     )

@@ -85,26 +85,35 @@ class ClusterEnvironment:
             problems.append(f"{name('master_port')}={self.master_port} is not a TCP port")
         if problems:
             raise ClusterEnvironmentError(
-                f"inconsistent {self.source} environment: " + "; ".join(problems)
+                f"inconsistent {self.source} environment: "
+                + "; ".join(problems)
                 + ". Fix the launcher's variables or pass a ClusterEnvironment explicitly."
             )
 
 
 _FIELD_NAMES: dict[str, dict[str, str]] = {
     "torchelastic": {
-        "rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
-        "local_world_size": "LOCAL_WORLD_SIZE", "master_addr": "MASTER_ADDR",
+        "rank": "RANK",
+        "world_size": "WORLD_SIZE",
+        "local_rank": "LOCAL_RANK",
+        "local_world_size": "LOCAL_WORLD_SIZE",
+        "master_addr": "MASTER_ADDR",
         "master_port": "MASTER_PORT",
     },
     "slurm": {
-        "rank": "SLURM_PROCID", "world_size": "SLURM_NTASKS", "local_rank": "SLURM_LOCALID",
-        "local_world_size": "SLURM_NTASKS_PER_NODE", "master_addr": "SLURM_NODELIST/MASTER_ADDR",
+        "rank": "SLURM_PROCID",
+        "world_size": "SLURM_NTASKS",
+        "local_rank": "SLURM_LOCALID",
+        "local_world_size": "SLURM_NTASKS_PER_NODE",
+        "master_addr": "SLURM_NODELIST/MASTER_ADDR",
         "master_port": "MASTER_PORT",
     },
     "openmpi": {
-        "rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
+        "rank": "OMPI_COMM_WORLD_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
-        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE", "master_addr": "MASTER_ADDR",
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "master_addr": "MASTER_ADDR",
         "master_port": "MASTER_PORT",
     },
 }
@@ -221,9 +230,11 @@ def _is_torchelastic(env: Mapping[str, str]) -> bool:
 
 def _is_slurm(env: Mapping[str, str]) -> bool:
     # An interactive `salloc` shell has SLURM_NTASKS but no SLURM_PROCID for a task of its own.
-    return "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in {
-        "bash", "interactive"
-    }
+    return (
+        "SLURM_NTASKS" in env
+        and "SLURM_PROCID" in env
+        and env.get("SLURM_JOB_NAME") not in {"bash", "interactive"}
+    )
 
 
 def _is_mpi(env: Mapping[str, str]) -> bool:

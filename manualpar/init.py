@@ -80,8 +80,11 @@ def materialize(
     Tied parameters stay tied and are initialized once, by the first submodule owning them.
     """
     device = _target_device(strategy_or_device)
-    todo = [(name, sub) for name, sub in _selected(module, skip) if any(
-        t.is_meta for t in _direct(sub).values() if t is not None)]
+    todo = [
+        (name, sub)
+        for name, sub in _selected(module, skip)
+        if any(t.is_meta for t in _direct(sub).values() if t is not None)
+    ]
     if init_fn is None:
         missing = [_describe(name, sub) for name, sub in todo if not _has_reset(sub)]
         if missing:
@@ -99,8 +102,14 @@ def materialize(
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _initialize(name: str, sub: nn.Module, fresh: set[tuple[str, str]], init_fn: InitFn | None,
-                seed: int | None, device: torch.device) -> None:
+def _initialize(
+    name: str,
+    sub: nn.Module,
+    fresh: set[tuple[str, str]],
+    init_fn: InitFn | None,
+    seed: int | None,
+    device: torch.device,
+) -> None:
     """Run the submodule's initializer on its freshly allocated tensors only."""
     buffers = _poison_buffers(sub, fresh)
     with _seeded(seed, name, device), _protect(sub, fresh), torch.no_grad():
@@ -128,8 +137,9 @@ def _target_device(target: Any) -> torch.device:
     elif isinstance(getattr(target, "device", None), torch.device):
         device = target.device
     else:
-        raise TypeError(f"materialize(): expected a strategy or a torch.device, got "
-                        f"{type(target).__name__}")
+        raise TypeError(
+            f"materialize(): expected a strategy or a torch.device, got {type(target).__name__}"
+        )
     if device.type == "meta":
         raise ValueError("materialize(): the target device must be a real device, not meta")
     return device
@@ -148,8 +158,10 @@ def _selected(root: nn.Module, skip: Skip | None) -> list[tuple[str, nn.Module]]
         known = {name for name, _ in modules}
         unknown = sorted(set(skip) - known)
         if unknown:
-            raise ValueError(f"materialize(): skip names {unknown} are not submodules of "
-                             f"{type(root).__name__}; known names include {sorted(known)[:10]}")
+            raise ValueError(
+                f"materialize(): skip names {unknown} are not submodules of "
+                f"{type(root).__name__}; known names include {sorted(known)[:10]}"
+            )
         skipped = list(skip)
 
     def inside(name: str) -> bool:
@@ -178,8 +190,9 @@ def _describe(name: str, module: nn.Module) -> str:
     return f"'{name or '<root>'}' ({type(module).__name__}: {', '.join(meta)})"
 
 
-def _allocate(module: nn.Module, device: torch.device,
-              memo: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> set[tuple[str, str]]:
+def _allocate(
+    module: nn.Module, device: torch.device, memo: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> set[tuple[str, str]]:
     """Replace the module's meta tensors by uninitialized real ones; return the slots filled
     here for the first time (a tied tensor another submodule already allocated is not fresh)."""
     fresh: set[tuple[str, str]] = set()
@@ -198,8 +211,7 @@ def _allocate(module: nn.Module, device: torch.device,
 
 def _poison_buffers(module: nn.Module, fresh: set[tuple[str, str]]) -> list[str]:
     """Fill fresh floating buffers with NaN, so one the initializer forgot is caught, not used."""
-    names = [key for kind, key in fresh if kind == "b"
-             and module._buffers[key].is_floating_point()]  # type: ignore[union-attr]
+    names = [key for kind, key in fresh if kind == "b" and module._buffers[key].is_floating_point()]  # type: ignore[union-attr]
     for key in names:
         module._buffers[key].fill_(float("nan"))  # type: ignore[union-attr]
     return names
@@ -235,8 +247,11 @@ def _seeded(seed: int | None, name: str, device: torch.device) -> Iterator[None]
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     derived = int.from_bytes(digest, "little") % 2**63
     on_cuda = device.type == "cuda"
-    index = (device.index if device.index is not None else torch.cuda.current_device()
-             ) if on_cuda else None
+    index = (
+        (device.index if device.index is not None else torch.cuda.current_device())
+        if on_cuda
+        else None
+    )
     with torch.random.fork_rng(devices=[index] if on_cuda else []):
         torch.random.default_generator.manual_seed(derived)
         if on_cuda:

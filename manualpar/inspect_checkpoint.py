@@ -32,12 +32,20 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     tensors = {}
     for key, meta in sorted(metadata.state_dict_metadata.items()):
         if hasattr(meta, "size"):
-            tensors[key] = {"shape": list(meta.size), "dtype": str(meta.properties.dtype),
-                            "chunks": len(meta.chunks)}
-    return {"path": str(path), "kind": manifest["kind"], "step": manifest.get("step"),
-            "world_size": manifest["world_size"], "entries": manifest["entries"],
-            "tensors": tensors, "bytes": sum(f.stat().st_size for f in path.rglob("*")
-                                             if f.is_file())}
+            tensors[key] = {
+                "shape": list(meta.size),
+                "dtype": str(meta.properties.dtype),
+                "chunks": len(meta.chunks),
+            }
+    return {
+        "path": str(path),
+        "kind": manifest["kind"],
+        "step": manifest.get("step"),
+        "world_size": manifest["world_size"],
+        "entries": manifest["entries"],
+        "tensors": tensors,
+        "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+    }
 
 
 def _describe_full(path: Path) -> dict[str, Any]:
@@ -53,9 +61,15 @@ def _describe_full(path: Path) -> dict[str, Any]:
                 walk(f"{prefix}/{key}" if prefix else str(key), item)
 
     walk("", {k: v for k, v in blob.items() if k != FULL_KEY})
-    return {"path": str(path), "kind": header.get("kind", "full"), "step": header.get("step"),
-            "world_size": header.get("world_size"), "entries": header.get("entries", {}),
-            "tensors": tensors, "bytes": path.stat().st_size}
+    return {
+        "path": str(path),
+        "kind": header.get("kind", "full"),
+        "step": header.get("step"),
+        "world_size": header.get("world_size"),
+        "entries": header.get("entries", {}),
+        "tensors": tensors,
+        "bytes": path.stat().st_size,
+    }
 
 
 def format_description(info: dict[str, Any]) -> str:

@@ -32,8 +32,9 @@ def log_with_rank(rank: int, world_size: int, level: int = logging.INFO) -> logg
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.addFilter(_RankFields(rank, world_size))
-        handler.setFormatter(logging.Formatter(
-            "[rank %(rank)d/%(world_size)d] %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("[rank %(rank)d/%(world_size)d] %(levelname)s %(name)s: %(message)s")
+        )
         logger.addHandler(handler)
         logger.setLevel(level)
     return logger

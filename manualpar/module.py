@@ -82,8 +82,9 @@ def _checked_setup(user_setup: Callable) -> Callable:
         left = [name for name, p in self.named_parameters() if p.is_meta]
         left += [name for name, b in self.named_buffers() if b.is_meta]
         if left:
-            shown = ", ".join(left[:10]) + (f" ... and {len(left) - 10} more" if len(left) > 10
-                                             else "")
+            shown = ", ".join(left[:10]) + (
+                f" ... and {len(left) - 10} more" if len(left) > 10 else ""
+            )
             raise BuilderError(
                 f"after {type(self).__name__}.setup() these are still on the meta device: "
                 f"{shown}. Wrap them with a builder (ddp/fsdp/shard_embeddings) or call "
@@ -123,8 +124,12 @@ if os.environ.get("MANUALPAR_NO_OPTIMIZER_CHECK") != "1":
 
 
 def load_trained(
-    build: Callable[[], ParallelModule], strategy: ManualParallelStrategy,
-    path: str | os.PathLike, *, key: str = "model", strict: bool = True,
+    build: Callable[[], ParallelModule],
+    strategy: ManualParallelStrategy,
+    path: str | os.PathLike,
+    *,
+    key: str = "model",
+    strict: bool = True,
 ) -> ParallelModule:
     """Build a model on meta, run its setup, then load its weights: one call, any world size.
 

@@ -39,9 +39,23 @@ __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table",
 
 PLANS = ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
-    "rowwise_adagrad": RowWiseAdagrad, "adagrad": Adagrad, "adam": Adam, "sgd": SGD}
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adagrad": Adagrad,
+    "adam": Adam,
+    "sgd": SGD,
+}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 TABLE_SPEC = "NAME:ROWS:DIM[:FEATURE,...]"
 
 
@@ -52,18 +66,37 @@ class UsageError(ManualParError, ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` command's options (choices are checked in run(), for one-line errors)."""
     add = parser.add_argument
-    add("--table", action="append", default=[], metavar=TABLE_SPEC,
-        help="a table (repeat); the feature defaults to the table's name")
-    add("--tables", metavar="FILE.json",
-        help="a JSON list of objects with EmbeddingBagConfig's fields")
+    add(
+        "--table",
+        action="append",
+        default=[],
+        metavar=TABLE_SPEC,
+        help="a table (repeat); the feature defaults to the table's name",
+    )
+    add(
+        "--tables",
+        metavar="FILE.json",
+        help="a JSON list of objects with EmbeddingBagConfig's fields",
+    )
     add("--world-size", type=int, required=True, help="ranks of the job")
     add("--plan", default="auto", help=f"one of {', '.join(PLANS)} (default auto)")
-    add("--memory-budget", default=None, metavar="SIZE",
-        help="bytes per rank for weights + optimizer state, e.g. 2GiB, 512MiB, 1000000")
-    add("--optimizer", default="rowwise_adagrad",
-        help=f"sparse optimizer whose state is counted: {', '.join(OPTIMIZERS)}")
-    add("--ranks-per-node", type=int, default=None,
-        help="for table_row_wise and auto: ranks per node (default: all ranks on one node)")
+    add(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="bytes per rank for weights + optimizer state, e.g. 2GiB, 512MiB, 1000000",
+    )
+    add(
+        "--optimizer",
+        default="rowwise_adagrad",
+        help=f"sparse optimizer whose state is counted: {', '.join(OPTIMIZERS)}",
+    )
+    add(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="for table_row_wise and auto: ranks per node (default: all ranks on one node)",
+    )
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
@@ -71,8 +104,10 @@ def parse_table(spec: str) -> EmbeddingBagConfig:
     """NAME:ROWS:DIM[:FEATURE,...] -> EmbeddingBagConfig."""
     parts = spec.split(":")
     if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[1:3]):
-        raise UsageError(f"--table {spec!r}: expected {TABLE_SPEC} with integer ROWS and DIM, "
-                         "e.g. user:1000000:64 or item:500000:64:item,last_item")
+        raise UsageError(
+            f"--table {spec!r}: expected {TABLE_SPEC} with integer ROWS and DIM, "
+            "e.g. user:1000000:64 or item:500000:64:item,last_item"
+        )
     features = tuple(f for f in parts[3].split(",") if f) if len(parts) == 4 else ()
     return EmbeddingBagConfig(parts[0], int(parts[1]), int(parts[2]), feature_names=features)
 
@@ -91,8 +126,10 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
         unknown = sorted(set(entry) - set(fields))
         missing = [f for f in fields[:3] if f not in entry]
         if unknown or missing:
-            raise UsageError(f"--tables {path}: entry {index} has unknown fields {unknown} or "
-                             f"lacks {missing}; the fields are {fields}")
+            raise UsageError(
+                f"--tables {path}: entry {index} has unknown fields {unknown} or "
+                f"lacks {missing}; the fields are {fields}"
+            )
         try:
             tables.append(EmbeddingBagConfig(**entry))
         except TypeError as error:  # e.g. a number where a name belongs
@@ -105,13 +142,16 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in UNITS or float(match.group(1)) <= 0:
-        raise UsageError(f"--memory-budget {text!r}: expected a positive size such as 2GiB, "
-                         "512MiB, 1.5GB or plain bytes")
+        raise UsageError(
+            f"--memory-budget {text!r}: expected a positive size such as 2GiB, "
+            "512MiB, 1.5GB or plain bytes"
+        )
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def state_bytes(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan,
-                optimizer: SparseOptimizer) -> list[int]:
+def state_bytes(
+    tables: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan, optimizer: SparseOptimizer
+) -> list[int]:
     """Bytes on each rank: fp32 weights plus `optimizer`'s state for every shard it holds
     (plan.bytes_per_rank counts row-wise Adagrad's state only)."""
     per_row = sum(1 for per_row in optimizer.STATE.values() if per_row)
@@ -123,8 +163,12 @@ def state_bytes(tables: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan,
     return total
 
 
-def _least_loaded(tables: Sequence[EmbeddingBagConfig], bins: int, optimizer: SparseOptimizer,
-                  place: Callable[[int], TablePlacement]) -> dict[str, TablePlacement]:
+def _least_loaded(
+    tables: Sequence[EmbeddingBagConfig],
+    bins: int,
+    optimizer: SparseOptimizer,
+    place: Callable[[int], TablePlacement],
+) -> dict[str, TablePlacement]:
     """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""
     load, placements = [0] * bins, {}
     for config in sorted(tables, key=lambda c: table_bytes(c, optimizer), reverse=True):
@@ -134,22 +178,37 @@ def _least_loaded(tables: Sequence[EmbeddingBagConfig], bins: int, optimizer: Sp
     return {c.name: placements[c.name] for c in tables}
 
 
-def build_plan(kind: str, tables: Sequence[EmbeddingBagConfig], world_size: int, *,
-               optimizer: SparseOptimizer, budget: int | None,
-               ranks_per_node: int | None) -> EmbeddingPlan:
+def build_plan(
+    kind: str,
+    tables: Sequence[EmbeddingBagConfig],
+    world_size: int,
+    *,
+    optimizer: SparseOptimizer,
+    budget: int | None,
+    ranks_per_node: int | None,
+) -> EmbeddingPlan:
     """The planner for "auto", otherwise one builder for every table."""
     if kind == "auto":
-        return plan_tables(tables, world_size, ranks_per_node=ranks_per_node,
-                           memory_budget_bytes=budget, optimizer=optimizer)
+        return plan_tables(
+            tables,
+            world_size,
+            ranks_per_node=ranks_per_node,
+            memory_budget_bytes=budget,
+            optimizer=optimizer,
+        )
     per_node = ranks_per_node or world_size
     if kind == "table_wise":
         placements = _least_loaded(tables, world_size, optimizer, table_wise)
     elif kind == "table_row_wise":
-        placements = _least_loaded(tables, world_size // per_node, optimizer,
-                                   lambda node: table_row_wise(node, per_node))
+        placements = _least_loaded(
+            tables, world_size // per_node, optimizer, lambda node: table_row_wise(node, per_node)
+        )
     else:
-        make = {"row_wise": row_wise, "data_parallel": data_parallel,
-                "column_wise": lambda: column_wise(range(world_size))}[kind]
+        make = {
+            "row_wise": row_wise,
+            "data_parallel": data_parallel,
+            "column_wise": lambda: column_wise(range(world_size)),
+        }[kind]
         placements = {c.name: make() for c in tables}
     return EmbeddingPlan(world_size, placements)
 
@@ -161,23 +220,25 @@ def _check_budget(kind: str, per_rank: Sequence[int], budget: int | None) -> Non
     over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
     if over:
         rank = max(over, key=lambda r: per_rank[r])
-        raise PlanError(f"plan {kind} puts {format_bytes(per_rank[rank])} on rank {rank}, more "
-                        f"than the memory budget of {format_bytes(budget or 0)}; try --plan auto, "
-                        "more ranks or a larger --memory-budget")
+        raise PlanError(
+            f"plan {kind} puts {format_bytes(per_rank[rank])} on rank {rank}, more "
+            f"than the memory budget of {format_bytes(budget or 0)}; try --plan auto, "
+            "more ranks or a larger --memory-budget"
+        )
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.plan not in PLANS:
         raise UsageError(f"--plan {args.plan!r}: expected one of {', '.join(PLANS)}")
     if args.optimizer not in OPTIMIZERS:
-        raise UsageError(f"--optimizer {args.optimizer!r}: expected one of "
-                         f"{', '.join(OPTIMIZERS)}")
+        raise UsageError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: expected at least 1")
     per_node = args.ranks_per_node
     if per_node is not None and (per_node < 1 or args.world_size % per_node):
-        raise UsageError(f"--ranks-per-node {per_node}: expected a divisor of --world-size "
-                         f"{args.world_size}")
+        raise UsageError(
+            f"--ranks-per-node {per_node}: expected a divisor of --world-size {args.world_size}"
+        )
     if not args.table and not args.tables:
         raise UsageError(f"no tables: pass --table {TABLE_SPEC} (repeatable) or --tables FILE")
 
@@ -190,17 +251,28 @@ def run(args: argparse.Namespace) -> int:
     check_tables(tables)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     optimizer = OPTIMIZERS[args.optimizer](lr=0.01)  # only its state's shape matters here
-    plan = build_plan(args.plan, tables, args.world_size, optimizer=optimizer, budget=budget,
-                      ranks_per_node=args.ranks_per_node)
+    plan = build_plan(
+        args.plan,
+        tables,
+        args.world_size,
+        optimizer=optimizer,
+        budget=budget,
+        ranks_per_node=args.ranks_per_node,
+    )
     plan.validate(tables, args.world_size)
     per_rank = state_bytes(tables, plan, optimizer)
     _check_budget(args.plan, per_rank, budget)
     print(plan.describe(tables))
     if not isinstance(optimizer, RowWiseAdagrad):
-        what = f"weights + {type(optimizer).__name__} state" if optimizer.STATE else \
-            f"weights only, {type(optimizer).__name__} keeps no state"
-        print(f"  bytes per rank ({what}): "
-              + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank)))
+        what = (
+            f"weights + {type(optimizer).__name__} state"
+            if optimizer.STATE
+            else f"weights only, {type(optimizer).__name__} keeps no state"
+        )
+        print(
+            f"  bytes per rank ({what}): "
+            + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
+        )
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,9 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ManualParError("plotting needs matplotlib: pip install 'manualpar[plot]'") from None
-    figure, axes = plt.subplots(len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True,
-                                squeeze=False)
+    figure, axes = plt.subplots(
+        len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True, squeeze=False
+    )
     for axis, (name, (steps, values)) in zip(axes[:, 0], sorted(series.items()), strict=True):
         axis.plot(steps, values, marker="." if len(steps) < 50 else None)
         axis.set_ylabel(name)

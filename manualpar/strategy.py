@@ -27,8 +27,12 @@ from manualpar.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV_VAR", "ManualParallelStrategy", "ReduceOp"]
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
-              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 T = TypeVar("T")
 # Groups this process destroyed, kept referenced until interpreter exit. A DDP Reducer holds its
 # group, and when a model is freed the Reducer's destructor (GIL held) joins gloo's worker
@@ -87,9 +91,7 @@ class ManualParallelStrategy:
         detected = environment or detect_environment()
         self.device = pick_device(accelerator, detected.local_rank)  # this process's own GPU
         self.environment = self._adopted_environment(detected, process_group)
-        self.backend = backend or (
-            "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
-        )
+        self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         self._owns_group = False
         self._torn_down = False
         self.group: dist.ProcessGroup | None = process_group
@@ -143,11 +145,16 @@ class ManualParallelStrategy:
             return detected
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
-            raise ValueError("this process is not a member of the adopted process group; "
-                             "create the strategy only on the group's members")
+            raise ValueError(
+                "this process is not a member of the adopted process group; "
+                "create the strategy only on the group's members"
+            )
         is_world = group is dist.group.WORLD
-        if is_world and detected.source != "single" and (
-                detected.rank, detected.world_size) != (rank, world):
+        if (
+            is_world
+            and detected.source != "single"
+            and (detected.rank, detected.world_size) != (rank, world)
+        ):
             raise ValueError(
                 f"the adopted process group has rank {rank} of {world}, but the {detected.source} "
                 f"environment says rank {detected.rank} of {detected.world_size}; pass a matching "
@@ -155,10 +162,15 @@ class ManualParallelStrategy:
             )
         local_world = min(detected.local_world_size, world) if detected.source != "single" else 1
         return ClusterEnvironment(
-            rank=rank, world_size=world, local_rank=min(detected.local_rank, local_world - 1),
-            local_world_size=local_world, node_rank=detected.node_rank,
-            master_addr=detected.master_addr or "adopted", master_port=detected.master_port or 1,
-            restart_count=detected.restart_count, source="adopted",
+            rank=rank,
+            world_size=world,
+            local_rank=min(detected.local_rank, local_world - 1),
+            local_world_size=local_world,
+            node_rank=detected.node_rank,
+            master_addr=detected.master_addr or "adopted",
+            master_port=detected.master_port or 1,
+            restart_count=detected.restart_count,
+            source="adopted",
         )
 
     def _init_process_group(self) -> dist.ProcessGroup:
@@ -171,8 +183,11 @@ class ManualParallelStrategy:
             # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
             # attempt's gloo addresses and times out after a restart).
             store: dist.Store = dist.TCPStore(
-                env.master_addr, env.master_port, env.world_size,
-                is_master=env.rank == 0 and not env.uses_agent_store, timeout=self.timeout,
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=env.rank == 0 and not env.uses_agent_store,
+                timeout=self.timeout,
             )
             if env.uses_agent_store:
                 store = dist.PrefixStore(f"manualpar/attempt_{env.restart_count}", store)
@@ -293,8 +308,9 @@ class ManualParallelStrategy:
             return obj
         box = [obj if self.rank == src else None]
         with self._collective(f"broadcast(object, src={src})"):
-            dist.broadcast_object_list(box, src=global_src, group=self.group,
-                                       device=self._object_device)
+            dist.broadcast_object_list(
+                box, src=global_src, group=self.group, device=self._object_device
+            )
         return box[0]  # type: ignore[return-value]
 
     def reduce(
@@ -309,8 +325,9 @@ class ManualParallelStrategy:
             raise ValueError(f"reduce: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
         global_dst = None if dst is None else self._check_src("reduce", dst)
         self._check_open(f"reduce(op={op})")
-        tensor = torch.as_tensor(value, device=self.device if not isinstance(
-            value, torch.Tensor) else value.device)
+        tensor = torch.as_tensor(
+            value, device=self.device if not isinstance(value, torch.Tensor) else value.device
+        )
         result = tensor.detach().clone()
         if op == "mean" and not (result.is_floating_point() or result.is_complex()):
             result = result.to(torch.get_default_dtype())
@@ -318,7 +335,8 @@ class ManualParallelStrategy:
             if self.check_collectives:
                 self._check_same_meta(f"reduce(op={op})", result)
             label = f"reduce(op={op}, shape={tuple(result.shape)}" + (
-                f", dst={dst})" if dst is not None else ")")
+                f", dst={dst})" if dst is not None else ")"
+            )
             with self._collective(label):
                 if dst is None:
                     dist.all_reduce(result, op=_TORCH_OPS[op], group=self.group)
@@ -367,7 +385,11 @@ class ManualParallelStrategy:
 
     # ---- checkpoint IO ----------------------------------------------------------------------
     def save_checkpoint(
-        self, path: str | os.PathLike, state: Mapping[str, Any], *, full: bool = False,
+        self,
+        path: str | os.PathLike,
+        state: Mapping[str, Any],
+        *,
+        full: bool = False,
         overwrite: bool = True,
     ) -> Path:
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
@@ -380,9 +402,20 @@ class ManualParallelStrategy:
         return _checkpoint.load_checkpoint(self, path, state, strict=strict)
 
 
-_KNOWN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-                 torch.complex128)
+_KNOWN_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

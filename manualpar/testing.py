@@ -71,8 +71,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn_bytes: bytes, rank: int, env: Mapping[str, str], results: Any, args: tuple,
-           kwargs: dict) -> None:
+def _child(
+    fn_bytes: bytes, rank: int, env: Mapping[str, str], results: Any, args: tuple, kwargs: dict
+) -> None:
     for key in list(os.environ):
         if key.startswith(_LAUNCHER_PREFIXES):
             del os.environ[key]
@@ -89,8 +90,13 @@ def _child(fn_bytes: bytes, rank: int, env: Mapping[str, str], results: Any, arg
         value = fn(*args, **kwargs)
         outcome = RankOutcome(rank, ok=True, value=value)
     except BaseException as error:  # report everything, including SystemExit
-        outcome = RankOutcome(rank, ok=False, error_type=type(error).__name__,
-                              error=str(error), traceback=traceback.format_exc())
+        outcome = RankOutcome(
+            rank,
+            ok=False,
+            error_type=type(error).__name__,
+            error=str(error),
+            traceback=traceback.format_exc(),
+        )
     # Plain pickle copies tensors by value; the queue's own pickler would pass shared-memory
     # handles that die with this process.
     results.put(pickle.dumps(outcome))
@@ -107,9 +113,15 @@ def _context() -> Any:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
-    kwargs: dict | None = None, *, timeout: float = 90.0, collective_timeout: float = 10.0,
-    env: Mapping[str, str] | None = None, allow_failure: bool = False,
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout: float = 90.0,
+    collective_timeout: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    allow_failure: bool = False,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return each rank's value in order.
 
@@ -119,16 +131,22 @@ def run_distributed(
     ctx = _context()
     results = ctx.Queue()
     base_env = {
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        TIMEOUT_ENV_VAR: str(collective_timeout), "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        TIMEOUT_ENV_VAR: str(collective_timeout),
+        "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",  # the CPU/gloo path, also on a GPU machine
         **(env or {}),
     }
     fn_bytes = pickle.dumps(fn)
-    procs = [ctx.Process(target=_child,
-                         args=(fn_bytes, rank, base_env, results, args, kwargs or {}),
-                         daemon=True) for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn_bytes, rank, base_env, results, args, kwargs or {}), daemon=True
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     outcomes: dict[int, RankOutcome] = {}

@@ -28,10 +28,13 @@ def resolve_timeout(timeout: float | timedelta | None) -> timedelta:
         except ValueError:
             raise ClusterEnvironmentError(
                 f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds; set it to e.g. 120 or "
-                "unset it for the 5-minute default") from None
+                "unset it for the 5-minute default"
+            ) from None
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
-        raise ValueError(f"collective timeout must be positive, got {timeout.total_seconds():g} s; "
-                         f"pass seconds > 0 (or set {TIMEOUT_ENV_VAR})")
+        raise ValueError(
+            f"collective timeout must be positive, got {timeout.total_seconds():g} s; "
+            f"pass seconds > 0 (or set {TIMEOUT_ENV_VAR})"
+        )
     return timeout

@@ -38,8 +38,13 @@ log = logging.getLogger("manualpar.trainer")
 Data = Callable[[int, ManualParallelStrategy], Any]
 
 
-def dataset_batches(dataset: Any, global_batch_size: int, *, seed: int = 0,
-                    collate: Callable[[list], Any] | None = None) -> Data:
+def dataset_batches(
+    dataset: Any,
+    global_batch_size: int,
+    *,
+    seed: int = 0,
+    collate: Callable[[list], Any] | None = None,
+) -> Data:
     """Step-addressed batches from a map-style dataset: reshuffled each epoch from `seed`, each
     rank taking every world_size-th sample of the global batch (a partial last batch is dropped).
     """
@@ -48,22 +53,27 @@ def dataset_batches(dataset: Any, global_batch_size: int, *, seed: int = 0,
     collate = collate or default_collate
     size = len(dataset)
     if global_batch_size < 1 or size < global_batch_size:
-        raise ValueError(f"dataset_batches: global_batch_size {global_batch_size} must be in "
-                         f"[1, len(dataset)={size}]")
+        raise ValueError(
+            f"dataset_batches: global_batch_size {global_batch_size} must be in "
+            f"[1, len(dataset)={size}]"
+        )
     per_epoch = size // global_batch_size
     orders: dict[int, torch.Tensor] = {}
 
     def data(index: int, strategy: ManualParallelStrategy) -> Any:
         if global_batch_size % strategy.world_size:
-            raise ValueError(f"dataset_batches: global_batch_size {global_batch_size} is not a "
-                             f"multiple of the world size {strategy.world_size}")
+            raise ValueError(
+                f"dataset_batches: global_batch_size {global_batch_size} is not a "
+                f"multiple of the world size {strategy.world_size}"
+            )
         epoch, position = divmod(index, per_epoch)
         if epoch not in orders:
             orders.clear()  # one epoch's permutation at a time
-            orders[epoch] = torch.randperm(size, generator=torch.Generator().manual_seed(
-                seed + epoch))
-        chunk = orders[epoch][position * global_batch_size:(position + 1) * global_batch_size]
-        return collate([dataset[i] for i in chunk[strategy.rank::strategy.world_size].tolist()])
+            orders[epoch] = torch.randperm(
+                size, generator=torch.Generator().manual_seed(seed + epoch)
+            )
+        chunk = orders[epoch][position * global_batch_size : (position + 1) * global_batch_size]
+        return collate([dataset[i] for i in chunk[strategy.rank :: strategy.world_size].tolist()])
 
     return data
 
@@ -83,13 +93,27 @@ class Trainer:
         progress: show a progress bar on rank 0.
     """
 
-    def __init__(self, strategy: ManualParallelStrategy, out_dir: str | Path, *, max_steps: int,
-                 checkpoint_every: int | None = None, keep_last: int = 2, accumulate: int = 1,
-                 log_every: int = 10, val_every: int | None = None, val_steps: int = 1,
-                 progress: bool = True) -> None:
-        for name, value in (("max_steps", max_steps), ("accumulate", accumulate),
-                            ("log_every", log_every), ("keep_last", keep_last),
-                            ("val_steps", val_steps)):
+    def __init__(
+        self,
+        strategy: ManualParallelStrategy,
+        out_dir: str | Path,
+        *,
+        max_steps: int,
+        checkpoint_every: int | None = None,
+        keep_last: int = 2,
+        accumulate: int = 1,
+        log_every: int = 10,
+        val_every: int | None = None,
+        val_steps: int = 1,
+        progress: bool = True,
+    ) -> None:
+        for name, value in (
+            ("max_steps", max_steps),
+            ("accumulate", accumulate),
+            ("log_every", log_every),
+            ("keep_last", keep_last),
+            ("val_steps", val_steps),
+        ):
             if value < 1:
                 raise ValueError(f"Trainer: {name} must be >= 1, got {value}")
         self.strategy = strategy
@@ -111,15 +135,23 @@ class Trainer:
         return self.out_dir / "metrics.jsonl"
 
     # ---- the loop ---------------------------------------------------------------------------
-    def fit(self, model: nn.Module, data: Data, *, optimizer: torch.optim.Optimizer | None = None,
-            val_data: Data | None = None) -> dict[str, float]:
+    def fit(
+        self,
+        model: nn.Module,
+        data: Data,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        val_data: Data | None = None,
+    ) -> dict[str, float]:
         """Train to `max_steps`, resuming if a checkpoint exists; returns the last metrics."""
         if isinstance(model, ParallelModule) and not model.is_setup:
             model.setup(self.strategy)
         if optimizer is None:
             if not hasattr(model, "configure_optimizers"):
-                raise TypeError(f"{type(model).__name__} has no configure_optimizers(); pass "
-                                "optimizer= to fit()")
+                raise TypeError(
+                    f"{type(model).__name__} has no configure_optimizers(); pass "
+                    "optimizer= to fit()"
+                )
             optimizer = model.configure_optimizers()
         self._fused = fused_optimizers(model)
         state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._fused}
@@ -146,15 +178,17 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
             if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or (
-                    self.step == self.max_steps):
+                self.step == self.max_steps
+            ):
                 state["step"] = self.step
                 self._save(state)
         if bar is not None:
             bar.close()
         return last
 
-    def _train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    data: Data) -> dict[str, float]:
+    def _train_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Data
+    ) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         for micro in range(self.accumulate):
@@ -162,8 +196,10 @@ class Trainer:
             out = model.training_step(data(index, self.strategy), index)
             metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
             if "loss" not in metrics:
-                raise ValueError(f"{type(model).__name__}.training_step must return a loss "
-                                 "tensor or a dict with 'loss'")
+                raise ValueError(
+                    f"{type(model).__name__}.training_step must return a loss "
+                    "tensor or a dict with 'loss'"
+                )
             (metrics["loss"] / self.accumulate).backward()
             for name, value in metrics.items():
                 value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
@@ -191,8 +227,9 @@ class Trainer:
         means = self.strategy.all_reduce(tensor, op="mean").tolist()
         return dict(zip(names, means, strict=True))
 
-    def _record(self, window: Mapping[str, list[float]], rate: float,
-                optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    def _record(
+        self, window: Mapping[str, list[float]], rate: float, optimizer: torch.optim.Optimizer
+    ) -> dict[str, float]:
         reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
         lr = float(optimizer.param_groups[0].get("lr", 0.0))
         # sharded tables train with their own fused optimizers: log their rates too
@@ -211,8 +248,9 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.max_steps, initial=self.step, desc="train", unit="step",
-                    dynamic_ncols=True)
+        return tqdm(
+            total=self.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
+        )
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _resume(self, state: dict[str, Any]) -> None:
@@ -223,8 +261,11 @@ class Trainer:
         log.info("resumed from %s at step %d", latest, state["step"])
         if self.strategy.is_global_zero and self.metrics_path.exists():
             # Drop what the interrupted run recorded after its last checkpoint: it is redone.
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= state["step"]]
+            kept = [
+                line
+                for line in self.metrics_path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= state["step"]
+            ]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.strategy.barrier("resume")
 
@@ -232,7 +273,9 @@ class Trainer:
         self.strategy.save_checkpoint(self.checkpoint_dir / f"step_{self.step:08d}", state)
         if self.strategy.is_global_zero:
             committed = sorted(
-                (read_manifest(p)["step"], p) for p in self.checkpoint_dir.iterdir()
-                if not p.name.startswith(".") and (p / "manualpar.json").is_file())
-            for _, old in committed[:-self.keep_last]:
+                (read_manifest(p)["step"], p)
+                for p in self.checkpoint_dir.iterdir()
+                if not p.name.startswith(".") and (p / "manualpar.json").is_file()
+            )
+            for _, old in committed[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -37,25 +37,37 @@ SEED = 11
 
 
 def optimizer(name: str) -> SparseOptimizer:
-    return {"sgd": SGD(lr=0.5), "adagrad": Adagrad(lr=0.3), "rowwise": RowWiseAdagrad(lr=0.3),
-            "adam": Adam(lr=0.05)}[name]
+    return {
+        "sgd": SGD(lr=0.5),
+        "adagrad": Adagrad(lr=0.3),
+        "rowwise": RowWiseAdagrad(lr=0.3),
+        "adam": Adam(lr=0.05),
+    }[name]
 
 
-def make_batch(rank: int, step: int, batch: int, weighted: bool = False,
-               tables: Sequence[EmbeddingBagConfig] = TABLES) -> SparseFeatures:
+def make_batch(
+    rank: int,
+    step: int,
+    batch: int,
+    weighted: bool = False,
+    tables: Sequence[EmbeddingBagConfig] = TABLES,
+) -> SparseFeatures:
     """Random bags (0 to 4 ids, some empty), duplicate ids likely; keys in a shuffled order."""
     generator = torch.Generator().manual_seed(1000 * rank + step)
     bags, weights = {}, {}
     for table in tables:
         for feature in table.feature_names:
             lengths = torch.randint(0, 5, (batch,), generator=generator).tolist()
-            bags[feature] = [torch.randint(0, table.num_embeddings, (n,),
-                                           generator=generator).tolist() for n in lengths]
+            bags[feature] = [
+                torch.randint(0, table.num_embeddings, (n,), generator=generator).tolist()
+                for n in lengths
+            ]
             weights[feature] = [torch.rand(n, generator=generator).tolist() for n in lengths]
     keys = list(bags)
     keys = keys[1:] + keys[:1]  # not the tables' order: the collection must reorder
-    return SparseFeatures.from_dict({k: bags[k] for k in keys},
-                                    {k: weights[k] for k in keys} if weighted else None)
+    return SparseFeatures.from_dict(
+        {k: bags[k] for k in keys}, {k: weights[k] for k in keys} if weighted else None
+    )
 
 
 def coefficients(rank: int, step: int, batch: int, dim: int) -> torch.Tensor:
@@ -68,18 +80,23 @@ def local_loss(pooled: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     return ((pooled * coef).sum(1) - 0.5).square().mean() if pooled.shape[0] else pooled.sum()
 
 
-def reference(opt_name: str, batch_sizes: Sequence[int], weighted: bool = False,
-              normalize: str = "world", tables: Sequence[EmbeddingBagConfig] = TABLES,
-              ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, dict]]:
+def reference(
+    opt_name: str,
+    batch_sizes: Sequence[int],
+    weighted: bool = False,
+    normalize: str = "world",
+    tables: Sequence[EmbeddingBagConfig] = TABLES,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, dict]]:
     """Outputs of step 0 per rank, then tables and optimizer state after STEPS steps."""
     ebc = EmbeddingBagCollection(tables, seed=SEED)
     params = {name: table.weight for name, table in ebc.tables.items()}
     rule = optimizer(opt_name)
-    torch_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
-                 "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
-                 "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas,
-                                                          eps=rule.eps),
-                 "rowwise": None}[opt_name]
+    torch_opt = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
+        "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas, eps=rule.eps),
+        "rowwise": None,
+    }[opt_name]
     opt = torch_opt(list(params.values())) if torch_opt else None
     row_state = {name: torch.zeros(p.shape[0]) for name, p in params.items()}
     world, total = len(batch_sizes), sum(batch_sizes)

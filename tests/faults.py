@@ -94,6 +94,7 @@ def assert_first_checkpoint_intact(directory: Path) -> None:
     state = {"model": make_model(seed=9), "step": 0}
     mp.ManualParallelStrategy().load_checkpoint(directory / "ckpt_a", state, strict=False)
     assert state["step"] == 1
-    for loaded, expected in zip(state["model"].parameters(),
-                                reference_after_one_step().parameters(), strict=True):
+    for loaded, expected in zip(
+        state["model"].parameters(), reference_after_one_step().parameters(), strict=True
+    ):
         torch.testing.assert_close(loaded, expected, rtol=0, atol=0)

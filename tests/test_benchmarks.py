@@ -11,14 +11,32 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "examples" / "benchmarks" / "bench_embeddings.py"
-TOY = ["--rows", "3000", "--tables", "2", "--dim", "8", "--batch", "64", "--steps", "2",
-       "--warmup", "1", "--repeats", "1"]
+TOY = [
+    "--rows",
+    "3000",
+    "--tables",
+    "2",
+    "--dim",
+    "8",
+    "--batch",
+    "64",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--repeats",
+    "1",
+]
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, str(BENCH), *TOY, *extra, "--json", str(out)],
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, str(BENCH), *TOY, *extra, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text())
 
@@ -28,8 +46,7 @@ def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
     result = _run(tmp_path)
     for plan in ("table_wise", "row_wise"):
         ratio = result["summary"][plan]["manualpar/baseline"]
-        assert ratio["pairs"] == 1 and set(ratio) == {"ms_per_step", "peak_rss", "init_s",
-                                                       "pairs"}
+        assert ratio["pairs"] == 1 and set(ratio) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
         for name in ("manualpar", "baseline"):
             (run,) = result["runs"][plan][name]
             assert run["plan"] == plan and len(run["step_ms"]) == 2
@@ -40,8 +57,12 @@ def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
 def test_floor_runs_every_lookup_without_exchanges(tmp_path: Path) -> None:
     result = _run(tmp_path, "--floor", "--skip-baseline")
     for plan in ("table_wise", "row_wise"):
-        assert set(result["summary"][plan]["manualpar/local"]) == {"ms_per_step", "peak_rss",
-                                                                   "init_s", "pairs"}
+        assert set(result["summary"][plan]["manualpar/local"]) == {
+            "ms_per_step",
+            "peak_rss",
+            "init_s",
+            "pairs",
+        }
         (run,) = result["runs"][plan]["local"]
         # 2 tables x global batch 64 x 20 ids, each looked up by exactly one of the two ranks
         assert run["ids_looked_up"] == 2 * 64 * 20 and len(run["step_ms"]) == 2
@@ -64,9 +85,26 @@ def test_kernel_benchmark_reports_each_table_size(tmp_path: Path) -> None:
         pytest.skip("the C++ kernels could not be built on this machine")
     out = tmp_path / "kernels.json"
     script = BENCH.parent / "bench_embedding_kernels.py"
-    run = subprocess.run([sys.executable, str(script), "--rows", "5000", "20000", "--bags", "64",
-                          "--repeats", "2", "--warmup", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=100)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--rows",
+            "5000",
+            "20000",
+            "--bags",
+            "64",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())["results"]
     assert [r["rows"] for r in results] == [5000, 20000]
@@ -81,14 +119,18 @@ def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
         from bench_embeddings import _error_lines
     finally:
         sys.path.remove(str(BENCH.parent))
-    stderr = "\n".join([
-        "W1123 torch/distributed/run.py] *****************************************",
+    stderr = "\n".join(
+        [
+            "W1123 torch/distributed/run.py] *****************************************",
+            "Traceback (most recent call last):",
+            '  File "worker.py", line 3, in <module>',
+            "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
+            "============================================================",
+            "Root Cause (first observed failure):",
+        ]
+    )
+    assert _error_lines(stderr) == [
         "Traceback (most recent call last):",
-        '  File "worker.py", line 3, in <module>',
         "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
-        "============================================================",
-        "Root Cause (first observed failure):",
-    ])
-    assert _error_lines(stderr) == ["Traceback (most recent call last):",
-                                    "RuntimeError: Connection closed by peer [127.0.0.1]:29500"]
+    ]
     assert _error_lines("killed\n=====") == ["killed", "====="]

@@ -14,8 +14,13 @@ from manualpar.testing import run_distributed
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
-    return {"model": model, "optim": optimizer, "step": step, "rng": mp.RNGState(),
-            "config": {"lr": 0.01, "name": "tiny", "sizes": [4, 8, 2]}}
+    return {
+        "model": model,
+        "optim": optimizer,
+        "step": step,
+        "rng": mp.RNGState(),
+        "config": {"lr": 0.01, "name": "tiny", "sizes": [4, 8, 2]},
+    }
 
 
 def _save_trained(directory: str) -> dict:
@@ -39,8 +44,13 @@ def _load_fresh(path: str) -> dict:
     state = _state(model, optimizer, 0)
     state["config"] = None
     loaded = strategy.load_checkpoint(path, state)
-    result = {"snapshot": snapshot(model, optimizer), "draws": draws(), "step": loaded["step"],
-              "config": loaded["config"], "lr": optimizer.param_groups[0]["lr"]}
+    result = {
+        "snapshot": snapshot(model, optimizer),
+        "draws": draws(),
+        "step": loaded["step"],
+        "config": loaded["config"],
+        "lr": optimizer.param_groups[0]["lr"],
+    }
     strategy.teardown()
     return result
 
@@ -58,11 +68,19 @@ def test_sharded_files_on_disk(saved: tuple[Path, list[dict]]) -> None:
     assert manifest["kind"] == "sharded"
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
-    assert manifest["entries"] == {"model": "module", "optim": "optimizer", "step": "value",
-                                   "rng": "per_rank", "config": "value"}
+    assert manifest["entries"] == {
+        "model": "module",
+        "optim": "optimizer",
+        "step": "value",
+        "rng": "per_rank",
+        "config": "value",
+    }
     assert (checkpoint / ".metadata").is_file()
     assert sorted(p.name for p in (checkpoint / "objects").iterdir()) == [
-        "rank_0.pt", "rank_1.pt", "replicated.pt"]
+        "rank_0.pt",
+        "rank_1.pt",
+        "replicated.pt",
+    ]
     assert sorted(p.name for p in directory.iterdir()) == ["full.pt", "step_3"]
     assert mp.latest_checkpoint(directory) == checkpoint
 
@@ -95,8 +113,12 @@ def test_full_export_loads_with_plain_torch(saved: tuple[Path, list[dict]]) -> N
     reference.load_state_dict(blob["model"])
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(value, before[0]["snapshot"]["params"][key], rtol=0, atol=0)
-    assert sorted(blob["optim"]["state"]) == ["model.0.bias", "model.0.weight",
-                                              "model.2.bias", "model.2.weight"]
+    assert sorted(blob["optim"]["state"]) == [
+        "model.0.bias",
+        "model.0.weight",
+        "model.2.bias",
+        "model.2.weight",
+    ]
     assert sorted(blob["rng"]) == ["rank_0", "rank_1"]
     assert blob["__manualpar__"]["world_size"] == 2
     assert blob["step"] == 3
@@ -122,8 +144,10 @@ def test_other_shapes_raise_listing_them(tmp_path: Path) -> None:
     strategy.save_checkpoint(tmp_path / "a", _trained_state(hidden=8))
     other = _trained_state(hidden=16)
     before = other["model"][0].weight.detach().clone()
-    with pytest.raises(mp.CheckpointMismatchError,
-                       match=r"model/0\.weight: checkpoint \(8, 4\) vs current \(16, 4\)"):
+    with pytest.raises(
+        mp.CheckpointMismatchError,
+        match=r"model/0\.weight: checkpoint \(8, 4\) vs current \(16, 4\)",
+    ):
         strategy.load_checkpoint(tmp_path / "a", other)
     assert torch.equal(other["model"][0].weight, before), "nothing is modified on mismatch"
 
@@ -167,8 +191,10 @@ def test_non_strict_loads_the_matching_entries(tmp_path: Path) -> None:
 def test_not_a_checkpoint_and_partial_and_missing(tmp_path: Path) -> None:
     strategy = mp.ManualParallelStrategy()
     (tmp_path / "empty").mkdir()
-    with pytest.raises(mp.CheckpointError, match="is not a complete manualpar checkpoint: it is "
-                       "not a checkpoint directory"):
+    with pytest.raises(
+        mp.CheckpointError,
+        match="is not a complete manualpar checkpoint: it is not a checkpoint directory",
+    ):
         strategy.load_checkpoint(tmp_path / "empty", {"step": 0})
     with pytest.raises(mp.CheckpointError, match="no checkpoint at"):
         strategy.load_checkpoint(tmp_path / "nowhere", {"step": 0})
@@ -221,8 +247,11 @@ def test_optimizer_over_a_module_not_in_the_state(tmp_path: Path) -> None:
     strategy = mp.ManualParallelStrategy()
     model = make_model(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(mp.CheckpointError, match=r"optimizer 'optim' holds a parameter of shape "
-                       r"\(8, 4\) that belongs to no module"):
+    with pytest.raises(
+        mp.CheckpointError,
+        match=r"optimizer 'optim' holds a parameter of shape "
+        r"\(8, 4\) that belongs to no module",
+    ):
         strategy.save_checkpoint(tmp_path / "c", {"optim": optimizer})
 
 
@@ -251,7 +280,8 @@ def test_corrupted_tensor_shards_and_manifest(tmp_path: Path) -> None:
     with pytest.raises(mp.CheckpointError, match=r"manualpar\.json is unreadable or corrupted"):
         strategy.load_checkpoint(tmp_path / "c", _trained_state())
     (tmp_path / "c" / ".metadata").write_bytes(b"garbage")
-    (tmp_path / "c" / "manualpar.json").write_text(json.dumps({"format": "manualpar-checkpoint",
-                                                              "kind": "sharded"}))
+    (tmp_path / "c" / "manualpar.json").write_text(
+        json.dumps({"format": "manualpar-checkpoint", "kind": "sharded"})
+    )
     with pytest.raises(mp.CheckpointError, match="is corrupted or truncated"):
         strategy.load_checkpoint(tmp_path / "c", _trained_state())

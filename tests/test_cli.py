@@ -32,20 +32,28 @@ def test_inspect_sharded_checkpoint(checkpoints: Path, capsys: pytest.CaptureFix
     assert "kind sharded, step 7, saved by 1 rank(s)" in out
     assert "entries: model (module), optim (optimizer), step (value)" in out
     assert [line.split()[:2] for line in out.splitlines() if "model/0.weight" in line] == [
-        ["model/0.weight", "8x4"]]
+        ["model/0.weight", "8x4"]
+    ]
 
 
 def test_inspect_json_of_full_export(checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect", "--json", str(checkpoints / "full.pt")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "full" and info["step"] == 7 and info["world_size"] == 1
-    assert info["tensors"]["model/2.weight"] == {"shape": [2, 8], "dtype": "torch.float32",
-                                                "chunks": 1}
+    assert info["tensors"]["model/2.weight"] == {
+        "shape": [2, 8],
+        "dtype": "torch.float32",
+        "chunks": 1,
+    }
 
 
 def test_inspect_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "manualpar", "inspect", str(tmp_path / "no")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "manualpar", "inspect", str(tmp_path / "no")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: no checkpoint at {tmp_path / 'no'}"
 
@@ -60,17 +68,25 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_plot_without_metrics_is_a_one_line_error(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_plot_without_metrics_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["plot", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: no metrics.jsonl in {tmp_path}; pass the Trainer's out_dir")
+        f"error: no metrics.jsonl in {tmp_path}; pass the Trainer's out_dir"
+    )
 
 
 # ---- plan ---------------------------------------------------------------------------------------
 RECSYS_TRAIN = Path(__file__).parent.parent / "examples" / "recsys" / "train.py"
-TABLES = ["--table", "user:100000:64", "--table", "item:50000:64:item,last_item",
-          "--table", "country:200:16"]
+TABLES = [
+    "--table",
+    "user:100000:64",
+    "--table",
+    "item:50000:64:item,last_item",
+    "--table",
+    "country:200:16",
+]
 
 
 def _plan(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
@@ -87,57 +103,121 @@ def test_plan_auto_prints_placements_and_bytes_per_rank(capsys: pytest.CaptureFi
     assert [line.split()[:5] for line in lines[1:4]] == [
         ["user", "100000", "x", "64", "row_wise"],
         ["item", "50000", "x", "64", "table_wise[0]"],
-        ["country", "200", "x", "16", "data_parallel"]]
-    assert "r0:rows[0:50000], r1:rows[50000:100000]  (rows split over all 2 ranks (larger than " \
-           "an even share; 12.4 MiB each))" in lines[1]
+        ["country", "200", "x", "16", "data_parallel"],
+    ]
+    assert (
+        "r0:rows[0:50000], r1:rows[50000:100000]  (rows split over all 2 ranks (larger than "
+        "an even share; 12.4 MiB each))" in lines[1]
+    )
     assert lines[2].endswith("r0:rows[0:50000]  (whole on rank 0 (12.4 MiB; least-loaded rank))")
     assert lines[4] == "  bytes per rank (weights + row-wise state): r0: 24.8 MiB, r1: 12.4 MiB"
     assert len(lines) == 5
 
 
 def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = _plan(capsys, "--world-size", "2", "--plan", "column_wise", "--optimizer",
-                         "adam", "--table", "user:100000:64", "--table", "item:50000:64")
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "2",
+        "--plan",
+        "column_wise",
+        "--optimizer",
+        "adam",
+        "--table",
+        "user:100000:64",
+        "--table",
+        "item:50000:64",
+    )
     assert code == 0
     assert "r0:rows[0:100000]cols[0:32], r1:rows[0:100000]cols[32:64]" in out
-    assert out.splitlines()[-1] == "  bytes per rank (weights + Adam state): r0: 54.9 MiB, " \
-                                   "r1: 54.9 MiB"  # 150000 rows x 32 columns x 3 floats
-    code, out, _ = _plan(capsys, "--world-size", "4", "--ranks-per-node", "2", "--plan",
-                         "table_row_wise", "--optimizer", "sgd", "--table", "user:100000:64",
-                         "--table", "item:60000:32")
+    assert (
+        out.splitlines()[-1] == "  bytes per rank (weights + Adam state): r0: 54.9 MiB, "
+        "r1: 54.9 MiB"
+    )  # 150000 rows x 32 columns x 3 floats
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--plan",
+        "table_row_wise",
+        "--optimizer",
+        "sgd",
+        "--table",
+        "user:100000:64",
+        "--table",
+        "item:60000:32",
+    )
     assert code == 0
     assert [line.split()[4:] for line in out.splitlines()[1:3]] == [
         ["table_row_wise[0,", "1]", "r0:rows[0:50000],", "r1:rows[50000:100000]"],
-        ["table_row_wise[2,", "3]", "r2:rows[0:30000],", "r3:rows[30000:60000]"]]
-    assert out.splitlines()[-1] == ("  bytes per rank (weights only, SGD keeps no state): "
-                                    "r0: 12.2 MiB, r1: 12.2 MiB, r2: 3.7 MiB, r3: 3.7 MiB")
+        ["table_row_wise[2,", "3]", "r2:rows[0:30000],", "r3:rows[30000:60000]"],
+    ]
+    assert out.splitlines()[-1] == (
+        "  bytes per rank (weights only, SGD keeps no state): "
+        "r0: 12.2 MiB, r1: 12.2 MiB, r2: 3.7 MiB, r3: 3.7 MiB"
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--table", "user:abc:64"], "error: --table 'user:abc:64': expected NAME:ROWS:DIM"
-     "[:FEATURE,...] with integer ROWS and DIM, e.g. user:1000000:64 or "
-     "item:500000:64:item,last_item"),
-    (["--table", "user:10:4", "--plan", "diagonal"], "error: --plan 'diagonal': expected one of "
-     "auto, table_wise, row_wise, column_wise, table_row_wise, data_parallel"),
-    (["--table", "user:10:4", "--memory-budget", "2 lots"], "error: --memory-budget '2 lots': "
-     "expected a positive size such as 2GiB, 512MiB, 1.5GB or plain bytes"),
-    (["--table", "user:10:4", "--optimizer", "lamb"], "error: --optimizer 'lamb': expected one "
-     "of rowwise_adagrad, adagrad, adam, sgd"),
-    ([], "error: no tables: pass --table NAME:ROWS:DIM[:FEATURE,...] (repeatable) or --tables "
-     "FILE"),
-    (["--table", "user:10:4", "--table", "user:20:4"],
-     "error: table names must be unique; repeated: ['user']"),
-    (["--table", "user:10000000:64", "--memory-budget", "1GiB"],
-     "error: the table holds 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
-     "ranks, more than the budget of 1.00 GiB; raise the memory budget to 1.21 GiB or more, "
-     "use 3 or more ranks, or shrink the tables"),
-    (["--table", "user:10000000:64", "--table", "item:10:4", "--plan", "table_wise",
-      "--memory-budget", "2147483648"], "error: plan table_wise puts 2.42 GiB on rank 0, more "
-     "than the memory budget of 2.00 GiB; try --plan auto, more ranks or a larger "
-     "--memory-budget"),
-])
-def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture, args: list[str],
-                                  message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--table", "user:abc:64"],
+            "error: --table 'user:abc:64': expected NAME:ROWS:DIM"
+            "[:FEATURE,...] with integer ROWS and DIM, e.g. user:1000000:64 or "
+            "item:500000:64:item,last_item",
+        ),
+        (
+            ["--table", "user:10:4", "--plan", "diagonal"],
+            "error: --plan 'diagonal': expected one of "
+            "auto, table_wise, row_wise, column_wise, table_row_wise, data_parallel",
+        ),
+        (
+            ["--table", "user:10:4", "--memory-budget", "2 lots"],
+            "error: --memory-budget '2 lots': "
+            "expected a positive size such as 2GiB, 512MiB, 1.5GB or plain bytes",
+        ),
+        (
+            ["--table", "user:10:4", "--optimizer", "lamb"],
+            "error: --optimizer 'lamb': expected one of rowwise_adagrad, adagrad, adam, sgd",
+        ),
+        (
+            [],
+            "error: no tables: pass --table NAME:ROWS:DIM[:FEATURE,...] (repeatable) or --tables "
+            "FILE",
+        ),
+        (
+            ["--table", "user:10:4", "--table", "user:20:4"],
+            "error: table names must be unique; repeated: ['user']",
+        ),
+        (
+            ["--table", "user:10000000:64", "--memory-budget", "1GiB"],
+            "error: the table holds 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
+            "ranks, more than the budget of 1.00 GiB; raise the memory budget to 1.21 GiB or more, "
+            "use 3 or more ranks, or shrink the tables",
+        ),
+        (
+            [
+                "--table",
+                "user:10000000:64",
+                "--table",
+                "item:10:4",
+                "--plan",
+                "table_wise",
+                "--memory-budget",
+                "2147483648",
+            ],
+            "error: plan table_wise puts 2.42 GiB on rank 0, more "
+            "than the memory budget of 2.00 GiB; try --plan auto, more ranks or a larger "
+            "--memory-budget",
+        ),
+    ],
+)
+def test_plan_errors_are_one_line(
+    capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
     code, out, err = _plan(capsys, "--world-size", "2", *args)
     assert (code, out, err) == (2, "", message + "\n")
 
@@ -145,30 +225,50 @@ def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture, args: list[str]
 def test_plan_error_exits_2_without_a_traceback(tmp_path: Path) -> None:
     tables = tmp_path / "tables.json"
     tables.write_text(json.dumps([{"name": "user", "num_embeddings": 10, "dim": 4}]))
-    result = subprocess.run([sys.executable, "-m", "manualpar", "plan", "--world-size", "2",
-                             "--tables", str(tables)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "manualpar", "plan", "--world-size", "2", "--tables", str(tables)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == (f"error: --tables {tables}: entry 0 has unknown fields ['dim'] or "
-                             "lacks ['embedding_dim']; the fields are ['name', 'num_embeddings', "
-                             "'embedding_dim', 'feature_names', 'pooling', 'init_bound']\n")
+    assert result.stderr == (
+        f"error: --tables {tables}: entry 0 has unknown fields ['dim'] or "
+        "lacks ['embedding_dim']; the fields are ['name', 'num_embeddings', "
+        "'embedding_dim', 'feature_names', 'pooling', 'init_bound']\n"
+    )
 
 
 def _recsys_plan_only(out: Path, *args: str) -> None:
-    result = subprocess.run([sys.executable, str(RECSYS_TRAIN), "--plan-only", "2", "--out",
-                             str(out), *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(RECSYS_TRAIN), "--plan-only", "2", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_plan_json_round_trips_through_the_recsys_example(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_plan_json_round_trips_through_the_recsys_example(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     _recsys_plan_only(tmp_path / "example")  # writes its tables.json and its own auto plan
     tables = str(tmp_path / "example" / "tables.json")
     auto = tmp_path / "auto.json"
     assert _plan(capsys, "--world-size", "2", "--tables", tables, "--json", str(auto))[0] == 0
     assert auto.read_text() == (tmp_path / "example" / "plan.json").read_text()  # same planner
     row_wise = tmp_path / "row_wise.json"
-    code, out, _ = _plan(capsys, "--world-size", "2", "--tables", tables, "--plan", "row_wise",
-                         "--json", str(row_wise))
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "2",
+        "--tables",
+        tables,
+        "--plan",
+        "row_wise",
+        "--json",
+        str(row_wise),
+    )
     assert code == 0 and out.splitlines()[-1] == f"plan written to {row_wise}"
     plan = EmbeddingPlan.from_json(row_wise.read_text())
     assert plan.world_size == 2 and len(plan.tables) == 26

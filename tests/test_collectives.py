@@ -119,7 +119,8 @@ def _subgroup_collectives() -> dict | None:
         return None
     strategy = ManualParallelStrategy(process_group=subgroup)
     result = {
-        "rank": strategy.rank, "world": strategy.world_size,
+        "rank": strategy.rank,
+        "world": strategy.world_size,
         "broadcast": strategy.broadcast(f"from group rank 0 (global {world.rank})", src=0),
         "reduce_to_1": strategy.reduce(torch.tensor([float(world.rank)]), op="sum", dst=1),
     }
@@ -129,12 +130,19 @@ def _subgroup_collectives() -> dict | None:
 
 
 def test_adopted_subgroup_uses_group_ranks() -> None:
-    _, first, second = run_distributed(_subgroup_collectives, world_size=3,
-                                       env={"CHECK": "1"})
-    assert first == {"rank": 0, "world": 2, "broadcast": "from group rank 0 (global 1)",
-                     "reduce_to_1": None}
-    assert second == {"rank": 1, "world": 2, "broadcast": "from group rank 0 (global 1)",
-                      "reduce_to_1": 3.0}
+    _, first, second = run_distributed(_subgroup_collectives, world_size=3, env={"CHECK": "1"})
+    assert first == {
+        "rank": 0,
+        "world": 2,
+        "broadcast": "from group rank 0 (global 1)",
+        "reduce_to_1": None,
+    }
+    assert second == {
+        "rank": 1,
+        "world": 2,
+        "broadcast": "from group rank 0 (global 1)",
+        "reduce_to_1": 3.0,
+    }
 
 
 def _collective_after_teardown() -> None:

@@ -16,8 +16,13 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "launched.py")
 
 
 def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: ignore[no-untyped-def]
-    app = trainer(*script_args, script=SCRIPT, j="1x2", max_restarts=max_restarts,
-                  env={"MANUALPAR_TIMEOUT_S": "20"})
+    app = trainer(
+        *script_args,
+        script=SCRIPT,
+        j="1x2",
+        max_restarts=max_restarts,
+        env={"MANUALPAR_TIMEOUT_S": "20"},
+    )
     with get_runner() as runner:
         handle = runner.run(app, scheduler="local_cwd", cfg={"log_dir": str(tmp_path / "logs")})
         return runner.wait(handle, wait_interval=0.2)
@@ -31,8 +36,18 @@ def test_component_builds_a_torchrun_command() -> None:
     app = trainer("--lr", "0.1", script="train.py", j="1x4", max_restarts=2)
     role = app.roles[0]
     assert role.entrypoint == sys.executable
-    assert role.args == ["-m", "torch.distributed.run", "--nproc-per-node", "4",
-                         "--max-restarts", "2", "--standalone", "train.py", "--lr", "0.1"]
+    assert role.args == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "2",
+        "--standalone",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
     multi = trainer(m="pkg.train", j="3x8").roles[0]
     assert multi.entrypoint == "bash" and multi.num_replicas == 3
     assert "--nnodes 3" in multi.args[1] and "-m pkg.train" in multi.args[1]
@@ -61,8 +76,9 @@ def test_worker_error_reaches_torchx_status(tmp_path: Path) -> None:
 
 
 def test_restart_recovers_from_a_failed_attempt(tmp_path: Path) -> None:
-    status = _launch(tmp_path, "--out", str(tmp_path / "out"), "--fail", "first_attempt",
-                     max_restarts=1)
+    status = _launch(
+        tmp_path, "--out", str(tmp_path / "out"), "--fail", "first_attempt", max_restarts=1
+    )
     assert status.state == AppState.SUCCEEDED, status
     assert [r["restart_count"] for r in _reports(tmp_path / "out")] == [1, 1]
 

@@ -15,8 +15,9 @@ from checkpoint_models import make_model, train
 import manualpar as mp
 from manualpar.testing import free_port
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (the CPU/gloo path is tested elsewhere)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU/gloo path is tested elsewhere)"
+)
 
 
 @pytest.fixture

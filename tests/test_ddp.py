@@ -62,8 +62,11 @@ def assert_close(actual: dict, expected: dict, atol: float = ATOL) -> None:
 
 def train(model: nn.Module, optimizer_name: str, steps: int, rank: int, world: int) -> list:
     """Each rank trains on its 1/world share of every global batch of 8; returns the losses."""
-    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                 if optimizer_name == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01))
+    optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if optimizer_name == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.01)
+    )
     share = slice(8 // world * rank, 8 // world * (rank + 1))
     losses = []
     for step in range(steps):
@@ -93,9 +96,11 @@ def _train_two_ranks(strategy: mp.ManualParallelStrategy) -> dict:
         model = ddp(make_net(0), strategy)
         assert type(model) is DistributedDataParallel
         losses, _ = train(model, name, 5, strategy.rank, 2)
-        result[name] = {"losses": [strategy.all_reduce(loss).item() for loss in losses],
-                        "params": dict(model.module.state_dict()),
-                        "owners": {owner_of(p) for p in model.parameters()}}
+        result[name] = {
+            "losses": [strategy.all_reduce(loss).item() for loss in losses],
+            "params": dict(model.module.state_dict()),
+            "owners": {owner_of(p) for p in model.parameters()},
+        }
     return result
 
 
@@ -105,8 +110,9 @@ def two_rank_training() -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_two_ranks_equal_one_process_on_the_full_batch(two_rank_training: list[dict],
-                                                       name: str) -> None:
+def test_two_ranks_equal_one_process_on_the_full_batch(
+    two_rank_training: list[dict], name: str
+) -> None:
     reference = make_net(0)
     losses = [loss.item() for loss in train(reference, name, 5, rank=0, world=1)[0]]
     for result in two_rank_training:
@@ -139,10 +145,15 @@ def _variable_batches(strategy: mp.ManualParallelStrategy) -> dict:
     for mode in ("global_samples", "world_size"):
         model = ddp(make_net(0), strategy, normalize_by=mode)
         out[mode], out[f"{mode}_type"] = _step(model, rank, VARIABLE, seed=5), type(model)
-    out["with_empty"] = _step(ddp(make_net(0), strategy, normalize_by="global_samples"), rank,
-                              WITH_EMPTY, seed=7)
-    out["explicit"] = _step(ddp(Transposed(*make_net(0)), strategy,
-                                normalize_by="global_samples"), rank, VARIABLE, seed=5)
+    out["with_empty"] = _step(
+        ddp(make_net(0), strategy, normalize_by="global_samples"), rank, WITH_EMPTY, seed=7
+    )
+    out["explicit"] = _step(
+        ddp(Transposed(*make_net(0)), strategy, normalize_by="global_samples"),
+        rank,
+        VARIABLE,
+        seed=5,
+    )
     accumulated = ddp(make_net(0), strategy, normalize_by="global_samples")
     x, y = batch(sum(map(sum, ACCUMULATE)), seed=6)
     start, micros = sum(map(sum, ACCUMULATE[:rank])), ACCUMULATE[rank]
@@ -194,9 +205,14 @@ def _ownership(strategy: mp.ManualParallelStrategy) -> dict:
     mse(wrapped, x, y).backward()
     with pytest.raises(mp.BuilderError) as caught:
         ddp(wrapped, strategy)
-    return {"local": grads(local), "ddp": grads(wrapped), "head": head, "error": str(caught.value),
-            "head_after": model[2].weight.detach().clone(),
-            "owners": [owner_of(p) for p in model.parameters()]}
+    return {
+        "local": grads(local),
+        "ddp": grads(wrapped),
+        "head": head,
+        "error": str(caught.value),
+        "head_after": model[2].weight.detach().clone(),
+        "owners": [owner_of(p) for p in model.parameters()],
+    }
 
 
 def test_parameters_owned_by_another_builder_are_left_out() -> None:
@@ -211,8 +227,10 @@ def test_parameters_owned_by_another_builder_are_left_out() -> None:
         for key in ("0.weight", "0.bias"):  # averaged over the ranks
             mean = (ranks[0]["local"][key] + ranks[1]["local"][key]) / 2
             torch.testing.assert_close(result["ddp"][key], mean, rtol=0, atol=ATOL)
-        assert result["error"] == ("ddp(): the module is already a DistributedDataParallel "
-                                   "(around Sequential); call ddp() once per module")
+        assert result["error"] == (
+            "ddp(): the module is already a DistributedDataParallel "
+            "(around Sequential); call ddp() once per module"
+        )
 
 
 # ---- checkpoint: saved by a ddp model on 2 ranks, loaded into a plain module on 1 ---------------
@@ -224,8 +242,9 @@ def _save_ddp_checkpoint(strategy: mp.ManualParallelStrategy, path: str) -> dict
 
 
 def test_checkpoint_from_two_ddp_ranks_loads_into_a_plain_module(tmp_path: Path) -> None:
-    saved = run_distributed(_on_ranks, world_size=2,
-                            args=("_save_ddp_checkpoint", str(tmp_path / "c")))
+    saved = run_distributed(
+        _on_ranks, world_size=2, args=("_save_ddp_checkpoint", str(tmp_path / "c"))
+    )
     model = make_net(seed=1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
     state = {"model": model, "optim": optimizer, "step": 0}
@@ -254,15 +273,23 @@ def test_ddp_twice_and_meta_parameters_raise() -> None:
     strategy = mp.ManualParallelStrategy(accelerator="cpu")
     with torch.device("meta"):
         net = make_net(0)
-    with pytest.raises(mp.BuilderError, match=re.escape(
+    with pytest.raises(
+        mp.BuilderError,
+        match=re.escape(
             "ddp(): Sequential still has tensors on the meta device (0.weight, 0.bias, 2.weight, "
-            "2.bias); call manualpar.init.materialize on it first")):
+            "2.bias); call manualpar.init.materialize on it first"
+        ),
+    ):
         ddp(net, strategy)
     net.to_empty(device="cpu")
     assert ddp(net, strategy) is net  # the failed call claimed nothing
-    with pytest.raises(mp.BuilderError, match=re.escape(
+    with pytest.raises(
+        mp.BuilderError,
+        match=re.escape(
             "ddp(): module Sequential was already set up by ddp(); call each builder once per "
-            "module, on disjoint submodules")):
+            "module, on disjoint submodules"
+        ),
+    ):
         ddp(net, strategy)
 
 
@@ -273,8 +300,11 @@ def test_misuse_is_named_and_batch_sizes_are_inferred() -> None:
     owned = make_net(0)
     claim(owned[0], "fsdp")
     claim(owned[2], "shard_embeddings")
-    with pytest.raises(mp.BuilderError, match=r"no trainable parameter left for DDP \(owned by "
-                       r"other builders: fsdp, shard_embeddings; frozen: 0\)"):
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"no trainable parameter left for DDP \(owned by "
+        r"other builders: fsdp, shard_embeddings; frozen: 0\)",
+    ):
         ddp(owned, strategy)
     plain = ddp(make_net(0), strategy)
     with pytest.raises(mp.BuilderError, match="has no part wrapped with ddp"):

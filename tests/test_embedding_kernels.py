@@ -8,8 +8,9 @@ import torch
 
 from manualpar.embeddings import RowWiseAdagrad, kernels, native
 
-pytestmark = pytest.mark.skipif(native.native_kernels() is None,
-                                reason="the C++ kernels could not be built on this machine")
+pytestmark = pytest.mark.skipif(
+    native.native_kernels() is None, reason="the C++ kernels could not be built on this machine"
+)
 
 
 def _case(dtype: torch.dtype, weighted: bool, rows: int = 300, bags: int = 40):
@@ -28,8 +29,7 @@ def test_segment_sum_matches_torch(dtype, weighted, monkeypatch):
     ids, lengths, weights, grads = _case(dtype, weighted)
     rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=0.25)
     monkeypatch.setattr(native, "_loaded", None)
-    expected_rows, expected = kernels.row_gradients(ids, lengths, weights, grads, 300,
-                                                    scale=0.25)
+    expected_rows, expected = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=0.25)
     assert torch.equal(rows, expected_rows)
     assert torch.equal(rows, torch.unique(ids))
     torch.testing.assert_close(summed, expected)
@@ -42,8 +42,14 @@ def _reference_update(ids, lengths, weights, grads, cols, col_start, scale):
     state = {"sum": torch.rand(300, generator=torch.Generator().manual_seed(2))}
     expected_weight, expected_state = weight.clone(), {"sum": state["sum"].clone()}
     rows, summed = kernels.row_gradients(ids, lengths, weights, grads, 300, scale=scale)
-    rule.step_rows(expected_weight, expected_state, rows,
-                   summed[:, col_start:col_start + cols], 1, summed.square().mean(1))
+    rule.step_rows(
+        expected_weight,
+        expected_state,
+        rows,
+        summed[:, col_start : col_start + cols],
+        1,
+        summed.square().mean(1),
+    )
     return rule, weight, state, expected_weight, expected_state, rows
 
 
@@ -51,7 +57,8 @@ def _reference_update(ids, lengths, weights, grads, cols, col_start, scale):
 def test_fused_rowwise_adagrad_matches_row_by_row(col_start, cols):
     ids, lengths, weights, grads = _case(torch.float32, weighted=True)
     rule, weight, state, expected_weight, expected_state, rows = _reference_update(
-        ids, lengths, weights, grads, cols, col_start, scale=0.5)
+        ids, lengths, weights, grads, cols, col_start, scale=0.5
+    )
     bags = kernels.ShardBags(ids, lengths, weights, 0, lengths.numel())
     bags.groups = kernels.group_rows(bags, 300)
     grads_in = kernels.BagGradients([grads], [0.5])
@@ -69,26 +76,35 @@ def test_fused_update_in_two_passes_equals_one():
     ids, lengths, weights, grads = _case(torch.float32, weighted=True)
     own = (10, 25)  # bags 10..24 are "this rank's", between two other senders'; bag 3 is empty
     scales = [0.2, 0.25, 0.55]
-    per_bag = torch.cat([torch.full((10,), scales[0]), torch.full((15,), scales[1]),
-                         torch.full((15,), scales[2])])
+    per_bag = torch.cat(
+        [torch.full((10,), scales[0]), torch.full((15,), scales[1]), torch.full((15,), scales[2])]
+    )
     rule, weight, state, expected_weight, expected_state, _ = _reference_update(
-        ids, lengths, weights, grads * per_bag.unsqueeze(1), 12, 0, scale=1.0)
+        ids, lengths, weights, grads * per_bag.unsqueeze(1), 12, 0, scale=1.0
+    )
     wide = torch.randn(15, 30)
     wide[:, 7:19] = grads[10:25]  # the own block as a column slice of a wider output
     blocks = [grads[:10], wide[:, 7:19], grads[25:]]
     bags = kernels.ShardBags(ids, lengths, weights, *own)
     bags.groups = kernels.group_rows(bags, 300)
     before = weight.clone()
-    assert rule.step_bags(weight, state, bags,
-                          kernels.BagGradients(blocks[1:2], scales[1:2]),
-                          0, 1, kernels.RowPass.OWN)
+    assert rule.step_bags(
+        weight,
+        state,
+        bags,
+        kernels.BagGradients(blocks[1:2], scales[1:2]),
+        0,
+        1,
+        kernels.RowPass.OWN,
+    )
     starts = torch.cumsum(lengths, 0) - lengths
-    own_ids = ids[int(starts[own[0]]):int(starts[own[1]])]
-    other_ids = torch.cat([ids[:int(starts[own[0]])], ids[int(starts[own[1]]):]])
+    own_ids = ids[int(starts[own[0]]) : int(starts[own[1]])]
+    other_ids = torch.cat([ids[: int(starts[own[0]])], ids[int(starts[own[1]]) :]])
     changed = set(torch.nonzero((weight != before).any(1)).flatten().tolist())
     assert changed == set(own_ids.tolist()) - set(other_ids.tolist())
-    assert rule.step_bags(weight, state, bags, kernels.BagGradients(blocks, scales), 0, 1,
-                          kernels.RowPass.REST)
+    assert rule.step_bags(
+        weight, state, bags, kernels.BagGradients(blocks, scales), 0, 1, kernels.RowPass.REST
+    )
     torch.testing.assert_close(weight, expected_weight)
     torch.testing.assert_close(state["sum"], expected_state["sum"])
 
@@ -98,10 +114,20 @@ def test_fused_update_refuses_missing_gradients():
     bags = kernels.ShardBags(ids, lengths, None, 0, lengths.numel())
     bags.groups = kernels.group_rows(bags, 300)
     rule = RowWiseAdagrad(lr=0.1)
-    with pytest.raises(RuntimeError, match=r"gradients given for 20 bags, but these rows occur "
-                                           r"in bags 0\.\.39"):
-        rule.step_bags(torch.zeros(300, 12), {"sum": torch.zeros(300)}, bags,
-                       kernels.BagGradients([grads[:20]], [1.0]), 0, 1, kernels.RowPass.ALL)
+    with pytest.raises(
+        RuntimeError,
+        match=r"gradients given for 20 bags, but these rows occur "
+        r"in bags 0\.\.39",
+    ):
+        rule.step_bags(
+            torch.zeros(300, 12),
+            {"sum": torch.zeros(300)},
+            bags,
+            kernels.BagGradients([grads[:20]], [1.0]),
+            0,
+            1,
+            kernels.RowPass.ALL,
+        )
 
 
 def test_add_to_rows_matches_index_add():
@@ -133,8 +159,9 @@ def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
 
     config = EmbeddingBagConfig("t", 9000, 24, feature_names=("f",), init_bound=0.5)
     native_block = init_rows(config, 3, (4000, 9000), (5, 24))
-    native_double = init_rows(config, 3, (0, 10), (0, 24), out=torch.empty(10, 24,
-                                                                         dtype=torch.float64))
+    native_double = init_rows(
+        config, 3, (0, 10), (0, 24), out=torch.empty(10, 24, dtype=torch.float64)
+    )
     monkeypatch.setattr(native, "_loaded", None)
     torch_block = init_rows(config, 3, (4000, 9000), (5, 24))
     assert torch.equal(native_block, torch_block)

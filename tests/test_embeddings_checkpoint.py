@@ -39,14 +39,21 @@ def plan_named(name: str, world: int) -> EmbeddingPlan:
     return mixed_plan(world) if name == "mixed" else uniform_plan(name, world)
 
 
-def job(plan: str, opt_name: str, steps: range, load: str | None, save: str | None,
-        full_export: str | None = None) -> dict:
+def job(
+    plan: str,
+    opt_name: str,
+    steps: range,
+    load: str | None,
+    save: str | None,
+    full_export: str | None = None,
+) -> dict:
     strategy = mp.ManualParallelStrategy()
     with mp.empty_init():
         # a job that loads starts from other values: loading must replace every one of them
         ebc = EmbeddingBagCollection(TABLES, seed=SEED + 1 if load else SEED)
-    emb = shard_embeddings(ebc, strategy, plan_named(plan, strategy.world_size),
-                           optimizer(opt_name))
+    emb = shard_embeddings(
+        ebc, strategy, plan_named(plan, strategy.world_size), optimizer(opt_name)
+    )
     state = {"model": emb, "sparse_optim": emb.fused_optimizer}
     if load:
         strategy.load_checkpoint(load, state)
@@ -78,8 +85,11 @@ def test_reshard_across_world_sizes_and_plans(tmp_path: Path, opt_name: str):
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
     saved = run_distributed(job, 2, args=("mixed", opt_name, range(2), None, ckpt, full))[0]
     # 2 -> 1 (everything table-wise on one rank)
-    assert_same(run_distributed(job, 1, args=("table_wise", opt_name, range(0), ckpt, None))[0],
-                saved, "2 -> 1")
+    assert_same(
+        run_distributed(job, 1, args=("table_wise", opt_name, range(0), ckpt, None))[0],
+        saved,
+        "2 -> 1",
+    )
     # 2 -> 3, row-wise with uneven row blocks
     for result in run_distributed(job, 3, args=("row_wise", opt_name, range(0), ckpt, None)):
         assert_same(result, saved, "2 -> 3 row-wise")
@@ -101,21 +111,31 @@ def test_resharded_training_continues_like_the_reference(tmp_path: Path):
     for rank, result in enumerate(results):
         for name, expected in ref_tables.items():
             assert_close(result["tables"][name], expected, f"rank {rank}: table {name}")
-            assert_close(result["state"][name]["sum"], ref_state[name]["sum"],
-                         f"rank {rank}: row-wise state {name}")
+            assert_close(
+                result["state"][name]["sum"],
+                ref_state[name]["sum"],
+                f"rank {rank}: row-wise state {name}",
+            )
 
 
 @pytest.mark.timeout(120)
 def test_one_to_two_ranks(tmp_path: Path):
     ckpt = str(tmp_path / "one")
     strategy = mp.ManualParallelStrategy()
-    emb = shard_embeddings(EmbeddingBagCollection(TABLES, seed=SEED), strategy,
-                           plan_named("table_wise", 1), optimizer("adagrad"))
+    emb = shard_embeddings(
+        EmbeddingBagCollection(TABLES, seed=SEED),
+        strategy,
+        plan_named("table_wise", 1),
+        optimizer("adagrad"),
+    )
     pooled = emb(make_batch(0, 0, 4)).values
     local_loss(pooled, 0, 0).backward()
     strategy.save_checkpoint(ckpt, {"model": emb, "sparse_optim": emb.fused_optimizer})
     with full_tensors():
-        saved = {"tables": {k.split(".")[1]: v for k, v in emb.state_dict().items()},
-                 "state": emb.fused_optimizer.state_dict()["state"], "step": 1}
+        saved = {
+            "tables": {k.split(".")[1]: v for k, v in emb.state_dict().items()},
+            "state": emb.fused_optimizer.state_dict()["state"],
+            "step": 1,
+        }
     for result in run_distributed(job, 2, args=("mixed", "adagrad", range(0), ckpt, None)):
         assert_same(result, saved, "1 -> 2 mixed")

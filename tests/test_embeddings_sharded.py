@@ -40,26 +40,37 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise", "adam")
 
 
 def mixed_plan(world: int) -> EmbeddingPlan:
-    return EmbeddingPlan(world, {
-        "t0": table_wise(world - 1),
-        "t1": row_wise(),
-        "t2": column_wise(tuple(reversed(range(world)))),
-        "t3": data_parallel(),
-        "t4": table_row_wise(0, world),
-        "t5": column_wise((0, world - 1)) if world > 1 else table_wise(0),
-    })
+    return EmbeddingPlan(
+        world,
+        {
+            "t0": table_wise(world - 1),
+            "t1": row_wise(),
+            "t2": column_wise(tuple(reversed(range(world)))),
+            "t3": data_parallel(),
+            "t4": table_row_wise(0, world),
+            "t5": column_wise((0, world - 1)) if world > 1 else table_wise(0),
+        },
+    )
 
 
 def uniform_plan(kind: str, world: int) -> EmbeddingPlan:
-    make = {"table_wise": lambda i: table_wise(i % world), "row_wise": lambda i: row_wise(),
-            "column_wise": lambda i: column_wise(tuple(range(world))),
-            "table_row_wise": lambda i: table_row_wise(0, world),
-            "data_parallel": lambda i: data_parallel()}[kind]
+    make = {
+        "table_wise": lambda i: table_wise(i % world),
+        "row_wise": lambda i: row_wise(),
+        "column_wise": lambda i: column_wise(tuple(range(world))),
+        "table_row_wise": lambda i: table_row_wise(0, world),
+        "data_parallel": lambda i: data_parallel(),
+    }[kind]
     return EmbeddingPlan(world, {t.name: make(i) for i, t in enumerate(TABLES)})
 
 
-def train_sharded(plans: list[EmbeddingPlan], opt_names: list[str], batch_sizes: list[int],
-                  weighted: bool, normalize: str = "world") -> list[dict]:
+def train_sharded(
+    plans: list[EmbeddingPlan],
+    opt_names: list[str],
+    batch_sizes: list[int],
+    weighted: bool,
+    normalize: str = "world",
+) -> list[dict]:
     """On each rank: for every (plan, optimizer), train STEPS steps; return full tensors."""
     strategy = mp.ManualParallelStrategy()
     rank = strategy.rank
@@ -82,9 +93,14 @@ def train_sharded(plans: list[EmbeddingPlan], opt_names: list[str], batch_sizes:
     return results
 
 
-def check_against_reference(per_rank: list[list[dict]], opt_names: list[str],
-                            batch_sizes: list[int], weighted: bool, label: list[str],
-                            normalize: str = "world") -> None:
+def check_against_reference(
+    per_rank: list[list[dict]],
+    opt_names: list[str],
+    batch_sizes: list[int],
+    weighted: bool,
+    label: list[str],
+    normalize: str = "world",
+) -> None:
     for index, opt_name in enumerate(opt_names):
         ref_first, ref_tables, ref_state = reference(opt_name, batch_sizes, weighted, normalize)
         for rank, results in enumerate(per_rank):
@@ -101,10 +117,10 @@ def check_against_reference(per_rank: list[list[dict]], opt_names: list[str],
 def test_every_plan_and_optimizer_matches_reference_on_2_ranks():
     batch_sizes = [5, 3]
     plans = [mixed_plan(2)] * len(OPTIMIZERS)
-    per_rank = run_distributed(train_sharded, 2, args=(plans, list(OPTIMIZERS), batch_sizes,
-                                                      False))
-    check_against_reference(per_rank, list(OPTIMIZERS), batch_sizes, False,
-                            [f"mixed plan, {o}" for o in OPTIMIZERS])
+    per_rank = run_distributed(train_sharded, 2, args=(plans, list(OPTIMIZERS), batch_sizes, False))
+    check_against_reference(
+        per_rank, list(OPTIMIZERS), batch_sizes, False, [f"mixed plan, {o}" for o in OPTIMIZERS]
+    )
 
 
 @pytest.mark.timeout(120)
@@ -112,20 +128,33 @@ def test_each_uniform_plan_weighted_ids_on_2_ranks():
     kinds = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
     opts = ["rowwise", "adam", "rowwise", "adagrad", "sgd"]
     batch_sizes = [4, 6]
-    per_rank = run_distributed(train_sharded, 2, args=(
-        [uniform_plan(k, 2) for k in kinds], opts, batch_sizes, True))
-    check_against_reference(per_rank, opts, batch_sizes, True,
-                            [f"{k}, {o}, weighted" for k, o in zip(kinds, opts, strict=True)])
+    per_rank = run_distributed(
+        train_sharded, 2, args=([uniform_plan(k, 2) for k in kinds], opts, batch_sizes, True)
+    )
+    check_against_reference(
+        per_rank,
+        opts,
+        batch_sizes,
+        True,
+        [f"{k}, {o}, weighted" for k, o in zip(kinds, opts, strict=True)],
+    )
 
 
 @pytest.mark.timeout(120)
 def test_uneven_row_and_column_splits_on_3_ranks_with_global_sample_normalization():
     opts = ["rowwise", "adam"]
     batch_sizes = [4, 0, 7]  # rank 1 has an empty batch and still joins every collective
-    per_rank = run_distributed(train_sharded, 3, args=(
-        [mixed_plan(3)] * 2, opts, batch_sizes, False, "global_samples"))
-    check_against_reference(per_rank, opts, batch_sizes, False,
-                            [f"mixed plan on 3 ranks, {o}" for o in opts], "global_samples")
+    per_rank = run_distributed(
+        train_sharded, 3, args=([mixed_plan(3)] * 2, opts, batch_sizes, False, "global_samples")
+    )
+    check_against_reference(
+        per_rank,
+        opts,
+        batch_sizes,
+        False,
+        [f"mixed plan on 3 ranks, {o}" for o in opts],
+        "global_samples",
+    )
 
 
 def test_single_process_fused_optimizers_match_torch():
@@ -155,8 +184,7 @@ def test_meta_built_shard_equals_unsharded_initial_values():
     with mp.empty_init():
         ebc = EmbeddingBagCollection(TABLES, seed=SEED)
     assert all(p.is_meta for p in ebc.parameters())
-    emb = shard_embeddings(ebc, strategy, {t.name: table_wise(0) for t in TABLES},
-                           optimizer("sgd"))
+    emb = shard_embeddings(ebc, strategy, {t.name: table_wise(0) for t in TABLES}, optimizer("sgd"))
     reference_ebc = EmbeddingBagCollection(TABLES, seed=SEED)
     for name, table in reference_ebc.tables.items():
         assert torch.equal(emb.tables[name].weight, table.weight)

@@ -228,16 +228,12 @@ def test_slurm_empty_master_variables_fall_back_to_slurm() -> None:
     [("4(x2)", "2", 4), ("4", "2", 4), (None, "2", 4), (None, None, 8), ("", "4", 2)],
 )
 def test_slurm_local_world_size(per_node: str | None, nnodes: str | None, expected: int) -> None:
-    env = from_slurm(
-        _slurm(SLURM_NTASKS_PER_NODE=per_node, SLURM_NNODES=nnodes, SLURM_LOCALID="0")
-    )
+    env = from_slurm(_slurm(SLURM_NTASKS_PER_NODE=per_node, SLURM_NNODES=nnodes, SLURM_LOCALID="0"))
     assert env.local_world_size == expected
 
 
 def test_slurm_optional_variables_default() -> None:
-    env = from_slurm(
-        {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train"}
-    )
+    env = from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train"})
     assert env == ClusterEnvironment(source="slurm")
 
 
@@ -338,9 +334,7 @@ def test_mpi_detected() -> None:
 
 
 def test_mpi_local_size_defaults_to_world() -> None:
-    env = from_mpi(
-        _mpi(OMPI_COMM_WORLD_LOCAL_SIZE=None, OMPI_COMM_WORLD_LOCAL_RANK=None)
-    )
+    env = from_mpi(_mpi(OMPI_COMM_WORLD_LOCAL_SIZE=None, OMPI_COMM_WORLD_LOCAL_RANK=None))
     assert env.local_world_size == 8
     assert env.local_rank == 0
     assert env.node_rank == 0
@@ -396,8 +390,13 @@ def test_torchrun_wins_over_mpi_and_slurm_wins_over_mpi() -> None:
 
 def test_user_environment_valid() -> None:
     env = ClusterEnvironment(
-        rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1,
-        master_addr="host", master_port=1,
+        rank=3,
+        world_size=4,
+        local_rank=1,
+        local_world_size=2,
+        node_rank=1,
+        master_addr="host",
+        master_port=1,
     )
     assert env.source == "user"
     assert env.is_distributed is True
@@ -412,16 +411,24 @@ def test_user_environment_is_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": 2, "world_size": 2, "master_addr": "h", "master_port": 1},
-         "rank=2 must be in [0, world_size=2)"),
+        (
+            {"rank": 2, "world_size": 2, "master_addr": "h", "master_port": 1},
+            "rank=2 must be in [0, world_size=2)",
+        ),
         ({"rank": -1}, "rank=-1 must be in [0, world_size=1)"),
         ({"world_size": 0}, "world_size=0 must be >= 1"),
-        ({"world_size": 2, "master_port": 1},
-         "world_size=2 needs a master address: set master_addr"),
-        ({"world_size": 2, "master_addr": ""},
-         "world_size=2 needs a master address: set master_addr"),
-        ({"world_size": 2, "master_addr": "h"},
-         "world_size=2 needs a master port: set master_port"),
+        (
+            {"world_size": 2, "master_port": 1},
+            "world_size=2 needs a master address: set master_addr",
+        ),
+        (
+            {"world_size": 2, "master_addr": ""},
+            "world_size=2 needs a master address: set master_addr",
+        ),
+        (
+            {"world_size": 2, "master_addr": "h"},
+            "world_size=2 needs a master port: set master_port",
+        ),
         ({"local_rank": 1}, "local_rank=1 must be in [0, local_world_size=1)"),
         ({"local_world_size": 2}, "local_world_size=2 must be in [1, world_size=1]"),
         ({"local_world_size": 0}, "local_world_size=0 must be in [1, world_size=1]"),
@@ -435,9 +442,7 @@ def test_user_environment_validated(kwargs: dict, message: str) -> None:
     text = str(info.value)
     assert message in text
     assert text.startswith("inconsistent user environment: ")
-    assert text.endswith(
-        ". Fix the launcher's variables or pass a ClusterEnvironment explicitly."
-    )
+    assert text.endswith(". Fix the launcher's variables or pass a ClusterEnvironment explicitly.")
 
 
 def test_error_types() -> None:
@@ -465,8 +470,10 @@ def test_all_problems_reported_together() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
-         "RANK=2 must be in [0, WORLD_SIZE=2)"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            "RANK=2 must be in [0, WORLD_SIZE=2)",
+        ),
         ({"RANK": "-1"}, "RANK=-1 must be in [0, WORLD_SIZE=8)"),
         ({"MASTER_ADDR": None}, "WORLD_SIZE=8 needs a master address: set MASTER_ADDR"),
         ({"MASTER_ADDR": ""}, "WORLD_SIZE=8 needs a master address: set MASTER_ADDR"),
@@ -474,13 +481,17 @@ def test_all_problems_reported_together() -> None:
         ({"MASTER_PORT": ""}, "WORLD_SIZE=8 needs a master port: set MASTER_PORT"),
         ({"LOCAL_RANK": "4"}, "LOCAL_RANK=4 must be in [0, LOCAL_WORLD_SIZE=4)"),
         ({"LOCAL_WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE=16 must be in [1, WORLD_SIZE=8]"),
-        ({"LOCAL_WORLD_SIZE": "0", "LOCAL_RANK": "0"},
-         "LOCAL_WORLD_SIZE=0 must be in [1, WORLD_SIZE=8]"),
+        (
+            {"LOCAL_WORLD_SIZE": "0", "LOCAL_RANK": "0"},
+            "LOCAL_WORLD_SIZE=0 must be in [1, WORLD_SIZE=8]",
+        ),
         ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
         ({"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port"),
         ({"MASTER_PORT": "-5"}, "MASTER_PORT=-5 is not a TCP port"),
-        ({"WORLD_SIZE": "0", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": None},
-         "WORLD_SIZE=0 must be >= 1"),
+        (
+            {"WORLD_SIZE": "0", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": None},
+            "WORLD_SIZE=0 must be >= 1",
+        ),
     ],
 )
 def test_torchelastic_inconsistent(overrides: dict, message: str) -> None:
@@ -509,8 +520,15 @@ def test_torchelastic_world_size_zero_reports_local_world_size_too() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT",
-     "TORCHELASTIC_RESTART_COUNT"],
+    [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+    ],
 )
 @pytest.mark.parametrize("value", ["abc", "1.5", "0x10"])
 def test_torchelastic_non_integer(key: str, value: str) -> None:
@@ -533,18 +551,30 @@ def test_torchelastic_run_id_without_rank() -> None:
     ("overrides", "message"),
     [
         ({"SLURM_PROCID": "8"}, "SLURM_PROCID=8 must be in [0, SLURM_NTASKS=8)"),
-        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1"},
-         "SLURM_PROCID=2 must be in [0, SLURM_NTASKS=2)"),
-        ({"SLURM_NODELIST": None},
-         "SLURM_NTASKS=8 needs a master address: set SLURM_NODELIST/MASTER_ADDR"),
+        (
+            {"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1"},
+            "SLURM_PROCID=2 must be in [0, SLURM_NTASKS=2)",
+        ),
+        (
+            {"SLURM_NODELIST": None},
+            "SLURM_NTASKS=8 needs a master address: set SLURM_NODELIST/MASTER_ADDR",
+        ),
         ({"SLURM_JOB_ID": None}, "SLURM_NTASKS=8 needs a master port: set MASTER_PORT"),
         ({"SLURM_LOCALID": "4"}, "SLURM_LOCALID=4 must be in [0, SLURM_NTASKS_PER_NODE=4)"),
-        ({"SLURM_NTASKS_PER_NODE": "16(x2)"},
-         "SLURM_NTASKS_PER_NODE=16 must be in [1, SLURM_NTASKS=8]"),
+        (
+            {"SLURM_NTASKS_PER_NODE": "16(x2)"},
+            "SLURM_NTASKS_PER_NODE=16 must be in [1, SLURM_NTASKS=8]",
+        ),
         ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 is not a TCP port"),
-        ({"SLURM_NTASKS": "0", "SLURM_PROCID": "0", "SLURM_NTASKS_PER_NODE": None,
-          "SLURM_LOCALID": "0"},
-         "SLURM_NTASKS=0 must be >= 1"),
+        (
+            {
+                "SLURM_NTASKS": "0",
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS_PER_NODE": None,
+                "SLURM_LOCALID": "0",
+            },
+            "SLURM_NTASKS=0 must be >= 1",
+        ),
     ],
 )
 def test_slurm_inconsistent(overrides: dict, message: str) -> None:
@@ -562,8 +592,16 @@ def test_slurm_rank_out_of_range_names_slurm_procid() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NNODES",
-            "SLURM_RESTART_COUNT", "MASTER_PORT"],
+    "key",
+    [
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "SLURM_NNODES",
+        "SLURM_RESTART_COUNT",
+        "MASTER_PORT",
+    ],
 )
 def test_slurm_non_integer(key: str) -> None:
     with _raises(f"environment variable {key}='four' is not an integer"):
@@ -573,18 +611,30 @@ def test_slurm_non_integer(key: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"OMPI_COMM_WORLD_RANK": "8"},
-         "OMPI_COMM_WORLD_RANK=8 must be in [0, OMPI_COMM_WORLD_SIZE=8)"),
+        (
+            {"OMPI_COMM_WORLD_RANK": "8"},
+            "OMPI_COMM_WORLD_RANK=8 must be in [0, OMPI_COMM_WORLD_SIZE=8)",
+        ),
         ({"MASTER_ADDR": None}, "OMPI_COMM_WORLD_SIZE=8 needs a master address: set MASTER_ADDR"),
         ({"MASTER_PORT": None}, "OMPI_COMM_WORLD_SIZE=8 needs a master port: set MASTER_PORT"),
-        ({"OMPI_COMM_WORLD_LOCAL_RANK": "4"},
-         "OMPI_COMM_WORLD_LOCAL_RANK=4 must be in [0, OMPI_COMM_WORLD_LOCAL_SIZE=4)"),
-        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "9"},
-         "OMPI_COMM_WORLD_LOCAL_SIZE=9 must be in [1, OMPI_COMM_WORLD_SIZE=8]"),
+        (
+            {"OMPI_COMM_WORLD_LOCAL_RANK": "4"},
+            "OMPI_COMM_WORLD_LOCAL_RANK=4 must be in [0, OMPI_COMM_WORLD_LOCAL_SIZE=4)",
+        ),
+        (
+            {"OMPI_COMM_WORLD_LOCAL_SIZE": "9"},
+            "OMPI_COMM_WORLD_LOCAL_SIZE=9 must be in [1, OMPI_COMM_WORLD_SIZE=8]",
+        ),
         ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a TCP port"),
-        ({"OMPI_COMM_WORLD_SIZE": "0", "OMPI_COMM_WORLD_RANK": "0",
-          "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": None},
-         "OMPI_COMM_WORLD_SIZE=0 must be >= 1"),
+        (
+            {
+                "OMPI_COMM_WORLD_SIZE": "0",
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": None,
+            },
+            "OMPI_COMM_WORLD_SIZE=0 must be >= 1",
+        ),
     ],
 )
 def test_mpi_inconsistent(overrides: dict, message: str) -> None:
@@ -602,8 +652,13 @@ def test_mpi_rank_out_of_range_names_ompi_variable() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_PORT"],
+    [
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MASTER_PORT",
+    ],
 )
 def test_mpi_non_integer(key: str) -> None:
     with _raises(f"environment variable {key}='x1' is not an integer"):

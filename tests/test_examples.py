@@ -19,11 +19,23 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(script: str, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(EXAMPLES / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                            env={**_env(), "MANUALPAR_TIMEOUT_S": "30",
-                                 "CUDA_VISIBLE_DEVICES": ""})  # the CPU/gloo path everywhere
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / script),
+        *args,
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), "MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""},
+    )  # the CPU/gloo path everywhere
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -34,7 +46,7 @@ def test_strategy_demo_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert len(losses) == 2 and losses[-1] < losses[0]
     assert "parameters identical on all ranks: True" in out
     assert mp.latest_checkpoint(tmp_path) == tmp_path / "step_000020"
-    resumed = _torchrun("strategy_demo.py", "--out", str(tmp_path), "--steps", "30",
-                        "--every", "10")
+    resumed = _torchrun(
+        "strategy_demo.py", "--out", str(tmp_path), "--steps", "30", "--every", "10"
+    )
     assert "at step 20" in resumed and mp.latest_checkpoint(tmp_path) == tmp_path / "step_000030"
-

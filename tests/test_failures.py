@@ -41,13 +41,19 @@ def _rank_one_raises_before_barrier(out: str) -> None:
 
 
 def test_dead_rank_makes_the_others_fail_naming_the_operation(tmp_path: Path) -> None:
-    rank0, rank1 = run_distributed(_rank_one_raises_before_barrier, world_size=2,
-                                   args=(str(tmp_path / "rank0.s"),),
-                                   collective_timeout=30, timeout=60, allow_failure=True)
+    rank0, rank1 = run_distributed(
+        _rank_one_raises_before_barrier,
+        world_size=2,
+        args=(str(tmp_path / "rank0.s"),),
+        collective_timeout=30,
+        timeout=60,
+        allow_failure=True,
+    )
     assert rank1.error_type == "ValueError"
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith(
-        "barrier('sync') failed on rank 0 of 2 (backend gloo, timeout 30s)")
+        "barrier('sync') failed on rank 0 of 2 (backend gloo, timeout 30s)"
+    )
     assert "check the other ranks' logs" in rank0.error
     # The dead peer's closed connection ends the wait, not the 30 s timeout (the time it took is
     # printed for docs/reliability.md, not asserted: timing has no place in tests).
@@ -65,8 +71,14 @@ def _rank_one_stalls(out: str) -> None:
 
 
 def test_stalled_rank_times_out_within_the_configured_timeout(tmp_path: Path) -> None:
-    rank0, rank1 = run_distributed(_rank_one_stalls, world_size=2, args=(str(tmp_path / "r0.s"),),
-                                   collective_timeout=2, timeout=60, allow_failure=True)
+    rank0, rank1 = run_distributed(
+        _rank_one_stalls,
+        world_size=2,
+        args=(str(tmp_path / "r0.s"),),
+        collective_timeout=2,
+        timeout=60,
+        allow_failure=True,
+    )
     assert rank1.ok
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith("reduce(op=sum, shape=(3,)) failed on rank 0 of 2")
@@ -77,18 +89,27 @@ def test_stalled_rank_times_out_within_the_configured_timeout(tmp_path: Path) ->
 
 
 def test_unreachable_peers_fail_to_join_with_a_clear_error() -> None:
-    environment = mp.ClusterEnvironment(rank=0, world_size=2, master_addr="127.0.0.1",
-                                        master_port=free_port(), source="user")
-    with pytest.raises(mp.CollectiveError, match=r"rank 0 of 2 could not join the process group "
-                       r"at 127\.0\.0\.1:\d+ \(backend gloo\) within 2s"):
+    environment = mp.ClusterEnvironment(
+        rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(), source="user"
+    )
+    with pytest.raises(
+        mp.CollectiveError,
+        match=r"rank 0 of 2 could not join the process group "
+        r"at 127\.0\.0\.1:\d+ \(backend gloo\) within 2s",
+    ):
         mp.ManualParallelStrategy(environment, accelerator="cpu", timeout=2)
 
 
 def test_rank_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     # Rank 1 dies right after writing its tensor shards for ckpt_b, before the commit.
-    rank0, rank1 = run_distributed(save_twice, world_size=2,
-                                   args=(str(tmp_path), (1,), "after_write", False),
-                                   collective_timeout=20, timeout=60, allow_failure=True)
+    rank0, rank1 = run_distributed(
+        save_twice,
+        world_size=2,
+        args=(str(tmp_path), (1,), "after_write", False),
+        collective_timeout=20,
+        timeout=60,
+        allow_failure=True,
+    )
     assert rank1.exitcode == -signal.SIGKILL
     assert rank0.error_type in {"CollectiveError", "CheckpointError"}
     assert "save_checkpoint(" in rank0.error and "ckpt_b" in rank0.error

@@ -66,8 +66,10 @@ def make_net(seed: int, device: str = "cpu") -> Net:
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 5, generator=generator), torch.randn(BATCH, 3, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(BATCH, 5, generator=generator), torch.randn(BATCH, 3, generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -84,8 +86,12 @@ VARIANTS: dict[str, Callable[[Net], dict[str, Any]]] = {
     "bf16": lambda m: {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
     "meta": lambda m: {"wrap": (Block,)},
 }
-BLOCKS = {"auto_wrap": ["blocks.0", "blocks.1"], "wrap_class": ["blocks.0", "blocks.1"],
-          "wrap_list": ["blocks.0", "out"], "meta": ["blocks.0", "blocks.1"]}
+BLOCKS = {
+    "auto_wrap": ["blocks.0", "blocks.1"],
+    "wrap_class": ["blocks.0", "blocks.1"],
+    "wrap_list": ["blocks.0", "out"],
+    "meta": ["blocks.0", "blocks.1"],
+}
 
 
 # ---- children ----------------------------------------------------------------------------
@@ -112,9 +118,10 @@ def _variants() -> dict[str, Any]:
         initial = get_model_state_dict(model, options=FULL)
         losses, _ = _train(model, strategy)
         results[name] = {
-            "losses": losses, "params": get_model_state_dict(model, options=FULL),
-            "initial": initial, "all_dtensor": all(isinstance(p, DTensor)
-                                                   for p in model.parameters()),
+            "losses": losses,
+            "params": get_model_state_dict(model, options=FULL),
+            "initial": initial,
+            "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
             "blocks": [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n],
         }
     strategy.teardown()
@@ -132,13 +139,17 @@ def _ownership_and_errors() -> dict[str, Any]:
     result = {
         "out_plain": type(model.out.weight) is nn.Parameter and model.out.weight is kept,
         "out_same": torch.equal(model.out.weight, before),
-        "out_owner": owner_of(model.out.weight), "inp_owner": owner_of(model.inp.weight),
+        "out_owner": owner_of(model.out.weight),
+        "inp_owner": owner_of(model.inp.weight),
         "inp_dtensor": isinstance(model.inp.weight, DTensor),
-        "old_replaced": replaced_by(old_inp), "out_replaced": replaced_by(kept),
+        "old_replaced": replaced_by(old_inp),
+        "out_replaced": replaced_by(kept),
     }
     _, _ = _train(model, strategy)  # the ignored plain parameter trains alongside the shards
-    for label, call in {"twice": lambda: fsdp(model, strategy),
-                        "block_twice": lambda: fsdp(model.blocks[0], strategy)}.items():
+    for label, call in {
+        "twice": lambda: fsdp(model, strategy),
+        "block_twice": lambda: fsdp(model.blocks[0], strategy),
+    }.items():
         try:
             call()
             result[label] = "no error"
@@ -154,8 +165,9 @@ def _ownership_and_errors() -> dict[str, Any]:
     nested = make_net(0)  # a block first, then its parent: fully_shard's own nesting
     fsdp(nested.blocks[1], strategy)
     fsdp(nested, strategy)
-    result["nested_blocks"] = [n for n, m in nested.named_modules()
-                               if isinstance(m, FSDPModule) and n]
+    result["nested_blocks"] = [
+        n for n, m in nested.named_modules() if isinstance(m, FSDPModule) and n
+    ]
     _train(nested, strategy)
     result["nested_params"] = get_model_state_dict(nested, options=FULL)
     result["meta_left"] = [n for n, p in meta.named_parameters() if p.is_meta]
@@ -167,10 +179,13 @@ def _save(directory: str) -> dict[str, Any]:
     strategy = mp.ManualParallelStrategy()
     model = fsdp(make_net(0), strategy, wrap=(Block,))
     _, optimizer = _train(model, strategy)
-    strategy.save_checkpoint(Path(directory) / "fsdp", {"model": model, "optim": optimizer,
-                                                          "step": STEPS})
-    result = {"params": get_model_state_dict(model, options=FULL),
-              "optim": get_optimizer_state_dict(model, optimizer, options=FULL)}
+    strategy.save_checkpoint(
+        Path(directory) / "fsdp", {"model": model, "optim": optimizer, "step": STEPS}
+    )
+    result = {
+        "params": get_model_state_dict(model, options=FULL),
+        "optim": get_optimizer_state_dict(model, optimizer, options=FULL),
+    }
     strategy.teardown()
     return result
 
@@ -180,8 +195,11 @@ def _load(path: str) -> dict[str, Any]:
     model = fsdp(make_net(3), strategy, wrap=(Block,))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
     loaded = strategy.load_checkpoint(path, {"model": model, "optim": optimizer, "step": 0})
-    result = {"params": get_model_state_dict(model, options=FULL), "step": loaded["step"],
-              "optim": get_optimizer_state_dict(model, optimizer, options=FULL)}
+    result = {
+        "params": get_model_state_dict(model, options=FULL),
+        "step": loaded["step"],
+        "optim": get_optimizer_state_dict(model, optimizer, options=FULL),
+    }
     strategy.teardown()
     return result
 
@@ -225,8 +243,9 @@ def test_matches_single_process_reference(trained: dict[str, Any], variant: str)
     tolerance = {"rtol": 0.0, "atol": 3e-4} if low else {"rtol": 1e-5, "atol": 1e-6}
     assert result["all_dtensor"]
     assert result["blocks"] == BLOCKS.get(variant, [])
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5,
-                               atol=1e-5 if low else 1e-6)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5 if low else 1e-6
+    )
     assert result["params"].keys() == params.keys()
     for key, value in params.items():
         torch.testing.assert_close(result["params"][key], value, **tolerance, msg=key)
@@ -293,8 +312,9 @@ def test_checkpoint_reshards_to_one_plain_process_and_back_to_two(tmp_path: Path
     path = tmp_path / "fsdp"
     plain = make_net(5)
     optimizer = torch.optim.Adam(plain.parameters(), lr=0.5)
-    mp.ManualParallelStrategy().load_checkpoint(path, {"model": plain, "optim": optimizer,
-                                                       "step": 0})
+    mp.ManualParallelStrategy().load_checkpoint(
+        path, {"model": plain, "optim": optimizer, "step": 0}
+    )
     one = {"params": plain.state_dict(), "optim": get_optimizer_state_dict(plain, optimizer)}
     two = run_distributed(_load, world_size=2, args=(str(path),))[0]
     assert two["step"] == STEPS
@@ -303,6 +323,11 @@ def test_checkpoint_reshards_to_one_plain_process_and_back_to_two(tmp_path: Path
             torch.testing.assert_close(loaded["params"][key], value, rtol=0, atol=0)
         for key, state in saved["optim"]["state"].items():
             for name in ("exp_avg", "exp_avg_sq", "step"):
-                torch.testing.assert_close(loaded["optim"]["state"][key][name], state[name],
-                                           rtol=0, atol=0, msg=f"{key} {name}")
+                torch.testing.assert_close(
+                    loaded["optim"]["state"][key][name],
+                    state[name],
+                    rtol=0,
+                    atol=0,
+                    msg=f"{key} {name}",
+                )
         assert loaded["optim"]["param_groups"][0]["lr"] == LR

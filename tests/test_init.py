@@ -29,8 +29,9 @@ class Rotary(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim), persistent=False
+        )
 
 
 class WithRotary(nn.Module):
@@ -101,8 +102,11 @@ def test_batchnorm_running_stats_are_reset_on_the_strategy_device() -> None:
 def test_buffer_without_reset_parameters_raises_naming_the_submodule() -> None:
     with empty_init():
         model = WithRotary()
-    with pytest.raises(mp.BuilderError, match=r"'block\.1' \(Rotary: inv_freq\).*"
-                       r"add a reset_parameters\(\).*init_fn"):
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"'block\.1' \(Rotary: inv_freq\).*"
+        r"add a reset_parameters\(\).*init_fn",
+    ):
         materialize(model, "cpu")
     assert is_meta(model.proj), "validated before anything was allocated"
     with pytest.raises(mp.BuilderError, match=r"init_fn did not handle 'block\.1' \(Rotary"):
@@ -121,8 +125,11 @@ class ForgetfulRotary(Rotary):
 def test_a_buffer_the_initializer_forgot_raises() -> None:
     with empty_init():
         model = nn.Sequential(nn.Linear(8, 8), ForgetfulRotary(8))
-    with pytest.raises(mp.BuilderError, match=r"reset_parameters\(\) of '1' \(ForgetfulRotary\) "
-                       r"left buffers \['inv_freq'\] uninitialized"):
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"reset_parameters\(\) of '1' \(ForgetfulRotary\) "
+        r"left buffers \['inv_freq'\] uninitialized",
+    ):
         materialize(model, "cpu")
     with empty_init():
         model = nn.Sequential(nn.Linear(8, 8), Rotary(8))
@@ -224,7 +231,9 @@ def _materialize_my_layers() -> dict:
     materialize(model, strategy, skip=others, seed=5)
     mine = [i for i in range(LAYERS) if str(i) not in others]
     result = {
-        "before": before, "peak": _peak_rss(), "mine": mine,
+        "before": before,
+        "peak": _peak_rss(),
+        "mine": mine,
         "share": sum(p.numel() * p.element_size() for i in mine for p in model[i].parameters()),
         "full": sum(p.numel() * p.element_size() for p in model.parameters()),
         "meta": [i for i in range(LAYERS) if is_meta(model[i])],
@@ -246,8 +255,11 @@ def _sharded_weight_is_kept(world_size: int) -> bool:
     layer.weight = nn.Parameter(distribute_tensor(torch.full((4, 4), 3.0), mesh, [Shard(0)]))
     weight = layer.weight
     materialize(layer, "cpu")
-    return (layer.weight is weight and not layer.bias.is_meta
-            and torch.equal(weight.to_local(), torch.full((4 // world_size, 4), 3.0)))
+    return (
+        layer.weight is weight
+        and not layer.bias.is_meta
+        and torch.equal(weight.to_local(), torch.full((4 // world_size, 4), 3.0))
+    )
 
 
 def test_each_rank_allocates_only_its_share() -> None:

@@ -22,7 +22,8 @@ def test_every_rank_warns_with_its_prefix_and_only_rank_0_informs(bare_logger, c
     logging.getLogger("manualpar.trainer").info("resumed from x")
     logging.getLogger("manualpar.checkpoint").warning("kept the previous checkpoint")
     assert capsys.readouterr().err == (
-        "[rank 1/4] WARNING manualpar.checkpoint: kept the previous checkpoint\n")
+        "[rank 1/4] WARNING manualpar.checkpoint: kept the previous checkpoint\n"
+    )
     bare_logger.handlers = []
     log_with_rank(0, 4)
     logging.getLogger("manualpar.trainer").info("resumed from x")

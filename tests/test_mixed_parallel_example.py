@@ -21,9 +21,27 @@ import manualpar as mp
 from manualpar.testing import run_distributed
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "mixed_parallel"
-SMALL = ("--width", "32", "--depth", "2", "--heads", "2", "--seq-len", "32", "--batch-size",
-         "24", "--eval-batch-size", "24", "--log-every", "10", "--val-every", "20",
-         "--checkpoint-every", "20", "--no-progress")
+SMALL = (
+    "--width",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "24",
+    "--eval-batch-size",
+    "24",
+    "--log-every",
+    "10",
+    "--val-every",
+    "20",
+    "--checkpoint-every",
+    "20",
+    "--no-progress",
+)
 STEPS = 40
 
 
@@ -43,12 +61,24 @@ data = _load_data()
 def _run(script: str, *args: str, ranks: int = 1) -> str:
     """A script of the example under torchrun on `ranks` processes, or as a plain process."""
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    launch = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-              if ranks > 1 else [])
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        if ranks > 1
+        else []
+    )
     command = [sys.executable, *launch, str(EXAMPLE / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=90,
-                            env={**env, "MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": "",
-                                 "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={
+            **env,
+            "MANUALPAR_TIMEOUT_S": "30",
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -111,8 +141,11 @@ def test_checkpoint_reshards_with_the_same_eval_loss(run: tuple[Path, str], rank
 def test_resumes_on_one_process_and_trains_on(run: tuple[Path, str], tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(run[0], out)
-    run_distributed(_train, world_size=1, args=(
-        "--out", str(out), "--steps", str(STEPS + 10), *SMALL, "--val-every", "10"))
+    run_distributed(
+        _train,
+        world_size=1,
+        args=("--out", str(out), "--steps", str(STEPS + 10), *SMALL, "--val-every", "10"),
+    )
     latest = mp.latest_checkpoint(out / "checkpoints")
     assert latest is not None and mp.read_manifest(latest)["world_size"] == 1
     assert mp.read_manifest(latest)["step"] == STEPS + 10
@@ -126,8 +159,12 @@ def test_resumes_on_one_process_and_trains_on(run: tuple[Path, str], tmp_path: P
 def test_resuming_with_another_model_shape_is_refused(run: tuple[Path, str]) -> None:
     out = run[0]
     before = (out / "config.json").read_text()
-    [outcome] = run_distributed(_train, world_size=1, allow_failure=True, args=(
-        "--out", str(out), "--steps", str(STEPS + 10), *SMALL, "--depth", "3"))
+    [outcome] = run_distributed(
+        _train,
+        world_size=1,
+        allow_failure=True,
+        args=("--out", str(out), "--steps", str(STEPS + 10), *SMALL, "--depth", "3"),
+    )
     assert outcome.error_type == "SystemExit" and "--depth 2 -> 3" in str(outcome.error)
     assert (out / "config.json").read_text() == before
 

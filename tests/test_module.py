@@ -56,8 +56,11 @@ class ForgetsOnePart(ParallelModule):
 
 
 def test_parameters_left_on_meta_after_setup_are_named() -> None:
-    with pytest.raises(BuilderError, match=r"after ForgetsOnePart\.setup\(\) these are still on "
-                       r"the meta device: kept\.weight, kept\.bias\. Wrap them"):
+    with pytest.raises(
+        BuilderError,
+        match=r"after ForgetsOnePart\.setup\(\) these are still on "
+        r"the meta device: kept\.weight, kept\.bias\. Wrap them",
+    ):
         ForgetsOnePart().setup(mp.ManualParallelStrategy())
 
 
@@ -66,8 +69,11 @@ def test_optimizer_made_before_setup_fails_at_its_first_step() -> None:
     early = torch.optim.SGD(model.parameters(), lr=0.1)
     mark_replaced(model.parameters(), "fsdp")  # what fsdp() does to the pre-sharding parameters
     model.weight.grad = torch.zeros_like(model.weight)
-    with pytest.raises(BuilderError, match=r"SGD holds a parameter of shape \(2, 4\) \(param group "
-                       r"0\) that was replaced by fsdp\(\).*created before model\.setup"):
+    with pytest.raises(
+        BuilderError,
+        match=r"SGD holds a parameter of shape \(2, 4\) \(param group "
+        r"0\) that was replaced by fsdp\(\).*created before model\.setup",
+    ):
         early.step()
 
 

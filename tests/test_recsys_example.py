@@ -39,19 +39,43 @@ metrics = _load("metrics")
 def _train(*args: str, ranks: int = 2) -> str:
     """train.py under torchrun on `ranks` processes, or as a plain single process."""
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    launch = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-              if ranks > 1 else [])
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        if ranks > 1
+        else []
+    )
     command = [sys.executable, *launch, str(RECSYS / "train.py"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                            env={**env, "MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
 def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
-    out = _train("--out", str(tmp_path), "--steps", "40", "--batch", "512",
-                    "--max-rows", "20000", "--val-every", "20", "--val-samples", "4096",
-                    "--log-every", "10", "--checkpoint-every", "20", "--no-progress")
+    out = _train(
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "40",
+        "--batch",
+        "512",
+        "--max-rows",
+        "20000",
+        "--val-every",
+        "20",
+        "--val-samples",
+        "4096",
+        "--log-every",
+        "10",
+        "--checkpoint-every",
+        "20",
+        "--no-progress",
+    )
     assert "embedding plan for 2 ranks" in out
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -72,8 +96,7 @@ def test_synthetic_samples_depend_only_on_seed_and_index() -> None:
     assert torch.equal(torch.cat([b.dense for b in ranks]), whole.dense)
     assert torch.equal(torch.cat([b.labels for b in ranks]), whole.labels)
     ids = whole.sparse.values.view(data.NUM_SPARSE, 8)
-    assert torch.equal(torch.cat([b.sparse.values.view(data.NUM_SPARSE, 4) for b in ranks], 1),
-                       ids)
+    assert torch.equal(torch.cat([b.sparse.values.view(data.NUM_SPARSE, 4) for b in ranks], 1), ids)
     assert bool((ids < torch.tensor(data.table_rows(max_rows=1000)).unsqueeze(1)).all())
     other = data.SyntheticCriteo(data.table_rows(max_rows=1000), seed=4).samples(96, 8)
     assert not torch.equal(other.dense, whole.dense)
@@ -83,8 +106,11 @@ def test_criteo_tsv_reader_parses_exact_values(tmp_path: Path) -> None:
     rows = [10] * data.NUM_SPARSE
     rows[1] = 1  # a one-row table: every value, present or not, is row 0
     counts = [[5, None, -2, 0, *range(9)], [None] * data.NUM_DENSE, [7] * data.NUM_DENSE]
-    cats = [["68fd1e64", "80e26c9b", None, *["0000000a"] * 23],
-            [None] * data.NUM_SPARSE, ["ffffffff"] * data.NUM_SPARSE]
+    cats = [
+        ["68fd1e64", "80e26c9b", None, *["0000000a"] * 23],
+        [None] * data.NUM_SPARSE,
+        ["ffffffff"] * data.NUM_SPARSE,
+    ]
     path = tmp_path / "day.tsv"
     data.write_criteo_tsv(path, zip([1, 0, 1], counts, cats, strict=True))
     assert path.read_text().splitlines()[1] == "0" + "\t" * 39
@@ -103,8 +129,12 @@ def test_criteo_tsv_reader_parses_exact_values(tmp_path: Path) -> None:
     validation = source.validation(0, single)  # the last line
     assert validation.sparse.values.tolist() == [1 + 0xFFFFFFFF % 9, 0, *[1 + 0xFFFFFFFF % 9] * 24]
     assert source.train(2, single).labels.tolist() == [1.0]  # wraps around: an epoch is 2 lines
-    ranks = [data.CriteoTSV(path, rows, SimpleNamespace(rank=r, world_size=2), batch_size=2,
-                            val_samples=0) for r in range(2)]  # rank r keeps lines r, r + 2, ...
+    ranks = [
+        data.CriteoTSV(
+            path, rows, SimpleNamespace(rank=r, world_size=2), batch_size=2, val_samples=0
+        )
+        for r in range(2)
+    ]  # rank r keeps lines r, r + 2, ...
     assert [len(r.labels) for r in ranks] == [1, 1]  # the odd last line is dropped on all ranks
     assert ranks[1].dense[0].tolist() == [0.0] * data.NUM_DENSE
 
@@ -112,9 +142,25 @@ def test_criteo_tsv_reader_parses_exact_values(tmp_path: Path) -> None:
 def test_trains_on_a_criteo_tsv_file_in_one_process(tmp_path: Path) -> None:
     source = data.SyntheticCriteo(data.table_rows(max_rows=20000), seed=0)
     data.write_criteo_tsv(tmp_path / "day.tsv", data.synthetic_records(source, 0, 4000))
-    out = _train("--criteo", str(tmp_path / "day.tsv"), "--out", str(tmp_path / "run"),
-                 "--steps", "12", "--batch", "256", "--max-rows", "20000", "--val-samples",
-                 "1024", "--val-every", "6", "--no-progress", "--no-plot", ranks=1)
+    out = _train(
+        "--criteo",
+        str(tmp_path / "day.tsv"),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "12",
+        "--batch",
+        "256",
+        "--max-rows",
+        "20000",
+        "--val-samples",
+        "1024",
+        "--val-every",
+        "6",
+        "--no-progress",
+        "--no-plot",
+        ranks=1,
+    )
     assert "embedding plan for 1 ranks" in out
     assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.55
 
@@ -125,8 +171,9 @@ def test_auc_matches_brute_force_pairs(seed: int) -> None:
     scores = torch.randint(0, 20, (300,), generator=generator).float()  # many ties
     labels = (torch.rand(300, generator=generator) < 0.3).float()
     positives, negatives = scores[labels > 0.5].tolist(), scores[labels < 0.5].tolist()
-    pairs = [1.0 if p > n else 0.5 if p == n else 0.0
-             for p, n in itertools.product(positives, negatives)]
+    pairs = [
+        1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(positives, negatives)
+    ]
     assert math.isclose(metrics.auc(scores, labels), sum(pairs) / len(pairs), rel_tol=1e-12)
     continuous = torch.randn(300, generator=generator, dtype=torch.float64)
     rank_order = continuous.argsort().argsort().double()  # AUC depends on the order only

@@ -39,19 +39,26 @@ def test_nan_in_a_dense_batch_names_the_tensor_count_and_first_index() -> None:
     dense[2, 1] = float("nan")
     dense[3, 0] = float("inf")
     batch = {"ids": torch.tensor([1, 2]), "dense": [torch.zeros(2), dense]}
-    with _raises(mp.NonFiniteError, "batch['dense'][1]: 2 non-finite value(s) (1 NaN, 1 inf) in "
-                 "a torch.float32 tensor of shape (4, 3); the first is nan at index (2, 1). Fix "
-                 "or drop this input"):
+    with _raises(
+        mp.NonFiniteError,
+        "batch['dense'][1]: 2 non-finite value(s) (1 NaN, 1 inf) in "
+        "a torch.float32 tensor of shape (4, 3); the first is nan at index (2, 1). Fix "
+        "or drop this input",
+    ):
         mp.check_finite(batch, where="batch")
 
 
 def test_infinite_loss_and_sparse_weights() -> None:
     with _raises(mp.NonFiniteError, "loss at step 7: 1 non-finite value(s) (0 NaN, 1 inf)"):
         mp.check_finite(torch.tensor(float("inf")), where="loss at step 7")
-    sparse = SparseFeatures(("user",), torch.tensor([1, 2]), torch.tensor([1, 1]),
-                            torch.tensor([0.5, float("nan")]))
-    with _raises(mp.NonFiniteError, "batch['sparse'].weights: 1 non-finite value(s) (1 NaN, 0 "
-                 "inf)", "the first is nan at index (1,)"):
+    sparse = SparseFeatures(
+        ("user",), torch.tensor([1, 2]), torch.tensor([1, 1]), torch.tensor([0.5, float("nan")])
+    )
+    with _raises(
+        mp.NonFiniteError,
+        "batch['sparse'].weights: 1 non-finite value(s) (1 NaN, 0 inf)",
+        "the first is nan at index (1,)",
+    ):
         mp.check_finite({"sparse": sparse}, where="batch")
 
 
@@ -72,34 +79,40 @@ def _committed(directory: Path) -> dict[str, Any]:
 
 def _disk_with_free_bytes(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
     usage = shutil.disk_usage(".")
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: usage._replace(free=free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
 def test_full_disk_is_refused_before_anything_is_written(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: bool) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: bool
+) -> None:
     state = _committed(tmp_path)
     _disk_with_free_bytes(monkeypatch, 100)
     target = tmp_path / ("ckpt_b.pt" if full else "ckpt_b")
-    with _raises(mp.CheckpointError, f"not enough disk space to save {target}: it needs about",
-                 f"but {tmp_path} has 0.0 MiB (100 bytes) free; delete old checkpoints or save "
-                 "elsewhere"):
+    with _raises(
+        mp.CheckpointError,
+        f"not enough disk space to save {target}: it needs about",
+        f"but {tmp_path} has 0.0 MiB (100 bytes) free; delete old checkpoints or save elsewhere",
+    ):
         mp.ManualParallelStrategy().save_checkpoint(target, state, full=full)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_a"]  # no partial copy either
     assert_first_checkpoint_intact(tmp_path)
 
 
 def test_disk_filling_up_mid_save_keeps_the_previous_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _committed(tmp_path)
 
     def no_space(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(checkpoint, "write_file", no_space)  # the object files, after the tensors
-    with _raises(mp.CheckpointError, f"save_checkpoint({tmp_path / 'ckpt_a'}): writing objects "
-                 "failed on rank 0: [Errno 28] No space left on device"):
+    with _raises(
+        mp.CheckpointError,
+        f"save_checkpoint({tmp_path / 'ckpt_a'}): writing objects "
+        "failed on rank 0: [Errno 28] No space left on device",
+    ):
         mp.ManualParallelStrategy().save_checkpoint(tmp_path / "ckpt_a", state)  # an overwrite
     assert mp.latest_checkpoint(tmp_path) == tmp_path / "ckpt_a"
     assert_first_checkpoint_intact(tmp_path)
@@ -110,8 +123,11 @@ def test_directory_that_cannot_be_created(tmp_path: Path, full: bool) -> None:
     # A parent that is a regular file blocks writes even for root, unlike chmod.
     (tmp_path / "runs").write_text("not a directory")
     target = tmp_path / "runs" / "ckpt"
-    with _raises(mp.CheckpointError, f"cannot create checkpoint directory {tmp_path / 'runs'}:",
-                 "save under a directory you can write to"):
+    with _raises(
+        mp.CheckpointError,
+        f"cannot create checkpoint directory {tmp_path / 'runs'}:",
+        "save under a directory you can write to",
+    ):
         mp.ManualParallelStrategy().save_checkpoint(target, {"step": 1}, full=full)
     assert (tmp_path / "runs").read_text() == "not a directory"
 
@@ -127,19 +143,22 @@ def test_checkpoint_with_other_table_sizes(tmp_path: Path) -> None:
     saved = sharded(10)
     strategy.save_checkpoint(tmp_path / "c", {"model": saved})
     other = sharded(12)
-    with _raises(mp.CheckpointMismatchError, f"checkpoint {tmp_path / 'c'} does not match the "
-                 "state being loaded; shape mismatches: model/tables.user.weight: checkpoint "
-                 "(10, 4) vs current (12, 4). It was probably saved from another model"):
+    with _raises(
+        mp.CheckpointMismatchError,
+        f"checkpoint {tmp_path / 'c'} does not match the "
+        "state being loaded; shape mismatches: model/tables.user.weight: checkpoint "
+        "(10, 4) vs current (12, 4). It was probably saved from another model",
+    ):
         strategy.load_checkpoint(tmp_path / "c", {"model": other})
 
 
 def test_a_file_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
-    with _raises(mp.CheckpointError, f"{tmp_path / 'notes.txt'} is corrupted, truncated or not a "
-                 "checkpoint"):
+    with _raises(
+        mp.CheckpointError, f"{tmp_path / 'notes.txt'} is corrupted, truncated or not a checkpoint"
+    ):
         mp.ManualParallelStrategy().load_checkpoint(tmp_path / "notes.txt", {"step": 0})
-    with _raises(mp.CheckpointError, f"{tmp_path / 'notes.txt'} is not a directory of "
-                 "checkpoints"):
+    with _raises(mp.CheckpointError, f"{tmp_path / 'notes.txt'} is not a directory of checkpoints"):
         mp.latest_checkpoint(tmp_path / "notes.txt")
 
 
@@ -161,14 +180,17 @@ def _broadcast_mismatch(checked: bool) -> list[float]:
 def test_mismatched_broadcast_unchecked_is_silent_checked_raises_on_every_rank() -> None:
     # Measured, not promised: unchecked, gloo fills only the common prefix and nobody notices.
     assert run_distributed(_broadcast_mismatch, world_size=2, args=(False,)) == [
-        [0.0, 0.0], [0.0, 0.0, 7.0]]
-    outcomes = run_distributed(_broadcast_mismatch, world_size=2, args=(True,),
-                               allow_failure=True)
+        [0.0, 0.0],
+        [0.0, 0.0, 7.0],
+    ]
+    outcomes = run_distributed(_broadcast_mismatch, world_size=2, args=(True,), allow_failure=True)
     for outcome in outcomes:
         assert outcome.error_type == "CollectiveError", outcome.describe()
-        assert outcome.error.startswith("broadcast: ranks passed tensors of different shapes or "
-                                        "dtypes (rank 0: (2,) torch.float32, rank 1: (3,) "
-                                        "torch.float32); every rank must pass the same shape")
+        assert outcome.error.startswith(
+            "broadcast: ranks passed tensors of different shapes or "
+            "dtypes (rank 0: (2,) torch.float32, rank 1: (3,) "
+            "torch.float32); every rank must pass the same shape"
+        )
 
 
 # ---- security: nothing is unpickled from disk by manualpar's own code ---------------------------
@@ -189,16 +211,28 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
         flags = {k.arg: ast.unparse(k.value) for k in call.keywords}
         assert flags.get("weights_only") == "True", f"{filename}: {ast.unparse(call)}"
     # The test helper unpickles only what its own child processes sent it.
-    unpickled = [(f, ast.unparse(c)) for name in ("pickle.load", "pickle.loads")
-                 for f, c in _calls(name) if f != "testing.py"]
+    unpickled = [
+        (f, ast.unparse(c))
+        for name in ("pickle.load", "pickle.loads")
+        for f, c in _calls(name)
+        if f != "testing.py"
+    ]
     assert unpickled == []
 
 
-@pytest.mark.parametrize(("raw", "error", "message"), [
-    ("abc", ClusterEnvironmentError, "MANUALPAR_TIMEOUT_S='abc' is not a number of seconds; set it "
-     "to e.g. 120 or unset it for the 5-minute default"),
-    ("-5", ValueError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
-], ids=["not_a_number", "negative"])
+@pytest.mark.parametrize(
+    ("raw", "error", "message"),
+    [
+        (
+            "abc",
+            ClusterEnvironmentError,
+            "MANUALPAR_TIMEOUT_S='abc' is not a number of seconds; set it "
+            "to e.g. 120 or unset it for the 5-minute default",
+        ),
+        ("-5", ValueError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
+    ],
+    ids=["not_a_number", "negative"],
+)
 def test_bad_timeout_variable(raw, error, message, monkeypatch):
     from manualpar.timeouts import resolve_timeout
 

@@ -27,8 +27,9 @@ def _trial_plan(index: int) -> tuple[tuple[int, ...], str, bool]:
     rng = random.Random(SEED * 1000 + index)
     point = rng.choice(["before_write", "after_write", "before_commit", "mid_overwrite"])
     # Only rank 0 commits, so only rank 0 can die at the commit points.
-    victims = (0,) if point in ("before_commit", "mid_overwrite") else rng.choice(
-        [(0,), (1,), (0, 1)])
+    victims = (
+        (0,) if point in ("before_commit", "mid_overwrite") else rng.choice([(0,), (1,), (0, 1)])
+    )
     overwrite = point == "mid_overwrite" or rng.random() < 0.5
     return victims, point, overwrite
 
@@ -36,16 +37,22 @@ def _trial_plan(index: int) -> tuple[tuple[int, ...], str, bool]:
 @pytest.mark.parametrize("index", range(TRIALS))
 def test_kill_during_save_keeps_the_previous_checkpoint(index: int, tmp_path: Path) -> None:
     victims, point, overwrite = _trial_plan(index)
-    outcomes = run_distributed(save_twice, world_size=2,
-                               args=(str(tmp_path), victims, point, overwrite),
-                               collective_timeout=15, timeout=60, allow_failure=True)
+    outcomes = run_distributed(
+        save_twice,
+        world_size=2,
+        args=(str(tmp_path), victims, point, overwrite),
+        collective_timeout=15,
+        timeout=60,
+        allow_failure=True,
+    )
     for outcome in outcomes:
         if outcome.rank in victims:
             assert outcome.exitcode == -9, outcome.describe()
         else:  # the survivor failed with an error naming the save, it did not hang
             assert outcome.error_type in {"CollectiveError", "CheckpointError"}, outcome.describe()
             assert outcome.error.startswith(("save_checkpoint(", "preparing checkpoint")), (
-                outcome.describe())
+                outcome.describe()
+            )
     latest = mp.latest_checkpoint(tmp_path)
     assert latest is not None and mp.read_manifest(latest)["step"] == 1, (latest, point)
     assert_first_checkpoint_intact(tmp_path)
@@ -54,4 +61,5 @@ def test_kill_during_save_keeps_the_previous_checkpoint(index: int, tmp_path: Pa
     mp.ManualParallelStrategy().save_checkpoint(tmp_path / "ckpt_a", {"step": 3})
     assert mp.read_manifest(mp.latest_checkpoint(tmp_path))["step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".partial")) == [
-        "ckpt_a"]
+        "ckpt_a"
+    ]

@@ -31,10 +31,24 @@ def test_recsys_fails_once_restarts_and_finishes(tmp_path: Path) -> None:
     example = _load()
     out = tmp_path / "out"
     app = example.recsys_app(
-        out, steps=16, fail_at=12, checkpoint_every=8,
-        train_args=("--max-rows", "5000", "--batch", "256", "--val-samples", "1024",
-                    "--log-every", "4", "--no-progress", "--no-plot"),
-        env={"MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""})
+        out,
+        steps=16,
+        fail_at=12,
+        checkpoint_every=8,
+        train_args=(
+            "--max-rows",
+            "5000",
+            "--batch",
+            "256",
+            "--val-samples",
+            "1024",
+            "--log-every",
+            "4",
+            "--no-progress",
+            "--no-plot",
+        ),
+        env={"MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""},
+    )
     status, lines = example.run(app, tmp_path / "logs")
     log = "\n".join(lines)
     assert status.state == AppState.SUCCEEDED, f"{status}\n{log}"

@@ -49,8 +49,17 @@ def _fit(out_dir: str, max_steps: int, crash_at: int | None = None) -> dict:
     strategy = mp.ManualParallelStrategy()
     strategy.seed_everything(0)
     model = Regression()
-    trainer = mp.Trainer(strategy, out_dir, max_steps=max_steps, checkpoint_every=4,
-                         keep_last=2, log_every=1, val_every=5, val_steps=2, progress=False)
+    trainer = mp.Trainer(
+        strategy,
+        out_dir,
+        max_steps=max_steps,
+        checkpoint_every=4,
+        keep_last=2,
+        log_every=1,
+        val_every=5,
+        val_steps=2,
+        progress=False,
+    )
     last = trainer.fit(model, data, val_data=data)
     params = {k: v.detach().clone() for k, v in model.net.module.state_dict().items()}
     # DDP must go before its process group: freeing it after teardown can hang in gloo
@@ -66,8 +75,9 @@ def _losses(out_dir: Path) -> dict[int, float]:
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
     straight = run_distributed(_fit, world_size=2, args=(str(tmp_path / "a"), 10))
-    crashed = run_distributed(_fit, world_size=2, args=(str(tmp_path / "b"), 10, 7),
-                              allow_failure=True)
+    crashed = run_distributed(
+        _fit, world_size=2, args=(str(tmp_path / "b"), 10, 7), allow_failure=True
+    )
     assert any(o.error and "injected crash at step 7" in o.error for o in crashed)
     assert mp.read_manifest(mp.latest_checkpoint(tmp_path / "b" / "checkpoints"))["step"] == 4
     resumed = run_distributed(_fit, world_size=2, args=(str(tmp_path / "b"), 10))

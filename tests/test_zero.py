@@ -26,24 +26,34 @@ BATCH, STEPS = 8, 3
 def make_model(seed: int, device: str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
     with torch.device(device):
-        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                             nn.Linear(8, 2))
+        return nn.Sequential(
+            nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
+        )
 
 
 def groups(model: nn.Module) -> list[dict[str, Any]]:
     """Two param groups with their own learning rates: sharded per group by ZeRO."""
-    return [{"params": list(model[0].parameters()) + list(model[2].parameters())},
-            {"params": model[4].parameters(), "lr": 0.03}]
+    return [
+        {"params": list(model[0].parameters()) + list(model[2].parameters())},
+        {"params": model[4].parameters(), "lr": 0.03},
+    ]
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(2)
-    return [(torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(BATCH, 4, generator=generator), torch.randn(BATCH, 2, generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int,
-          all_reduce: Any = None) -> None:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    all_reduce: Any = None,
+) -> None:
     half = BATCH // world
     for x, y in batches():
         rows = slice(rank * half, (rank + 1) * half)
@@ -74,7 +84,8 @@ def _zero_runs() -> dict[str, Any]:
     fresh.load_state_dict(full)
     reloaded = fresh.optim.state_dict()["state"]  # type: ignore[attr-defined]
     results["reload_same"] = sorted(reloaded) == sorted(local) and all(
-        torch.equal(reloaded[i]["exp_avg"], local[i]["exp_avg"]) for i in local)
+        torch.equal(reloaded[i]["exp_avg"], local[i]["exp_avg"]) for i in local
+    )
     results["reload_lr"] = fresh.param_groups[0]["lr"]
 
     plain = make_model(0)
@@ -112,12 +123,16 @@ def test_zero_matches_plain_adam(zero_results: list[dict[str, Any]], setup: str)
     expected = reference(with_groups=setup == "groups")
     for rank in range(2):
         for key, value in expected.items():
-            torch.testing.assert_close(zero_results[rank][setup][key], value, rtol=1e-5,
-                                       atol=1e-6, msg=f"rank {rank} {key}")
+            torch.testing.assert_close(
+                zero_results[rank][setup][key],
+                value,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"rank {rank} {key}",
+            )
 
 
-def test_state_is_sharded_and_reloads_from_consolidated(
-        zero_results: list[dict[str, Any]]) -> None:
+def test_state_is_sharded_and_reloads_from_consolidated(zero_results: list[dict[str, Any]]) -> None:
     counts = [result["local_states"] for result in zero_results]
     assert all(result["is_zero"] for result in zero_results)
     assert sum(counts) == 6 and all(0 < count < 6 for count in counts)  # 6 parameters in all
@@ -140,8 +155,11 @@ def test_single_process_gives_the_plain_optimizer() -> None:
 
 def test_optimizer_before_setup_is_refused() -> None:
     strategy = mp.ManualParallelStrategy()
-    with pytest.raises(mp.BuilderError, match=r"parameter 0 of shape \(8, 4\) is still on the "
-                       "meta device. Create the optimizer after model.setup"):
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"parameter 0 of shape \(8, 4\) is still on the "
+        "meta device. Create the optimizer after model.setup",
+    ):
         zero_optimizer(make_model(0, "meta").parameters(), torch.optim.Adam, strategy)
     model = make_model(0)
     mark_replaced([model[4].bias], "fsdp")
@@ -167,8 +185,7 @@ def test_fp16_fsdp_with_the_sharded_scaler_on_cuda() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
     try:
         strategy = mp.ManualParallelStrategy(accelerator="cuda")
-        model = fsdp(make_model(0, "meta"), strategy, param_dtype=torch.float16,
-                     cpu_offload=True)
+        model = fsdp(make_model(0, "meta"), strategy, param_dtype=torch.float16, cpu_offload=True)
         for key, value in make_model(0).state_dict().items():  # initialized as on the CPU
             assert torch.equal(model.state_dict()[key].full_tensor().cpu(), value), key
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

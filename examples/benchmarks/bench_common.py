@@ -21,8 +21,9 @@ import torch
 import manualpar as mp
 
 
-def time_steps(strategy: mp.ManualParallelStrategy, step: Callable[[], Any], steps: int,
-               warmup: int) -> list[float]:
+def time_steps(
+    strategy: mp.ManualParallelStrategy, step: Callable[[], Any], steps: int, warmup: int
+) -> list[float]:
     """Seconds per step, each the slowest rank's (a step ends when every rank finished it)."""
     for _ in range(warmup):
         step()
@@ -47,9 +48,12 @@ def peak_rss_gb() -> float:
 
 def environment_info(strategy: mp.ManualParallelStrategy) -> dict[str, Any]:
     return {
-        "torch": str(torch.__version__), "python": sys.version.split()[0],
-        "machine": platform.machine(), "world_size": strategy.world_size,
-        "threads_per_process": torch.get_num_threads(), "device": str(strategy.device),
+        "torch": str(torch.__version__),
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "world_size": strategy.world_size,
+        "threads_per_process": torch.get_num_threads(),
+        "device": str(strategy.device),
     }
 
 

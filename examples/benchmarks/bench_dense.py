@@ -74,29 +74,43 @@ def main() -> None:
                 model = pair[name](make_model(args.hidden, args.layers), strategy)
                 optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 
-                def step(model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer
-                         ) -> None:
+                def step(
+                    model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer
+                ) -> None:
                     optimizer.zero_grad(set_to_none=True)
                     model(x).pow(2).mean().backward()
                     optimizer.step()
 
                 times = time_steps(strategy, step, args.steps, args.warmup)
                 per_repeat[name].append(median(times))
-        ratios = [m / b for m, b in zip(per_repeat["manualpar"], per_repeat["baseline"],
-                                        strict=True)]
+        ratios = [
+            m / b for m, b in zip(per_repeat["manualpar"], per_repeat["baseline"], strict=True)
+        ]
         results[family] = {
             "baseline_ms": [t * 1e3 for t in per_repeat["baseline"]],
             "manualpar_ms": [t * 1e3 for t in per_repeat["manualpar"]],
-            "ratios": ratios, "median_ratio": median(ratios),
+            "ratios": ratios,
+            "median_ratio": median(ratios),
         }
         if strategy.is_global_zero:
-            print(f"{family:5s} baseline {median(per_repeat['baseline']) * 1e3:8.2f} ms/step  "
-                  f"manualpar {median(per_repeat['manualpar']) * 1e3:8.2f} ms/step  "
-                  f"ratio {median(ratios):.3f}x  (per repeat: "
-                  + ", ".join(f"{r:.3f}" for r in ratios) + ")", flush=True)
+            print(
+                f"{family:5s} baseline {median(per_repeat['baseline']) * 1e3:8.2f} ms/step  "
+                f"manualpar {median(per_repeat['manualpar']) * 1e3:8.2f} ms/step  "
+                f"ratio {median(ratios):.3f}x  (per repeat: "
+                + ", ".join(f"{r:.3f}" for r in ratios)
+                + ")",
+                flush=True,
+            )
     if strategy.is_global_zero:
-        write_json(args.json, {"benchmark": "bench_dense", "config": vars(args),
-                               "environment": environment_info(strategy), "results": results})
+        write_json(
+            args.json,
+            {
+                "benchmark": "bench_dense",
+                "config": vars(args),
+                "environment": environment_info(strategy),
+                "results": results,
+            },
+        )
     strategy.teardown()
 
 

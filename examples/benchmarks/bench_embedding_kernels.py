@@ -61,8 +61,13 @@ def measure(rows: int, args: argparse.Namespace) -> dict:
             times["update_ms"].append(1000 * (updated - grouped))
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = [u / lk for u, lk in zip(times["update_ms"], times["lookup_ms"], strict=True)]
-    return {"rows": rows, "table_gib": rows * args.dim * 4 / 2**30, **medians,
-            "update_vs_lookup": statistics.median(ratios), "samples": times}
+    return {
+        "rows": rows,
+        "table_gib": rows * args.dim * 4 / 2**30,
+        **medians,
+        "update_vs_lookup": statistics.median(ratios),
+        "samples": times,
+    }
 
 
 def main() -> None:
@@ -71,9 +76,15 @@ def main() -> None:
     args = parser.parse_args()
     if native_kernels() is None:
         raise SystemExit("the C++ kernels could not be built here; this benchmark times them")
-    run_per_table_size(args, measure, lambda r: (
-        f" ({r['table_gib']:.2f} GiB): lookup {r['lookup_ms']:.2f} ms, group {r['group_ms']:.2f} "
-        f"ms, update {r['update_ms']:.2f} ms; update / lookup {r['update_vs_lookup']:.2f}x"))
+    run_per_table_size(
+        args,
+        measure,
+        lambda r: (
+            f" ({r['table_gib']:.2f} GiB): lookup {r['lookup_ms']:.2f} ms, group {r['group_ms']:.2f} "
+            f"ms, update {r['update_ms']:.2f} ms; update / lookup {r['update_vs_lookup']:.2f}x"
+        ),
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -54,16 +54,21 @@ def worker_manualpar(args: argparse.Namespace) -> None:
 
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
-    tables = [EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",))
-              for i in range(args.tables)]
-    placement = {t.name: table_wise(i * world // args.tables) if args.plan == "table_wise"
-                 else row_wise() for i, t in enumerate(tables)}
+    tables = [
+        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",))
+        for i in range(args.tables)
+    ]
+    placement = {
+        t.name: table_wise(i * world // args.tables) if args.plan == "table_wise" else row_wise()
+        for i, t in enumerate(tables)
+    }
     strategy.barrier()
     started = time.perf_counter()
     with mp.empty_init():
         ebc = EmbeddingBagCollection(tables)
-    emb = shard_embeddings(ebc, strategy, EmbeddingPlan(world, placement),
-                           RowWiseAdagrad(lr=args.lr, eps=1e-8))
+    emb = shard_embeddings(
+        ebc, strategy, EmbeddingPlan(world, placement), RowWiseAdagrad(lr=args.lr, eps=1e-8)
+    )
     init_s = max_over_ranks(time.perf_counter() - started)
     keys = tuple(f"f{i}" for i in range(args.tables))
 
@@ -111,25 +116,34 @@ def worker_local(args: argparse.Namespace) -> None:
     else:
         mine = list(range(args.tables))
         lo, hi = args.rows * rank // world, args.rows * (rank + 1) // world
-    tables = [EmbeddingBagConfig(f"t{t}", hi - lo, args.dim, feature_names=(f"f{t}",))
-              for t in mine]
+    tables = [
+        EmbeddingBagConfig(f"t{t}", hi - lo, args.dim, feature_names=(f"f{t}",)) for t in mine
+    ]
     dist.barrier()
     started = time.perf_counter()
     with mp.empty_init():
         ebc = EmbeddingBagCollection(tables)
-    emb = shard_embeddings(ebc, strategy, EmbeddingPlan(1, {t.name: table_wise(0) for t in tables}),
-                           RowWiseAdagrad(lr=args.lr, eps=1e-8))
+    emb = shard_embeddings(
+        ebc,
+        strategy,
+        EmbeddingPlan(1, {t.name: table_wise(0) for t in tables}),
+        RowWiseAdagrad(lr=args.lr, eps=1e-8),
+    )
     init_s = max_over_ranks(time.perf_counter() - started)
     keys = tuple(f"f{t}" for t in mine)
     bags_per_rank = args.batch // world
 
     def routed_here(index: int) -> SparseFeatures:
         """Every sender's bags of this rank's tables, keeping only ids of its rows."""
-        ids = torch.cat([batch_ids(args, sender, world, index)[mine] for sender in range(world)],
-                        1).view(len(mine), -1, args.ids_per_bag)
+        ids = torch.cat(
+            [batch_ids(args, sender, world, index)[mine] for sender in range(world)], 1
+        ).view(len(mine), -1, args.ids_per_bag)
         if args.plan == "table_wise":
-            return SparseFeatures(keys, ids.flatten(),
-                                  torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag))
+            return SparseFeatures(
+                keys,
+                ids.flatten(),
+                torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag),
+            )
         held = (ids >= lo) & (ids < hi)
         return SparseFeatures(keys, ids[held] - lo, held.sum(2).flatten())
 
@@ -144,8 +158,14 @@ def worker_local(args: argparse.Namespace) -> None:
             pooled = pooled.view(world, bags_per_rank, -1).sum(0)
         pooled.square().mean().backward()
 
-    write_result(args, "local", time_steps(step, args), init_s, sharding=args.plan,
-                 ids_looked_up=looked_up.item())
+    write_result(
+        args,
+        "local",
+        time_steps(step, args),
+        init_s,
+        sharding=args.plan,
+        ids_looked_up=looked_up.item(),
+    )
     dist.destroy_process_group()
 
 
@@ -165,14 +185,16 @@ def worker_baseline(args: argparse.Namespace) -> None:
     if args.plan == "table_wise":
         owner = [i * world // args.tables for i in range(args.tables)]
         mine = [t for t in range(args.tables) if owner[t] == rank]
-        bags = nn.ModuleList(nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
-                             for _ in mine)
+        bags = nn.ModuleList(
+            nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True) for _ in mine
+        )
     else:
         lo, hi = strategy_rows[rank], strategy_rows[rank + 1]
-        bags = nn.ModuleList(nn.EmbeddingBag(hi - lo, args.dim, mode="sum", sparse=True)
-                             for _ in range(args.tables))
+        bags = nn.ModuleList(
+            nn.EmbeddingBag(hi - lo, args.dim, mode="sum", sparse=True) for _ in range(args.tables)
+        )
     for bag in bags:
-        nn.init.uniform_(bag.weight, -args.rows ** -0.5, args.rows ** -0.5)
+        nn.init.uniform_(bag.weight, -(args.rows**-0.5), args.rows**-0.5)
     optimizer = torch.optim.Adagrad(bags.parameters(), lr=args.lr, eps=1e-8)
     init_s = max_over_ranks(time.perf_counter() - started)
 
@@ -195,16 +217,23 @@ def worker_baseline(args: argparse.Namespace) -> None:
     def step(index: int) -> None:
         ids = batch_ids(args, rank, world, index)
         if args.plan == "table_wise":
-            send_ids = torch.cat([ids[[t for t in range(args.tables) if owner[t] == d]].flatten()
-                                  for d in range(world)])
+            send_ids = torch.cat(
+                [
+                    ids[[t for t in range(args.tables) if owner[t] == d]].flatten()
+                    for d in range(world)
+                ]
+            )
             sizes = [count * owner.count(d) for d in range(world)]
             got = torch.empty(len(mine) * count * world, dtype=torch.int64)
             dist.all_to_all_single(got, send_ids, [len(mine) * count] * world, sizes)
             got = got.view(world, len(mine), count)
             pooled = [bags[k](got[:, k].flatten(), offsets) for k in range(len(mine))]
             send = torch.stack(pooled, 1).view(world, len(mine), batch, args.dim).flatten()
-            out = AllToAll.apply(send, [len(mine) * batch * args.dim] * world,
-                                 [owner.count(d) * batch * args.dim for d in range(world)])
+            out = AllToAll.apply(
+                send,
+                [len(mine) * batch * args.dim] * world,
+                [owner.count(d) * batch * args.dim for d in range(world)],
+            )
         else:
             got = torch.empty(world * args.tables * count, dtype=torch.int64)
             dist.all_to_all_single(got, ids.flatten().repeat(world))
@@ -214,11 +243,15 @@ def worker_baseline(args: argparse.Namespace) -> None:
             for t in range(args.tables):
                 local = got[:, t].flatten()
                 mask = (local >= lo) & (local < hi)
-                pooled.append(bags[t]((local - lo).clamp(0, hi - lo - 1), offsets,
-                                      per_sample_weights=mask.float()))
+                pooled.append(
+                    bags[t](
+                        (local - lo).clamp(0, hi - lo - 1), offsets, per_sample_weights=mask.float()
+                    )
+                )
             send = torch.stack(pooled, 1).view(world, args.tables, batch, args.dim).flatten()
-            out = AllToAll.apply(send, [send.numel() // world] * world,
-                                 [send.numel() // world] * world)
+            out = AllToAll.apply(
+                send, [send.numel() // world] * world, [send.numel() // world] * world
+            )
             out = out.view(world, -1).sum(0)
         out.square().mean().backward()
         optimizer.step()
@@ -229,23 +262,51 @@ def worker_baseline(args: argparse.Namespace) -> None:
 
 
 # --- orchestration -----------------------------------------------------------------------------
-def launch(python: str, script: Path, extra: list[str], args: argparse.Namespace,
-           plan: str, rows: int) -> dict:
+def launch(
+    python: str, script: Path, extra: list[str], args: argparse.Namespace, plan: str, rows: int
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   "2", str(script), *extra, "--plan", plan, "--tables", str(args.tables),
-                   "--rows", str(rows), "--dim", str(args.dim), "--batch", str(args.batch),
-                   "--ids-per-bag", str(args.ids_per_bag), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--lr", str(args.lr), "--result", result]
+        command = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            *extra,
+            "--plan",
+            plan,
+            "--tables",
+            str(args.tables),
+            "--rows",
+            str(rows),
+            "--dim",
+            str(args.dim),
+            "--batch",
+            str(args.batch),
+            "--ids-per-bag",
+            str(args.ids_per_bag),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--lr",
+            str(args.lr),
+            "--result",
+            result,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if not os.path.exists(result):
             raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
         if run.returncode:  # measured and written, then died on the way out: keep, but say so
-            print(f"  (exit code {run.returncode} after writing its result; its errors:)\n"
-                  + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr)),
-                  flush=True)
+            print(
+                f"  (exit code {run.returncode} after writing its result; its errors:)\n"
+                + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr)),
+                flush=True,
+            )
         return json.loads(Path(result).read_text())
 
 
@@ -257,8 +318,10 @@ def _error_lines(stderr: str, keep: int = 6) -> list[str]:
 
 
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]:
-    found = {"manualpar": (sys.executable, Path(__file__), ["--worker", "manualpar"]),
-             "baseline": (sys.executable, Path(__file__), ["--worker", "baseline"])}
+    found = {
+        "manualpar": (sys.executable, Path(__file__), ["--worker", "manualpar"]),
+        "baseline": (sys.executable, Path(__file__), ["--worker", "baseline"]),
+    }
     if args.peer_python:
         found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
     if args.skip_baseline:
@@ -273,33 +336,44 @@ def compare(args: argparse.Namespace) -> dict:
     names = list(variants(args))
     for repeat in range(args.repeats):
         for plan in args.plans:
-            order = names[repeat % len(names):] + names[:repeat % len(names)]
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
             for name in order:
                 python, script, extra = variants(args)[name]
                 result = launch(python, script, extra, args, plan, args.rows)
                 runs.setdefault(plan, {}).setdefault(name, []).append(result)
-                print(f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
-                      f"  init {result['init_s']:5.2f} s  peak RSS "
-                      f"{max(result['peak_rss_gb_per_rank']):.2f} GiB", flush=True)
+                print(
+                    f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
+                    f"  init {result['init_s']:5.2f} s  peak RSS "
+                    f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
+                    flush=True,
+                )
     summary = {}
     for plan, by_name in runs.items():
         summary[plan] = {}
         for other in names[1:]:
             pairs = list(zip(by_name["manualpar"], by_name[other], strict=True))
             summary[plan][f"manualpar/{other}"] = {
-                "ms_per_step": statistics.median(a["ms_per_step"] / b["ms_per_step"]
-                                                 for a, b in pairs),
-                "peak_rss": statistics.median(max(a["peak_rss_gb_per_rank"])
-                                              / max(b["peak_rss_gb_per_rank"]) for a, b in pairs),
+                "ms_per_step": statistics.median(
+                    a["ms_per_step"] / b["ms_per_step"] for a, b in pairs
+                ),
+                "peak_rss": statistics.median(
+                    max(a["peak_rss_gb_per_rank"]) / max(b["peak_rss_gb_per_rank"])
+                    for a, b in pairs
+                ),
                 "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
-                "pairs": len(pairs)}
+                "pairs": len(pairs),
+            }
         if "local" in by_name and "torchrec" in by_name:  # the floor against TorchRec
-            summary[plan]["local/torchrec"] = {"ms_per_step": statistics.median(
-                a["ms_per_step"] / b["ms_per_step"]
-                for a, b in zip(by_name["local"], by_name["torchrec"], strict=True))}
+            summary[plan]["local/torchrec"] = {
+                "ms_per_step": statistics.median(
+                    a["ms_per_step"] / b["ms_per_step"]
+                    for a, b in zip(by_name["local"], by_name["torchrec"], strict=True)
+                )
+            }
         summary[plan]["median_ms_per_step"] = {
             name: statistics.median(r["ms_per_step"] for r in results)
-            for name, results in by_name.items()}
+            for name, results in by_name.items()
+        }
     print(json.dumps(summary, indent=2))
     return {"summary": summary, "runs": runs}
 
@@ -322,19 +396,22 @@ def scale(args: argparse.Namespace) -> dict:
             runs[name][gib].append(result)
             tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
             result["rss_bound_gb"] = tables_state / 2 + 0.5
-            print(f"repeat {repeat} {gib:>4} GiB tables {name:<9}: {result['ms_per_step']:7.1f} "
-                  f"ms/step, peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB "
-                  f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s",
-                  flush=True)
+            print(
+                f"repeat {repeat} {gib:>4} GiB tables {name:<9}: {result['ms_per_step']:7.1f} "
+                f"ms/step, peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB "
+                f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s",
+                flush=True,
+            )
     summaries = {name: _scale_summary(runs[name], sizes) for name in names}
     summary = summaries["manualpar"]
     for name in names[1:]:  # torchrec and the no-exchange floor (--floor), each on its own
         summary[name] = summaries[name]
     print(json.dumps(summary, indent=2))
-    return {"summary": summary,
-            "runs": {f"{gib}GiB": r for gib, r in runs["manualpar"].items()},
-            **{f"{name}_runs": {f"{gib}GiB": r for gib, r in runs[name].items()}
-               for name in names[1:]}}
+    return {
+        "summary": summary,
+        "runs": {f"{gib}GiB": r for gib, r in runs["manualpar"].items()},
+        **{f"{name}_runs": {f"{gib}GiB": r for gib, r in runs[name].items()} for name in names[1:]},
+    }
 
 
 def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
@@ -343,10 +420,12 @@ def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
     for gib, results in runs.items():
         median_ms = statistics.median(r["ms_per_step"] for r in results)
         summary[f"{gib}GiB"] = {
-            "median_ms_per_step": median_ms, f"vs_{sizes[0]}GiB": median_ms / first,
+            "median_ms_per_step": median_ms,
+            f"vs_{sizes[0]}GiB": median_ms / first,
             "max_peak_rss_gb": max(max(r["peak_rss_gb_per_rank"]) for r in results),
             "rss_bound_gb": results[0]["rss_bound_gb"],
-            "median_init_s": statistics.median(r["init_s"] for r in results)}
+            "median_init_s": statistics.median(r["init_s"] for r in results),
+        }
     return summary
 
 
@@ -358,22 +437,35 @@ def main() -> None:
     if "--worker" in sys.argv:
         add_workload_args(parser)
         args = parser.parse_args()
-        {"manualpar": worker_manualpar, "baseline": worker_baseline,
-         "local": worker_local}[args.worker](args)
+        {"manualpar": worker_manualpar, "baseline": worker_baseline, "local": worker_local}[
+            args.worker
+        ](args)
         return
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plans", nargs="+", default=["table_wise", "row_wise"])
     parser.add_argument("--peer-python", help="python of a venv where torchrec + fbgemm import")
-    parser.add_argument("--skip-baseline", action="store_true",
-                        help="leave out the plain-torch baseline (quicker runs against the peer)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also run manualpar's step with no exchanges (worker_local)")
+    parser.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="leave out the plain-torch baseline (quicker runs against the peer)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run manualpar's step with no exchanges (worker_local)",
+    )
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument("--scale-gib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--json")
-    for flag, default in (("--tables", 8), ("--rows", 1_000_000), ("--dim", 64),
-                          ("--batch", 2048), ("--ids-per-bag", 20), ("--steps", 20),
-                          ("--warmup", 5)):
+    for flag, default in (
+        ("--tables", 8),
+        ("--rows", 1_000_000),
+        ("--dim", 64),
+        ("--batch", 2048),
+        ("--ids-per-bag", 20),
+        ("--steps", 20),
+        ("--warmup", 5),
+    ):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()

@@ -46,8 +46,11 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json")
 
 
-def run_per_table_size(args: argparse.Namespace, measure: Callable[[int, argparse.Namespace], dict],
-                       describe: Callable[[dict], str]) -> list[dict]:
+def run_per_table_size(
+    args: argparse.Namespace,
+    measure: Callable[[int, argparse.Namespace], dict],
+    describe: Callable[[dict], str],
+) -> list[dict]:
     """The kernel benchmarks' loop: one thread, `measure(rows, args)` per table size, a line
     each (`describe(result)`), and the results as JSON to `--json` if given."""
     torch.set_num_threads(1)
@@ -55,12 +58,13 @@ def run_per_table_size(args: argparse.Namespace, measure: Callable[[int, argpars
     for rows in args.rows:
         result = measure(rows, args)
         results.append(result)
-        print(f"{rows:>11,} rows{describe(result)} per {args.bags * args.ids_per_bag:,} ids",
-              flush=True)
+        print(
+            f"{rows:>11,} rows{describe(result)} per {args.bags * args.ids_per_bag:,} ids",
+            flush=True,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         print(f"wrote {args.json}")
     return results
 
@@ -103,17 +107,28 @@ def time_steps(step: Callable[[int], Any], args: argparse.Namespace) -> list[flo
     return times
 
 
-def write_result(args: argparse.Namespace, variant: str, step_ms: list[float],
-                 init_s: float, **extra: Any) -> None:
+def write_result(
+    args: argparse.Namespace, variant: str, step_ms: list[float], init_s: float, **extra: Any
+) -> None:
     """Gather peak RSS from every rank; rank 0 writes the JSON result."""
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_rss_gb())
     if dist.get_rank() == 0:
         median_ms = statistics.median(step_ms)
         lookups = args.batch * args.tables * args.ids_per_bag
-        Path(args.result).write_text(json.dumps({
-            "variant": variant, "plan": args.plan, "ms_per_step": median_ms,
-            "step_ms": step_ms, "lookups_per_s": lookups / (median_ms / 1000),
-            "init_s": init_s, "peak_rss_gb_per_rank": peaks,
-            "table_gb": args.tables * args.rows * args.dim * 4 / 2**30, **extra,
-        }, indent=2))
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "variant": variant,
+                    "plan": args.plan,
+                    "ms_per_step": median_ms,
+                    "step_ms": step_ms,
+                    "lookups_per_s": lookups / (median_ms / 1000),
+                    "init_s": init_s,
+                    "peak_rss_gb_per_rank": peaks,
+                    "table_gb": args.tables * args.rows * args.dim * 4 / 2**30,
+                    **extra,
+                },
+                indent=2,
+            )
+        )

@@ -27,7 +27,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 def measure(rows: int, args: argparse.Namespace) -> dict:
     table = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, args.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8)
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.01,
+        eps=1e-8,
+    )
     offsets = torch.arange(0, args.bags * args.ids_per_bag + 1, args.ids_per_bag)
     forward, backward = [], []
     for repeat in range(args.warmup + args.repeats):
@@ -40,17 +43,26 @@ def measure(rows: int, args: argparse.Namespace) -> dict:
         if repeat >= args.warmup:
             forward.append(1000 * (looked_up - started))
             backward.append(1000 * (updated - looked_up))
-    return {"rows": rows, "forward_ms": statistics.median(forward),
-            "backward_update_ms": statistics.median(backward)}
+    return {
+        "rows": rows,
+        "forward_ms": statistics.median(forward),
+        "backward_update_ms": statistics.median(backward),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_kernel_args(parser)
     args = parser.parse_args()
-    run_per_table_size(args, measure, lambda r: (
-        f": forward {r['forward_ms']:.2f} ms, backward with update "
-        f"{r['backward_update_ms']:.2f} ms"))
+    run_per_table_size(
+        args,
+        measure,
+        lambda r: (
+            f": forward {r['forward_ms']:.2f} ms, backward with update "
+            f"{r['backward_update_ms']:.2f} ms"
+        ),
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -51,8 +51,13 @@ from torchrec.optim import RowWiseAdagrad
 def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedModelParallel:
     ebc = EmbeddingBagCollection(
         tables=[
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows,
-                               feature_names=[f"f{i}"], pooling=PoolingType.SUM)
+            EmbeddingBagConfig(
+                name=f"t{i}",
+                embedding_dim=args.dim,
+                num_embeddings=args.rows,
+                feature_names=[f"f{i}"],
+                pooling=PoolingType.SUM,
+            )
             for i in range(args.tables)
         ],
         device=torch.device("meta"),
@@ -67,8 +72,12 @@ def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedM
     else:
         per_table = {f"t{i}": row_wise() for i in range(args.tables)}
     module_plan = construct_module_sharding_plan(
-        ebc, per_table, local_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)), world_size=world,
-        device_type="cpu")
+        ebc,
+        per_table,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        world_size=world,
+        device_type="cpu",
+    )
     plan = ShardingPlan({"": module_plan})
     if rank == 0:
         print(plan, file=sys.stderr, flush=True)
@@ -77,8 +86,11 @@ def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedM
         raise RuntimeError(f"expected the FUSED compute kernel, the plan has {sorted(kernels)}")
 
     return DistributedModelParallel(
-        ebc, env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"), plan=plan)
+        ebc,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+    )
 
 
 def main() -> None:
@@ -104,17 +116,22 @@ def main() -> None:
 
     def step(index: int) -> None:
         features = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=batch_ids(args, rank, world, index).reshape(-1), lengths=lengths)
+            keys=keys, values=batch_ids(args, rank, world, index).reshape(-1), lengths=lengths
+        )
         pooled = model(features)  # KeyedTensor (local_batch, tables * dim), keys in plan order
         loss = pooled.values().square().mean()
         loss.backward()  # the fused row-wise Adagrad updates the touched rows here
 
     step_ms = time_steps(step, args)
-    write_result(args, "torchrec", step_ms, init_s,
-                 kernel=",".join(kernel), sharding=",".join(sharding))
+    write_result(
+        args, "torchrec", step_ms, init_s, kernel=",".join(kernel), sharding=",".join(sharding)
+    )
     if rank == 0:
-        print(f"torchrec {args.plan}: {statistics.median(step_ms):.1f} ms/step "
-              f"(median), init {init_s:.1f} s -> {args.result}", file=sys.stderr)
+        print(
+            f"torchrec {args.plan}: {statistics.median(step_ms):.1f} ms/step "
+            f"(median), init {init_s:.1f} s -> {args.result}",
+            file=sys.stderr,
+        )
     dist.destroy_process_group()
 
 

@@ -27,17 +27,32 @@ class RunConfig:
 
     def model(self) -> TinyLM:
         """The model (call under mp.empty_init() to declare it on meta)."""
-        return TinyLM(self.vocab, width=self.width, depth=self.depth, heads=self.heads,
-                      max_len=self.seq_len, lr=self.lr, seed=self.seed)
+        return TinyLM(
+            self.vocab,
+            width=self.width,
+            depth=self.depth,
+            heads=self.heads,
+            max_len=self.seq_len,
+            lr=self.lr,
+            seed=self.seed,
+        )
 
     def data(self) -> MarkovText:
-        return MarkovText(self.vocab, self.seq_len, batch_size=self.batch_size,
-                          eval_batch_size=self.eval_batch_size, seed=self.seed)
+        return MarkovText(
+            self.vocab,
+            self.seq_len,
+            batch_size=self.batch_size,
+            eval_batch_size=self.eval_batch_size,
+            seed=self.seed,
+        )
 
     def shape_changes(self, saved: RunConfig) -> list[str]:
         """The model or data fields that differ from `saved` (a resumed run must keep them)."""
-        return [f"--{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(self, name)}"
-                for name in SHAPE if getattr(saved, name) != getattr(self, name)]
+        return [
+            f"--{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(self, name)}"
+            for name in SHAPE
+            if getattr(saved, name) != getattr(self, name)
+        ]
 
     def save(self, out: str | Path) -> Path:
         path = Path(out) / "config.json"

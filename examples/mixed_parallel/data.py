@@ -39,18 +39,28 @@ class Entropies:
 class MarkovText:
     """Sequences of `seq_len + 1` tokens: inputs are [:-1], next-token targets [1:]."""
 
-    def __init__(self, vocab: int = 16, seq_len: int = 64, *, batch_size: int = 48,
-                 eval_batch_size: int = 96, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab: int = 16,
+        seq_len: int = 64,
+        *,
+        batch_size: int = 48,
+        eval_batch_size: int = 96,
+        seed: int = 0,
+    ) -> None:
         if vocab < len(NEXT_PROBS):
             raise ValueError(f"vocab must be at least {len(NEXT_PROBS)}, got {vocab}")
         self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         chain = torch.Generator().manual_seed(seed)
         candidates = torch.rand(vocab, vocab, vocab, generator=chain).argsort(-1)
-        candidates = candidates[..., :len(NEXT_PROBS)]
+        candidates = candidates[..., : len(NEXT_PROBS)]
         self.transition = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)  # [a, b, next]
-        self.transition.scatter_(-1, candidates, torch.tensor(NEXT_PROBS, dtype=torch.float64)
-                                 .expand(vocab, vocab, -1).contiguous())
+        self.transition.scatter_(
+            -1,
+            candidates,
+            torch.tensor(NEXT_PROBS, dtype=torch.float64).expand(vocab, vocab, -1).contiguous(),
+        )
         self.pairs = self._stationary_pairs()  # [a, b]: probability of seeing a then b
 
     def _stationary_pairs(self) -> torch.Tensor:
@@ -76,23 +86,25 @@ class MarkovText:
         """`size` sequences (size, seq_len + 1) of the batch keyed by (seed, index)."""
         generator = torch.Generator().manual_seed(self.seed * 2**42 + index)
         uniforms = torch.rand(size, self.seq_len + 1, generator=generator, dtype=torch.float64)
-        start = _sample(self.pairs.flatten().cumsum(0).expand(size, -1).contiguous(),
-                        uniforms[:, :1])
+        start = _sample(
+            self.pairs.flatten().cumsum(0).expand(size, -1).contiguous(), uniforms[:, :1]
+        )
         tokens = torch.empty(size, self.seq_len + 1, dtype=torch.long)
         tokens[:, 0], tokens[:, 1] = start[:, 0] // self.vocab, start[:, 0] % self.vocab
         cdf = self.transition.cumsum(-1)
         for t in range(2, self.seq_len + 1):
             rows = cdf[tokens[:, t - 2], tokens[:, t - 1]]
-            tokens[:, t] = _sample(rows, uniforms[:, t:t + 1])[:, 0]
+            tokens[:, t] = _sample(rows, uniforms[:, t : t + 1])[:, 0]
         return tokens
 
     def _share(self, tokens: torch.Tensor, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
         size = tokens.shape[0]
         if size % ranks.world_size:
-            raise ValueError(f"batch size {size} is not a multiple of the world size "
-                             f"{ranks.world_size}")
+            raise ValueError(
+                f"batch size {size} is not a multiple of the world size {ranks.world_size}"
+            )
         per_rank = size // ranks.world_size
-        mine = tokens[ranks.rank * per_rank:(ranks.rank + 1) * per_rank]
+        mine = tokens[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
         return mine[:, :-1], mine[:, 1:]
 
     def train(self, step: int, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:

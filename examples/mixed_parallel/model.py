@@ -30,8 +30,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3,
-                            h=self.heads)
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
         mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(rearrange(mixed, "b h t d -> b t (h d)"))
 
@@ -44,8 +43,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(width)
         self.attention = Attention(width, heads)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -68,8 +68,17 @@ class Embedding(nn.Module):
 class TinyLM(mp.ParallelModule):
     """Next-token model: Embedding (ddp) -> Blocks (fsdp) -> LayerNorm + Linear head (ddp)."""
 
-    def __init__(self, vocab: int, *, width: int = 64, depth: int = 4, heads: int = 4,
-                 max_len: int = 64, lr: float = 3e-3, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        width: int = 64,
+        depth: int = 4,
+        heads: int = 4,
+        max_len: int = 64,
+        lr: float = 3e-3,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.lr, self.seed = lr, seed
         self.embed = Embedding(vocab, width, max_len)
@@ -92,8 +101,7 @@ class TinyLM(mp.ParallelModule):
         logits = rearrange(self(inputs), "b t v -> (b t) v")
         return F.cross_entropy(logits, rearrange(targets, "b t -> (b t)"), reduction="none")
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], step: int
-                      ) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> torch.Tensor:
         return self.losses(batch).mean()
 
     @torch.no_grad()
@@ -103,9 +111,14 @@ class TinyLM(mp.ParallelModule):
         assert self.strategy is not None
         losses = self.losses(batch).double()
         totals = self.strategy.all_reduce(
-            torch.stack([losses.sum(), torch.tensor(float(losses.numel()),
-                                                    dtype=torch.float64, device=losses.device)]),
-            op="sum")
+            torch.stack(
+                [
+                    losses.sum(),
+                    torch.tensor(float(losses.numel()), dtype=torch.float64, device=losses.device),
+                ]
+            ),
+            op="sum",
+        )
         return {"loss": float(totals[0] / totals[1])}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -50,8 +50,9 @@ def recorded_eval_loss(out: Path, step: int) -> float | None:
     return found
 
 
-def evaluate(strategy: mp.ManualParallelStrategy, out: Path,
-             checkpoint: Path | None = None) -> Evaluation:
+def evaluate(
+    strategy: mp.ManualParallelStrategy, out: Path, checkpoint: Path | None = None
+) -> Evaluation:
     """Load `checkpoint` (default: the run's latest) on this world size; evaluate (collective)."""
     config = RunConfig.load(out)
     path = checkpoint or mp.latest_checkpoint(out / "checkpoints")
@@ -61,28 +62,44 @@ def evaluate(strategy: mp.ManualParallelStrategy, out: Path,
     model = mp.load_trained(config.model, strategy, path)
     model.eval()
     loss = model.validation_step(config.data().validation(0, strategy))["loss"]
-    return Evaluation(Path(path), manifest["step"], manifest["world_size"], strategy.world_size,
-                      loss, recorded_eval_loss(out, manifest["step"]), layout(model))
+    return Evaluation(
+        Path(path),
+        manifest["step"],
+        manifest["world_size"],
+        strategy.world_size,
+        loss,
+        recorded_eval_loss(out, manifest["step"]),
+        layout(model),
+    )
 
 
 @record
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the --out directory of a train.py run")
-    parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="a checkpoint directory (default: the latest under OUT/checkpoints)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a checkpoint directory (default: the latest under OUT/checkpoints)",
+    )
     args = parser.parse_args()
     strategy = mp.ManualParallelStrategy()
     result = evaluate(strategy, args.out, args.checkpoint)
     if strategy.is_global_zero:
-        print(f"loaded {result.checkpoint} (saved on {result.saved_world_size} process(es), "
-              f"step {result.step}) on {result.world_size} process(es):\n{result.layout}")
-        print(f"eval loss {result.loss:.6f} at step {result.step} on {result.world_size} "
-              "process(es)")
+        print(
+            f"loaded {result.checkpoint} (saved on {result.saved_world_size} process(es), "
+            f"step {result.step}) on {result.world_size} process(es):\n{result.layout}"
+        )
+        print(
+            f"eval loss {result.loss:.6f} at step {result.step} on {result.world_size} process(es)"
+        )
         if result.recorded is not None:
             difference = abs(result.loss - result.recorded) / result.recorded
-            print(f"recorded by the training run: {result.recorded:.6f} (relative difference "
-                  f"{difference:.1e})")
+            print(
+                f"recorded by the training run: {result.recorded:.6f} (relative difference "
+                f"{difference:.1e})"
+            )
     strategy.teardown()
 
 

@@ -28,12 +28,62 @@ FEATURES = tuple(f"cat_{i}" for i in range(NUM_SPARSE))
 
 # Rows per categorical feature, as published with DLRM/TorchRec for the two Criteo datasets.
 CARDINALITIES = {
-    "kaggle": (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
-               3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
-               142572),
-    "terabyte": (45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176,
-                 345138, 10, 2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537,
-                 452104, 12606, 104, 35),
+    "kaggle": (
+        1460,
+        583,
+        10131227,
+        2202608,
+        305,
+        24,
+        12517,
+        633,
+        3,
+        93145,
+        5683,
+        8351593,
+        3194,
+        27,
+        14992,
+        5461306,
+        10,
+        5652,
+        2173,
+        4,
+        7046547,
+        18,
+        15,
+        286181,
+        105,
+        142572,
+    ),
+    "terabyte": (
+        45833188,
+        36746,
+        17245,
+        7413,
+        20243,
+        3,
+        7114,
+        1441,
+        62,
+        29275261,
+        1572176,
+        345138,
+        10,
+        2209,
+        11267,
+        128,
+        4,
+        974,
+        14,
+        48937457,
+        11316796,
+        40094537,
+        452104,
+        12606,
+        104,
+        35,
+    ),
 }
 
 # The hidden signal: dense feature -> weight on its standardized latent, categorical feature ->
@@ -54,8 +104,10 @@ def table_rows(cardinalities: str = "kaggle", max_rows: int | None = 100_000) ->
 
 def make_tables(rows: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
     """One table per categorical feature (the feature takes the table's name)."""
-    return [EmbeddingBagConfig(name, num_embeddings=r, embedding_dim=dim)
-            for name, r in zip(FEATURES, rows, strict=True)]
+    return [
+        EmbeddingBagConfig(name, num_embeddings=r, embedding_dim=dim)
+        for name, r in zip(FEATURES, rows, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -131,8 +183,9 @@ class SyntheticCriteo:
     DENSE, IDS, EFFECT, LABEL, CROSS = 1, 2, 3, 4, 5
     SCATTER = 2_654_435_761  # prime: a bijection modulo any table size it does not divide
 
-    def __init__(self, rows: Sequence[int], *, seed: int = 0, batch_size: int = 512,
-                 val_samples: int = 8192) -> None:
+    def __init__(
+        self, rows: Sequence[int], *, seed: int = 0, batch_size: int = 512, val_samples: int = 8192
+    ) -> None:
         if len(rows) != NUM_SPARSE:
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {len(rows)}")
         self.rows = np.asarray(rows, dtype=np.int64)
@@ -151,8 +204,10 @@ class SyntheticCriteo:
             logit += weight * latent[:, field]
         for field, scale in ID_EFFECTS.items():
             logit += scale * _normal(self.seed, self.EFFECT, field, ids[:, field])
-        left, right = (_normal(self.seed, self.CROSS, f, ids[:, f, None], np.arange(CROSS_RANK))
-                       for f in CROSS_FIELDS)
+        left, right = (
+            _normal(self.seed, self.CROSS, f, ids[:, f, None], np.arange(CROSS_RANK))
+            for f in CROSS_FIELDS
+        )
         logit += CROSS_SCALE * (left * right).sum(1) / np.sqrt(CROSS_RANK)
         p = 1 / (1 + np.exp(-logit))
         labels = (_uniform(self.seed, self.LABEL, index[:, 0]) < p).astype(np.int64)
@@ -182,26 +237,34 @@ def parse_line(line: str, rows: Sequence[int]) -> tuple[int, list[int], list[int
     """
     fields = line.rstrip("\r\n").split("\t")
     if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-        raise ValueError(f"expected {1 + NUM_DENSE + NUM_SPARSE} tab-separated fields, got "
-                         f"{len(fields)}")
-    counts = [int(v) if v else -1 for v in fields[1:1 + NUM_DENSE]]
-    ids = [1 + int(v, 16) % (r - 1) if v and r > 1 else 0
-           for v, r in zip(fields[1 + NUM_DENSE:], rows, strict=True)]
+        raise ValueError(
+            f"expected {1 + NUM_DENSE + NUM_SPARSE} tab-separated fields, got {len(fields)}"
+        )
+    counts = [int(v) if v else -1 for v in fields[1 : 1 + NUM_DENSE]]
+    ids = [
+        1 + int(v, 16) % (r - 1) if v and r > 1 else 0
+        for v, r in zip(fields[1 + NUM_DENSE :], rows, strict=True)
+    ]
     return int(fields[0]), counts, ids
 
 
-def write_criteo_tsv(path: str | Path, records: Iterable[tuple[int, Sequence[int | None],
-                                                                Sequence[str | None]]]) -> None:
+def write_criteo_tsv(
+    path: str | Path, records: Iterable[tuple[int, Sequence[int | None], Sequence[str | None]]]
+) -> None:
     """Write (label, 13 counts or None, 26 hex strings or None) records in Criteo's format."""
     with open(path, "w") as handle:
         for label, counts, cats in records:
-            fields = [str(label), *("" if c is None else str(c) for c in counts),
-                      *("" if c is None else c for c in cats)]
+            fields = [
+                str(label),
+                *("" if c is None else str(c) for c in counts),
+                *("" if c is None else c for c in cats),
+            ]
             handle.write("\t".join(fields) + "\n")
 
 
-def synthetic_records(source: SyntheticCriteo, start: int, count: int
-                      ) -> Iterable[tuple[int, list[int], list[str]]]:
+def synthetic_records(
+    source: SyntheticCriteo, start: int, count: int
+) -> Iterable[tuple[int, list[int], list[str]]]:
     """Synthetic samples as Criteo TSV records (ids as 8-digit hex), to try the TSV path."""
     labels, counts, ids = source.raw(start, count)
     for label, row_counts, row_ids in zip(labels, counts, ids, strict=True):
@@ -219,9 +282,16 @@ class CriteoTSV:
 
     CHUNK = 1 << 16  # lines parsed into Python lists before they become compact arrays
 
-    def __init__(self, path: str | Path, rows: Sequence[int], strategy: ManualParallelStrategy,
-                 *, batch_size: int = 512, val_samples: int = 8192, limit: int | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        rows: Sequence[int],
+        strategy: ManualParallelStrategy,
+        *,
+        batch_size: int = 512,
+        val_samples: int = 8192,
+        limit: int | None = None,
+    ) -> None:
         world, rank = strategy.world_size, strategy.rank
         chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         pending: list[tuple[int, list[int], list[int]]] = []
@@ -240,8 +310,10 @@ class CriteoTSV:
         local = lines // world  # the same on every rank: equal batches, equal validation sets
         val_local = val_samples // world
         if local - val_local < batch_size // world:
-            raise ValueError(f"{path}: {local * world} usable lines, fewer than the validation "
-                             f"set ({val_samples}) plus one global batch ({batch_size})")
+            raise ValueError(
+                f"{path}: {local * world} usable lines, fewer than the validation "
+                f"set ({val_samples}) plus one global batch ({batch_size})"
+            )
         columns = zip(*chunks, strict=True)  # (labels chunks, dense chunks, ids chunks)
         self.labels, self.dense, self.ids = (np.concatenate(c)[:local] for c in columns)
         self.train_local = local - val_local
@@ -258,8 +330,9 @@ class CriteoTSV:
         return self._rows(np.arange(self.train_local, len(self.labels)))
 
 
-def _columns(parsed: Sequence[tuple[int, list[int], list[int]]]
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _columns(
+    parsed: Sequence[tuple[int, list[int], list[int]]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     labels = np.fromiter((p[0] for p in parsed), dtype=np.int8, count=len(parsed))
     counts = np.array([p[1] for p in parsed], dtype=np.float64).reshape(-1, NUM_DENSE)
     ids = np.array([p[2] for p in parsed], dtype=np.int32).reshape(-1, NUM_SPARSE)

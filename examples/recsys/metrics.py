@@ -26,9 +26,8 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     if positives == 0 or negatives == 0:
         return float("nan")
     ordered, order = scores.sort()
-    _, group, counts = torch.unique_consecutive(ordered, return_inverse=True,
-                                                return_counts=True)
-    last = counts.cumsum(0).double()               # 1-based rank of each tie group's last
+    _, group, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    last = counts.cumsum(0).double()  # 1-based rank of each tie group's last
     mean_rank = (last - (counts.double() - 1) / 2)[group]
     rank_sum = mean_rank[labels[order]].sum().item()
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
@@ -40,12 +39,13 @@ def gather(strategy: ManualParallelStrategy, values: torch.Tensor) -> torch.Tens
     sizes = strategy.all_gather(torch.tensor([values.numel()], device=values.device))
     sizes = sizes.flatten().tolist()
     padded = values.new_zeros(max(sizes))
-    padded[:values.numel()] = values
+    padded[: values.numel()] = values
     parts = strategy.all_gather(padded)
     return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
 
 
-def distributed_auc(strategy: ManualParallelStrategy, scores: torch.Tensor,
-                    labels: torch.Tensor) -> float:
+def distributed_auc(
+    strategy: ManualParallelStrategy, scores: torch.Tensor, labels: torch.Tensor
+) -> float:
     """The exact AUC of all ranks' (scores, labels) together; the same value on every rank."""
     return auc(gather(strategy, scores), gather(strategy, labels.to(scores.dtype)))

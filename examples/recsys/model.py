@@ -43,9 +43,10 @@ def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_plan(kind: str, tables: Sequence[EmbeddingBagConfig], world_size: int
-              ) -> str | EmbeddingPlan:
-    """"auto" (left to shard_embeddings' planner), "table_wise" (whole tables, largest first to
+def make_plan(
+    kind: str, tables: Sequence[EmbeddingBagConfig], world_size: int
+) -> str | EmbeddingPlan:
+    """ "auto" (left to shard_embeddings' planner), "table_wise" (whole tables, largest first to
     the emptiest rank), "row_wise" (every table split by rows over all ranks), or the path of a
     plan saved with plan.to_json() (e.g. a run's plan.json, edited)."""
     if kind == "auto":
@@ -69,11 +70,20 @@ class DLRM(mp.ParallelModule):
     output (all of width `dim`), concatenated with that output; "cat": plain concatenation.
     """
 
-    def __init__(self, tables: Sequence[EmbeddingBagConfig], *, num_dense: int = 13,
-                 bottom: Sequence[int] = (64,), top: Sequence[int] = (64, 32),
-                 interaction: str = "dot", plan: str = "auto", emb_lr: float = 0.05,
-                 lr: float = 1e-3, seed: int = 0, memory_budget_bytes: int | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        *,
+        num_dense: int = 13,
+        bottom: Sequence[int] = (64,),
+        top: Sequence[int] = (64, 32),
+        interaction: str = "dot",
+        plan: str = "auto",
+        emb_lr: float = 0.05,
+        lr: float = 1e-3,
+        seed: int = 0,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
         super().__init__()
         self.dim = tables[0].embedding_dim
         if any(t.embedding_dim != self.dim for t in tables):
@@ -84,8 +94,9 @@ class DLRM(mp.ParallelModule):
         self.emb_lr, self.lr, self.seed = emb_lr, lr, seed
         self.memory_budget_bytes = memory_budget_bytes
         vectors = len(tables) + 1
-        top_in = (vectors * (vectors - 1) // 2 + self.dim if interaction == "dot"
-                  else vectors * self.dim)
+        top_in = (
+            vectors * (vectors - 1) // 2 + self.dim if interaction == "dot" else vectors * self.dim
+        )
         self.embeddings = EmbeddingBagCollection(tables, seed=seed)
         self.bottom = mlp([num_dense, *bottom, self.dim], last_relu=True)
         self.top = mlp([top_in, *top, 1], last_relu=False)
@@ -93,8 +104,12 @@ class DLRM(mp.ParallelModule):
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         plan = make_plan(self.plan_kind, self.tables, strategy.world_size)
         self.embeddings = shard_embeddings(
-            self.embeddings, strategy, plan=plan, optimizer=RowWiseAdagrad(lr=self.emb_lr),
-            memory_budget_bytes=self.memory_budget_bytes)
+            self.embeddings,
+            strategy,
+            plan=plan,
+            optimizer=RowWiseAdagrad(lr=self.emb_lr),
+            memory_budget_bytes=self.memory_budget_bytes,
+        )
         mp.materialize(self, strategy, seed=self.seed)  # the MLPs: the same values on every rank
         self.bottom = mp.ddp(self.bottom, strategy)
         self.top = mp.ddp(self.top, strategy)
@@ -102,13 +117,12 @@ class DLRM(mp.ParallelModule):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits (B,)."""
         device = self.strategy.device if self.strategy is not None else torch.device("cpu")
-        dense = self.bottom(batch.dense.to(device))                           # (B, dim)
+        dense = self.bottom(batch.dense.to(device))  # (B, dim)
         pooled = rearrange(self.embeddings(batch.sparse).values, "b (f d) -> b f d", d=self.dim)
         vectors = torch.cat([rearrange(dense, "b d -> b 1 d"), pooled], dim=1)  # (B, 27, dim)
         if self.interaction == "dot":
             gram = einsum(vectors, vectors, "b f d, b g d -> b f g")
-            i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1,
-                                      device=device)
+            i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1, device=device)
             features = torch.cat([dense, gram[:, i, j]], dim=1)
         else:
             features = rearrange(vectors, "b f d -> b (f d)")
@@ -130,8 +144,10 @@ class DLRM(mp.ParallelModule):
         loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
         count = torch.tensor(float(len(batch)), device=logits.device)
         totals = self.strategy.all_reduce(torch.stack([loss, count]), op="sum")
-        return {"auc": distributed_auc(self.strategy, logits, labels),
-                "loss": float(totals[0] / totals[1])}
+        return {
+            "auc": distributed_auc(self.strategy, logits, labels),
+            "loss": float(totals[0] / totals[1]),
+        }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.dense_parameters(), lr=self.lr)

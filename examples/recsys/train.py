@@ -44,17 +44,36 @@ def parse_args() -> argparse.Namespace:
     add("--bottom", default="64", help="bottom MLP hidden sizes, comma-separated")
     add("--top", default="128,64", help="top MLP hidden sizes, comma-separated")
     add("--interaction", choices=("dot", "cat"), default="dot")
-    add("--cardinalities", choices=("kaggle", "terabyte"), default="kaggle",
-        help="which published table sizes to use")
+    add(
+        "--cardinalities",
+        choices=("kaggle", "terabyte"),
+        default="kaggle",
+        help="which published table sizes to use",
+    )
     add("--max-rows", type=int, default=100_000, help="cap on rows per table")
-    add("--huge", action="store_true",
-        help="no cap: the full published table sizes (only this rank's shards are allocated)")
-    add("--plan", default="auto",
-        help="auto, table_wise, row_wise, or a JSON file written by EmbeddingPlan.to_json()")
-    add("--memory-budget-gb", type=float, default=None,
-        help="per-rank budget for the planner (default with --huge: 70%% of RAM per local rank)")
-    add("--plan-only", type=int, metavar="WORLD_SIZE", default=None,
-        help="write OUT/plan.json for WORLD_SIZE ranks, print it and exit (allocates nothing)")
+    add(
+        "--huge",
+        action="store_true",
+        help="no cap: the full published table sizes (only this rank's shards are allocated)",
+    )
+    add(
+        "--plan",
+        default="auto",
+        help="auto, table_wise, row_wise, or a JSON file written by EmbeddingPlan.to_json()",
+    )
+    add(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="per-rank budget for the planner (default with --huge: 70%% of RAM per local rank)",
+    )
+    add(
+        "--plan-only",
+        type=int,
+        metavar="WORLD_SIZE",
+        default=None,
+        help="write OUT/plan.json for WORLD_SIZE ranks, print it and exit (allocates nothing)",
+    )
     add("--val-every", type=int, default=100, help="validation AUC every N steps")
     add("--val-samples", type=int, default=8192, help="validation set size (all ranks)")
     add("--checkpoint-every", type=int, default=500)
@@ -64,9 +83,14 @@ def parse_args() -> argparse.Namespace:
     add("--criteo-limit", type=int, default=None, help="read at most this many lines")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--no-plot", action="store_true", help="do not write metrics.png")
-    add("--fail-once-at-step", type=int, default=None, metavar="N",
+    add(
+        "--fail-once-at-step",
+        type=int,
+        default=None,
+        metavar="N",
         help="fault drill: rank 1 raises at step N once (OUT/failed_once marks it done), so a "
-        "launcher with restarts resumes from the last checkpoint")
+        "launcher with restarts resumes from the last checkpoint",
+    )
     return parser.parse_args()
 
 
@@ -117,8 +141,12 @@ def main() -> None:
     if args.plan_only is not None:
         plan = make_plan(args.plan, tables, args.plan_only)
         if plan == "auto":
-            plan = plan_tables(tables, args.plan_only, memory_budget_bytes=memory_budget(args, 1),
-                               optimizer=RowWiseAdagrad(lr=args.emb_lr))
+            plan = plan_tables(
+                tables,
+                args.plan_only,
+                memory_budget_bytes=memory_budget(args, 1),
+                optimizer=RowWiseAdagrad(lr=args.emb_lr),
+            )
         print(plan.describe(tables))
         print(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of fp32 weights unsharded")
         print(f"plan {save_plan(plan, tables, args.out)}")
@@ -127,27 +155,49 @@ def main() -> None:
     say = print if strategy.is_global_zero else (lambda *a, **k: None)
     strategy.seed_everything(args.seed)
     with mp.empty_init():  # nothing allocated: tables may be far larger than one process's RAM
-        model = DLRM(tables, bottom=[int(s) for s in args.bottom.split(",")],
-                     top=[int(s) for s in args.top.split(",")], interaction=args.interaction,
-                     plan=args.plan, emb_lr=args.emb_lr, lr=args.lr, seed=args.seed,
-                     memory_budget_bytes=memory_budget(
-                         args, strategy.environment.local_world_size))
+        model = DLRM(
+            tables,
+            bottom=[int(s) for s in args.bottom.split(",")],
+            top=[int(s) for s in args.top.split(",")],
+            interaction=args.interaction,
+            plan=args.plan,
+            emb_lr=args.emb_lr,
+            lr=args.lr,
+            seed=args.seed,
+            memory_budget_bytes=memory_budget(args, strategy.environment.local_world_size),
+        )
     model.setup(strategy)
     say(model.embeddings.plan.describe(tables))
     if strategy.is_global_zero:
         say(f"plan {save_plan(model.embeddings.plan, tables, args.out)}")
     local_gib = sum(p.numel() * p.element_size() for p in model.embeddings.parameters()) / 2**30
-    say(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB unsharded (never allocated); "
-        f"rank 0 holds {local_gib:.3f} GiB of them")
+    say(
+        f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB unsharded (never allocated); "
+        f"rank 0 holds {local_gib:.3f} GiB of them"
+    )
     if args.criteo:
-        data = CriteoTSV(args.criteo, rows, strategy, batch_size=args.batch,
-                         val_samples=args.val_samples, limit=args.criteo_limit)
+        data = CriteoTSV(
+            args.criteo,
+            rows,
+            strategy,
+            batch_size=args.batch,
+            val_samples=args.val_samples,
+            limit=args.criteo_limit,
+        )
     else:
-        data = SyntheticCriteo(rows, seed=args.seed, batch_size=args.batch,
-                               val_samples=args.val_samples)
-    trainer = mp.Trainer(strategy, args.out, max_steps=args.steps,
-                         checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                         val_every=args.val_every, val_steps=1, progress=not args.no_progress)
+        data = SyntheticCriteo(
+            rows, seed=args.seed, batch_size=args.batch, val_samples=args.val_samples
+        )
+    trainer = mp.Trainer(
+        strategy,
+        args.out,
+        max_steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+        val_every=args.val_every,
+        val_steps=1,
+        progress=not args.no_progress,
+    )
     resumed = mp.latest_checkpoint(trainer.checkpoint_dir)
     first = mp.read_manifest(resumed)["step"] if resumed is not None else 0
     if resumed is not None:
@@ -163,13 +213,17 @@ def main() -> None:
     peak = strategy.all_reduce(torch.tensor(peak_rss_gib()), op="max").item()
     steps = trainer.step - first
     if steps:
-        say(f"trained steps {first}-{trainer.step} in {seconds:.1f} s ({steps / seconds:.1f} "
+        say(
+            f"trained steps {first}-{trainer.step} in {seconds:.1f} s ({steps / seconds:.1f} "
             f"steps/s, {args.batch} samples per step on {strategy.world_size} ranks); peak "
-            f"memory per rank {peak:.2f} GiB")
+            f"memory per rank {peak:.2f} GiB"
+        )
     else:
         say(f"already at step {first}: pass a larger --steps to train on, or a new --out")
-    say(f"validation AUC {final['auc']:.4f}, log loss {final['loss']:.4f} "
-        f"({args.val_samples} samples)")
+    say(
+        f"validation AUC {final['auc']:.4f}, log loss {final['loss']:.4f} "
+        f"({args.val_samples} samples)"
+    )
     say(f"checkpoint {mp.latest_checkpoint(trainer.checkpoint_dir)}")
     if strategy.is_global_zero and not args.no_plot:
         say(f"plot {plot_metrics(args.out)}")

@@ -23,20 +23,47 @@ from torchx.specs import AppDef, AppState, AppStatus
 from manualpar.components import trainer
 
 TRAIN = Path(__file__).resolve().parent.parent / "recsys" / "train.py"
-SMALL = ("--max-rows", "20000", "--batch", "512", "--val-samples", "2048", "--log-every", "10",
-         "--no-progress")
+SMALL = (
+    "--max-rows",
+    "20000",
+    "--batch",
+    "512",
+    "--val-samples",
+    "2048",
+    "--log-every",
+    "10",
+    "--no-progress",
+)
 
 
-def recsys_app(out: str | Path, *, steps: int = 60, fail_at: int | None = 25,
-               checkpoint_every: int = 10, max_restarts: int = 1, nproc: int = 2,
-               train_args: Sequence[str] = SMALL, env: dict[str, str] | None = None) -> AppDef:
+def recsys_app(
+    out: str | Path,
+    *,
+    steps: int = 60,
+    fail_at: int | None = 25,
+    checkpoint_every: int = 10,
+    max_restarts: int = 1,
+    nproc: int = 2,
+    train_args: Sequence[str] = SMALL,
+    env: dict[str, str] | None = None,
+) -> AppDef:
     """train.py under torchrun on `nproc` local processes; rank 1 fails once at `fail_at`."""
-    args = ["--out", str(Path(out).resolve()), "--steps", str(steps),
-            "--checkpoint-every", str(checkpoint_every), "--val-every", str(steps), *train_args]
+    args = [
+        "--out",
+        str(Path(out).resolve()),
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(checkpoint_every),
+        "--val-every",
+        str(steps),
+        *train_args,
+    ]
     if fail_at is not None:
         args += ["--fail-once-at-step", str(fail_at)]
-    return trainer(*args, script=str(TRAIN), j=f"1x{nproc}", max_restarts=max_restarts,
-                   name="recsys", env=env)
+    return trainer(
+        *args, script=str(TRAIN), j=f"1x{nproc}", max_restarts=max_restarts, name="recsys", env=env
+    )
 
 
 def run(app: AppDef, log_dir: str | Path) -> tuple[AppStatus, list[str]]:
@@ -45,8 +72,10 @@ def run(app: AppDef, log_dir: str | Path) -> tuple[AppStatus, list[str]]:
     with get_runner() as runner:
         handle = runner.run(app, scheduler="local_cwd", cfg={"log_dir": str(log_dir)})
         status = runner.wait(handle, wait_interval=0.5)
-        lines = [line.rstrip("\n") for line in runner.log_lines(handle, "worker", 0,
-                                                                 streams=Stream.COMBINED)]
+        lines = [
+            line.rstrip("\n")
+            for line in runner.log_lines(handle, "worker", 0, streams=Stream.COMBINED)
+        ]
     assert status is not None, f"torchx lost the job {handle}"
     return status, lines
 
@@ -60,8 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=1)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args(argv)
-    app = recsys_app(args.out, steps=args.steps, fail_at=args.fail_at,
-                     max_restarts=args.max_restarts, nproc=args.nproc)
+    app = recsys_app(
+        args.out,
+        steps=args.steps,
+        fail_at=args.fail_at,
+        max_restarts=args.max_restarts,
+        nproc=args.nproc,
+    )
     status, lines = run(app, args.log_dir)
     print("\n".join(lines))
     print(f"torchx: {status.state}, logs under {args.log_dir}")

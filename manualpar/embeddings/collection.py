@@ -50,31 +50,51 @@ class PooledEmbeddings:
 class EmbeddingTable(nn.Module):
     """One table's weight (or, once sharded, this rank's block of it)."""
 
-    def __init__(self, config: EmbeddingBagConfig, seed: int, rows: int | None = None,
-                 cols: int | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: EmbeddingBagConfig,
+        seed: int,
+        rows: int | None = None,
+        cols: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.seed = config, seed
-        self.weight = nn.Parameter(empty_rows(
-            config.num_embeddings if rows is None else rows,
-            config.embedding_dim if cols is None else cols, device=device))
+        self.weight = nn.Parameter(
+            empty_rows(
+                config.num_embeddings if rows is None else rows,
+                config.embedding_dim if cols is None else cols,
+                device=device,
+            )
+        )
 
     def reset_parameters(self) -> None:
         """Hashed per element: the same values whatever the sharding (see table_init)."""
         if self.weight.is_meta:
             return
-        init_rows(self.config, self.seed, (0, self.config.num_embeddings),
-                  (0, self.config.embedding_dim), out=self.weight.detach())
+        init_rows(
+            self.config,
+            self.seed,
+            (0, self.config.num_embeddings),
+            (0, self.config.embedding_dim),
+            out=self.weight.detach(),
+        )
 
 
 class EmbeddingBagCollection(nn.Module):
-    def __init__(self, tables: Sequence[EmbeddingBagConfig], seed: int = 0,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         check_tables(tables)
         self.configs = tuple(tables)
         self.seed = seed
-        self.tables = nn.ModuleDict({c.name: EmbeddingTable(c, seed, device=device)
-                                     for c in tables})
+        self.tables = nn.ModuleDict(
+            {c.name: EmbeddingTable(c, seed, device=device) for c in tables}
+        )
         for table in self.tables.values():
             table.reset_parameters()
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
@@ -89,35 +109,47 @@ class EmbeddingBagCollection(nn.Module):
                 if bags.lengths.numel() == 0:
                     outputs.append(weight.new_zeros(0, config.embedding_dim))
                     continue
-                pooled = F.embedding_bag(bags.values, weight, bag_offsets(bags.lengths),
-                                         mode="sum", per_sample_weights=bags.weights,
-                                         sparse=True)
+                pooled = F.embedding_bag(
+                    bags.values,
+                    weight,
+                    bag_offsets(bags.lengths),
+                    mode="sum",
+                    per_sample_weights=bags.weights,
+                    sparse=True,
+                )
                 if config.pooling == "mean":
                     pooled = pooled / bags.lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
                 outputs.append(pooled)
-        return PooledEmbeddings(torch.cat(outputs, 1), self.feature_names,
-                                tuple(c.embedding_dim for c in self.configs
-                                      for _ in c.feature_names))
+        return PooledEmbeddings(
+            torch.cat(outputs, 1),
+            self.feature_names,
+            tuple(c.embedding_dim for c in self.configs for _ in c.feature_names),
+        )
 
 
-def check_features(features: SparseFeatures, tables: Sequence[EmbeddingBagConfig],
-                   ) -> SparseFeatures:
+def check_features(
+    features: SparseFeatures,
+    tables: Sequence[EmbeddingBagConfig],
+) -> SparseFeatures:
     """The batch with keys in the tables' feature order; every id a valid row of its table."""
     if not isinstance(features, SparseFeatures):
         raise EmbeddingInputError(
             f"expected SparseFeatures, got {type(features).__name__}; build one with "
-            "SparseFeatures.from_dict({'feature': [[ids of sample 0], ...]})")
+            "SparseFeatures.from_dict({'feature': [[ids of sample 0], ...]})"
+        )
     expected = [f for c in tables for f in c.feature_names]
     unknown = [k for k in features.keys if k not in expected]
     if unknown:
         raise EmbeddingInputError(
             f"unknown features {unknown}: no table looks them up; the tables' features are "
-            f"{expected}")
+            f"{expected}"
+        )
     missing = [k for k in expected if k not in features.keys]
     if missing:
         raise EmbeddingInputError(
             f"features {missing} are missing from the batch; every feature of the tables must "
-            "be present (give a sample no ids with an empty bag)")
+            "be present (give a sample no ids with an empty bag)"
+        )
     if list(features.keys) != expected:
         features = features.select(expected)
     sizes = iter(features.feature_sizes())
@@ -125,17 +157,17 @@ def check_features(features: SparseFeatures, tables: Sequence[EmbeddingBagConfig
     for config in tables:
         for name in config.feature_names:
             size = next(sizes)
-            ids = features.values[start:start + size]
+            ids = features.values[start : start + size]
             start += size
             if size:
-                _check_ids(ids, features.lengths[index * batch:(index + 1) * batch], name,
-                           config)
+                _check_ids(ids, features.lengths[index * batch : (index + 1) * batch], name, config)
             index += 1
     return features
 
 
-def _check_ids(ids: torch.Tensor, lengths: torch.Tensor, feature: str,
-               config: EmbeddingBagConfig) -> None:
+def _check_ids(
+    ids: torch.Tensor, lengths: torch.Tensor, feature: str, config: EmbeddingBagConfig
+) -> None:
     low, high = ids.aminmax()
     if low >= 0 and high < config.num_embeddings:
         return
@@ -146,4 +178,5 @@ def _check_ids(ids: torch.Tensor, lengths: torch.Tensor, feature: str,
         f"feature {feature!r} (table {config.name!r}, {config.num_embeddings} rows): id "
         f"{bad_value} at position {position} of the feature's ids (sample {sample}) is "
         + ("negative" if bad_value < 0 else "out of range")
-        + f"; ids must be in [0, {config.num_embeddings}) (hash or clamp them first)")
+        + f"; ids must be in [0, {config.num_embeddings}) (hash or clamp them first)"
+    )

@@ -33,24 +33,31 @@ class EmbeddingBagConfig:
         if isinstance(self.feature_names, str):  # tuple("abc") would be three features
             raise EmbeddingInputError(
                 f"table {self.name!r}: feature_names must be a sequence of names, got the string "
-                f"{self.feature_names!r}; write feature_names=({self.feature_names!r},)")
+                f"{self.feature_names!r}; write feature_names=({self.feature_names!r},)"
+            )
         object.__setattr__(self, "feature_names", tuple(self.feature_names) or (self.name,))
         if not self.name or "/" in self.name or "." in self.name:
             raise EmbeddingInputError(
-                f"table name {self.name!r} must be non-empty without '/' or '.'")
-        for what, value in (("num_embeddings", self.num_embeddings),
-                            ("embedding_dim", self.embedding_dim)):
+                f"table name {self.name!r} must be non-empty without '/' or '.'"
+            )
+        for what, value in (
+            ("num_embeddings", self.num_embeddings),
+            ("embedding_dim", self.embedding_dim),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise EmbeddingInputError(f"table {self.name!r}: {what} must be a positive int, "
-                                          f"got {value!r}")
+                raise EmbeddingInputError(
+                    f"table {self.name!r}: {what} must be a positive int, got {value!r}"
+                )
         if self.pooling not in POOLINGS:
             raise EmbeddingInputError(
-                f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+                f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}"
+            )
 
     @property
     def bound(self) -> float:
-        return self.init_bound if self.init_bound is not None else 1 / math.sqrt(
-            self.num_embeddings)
+        return (
+            self.init_bound if self.init_bound is not None else 1 / math.sqrt(self.num_embeddings)
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -72,5 +79,6 @@ def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
             if feature in owners:
                 raise EmbeddingInputError(
                     f"feature {feature!r} is listed by tables {owners[feature]!r} and "
-                    f"{table.name!r}; a feature must look up exactly one table")
+                    f"{table.name!r}; a feature must look up exactly one table"
+                )
             owners[feature] = table.name

@@ -55,8 +55,9 @@ def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
 
 
 # 1-2: ids -------------------------------------------------------------------------------------
-def pack_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
-             weights: torch.Tensor | None) -> list[torch.Tensor]:
+def pack_ids(
+    routing: Routing, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+) -> list[torch.Tensor]:
     """Per destination rank: the lengths, ids and weight bits of the bags it serves us, in its
     route order. `lengths` is (features, batch)."""
     world = routing.world_size
@@ -70,8 +71,8 @@ def pack_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
         if not routes:
             continue
         table = routes[0][1].table
-        ids = values[starts[f]:starts[f + 1]]
-        w = None if weights is None else weights[starts[f]:starts[f + 1]]
+        ids = values[starts[f] : starts[f + 1]]
+        w = None if weights is None else weights[starts[f] : starts[f + 1]]
         if not routing.splits_rows(table):
             for dest, _ in routes:
                 lens_to[dest].append(lengths[f])
@@ -89,16 +90,23 @@ def pack_ids(routing: Routing, values: torch.Tensor, lengths: torch.Tensor,
             ids_to[dest].append(id_parts[g])
             if w_parts is not None:
                 weights_to[dest].append(w_parts[g])
-    return [torch.cat([*lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]
-                      ).to(torch.int64)
-            if lens_to[d] else torch.empty(0, dtype=torch.int64, device=values.device)
-            for d in range(world)]
+    return [
+        torch.cat([*lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]).to(
+            torch.int64
+        )
+        if lens_to[d]
+        else torch.empty(0, dtype=torch.int64, device=values.device)
+        for d in range(world)
+    ]
 
 
 def size_header(batch: int, payloads: list[torch.Tensor], weighted: bool) -> torch.Tensor:
     """What the size exchange sends each rank: [batch size, payload length, weighted]."""
-    return torch.tensor([[batch, p.numel(), int(weighted)] for p in payloads],
-                        dtype=torch.int64, device=payloads[0].device).flatten()
+    return torch.tensor(
+        [[batch, p.numel(), int(weighted)] for p in payloads],
+        dtype=torch.int64,
+        device=payloads[0].device,
+    ).flatten()
 
 
 def check_refusals(sizes_in: list[list[int]]) -> None:
@@ -106,18 +114,24 @@ def check_refusals(sizes_in: list[list[int]]) -> None:
     if refused:
         raise EmbeddingInputError(
             f"rank {', '.join(map(str, refused))} refused its batch (the error is in that "
-            f"rank's log); every rank stops at this step. Fix the input on that rank")
+            f"rank's log); every rank stops at this step. Fix the input on that rank"
+        )
 
 
-def split_by_rows(ids: torch.Tensor, lengths: torch.Tensor, routing: Routing, table: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_by_rows(
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    routing: Routing,
+    table: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A row-split table's ids grouped by the row range holding them, bag order kept inside
     each group: (groups, bags) counts, the ids made local to their range, and the order taken
     (to reorder per-id weights)."""
     starts = routing.row_start_tensors[table]
     if supports(ids) and ids.dtype == torch.int64 and lengths.dtype == torch.int64:
-        counts, local, order = native_kernels().split_by_rows(ids.contiguous(),
-                                                              lengths.contiguous(), starts)
+        counts, local, order = native_kernels().split_by_rows(
+            ids.contiguous(), lengths.contiguous(), starts
+        )
         return counts, local, order
     batch = lengths.numel()
     starts = starts.to(ids.device)
@@ -128,23 +142,32 @@ def split_by_rows(ids: torch.Tensor, lengths: torch.Tensor, routing: Routing, ta
     return counts.view(len(starts), batch), ids[order] - starts[group[order]], order
 
 
-def unpack_ids(routing: Routing, payload: torch.Tensor, batch: int, weighted: bool,
-               ) -> list[SenderBags]:
+def unpack_ids(
+    routing: Routing,
+    payload: torch.Tensor,
+    batch: int,
+    weighted: bool,
+) -> list[SenderBags]:
     """One sender's payload to us -> its bags for each of our routed local shards."""
     local = routing.routed_local_shards()
     routes = len(routing.routes_to[routing.rank])
-    lens = payload[:routes * batch].view(routes, batch)
+    lens = payload[: routes * batch].view(routes, batch)
     route_ids = lens.sum(1).tolist()
     total = sum(route_ids)
-    ids = payload[routes * batch:routes * batch + total]
-    bits = payload[routes * batch + total:] if weighted else None
+    ids = payload[routes * batch : routes * batch + total]
+    bits = payload[routes * batch + total :] if weighted else None
     bags: list[SenderBags] = []
     row = id_start = 0
     for shard in local:
         count = len(shard.features)
-        n_ids = sum(route_ids[row:row + count])
-        bags.append((ids[id_start:id_start + n_ids], lens[row:row + count].flatten(),
-                     None if bits is None else _bits_weight(bits[id_start:id_start + n_ids])))
+        n_ids = sum(route_ids[row : row + count])
+        bags.append(
+            (
+                ids[id_start : id_start + n_ids],
+                lens[row : row + count].flatten(),
+                None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
+            )
+        )
         row += count
         id_start += n_ids
     return bags
@@ -160,45 +183,61 @@ def combine_senders(parts: list[SenderBags], rank: int) -> ShardBags:
         return ShardBags(*parts[0], own_begin, own_end)
     weights = None
     if weighted:
-        weights = torch.cat([w if w is not None else torch.ones(i.numel(), device=i.device)
-                             for i, _, w in parts])
-    return ShardBags(torch.cat([ids for ids, _, _ in parts]),
-                     torch.cat([lens for _, lens, _ in parts]), weights, own_begin, own_end)
+        weights = torch.cat(
+            [w if w is not None else torch.ones(i.numel(), device=i.device) for i, _, w in parts]
+        )
+    return ShardBags(
+        torch.cat([ids for ids, _, _ in parts]),
+        torch.cat([lens for _, lens, _ in parts]),
+        weights,
+        own_begin,
+        own_end,
+    )
 
 
 # 3: pooled output -----------------------------------------------------------------------------
-def pack_pooled(pooled: list[list[torch.Tensor] | None], like: torch.Tensor,
-                ) -> tuple[torch.Tensor, list[int]]:
+def pack_pooled(
+    pooled: list[list[torch.Tensor] | None],
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, list[int]]:
     """Owner side: per sender rank, the pooled rows of its bags for each local shard (None for
     ourselves) -> one buffer by destination (dtype and device of `like`), and the send splits
     (0 to ourselves)."""
-    flat = [torch.cat([rows.flatten() for rows in shards]) if shards else like.new_empty(0)
-            for shards in pooled]
+    flat = [
+        torch.cat([rows.flatten() for rows in shards]) if shards else like.new_empty(0)
+        for shards in pooled
+    ]
     return torch.cat(flat), [p.numel() for p in flat]
 
 
-def pooled_blocks(routing: Routing, owner: int, received: torch.Tensor, batch: int,
-                  ) -> list[tuple[Route, torch.Tensor]]:
+def pooled_blocks(
+    routing: Routing,
+    owner: int,
+    received: torch.Tensor,
+    batch: int,
+) -> list[tuple[Route, torch.Tensor]]:
     """Receiver side: an owner's pooled buffer for our batch -> (route, (batch, cols)) blocks."""
     blocks = []
     offset = 0
     for route in routing.routes_to[owner]:
         size = batch * route.cols
-        blocks.append((route, received[offset:offset + size].view(batch, route.cols)))
+        blocks.append((route, received[offset : offset + size].view(batch, route.cols)))
         offset += size
     return blocks
 
 
 def output_splits(routing: Routing, batch: int) -> list[int]:
     """Receiver side: how many floats each other owner sends back for our batch."""
-    return [0 if owner == routing.rank else batch * sum(r.cols for r in routes)
-            for owner, routes in enumerate(routing.routes_to)]
+    return [
+        0 if owner == routing.rank else batch * sum(r.cols for r in routes)
+        for owner, routes in enumerate(routing.routes_to)
+    ]
 
 
 def add_block(routing: Routing, out: torch.Tensor, route: Route, block: torch.Tensor) -> None:
     """Add one route's pooled (batch, cols) block into its columns of the output."""
     start = routing.feature_offsets[route.feature] + route.shard.col_start
-    out[:, start:start + route.cols] += block
+    out[:, start : start + route.cols] += block
 
 
 # 4: output gradient ---------------------------------------------------------------------------
@@ -211,8 +250,11 @@ def _grad_columns(routing: Routing, route: Route, full_rows: bool) -> tuple[int,
     return start, start + route.cols
 
 
-def pack_output_grad(routing: Routing, grad: torch.Tensor, full_rows: bool,
-                     ) -> tuple[torch.Tensor, list[int]]:
+def pack_output_grad(
+    routing: Routing,
+    grad: torch.Tensor,
+    full_rows: bool,
+) -> tuple[torch.Tensor, list[int]]:
     """Sender side: the output-gradient blocks each other owner needs, in its route order, and
     the send splits (0 to ourselves)."""
     blocks: list[torch.Tensor] = []
@@ -230,8 +272,11 @@ def pack_output_grad(routing: Routing, grad: torch.Tensor, full_rows: bool,
     return flat, splits
 
 
-def own_grad_blocks(routing: Routing, grad: torch.Tensor, full_rows: bool,
-                    ) -> list[list[torch.Tensor]]:
+def own_grad_blocks(
+    routing: Routing,
+    grad: torch.Tensor,
+    full_rows: bool,
+) -> list[list[torch.Tensor]]:
     """Per local shard: the gradient of our own bags, one (batch, width) block per feature,
     copied out of the output gradient: as a column slice its rows would lie a whole output row
     apart, on few cache sets, and the update reads them in random order."""
@@ -240,7 +285,7 @@ def own_grad_blocks(routing: Routing, grad: torch.Tensor, full_rows: bool,
     index = 0
     for shard in routing.routed_local_shards():
         views = []
-        for route in routes[index:index + len(shard.features)]:
+        for route in routes[index : index + len(shard.features)]:
             start, end = _grad_columns(routing, route, full_rows)
             views.append(grad[:, start:end].contiguous())
         index += len(shard.features)
@@ -259,12 +304,12 @@ def grad_receive_splits(routing: Routing, batch_sizes: list[int], full_rows: boo
     """Owner side: how many gradient floats each other sender sends for our shards."""
     local = routing.routed_local_shards()
     per_sample = sum(len(s.features) * grad_width(routing, s, full_rows) for s in local)
-    return [0 if sender == routing.rank else b * per_sample
-            for sender, b in enumerate(batch_sizes)]
+    return [0 if sender == routing.rank else b * per_sample for sender, b in enumerate(batch_sizes)]
 
 
-def grad_blocks(routing: Routing, received: torch.Tensor, batch_sizes: list[int],
-                full_rows: bool) -> list[list[torch.Tensor | None]]:
+def grad_blocks(
+    routing: Routing, received: torch.Tensor, batch_sizes: list[int], full_rows: bool
+) -> list[list[torch.Tensor | None]]:
     """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
     sender sent (None for ourselves)."""
     local = routing.routed_local_shards()
@@ -276,6 +321,6 @@ def grad_blocks(routing: Routing, received: torch.Tensor, batch_sizes: list[int]
             continue
         for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
             rows = len(shard.features) * batch
-            per_shard[k][sender] = received[offset:offset + rows * width].view(rows, width)
+            per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
             offset += rows * width
     return per_shard

@@ -49,20 +49,24 @@ class SparseFeatures:
 
     # construction -----------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, bags: Mapping[str, Sequence[Sequence[int]]],
-                  weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
-                  ) -> SparseFeatures:
+    def from_dict(
+        cls,
+        bags: Mapping[str, Sequence[Sequence[int]]],
+        weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    ) -> SparseFeatures:
         """From Python lists: {"user": [[1, 2], [], [7]], "item": [[3], [4], [5, 6]]}."""
         keys = tuple(bags)
         sizes = {key: len(b) for key, b in bags.items()}
         if len(set(sizes.values())) > 1:
             raise EmbeddingInputError(
                 f"every feature needs one bag per sample, got bag counts {sizes}; "
-                "use an empty list for a sample without ids")
+                "use an empty list for a sample without ids"
+            )
         if weights is not None and set(weights) != set(keys):
             raise EmbeddingInputError(
                 f"weights must be given for exactly the features {sorted(keys)}, "
-                f"got {sorted(weights)}")
+                f"got {sorted(weights)}"
+            )
         values = [i for key in keys for bag in bags[key] for i in bag]
         lengths = [len(bag) for key in keys for bag in bags[key]]
         weight_values = None
@@ -70,15 +74,26 @@ class SparseFeatures:
             for key in keys:
                 if [len(b) for b in weights[key]] != [len(b) for b in bags[key]]:
                     raise EmbeddingInputError(
-                        f"feature {key!r}: weights must have the same bag sizes as the ids")
-            weight_values = torch.tensor([w for key in keys for bag in weights[key] for w in bag],
-                                         dtype=torch.float32)
-        return cls(keys, torch.tensor(values, dtype=torch.int64),
-                   torch.tensor(lengths, dtype=torch.int64), weight_values)
+                        f"feature {key!r}: weights must have the same bag sizes as the ids"
+                    )
+            weight_values = torch.tensor(
+                [w for key in keys for bag in weights[key] for w in bag], dtype=torch.float32
+            )
+        return cls(
+            keys,
+            torch.tensor(values, dtype=torch.int64),
+            torch.tensor(lengths, dtype=torch.int64),
+            weight_values,
+        )
 
     @classmethod
-    def from_offsets(cls, keys: Sequence[str], values: torch.Tensor, offsets: torch.Tensor,
-                     weights: torch.Tensor | None = None) -> SparseFeatures:
+    def from_offsets(
+        cls,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> SparseFeatures:
         """From offsets (len(keys) * B + 1 entries, starting at 0) instead of lengths."""
         if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
             raise EmbeddingInputError("offsets must be a 1-D tensor starting at 0")
@@ -92,9 +107,12 @@ class SparseFeatures:
         weighted = [p.weights is not None for p in parts]
         if any(weighted) and not all(weighted):
             raise EmbeddingInputError("either every feature has weights or none does")
-        return cls(keys, torch.cat([p.values for p in parts]) if parts else torch.empty(0),
-                   torch.cat([p.lengths for p in parts]) if parts else torch.empty(0),
-                   torch.cat([p.weights for p in parts]) if all(weighted) and parts else None)
+        return cls(
+            keys,
+            torch.cat([p.values for p in parts]) if parts else torch.empty(0),
+            torch.cat([p.lengths for p in parts]) if parts else torch.empty(0),
+            torch.cat([p.weights for p in parts]) if all(weighted) and parts else None,
+        )
 
     # views ------------------------------------------------------------------------------------
     @property
@@ -114,7 +132,7 @@ class SparseFeatures:
         index = self.keys.index(key)
         batch = self.batch_size
         start = int(self.lengths[: index * batch].sum())
-        lengths = self.lengths[index * batch:(index + 1) * batch]
+        lengths = self.lengths[index * batch : (index + 1) * batch]
         end = start + int(lengths.sum())
         weights = None if self.weights is None else self.weights[start:end]
         return JaggedFeature(self.values[start:end], lengths, weights)
@@ -143,21 +161,30 @@ def _validate(batch: SparseFeatures) -> None:
         raise EmbeddingInputError(f"feature keys must be unique, got {list(keys)}")
     for name, tensor in (("values", values), ("lengths", lengths)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-            got = (f"a tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
-                   else type(tensor).__name__)
+            got = (
+                f"a tensor of shape {tuple(tensor.shape)}"
+                if isinstance(tensor, torch.Tensor)
+                else type(tensor).__name__
+            )
             raise EmbeddingInputError(
                 f"SparseFeatures.{name} must be a 1-D tensor, got {got}; use from_dict() to "
-                "build a batch from Python lists")
+                "build a batch from Python lists"
+            )
         if tensor.dtype not in (torch.int64, torch.int32):
-            what, hint = (("ids", " (hash float or string categories to ids first)")
-                          if name == "values" else ("bag lengths", ""))
+            what, hint = (
+                ("ids", " (hash float or string categories to ids first)")
+                if name == "values"
+                else ("bag lengths", "")
+            )
             raise EmbeddingInputError(
                 f"SparseFeatures.{name} (features {list(keys)}) must hold integer {what} (int64 "
-                f"or int32), got {tensor.dtype}; convert with .long(){hint}")
+                f"or int32), got {tensor.dtype}; convert with .long(){hint}"
+            )
     if keys and lengths.numel() % len(keys):
         raise EmbeddingInputError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
-            f"{list(keys)}: expected one length per (key, sample)")
+            f"{list(keys)}: expected one length per (key, sample)"
+        )
     if not keys and (lengths.numel() or values.numel()):
         raise EmbeddingInputError("a batch without keys cannot hold ids")
     if lengths.numel() and bool((lengths < 0).any()):
@@ -165,15 +192,17 @@ def _validate(batch: SparseFeatures) -> None:
         raise EmbeddingInputError(
             f"feature {keys[bad // batch.batch_size]!r}: negative bag length "
             f"{int(lengths[bad])} for sample {bad % batch.batch_size}; a length counts the ids "
-            "of one bag and must be >= 0")
+            "of one bag and must be >= 0"
+        )
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.numel():
         sizes = dict(zip(keys, lengths.view(len(keys), -1).sum(1).tolist(), strict=True))
         raise EmbeddingInputError(
             f"lengths add up to {total} ids (per feature {sizes}) but values "
-            f"holds {values.numel()}; lengths and ids must describe the same bags")
-    if weights is not None and (not weights.is_floating_point()
-                                or weights.shape != values.shape):
+            f"holds {values.numel()}; lengths and ids must describe the same bags"
+        )
+    if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
         raise EmbeddingInputError(
             f"weights must be a float tensor with one weight per id (shape "
-            f"{tuple(values.shape)}), got {weights.dtype} of shape {tuple(weights.shape)}")
+            f"{tuple(values.shape)}), got {weights.dtype} of shape {tuple(weights.shape)}"
+        )

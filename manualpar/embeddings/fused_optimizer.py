@@ -24,16 +24,24 @@ __all__ = ["FusedOptimizer"]
 
 
 class FusedOptimizer:
-    def __init__(self, optimizer: SparseOptimizer, shards: dict[str, Shard | None],
-                 dims: dict[str, int], rows: dict[str, int], device: torch.device,
-                 full_tensor: Callable[[LocalShards], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        optimizer: SparseOptimizer,
+        shards: dict[str, Shard | None],
+        dims: dict[str, int],
+        rows: dict[str, int],
+        device: torch.device,
+        full_tensor: Callable[[LocalShards], torch.Tensor],
+    ) -> None:
         self.optimizer = optimizer
         self.step = 0
         self._shards, self._dims, self._rows = shards, dims, rows
         self._full_tensor = full_tensor
         self.state: dict[str, dict[str, torch.Tensor]] = {
             name: optimizer.init_state(shard.rows, shard.cols, device)
-            for name, shard in shards.items() if shard is not None}
+            for name, shard in shards.items()
+            if shard is not None
+        }
 
     @property
     def lr(self) -> float:
@@ -68,11 +76,15 @@ class FusedOptimizer:
         return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {table: {key: self._shards_of(table, key) for key in self.optimizer.STATE}
-                 for table in self._rows}
+        state = {
+            table: {key: self._shards_of(table, key) for key in self.optimizer.STATE}
+            for table in self._rows
+        }
         if gathering_full_tensors():
-            state = {table: {key: self._full_tensor(value) for key, value in keys.items()}
-                     for table, keys in state.items()}
+            state = {
+                table: {key: self._full_tensor(value) for key, value in keys.items()}
+                for table, keys in state.items()
+            }
         return {"lr": self.lr, "step": self.step, "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -87,5 +99,6 @@ class FusedOptimizer:
                         if block.tensor.data_ptr() != theirs.tensor.data_ptr():
                             block.tensor.copy_(theirs.tensor)
                 else:
-                    mine.copy_from_full(value.to(mine.device),
-                                        f"sparse optimizer state {table}/{key}")
+                    mine.copy_from_full(
+                        value.to(mine.device), f"sparse optimizer state {table}/{key}"
+                    )

@@ -16,8 +16,17 @@ import torch.nn.functional as F
 
 from manualpar.embeddings.native import native_kernels, supports
 
-__all__ = ["BagGradients", "RowGroups", "RowPass", "ShardBags", "add_to_rows", "bag_offsets",
-           "group_rows", "pooled_sum", "row_gradients"]
+__all__ = [
+    "BagGradients",
+    "RowGroups",
+    "RowPass",
+    "ShardBags",
+    "add_to_rows",
+    "bag_offsets",
+    "group_rows",
+    "pooled_sum",
+    "row_gradients",
+]
 
 
 @dataclass
@@ -71,8 +80,8 @@ class RowPass(IntEnum):
     ranks' gradients are still on their way."""
 
     ALL = 0
-    OWN = 1     # rows whose bags are all this rank's own; gradients of those bags only
-    REST = 2    # every other row; gradients of all bags
+    OWN = 1  # rows whose bags are all this rank's own; gradients of those bags only
+    REST = 2  # every other row; gradients of all bags
 
     def span(self, bags: ShardBags) -> tuple[int, int, int, int]:
         """(first run, end run, first bag, end bag) of this pass over `bags`."""
@@ -86,12 +95,15 @@ class RowPass(IntEnum):
 
 def group_rows(bags: ShardBags, num_rows: int) -> RowGroups | None:
     """Group a shard's ids by row with the C++ kernel; None where it does not apply."""
-    if not (supports(bags.ids) and bags.ids.dtype == torch.int64
-            and bags.lengths.dtype == torch.int64):
+    if not (
+        supports(bags.ids) and bags.ids.dtype == torch.int64 and bags.lengths.dtype == torch.int64
+    ):
         return None
-    return RowGroups(*native_kernels().group_rows(bags.ids.contiguous(),
-                                                  bags.lengths.contiguous(), num_rows,
-                                                  bags.own_begin, bags.own_end))
+    return RowGroups(
+        *native_kernels().group_rows(
+            bags.ids.contiguous(), bags.lengths.contiguous(), num_rows, bags.own_begin, bags.own_end
+        )
+    )
 
 
 def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -102,18 +114,25 @@ def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
-def pooled_sum(weight: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
-               weights: torch.Tensor | None) -> torch.Tensor:
+def pooled_sum(
+    weight: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
     """(bags, cols): the sum of each bag's rows (scaled by per-id weights)."""
     if lengths.numel() == 0:
         return weight.new_zeros(0, weight.shape[1])
-    return F.embedding_bag(ids, weight, bag_offsets(lengths), mode="sum",
-                           per_sample_weights=weights)
+    return F.embedding_bag(
+        ids, weight, bag_offsets(lengths), mode="sum", per_sample_weights=weights
+    )
 
 
-def row_gradients(ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
-                  bag_grads: torch.Tensor, num_rows: int,
-                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def row_gradients(
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    bag_grads: torch.Tensor,
+    num_rows: int,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct rows looked up (sorted), and the summed gradient of each times `scale`.
 
     In torch the sum is itself a pooled lookup: sort the ids, and each distinct id's "bag" holds
@@ -121,24 +140,35 @@ def row_gradients(ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tenso
     (index_add_ on CPU loops per index and is several times slower).
     """
     if supports(bag_grads, weights) and (weights is None or weights.dtype == bag_grads.dtype):
-        rows, summed = native_kernels().segment_sum(ids, lengths, weights,
-                                                    bag_grads.contiguous(), num_rows, scale)
+        rows, summed = native_kernels().segment_sum(
+            ids, lengths, weights, bag_grads.contiguous(), num_rows, scale
+        )
         return rows, summed
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
     sorted_ids, order = torch.sort(ids)
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     if rows.numel() == 0:
         return rows, bag_grads.new_zeros(0, bag_grads.shape[1])
-    summed = F.embedding_bag(bag[order], bag_grads, bag_offsets(counts), mode="sum",
-                             per_sample_weights=None if weights is None else weights[order])
+    summed = F.embedding_bag(
+        bag[order],
+        bag_grads,
+        bag_offsets(counts),
+        mode="sum",
+        per_sample_weights=None if weights is None else weights[order],
+    )
     return rows, summed.mul_(scale) if scale != 1.0 else summed
 
 
-def add_to_rows(tensor: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor,
-                alpha: float = 1.0) -> None:
+def add_to_rows(
+    tensor: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, alpha: float = 1.0
+) -> None:
     """tensor[rows] += alpha * delta for distinct rows (gather, add, scatter: no index_add_)."""
-    if (supports(tensor, delta) and delta.dtype == tensor.dtype and tensor.is_contiguous()
-            and rows.dtype == torch.int64):
+    if (
+        supports(tensor, delta)
+        and delta.dtype == tensor.dtype
+        and tensor.is_contiguous()
+        and rows.dtype == torch.int64
+    ):
         native_kernels().add_to_rows(tensor, rows.contiguous(), delta.contiguous(), alpha)
         return
     tensor.index_copy_(0, rows, tensor.index_select(0, rows).add_(delta, alpha=alpha))

@@ -62,23 +62,30 @@ class LocalShards(torch.Tensor):
     blocks: list[Block]
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], blocks: Sequence[Block], dtype: torch.dtype,
-                ) -> LocalShards:
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        blocks: Sequence[Block],
+        dtype: torch.dtype,
+    ) -> LocalShards:
         device = blocks[0].tensor.device if blocks else torch.device("cpu")
-        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
-                                                   device=device)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=dtype, device=device
+        )
         self.blocks = list(blocks)
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func: object, types: object, args: object = (),
-                           kwargs: object = None) -> None:
+    def __torch_dispatch__(
+        cls, func: object, types: object, args: object = (), kwargs: object = None
+    ) -> None:
         raise NotImplementedError(
             f"{func}: a LocalShards value only describes this rank's blocks of a sharded tensor "
             "for checkpointing; read the module's parameters, or use full_tensors() for a "
-            "gathered tensor")
+            "gathered tensor"
+        )
 
     def __repr__(self) -> str:  # type: ignore[override]
         parts = ", ".join(f"{list(b.offsets)}+{list(b.tensor.shape)}" for b in self.blocks)
@@ -86,19 +93,26 @@ class LocalShards(torch.Tensor):
 
     # DCP checkpointable protocol ----------------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
-        return [WriteItem(
-            index=MetadataIndex(fqn, torch.Size(block.offsets)),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size(block.offsets),
-                                           sizes=block.tensor.shape),
-                properties=TensorProperties.create_from_tensor(block.tensor),
-                size=self.shape))
-            for block in self.blocks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(block.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(
+                        offsets=torch.Size(block.offsets), sizes=block.tensor.shape
+                    ),
+                    properties=TensorProperties.create_from_tensor(block.tensor),
+                    size=self.shape,
+                ),
+            )
+            for block in self.blocks
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=b.tensor.shape)
-                for b in self.blocks]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=b.tensor.shape)
+            for b in self.blocks
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for block in self.blocks:
@@ -120,8 +134,10 @@ class LocalShards(torch.Tensor):
     def copy_from_full(self, full: torch.Tensor, what: str) -> None:
         """Fill the local blocks from a full tensor (loading a full export)."""
         if tuple(full.shape) != tuple(self.shape):
-            raise ValueError(f"{what}: a full tensor of shape {tuple(full.shape)} does not fit "
-                             f"shape {tuple(self.shape)}")
+            raise ValueError(
+                f"{what}: a full tensor of shape {tuple(full.shape)} does not fit "
+                f"shape {tuple(self.shape)}"
+            )
         for block in self.blocks:
             block.tensor.copy_(full[_region(block)])
 

@@ -31,8 +31,11 @@ _libc: ctypes.CDLL | None = None
 def _madvise_huge(tensor: torch.Tensor) -> bool:
     """Advise the 2 MiB-aligned interior of a CPU tensor's memory; False if not possible."""
     global _libc
-    if (not sys.platform.startswith("linux") or tensor.device.type != "cpu"
-            or os.environ.get(ENV_SWITCH, "1") == "0"):
+    if (
+        not sys.platform.startswith("linux")
+        or tensor.device.type != "cpu"
+        or os.environ.get(ENV_SWITCH, "1") == "0"
+    ):
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
@@ -41,12 +44,12 @@ def _madvise_huge(tensor: torch.Tensor) -> bool:
         return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    return _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
-                         _MADV_HUGEPAGE) == 0
+    return _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
 
 
-def empty_rows(*shape: int, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+def empty_rows(
+    *shape: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """torch.empty, on huge pages when large enough (do not write it before this returns)."""
     tensor = torch.empty(*shape, device=device, dtype=dtype)
     if tensor.numel() * tensor.element_size() >= 2 * HUGE_PAGE:
@@ -54,6 +57,7 @@ def empty_rows(*shape: int, device: torch.device | str | None = None,
     return tensor
 
 
-def zeros_rows(*shape: int, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+def zeros_rows(
+    *shape: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     return empty_rows(*shape, device=device, dtype=dtype).zero_()

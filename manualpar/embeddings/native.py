@@ -72,8 +72,12 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
         lock.unlink()
     except FileNotFoundError:
         return False
-    warnings.warn(f"manualpar: removed a stale build lock {lock} (a build was interrupted); "
-                  "building the C++ kernels again", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"manualpar: removed a stale build lock {lock} (a build was interrupted); "
+        "building the C++ kernels again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return True
 
 
@@ -94,12 +98,21 @@ def native_kernels() -> ModuleType | None:
 
             directory.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(directory)
-            _loaded = load(name, [str(SOURCE)], extra_cflags=CFLAGS,
-                           build_directory=str(directory), verbose=False)
+            _loaded = load(
+                name,
+                [str(SOURCE)],
+                extra_cflags=CFLAGS,
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, loudly
-        warnings.warn(f"manualpar: the C++ embedding kernels could not be built ({error}); "
-                      f"using the pure-torch path, which gives the same results more slowly. "
-                      f"Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"manualpar: the C++ embedding kernels could not be built ({error}); "
+            f"using the pure-torch path, which gives the same results more slowly. "
+            f"Set {ENV_SWITCH}=0 to skip the build.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return _loaded
 
 

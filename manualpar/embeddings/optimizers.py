@@ -25,15 +25,21 @@ __all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "check
 
 def check_lr(value: object, where: str) -> float:
     """A learning rate: a finite number >= 0 (a typo here would train silently on garbage)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
+    ):
         raise BuilderError(f"{where}: lr must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def _check_positive(value: object, name: str, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
         raise BuilderError(f"{where}: {name} must be a finite number > 0, got {value!r}")
 
 
@@ -55,14 +61,25 @@ class SparseOptimizer:
         if hasattr(self, "eps"):
             _check_positive(self.eps, "eps", type(self).__name__)
 
-    def init_state(self, rows: int, cols: int,
-                   device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        return {name: zeros_rows(rows, device=device) if per_row
-                else zeros_rows(rows, cols, device=device)
-                for name, per_row in self.STATE.items()}
+    def init_state(
+        self, rows: int, cols: int, device: torch.device | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        return {
+            name: zeros_rows(rows, device=device)
+            if per_row
+            else zeros_rows(rows, cols, device=device)
+            for name, per_row in self.STATE.items()
+        }
 
-    def step_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor,
-                  grad: torch.Tensor, step: int, row_sq_mean: torch.Tensor | None) -> None:
+    def step_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        row_sq_mean: torch.Tensor | None,
+    ) -> None:
         """Update `weight[rows]` (and state) given each row's summed gradient `grad`.
 
         `rows` are distinct local row indices; `row_sq_mean` is the mean over the table's full
@@ -70,8 +87,16 @@ class SparseOptimizer:
         """
         raise NotImplementedError
 
-    def step_bags(self, weight: torch.Tensor, state: dict[str, torch.Tensor], bags: ShardBags,
-                  grads: BagGradients, col_start: int, step: int, rows: RowPass) -> bool:
+    def step_bags(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        bags: ShardBags,
+        grads: BagGradients,
+        col_start: int,
+        step: int,
+        rows: RowPass,
+    ) -> bool:
         """Update the `rows` of this pass straight from the bags' gradients (full width if
         `needs_full_rows`) in one fused pass, if this rule has such a kernel for these tensors;
         False: not done, the caller sums row gradients (once all have come) and calls
@@ -99,8 +124,7 @@ class Adagrad(SparseOptimizer):
     STATE = {"sum": False}
 
     def init_state(self, rows, cols, device=None):
-        return {"sum": empty_rows(rows, cols, device=device).fill_(
-            self.initial_accumulator_value)}
+        return {"sum": empty_rows(rows, cols, device=device).fill_(self.initial_accumulator_value)}
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).addcmul_(grad, grad)
@@ -120,21 +144,38 @@ class RowWiseAdagrad(SparseOptimizer):
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         total = state["sum"].index_select(0, rows).add_(row_sq_mean)
         state["sum"].index_copy_(0, rows, total)
-        add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1),
-                    -self.lr)
+        add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1), -self.lr)
 
     def step_bags(self, weight, state, bags, grads, col_start, step, rows):
-        if not (bags.groups is not None and supports(weight, bags.weights, *grads.blocks)
-                and weight.is_contiguous()
-                and all(b.dtype == weight.dtype and b.stride(-1) == 1 for b in grads.blocks)
-                and (bags.weights is None or bags.weights.dtype == weight.dtype)):
+        if not (
+            bags.groups is not None
+            and supports(weight, bags.weights, *grads.blocks)
+            and weight.is_contiguous()
+            and all(b.dtype == weight.dtype and b.stride(-1) == 1 for b in grads.blocks)
+            and (bags.weights is None or bags.weights.dtype == weight.dtype)
+        ):
             return False
         groups = bags.groups
         run_begin, run_end, first_bag, end_bag = rows.span(bags)
         native_kernels().rowwise_adagrad_update(
-            weight, state["sum"], bags.weights, groups.order, groups.starts, groups.bags,
-            groups.rows, groups.runs, run_begin, run_end, grads.blocks, grads.scales,
-            first_bag, end_bag, col_start, self.lr, self.eps)
+            weight,
+            state["sum"],
+            bags.weights,
+            groups.order,
+            groups.starts,
+            groups.bags,
+            groups.rows,
+            groups.runs,
+            run_begin,
+            run_end,
+            grads.blocks,
+            grads.scales,
+            first_bag,
+            end_bag,
+            col_start,
+            self.lr,
+            self.eps,
+        )
         return True
 
 
@@ -150,14 +191,19 @@ class Adam(SparseOptimizer):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.betas) != 2 or not all(
-                isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas
+        ):
             raise BuilderError(f"Adam: betas must be two numbers in [0, 1), got {self.betas!r}")
 
     def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
         beta1, beta2 = self.betas
         exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(
-            grad, grad, value=1 - beta2)
+        exp_avg_sq = (
+            state["exp_avg_sq"]
+            .index_select(0, rows)
+            .mul_(beta2)
+            .addcmul_(grad, grad, value=1 - beta2)
+        )
         state["exp_avg"].index_copy_(0, rows, exp_avg)
         state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)

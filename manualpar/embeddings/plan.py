@@ -42,13 +42,13 @@ __all__ = [
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
-
 def format_bytes(size: float) -> str:
     """A size in the largest unit that keeps it >= 1 (GiB, MiB, KiB, bytes)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
             return f"{size / scale:.2f} {unit}" if unit == "GiB" else f"{size / scale:.1f} {unit}"
     return f"{int(size)} bytes"
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -148,8 +148,11 @@ class EmbeddingPlan:
     notes: Mapping[str, str] = field(default_factory=dict)  # why the planner chose each placement
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
-                or self.world_size < 1:
+        if (
+            isinstance(self.world_size, bool)
+            or not isinstance(self.world_size, int)
+            or self.world_size < 1
+        ):
             raise PlanError(f"a plan's world_size must be an int >= 1, got {self.world_size!r}")
         object.__setattr__(self, "tables", dict(self.tables))
         object.__setattr__(self, "notes", dict(self.notes))
@@ -160,41 +163,53 @@ class EmbeddingPlan:
         if self.world_size != world_size:
             raise PlanError(
                 f"this plan was made for world size {self.world_size}, but the job has "
-                f"{world_size} ranks; make a plan for {world_size} ranks (plan='auto' does)")
+                f"{world_size} ranks; make a plan for {world_size} ranks (plan='auto' does)"
+            )
         names = [c.name for c in configs]
         missing = [n for n in names if n not in self.tables]
         if missing:
-            raise PlanError(f"the plan leaves out tables {missing}; every table needs a "
-                            "placement (tables are never dropped silently)")
+            raise PlanError(
+                f"the plan leaves out tables {missing}; every table needs a "
+                "placement (tables are never dropped silently)"
+            )
         unknown = sorted(set(self.tables) - set(names))
         if unknown:
-            raise PlanError(f"the plan places tables {unknown} that the collection does not "
-                            f"have; remove them or fix their names (its tables are {names})")
+            raise PlanError(
+                f"the plan places tables {unknown} that the collection does not "
+                f"have; remove them or fix their names (its tables are {names})"
+            )
         for config in configs:
             self._check_placement(config, self.tables[config.name], world_size)
 
     @staticmethod
-    def _check_placement(config: EmbeddingBagConfig, placement: TablePlacement,
-                         world_size: int) -> None:
+    def _check_placement(
+        config: EmbeddingBagConfig, placement: TablePlacement, world_size: int
+    ) -> None:
         ranks = placement.resolved_ranks(world_size)
         where = f"table {config.name!r} ({placement})"
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
-            raise PlanError(f"{where}: ranks {bad} do not exist in a job of {world_size} ranks; "
-                            f"use ranks in [0, {world_size})")
+            raise PlanError(
+                f"{where}: ranks {bad} do not exist in a job of {world_size} ranks; "
+                f"use ranks in [0, {world_size})"
+            )
         if len(set(ranks)) != len(ranks):
             raise PlanError(f"{where}: a rank appears twice; give each block its own rank")
         if placement.sharding == "table_wise" and len(ranks) != 1:
             raise PlanError(f"{where}: table_wise takes exactly one rank")
         if placement.sharding in ("column_wise", "table_row_wise") and not ranks:
             raise PlanError(f"{where}: needs at least one rank")
-        if placement.sharding in ("row_wise", "table_row_wise") and \
-                config.num_embeddings < len(ranks):
-            raise PlanError(f"{where}: {config.num_embeddings} rows cannot be split over "
-                            f"{len(ranks)} ranks; use table_wise")
+        if placement.sharding in ("row_wise", "table_row_wise") and config.num_embeddings < len(
+            ranks
+        ):
+            raise PlanError(
+                f"{where}: {config.num_embeddings} rows cannot be split over "
+                f"{len(ranks)} ranks; use table_wise"
+            )
         if placement.sharding == "column_wise" and config.embedding_dim < len(ranks):
-            raise PlanError(f"{where}: {config.embedding_dim} columns cannot be split over "
-                            f"{len(ranks)} ranks")
+            raise PlanError(
+                f"{where}: {config.embedding_dim} columns cannot be split over {len(ranks)} ranks"
+            )
 
     # shards -----------------------------------------------------------------------------------
     def shards(self, config: EmbeddingBagConfig) -> list[Shard]:
@@ -205,13 +220,18 @@ class EmbeddingPlan:
         if placement.sharding == "data_parallel":
             return [Shard(r, 0, rows, 0, dim, replicated=True) for r in ranks]
         if placement.sharding == "column_wise":
-            return [Shard(r, 0, rows, c0, c1)
-                    for r, (c0, c1) in zip(ranks, split_evenly(dim, len(ranks)), strict=True)]
-        return [Shard(r, r0, r1, 0, dim) for r, (r0, r1) in zip(ranks, split_evenly(
-            rows, len(ranks)), strict=True)]
+            return [
+                Shard(r, 0, rows, c0, c1)
+                for r, (c0, c1) in zip(ranks, split_evenly(dim, len(ranks)), strict=True)
+            ]
+        return [
+            Shard(r, r0, r1, 0, dim)
+            for r, (r0, r1) in zip(ranks, split_evenly(rows, len(ranks)), strict=True)
+        ]
 
-    def bytes_per_rank(self, configs: Sequence[EmbeddingBagConfig],
-                       state_bytes_per_row: int = 4) -> list[int]:
+    def bytes_per_rank(
+        self, configs: Sequence[EmbeddingBagConfig], state_bytes_per_row: int = 4
+    ) -> list[int]:
         """Weight bytes (fp32) plus optimizer state (default: row-wise Adagrad) on each rank."""
         total = [0] * self.world_size
         for config in configs:
@@ -221,21 +241,31 @@ class EmbeddingPlan:
 
     # presentation -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size,
-                "tables": {name: {"sharding": p.sharding, "ranks": list(p.ranks)}
-                           for name, p in self.tables.items()},
-                "notes": dict(self.notes)}
+        return {
+            "world_size": self.world_size,
+            "tables": {
+                name: {"sharding": p.sharding, "ranks": list(p.ranks)}
+                for name, p in self.tables.items()
+            },
+            "notes": dict(self.notes),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingPlan:
         try:
-            return cls(int(data["world_size"]),
-                       {name: TablePlacement(p["sharding"], tuple(p.get("ranks", ())))
-                        for name, p in data["tables"].items()},
-                       dict(data.get("notes", {})))
+            return cls(
+                int(data["world_size"]),
+                {
+                    name: TablePlacement(p["sharding"], tuple(p.get("ranks", ())))
+                    for name, p in data["tables"].items()
+                },
+                dict(data.get("notes", {})),
+            )
         except (KeyError, TypeError) as error:
-            raise PlanError(f"not a plan: {error!r}; expected {{'world_size': N, 'tables': "
-                            "{name: {'sharding': ..., 'ranks': [...]}}}") from None
+            raise PlanError(
+                f"not a plan: {error!r}; expected {{'world_size': N, 'tables': "
+                "{name: {'sharding': ..., 'ranks': [...]}}}"
+            ) from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -254,17 +284,26 @@ class EmbeddingPlan:
         """A table: placement, shards and bytes per rank (what `print(plan)` shows, with sizes)."""
         lines = [f"embedding plan for {self.world_size} ranks"]
         for config in configs:
-            shards = ", ".join(
-                f"r{s.rank}:rows[{s.row_start}:{s.row_end}]"
-                + (f"cols[{s.col_start}:{s.col_end}]" if s.cols != config.embedding_dim else "")
-                for s in self.shards(config)) if config.name in self.tables else "-"
+            shards = (
+                ", ".join(
+                    f"r{s.rank}:rows[{s.row_start}:{s.row_end}]"
+                    + (f"cols[{s.col_start}:{s.col_end}]" if s.cols != config.embedding_dim else "")
+                    for s in self.shards(config)
+                )
+                if config.name in self.tables
+                else "-"
+            )
             note = f"  ({self.notes[config.name]})" if config.name in self.notes else ""
-            lines.append(f"  {config.name:<16} {config.num_embeddings:>12} x "
-                         f"{config.embedding_dim:<4} {self.tables[config.name]!s:<22} "
-                         f"{shards}{note}")
+            lines.append(
+                f"  {config.name:<16} {config.num_embeddings:>12} x "
+                f"{config.embedding_dim:<4} {self.tables[config.name]!s:<22} "
+                f"{shards}{note}"
+            )
         per_rank = self.bytes_per_rank(configs)
-        lines.append("  bytes per rank (weights + row-wise state): "
-                     + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank)))
+        lines.append(
+            "  bytes per rank (weights + row-wise state): "
+            + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:

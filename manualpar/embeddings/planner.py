@@ -42,11 +42,16 @@ def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = 
     return config.num_embeddings * per_row
 
 
-def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
-                ranks_per_node: int | None = None, memory_budget_bytes: int | None = None,
-                optimizer: SparseOptimizer | None = None,
-                pooling_factors: Mapping[str, float] | None = None,
-                replicate_bytes: int = 256 * 2**10) -> EmbeddingPlan:
+def plan_tables(
+    tables: Sequence[EmbeddingBagConfig],
+    world_size: int,
+    *,
+    ranks_per_node: int | None = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: SparseOptimizer | None = None,
+    pooling_factors: Mapping[str, float] | None = None,
+    replicate_bytes: int = 256 * 2**10,
+) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring for the rules."""
     ranks_per_node = ranks_per_node or world_size
     pooling = {c.name: float((pooling_factors or {}).get(c.name, 1.0)) for c in tables}
@@ -66,8 +71,11 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
     for config in sorted(tables, key=lambda c: sizes[c.name], reverse=True):
         size, name = sizes[config.name], config.name
         lookups = pooling[name] * config.embedding_dim * len(config.feature_names)
-        if size <= replicate_bytes and (budget is None or
-                                        max(memory) + size <= budget) and world_size > 1:
+        if (
+            size <= replicate_bytes
+            and (budget is None or max(memory) + size <= budget)
+            and world_size > 1
+        ):
             placements[name] = data_parallel()
             notes[name] = f"replicated: {format_bytes(size)} <= {format_bytes(replicate_bytes)}"
             memory = [m + size for m in memory]
@@ -85,8 +93,10 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
         nodes = world_size // ranks_per_node
         node_share = -(-size // ranks_per_node)
         if nodes > 1:
-            node = min(range(nodes), key=lambda n: max(
-                memory[n * ranks_per_node:(n + 1) * ranks_per_node]))
+            node = min(
+                range(nodes),
+                key=lambda n: max(memory[n * ranks_per_node : (n + 1) * ranks_per_node]),
+            )
             node_ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
             if budget is None or all(memory[r] + node_share <= budget for r in node_ranks):
                 placements[name] = table_row_wise(node, ranks_per_node)
@@ -103,18 +113,24 @@ def plan_tables(tables: Sequence[EmbeddingBagConfig], world_size: int, *,
                 f"table {name!r} needs {format_bytes(share)} per rank split over {world_size} "
                 f"ranks, but ranks already hold {held} of a {format_bytes(budget)} budget; all "
                 f"tables need at least {least} per rank. Raise the memory budget, add ranks, or "
-                "shrink the tables")
+                "shrink the tables"
+            )
         placements[name] = row_wise()
-        notes[name] = (f"rows split over all {world_size} ranks ({reason}; "
-                       f"{format_bytes(share)} each)")
+        notes[name] = (
+            f"rows split over all {world_size} ranks ({reason}; {format_bytes(share)} each)"
+        )
         memory = [m + share for m in memory]
         work = [w + lookups / world_size for w in work]
     ordered = {c.name: placements[c.name] for c in tables}
     return EmbeddingPlan(world_size, ordered, {c.name: notes[c.name] for c in tables})
 
 
-def _check_fits(tables: Sequence[EmbeddingBagConfig], sizes: Mapping[str, int], world_size: int,
-                budget: int | None) -> None:
+def _check_fits(
+    tables: Sequence[EmbeddingBagConfig],
+    sizes: Mapping[str, int],
+    world_size: int,
+    budget: int | None,
+) -> None:
     if budget is None:
         return
     need = -(-sum(sizes.values()) // world_size)
@@ -123,7 +139,8 @@ def _check_fits(tables: Sequence[EmbeddingBagConfig], sizes: Mapping[str, int], 
             f"{_tables(len(tables))} {format_bytes(sum(sizes.values()))} with optimizer state: at "
             f"least {format_bytes(need)} per rank on {world_size} ranks, more than the budget of "
             f"{format_bytes(budget)}; raise the memory budget to {format_bytes(need)} or more, use "
-            f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables")
+            f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables"
+        )
 
 
 def _tables(count: int) -> str:

@@ -21,9 +21,9 @@ __all__ = ["LocalShard", "Route", "Routing"]
 
 @dataclass(frozen=True)
 class Route:
-    feature: int        # index into Routing.features
-    table: int          # index into Routing.tables
-    row_group: int      # which block of rows (0 unless split by rows)
+    feature: int  # index into Routing.features
+    table: int  # index into Routing.tables
+    row_group: int  # which block of rows (0 unless split by rows)
     shard: Shard
 
     @property
@@ -53,8 +53,9 @@ class Routing:
         self.feature_offsets = [sum(self.dims[:i]) for i in range(len(self.dims))]
         self.total_dim = sum(self.dims)
         self.shards = [plan.shards(config) for config in tables]
-        self.data_parallel = [t for t, c in enumerate(tables)
-                              if plan.tables[c.name].sharding == "data_parallel"]
+        self.data_parallel = [
+            t for t, c in enumerate(tables) if plan.tables[c.name].sharding == "data_parallel"
+        ]
         self.row_starts = [sorted({s.row_start for s in shards}) for shards in self.shards]
         self.routes_to: list[list[Route]] = [[] for _ in range(self.world_size)]
         for f, (_, t) in enumerate(self.features):
@@ -71,8 +72,9 @@ class Routing:
         for dest, routes in enumerate(self.routes_to):
             for route in routes:
                 self.routes_of_feature[route.feature].append((dest, route))
-        self.row_start_tensors = [torch.tensor(starts, dtype=torch.int64)
-                                  for starts in self.row_starts]
+        self.row_start_tensors = [
+            torch.tensor(starts, dtype=torch.int64) for starts in self.row_starts
+        ]
 
     def _local_shards(self) -> list[LocalShard]:
         local: list[LocalShard] = []

@@ -62,22 +62,28 @@ def shard_embeddings(
     with the values the unsharded collection would have; real tables are copied block by block.
     """
     if not isinstance(ebc, EmbeddingBagCollection):
-        raise BuilderError(f"{BUILDER}() takes an EmbeddingBagCollection, got "
-                           f"{type(ebc).__name__}")
+        raise BuilderError(f"{BUILDER}() takes an EmbeddingBagCollection, got {type(ebc).__name__}")
     if optimizer is None:
-        raise BuilderError(f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
-                           " sharded tables are updated by a fused optimizer inside backward")
+        raise BuilderError(
+            f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
+            " sharded tables are updated by a fused optimizer inside backward"
+        )
     if normalize_by not in NORMALIZATIONS:
-        raise BuilderError(f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got "
-                           f"{normalize_by!r}")
+        raise BuilderError(
+            f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
+        )
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
         from manualpar.embeddings.planner import plan_tables
 
-        plan = plan_tables(ebc.configs, strategy.world_size,
-                           ranks_per_node=strategy.environment.local_world_size,
-                           memory_budget_bytes=memory_budget_bytes, optimizer=optimizer)
+        plan = plan_tables(
+            ebc.configs,
+            strategy.world_size,
+            ranks_per_node=strategy.environment.local_world_size,
+            memory_budget_bytes=memory_budget_bytes,
+            optimizer=optimizer,
+        )
     elif not isinstance(plan, EmbeddingPlan):
         plan = EmbeddingPlan(strategy.world_size, dict(plan))
     plan.validate(ebc.configs, strategy.world_size)
@@ -88,8 +94,14 @@ def shard_embeddings(
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
-    def __init__(self, ebc: EmbeddingBagCollection, strategy: ManualParallelStrategy,
-                 plan: EmbeddingPlan, optimizer: SparseOptimizer, normalize_by: str) -> None:
+    def __init__(
+        self,
+        ebc: EmbeddingBagCollection,
+        strategy: ManualParallelStrategy,
+        plan: EmbeddingPlan,
+        optimizer: SparseOptimizer,
+        normalize_by: str,
+    ) -> None:
         super().__init__()
         self.configs = ebc.configs
         self.seed = ebc.seed
@@ -104,20 +116,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for t, config in enumerate(self.configs):
             shard = next((s for s in self.routing.local_shards if s.table == t), None)
             shards[config.name] = shard.shard if shard else None
-            rows, cols = ((shard.shard.rows, shard.shard.cols) if shard
-                          else (0, config.embedding_dim))
+            rows, cols = (
+                (shard.shard.rows, shard.shard.cols) if shard else (0, config.embedding_dim)
+            )
             table = EmbeddingTable(config, ebc.seed, rows, cols, device=device)
             if shard is not None:
-                _fill_block(table.weight, ebc.tables[config.name].weight, config, ebc.seed,
-                            shard.shard)
+                _fill_block(
+                    table.weight, ebc.tables[config.name].weight, config, ebc.seed, shard.shard
+                )
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
         claim(self, BUILDER)
         self._shards = shards
         self.fused_optimizer = FusedOptimizer(
-            optimizer, shards, {c.name: c.embedding_dim for c in self.configs},
-            {c.name: c.num_embeddings for c in self.configs}, device, self._full_tensor)
+            optimizer,
+            shards,
+            {c.name: c.embedding_dim for c in self.configs},
+            {c.name: c.num_embeddings for c in self.configs},
+            device,
+            self._full_tensor,
+        )
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
         self._anchor = torch.zeros((), device=device, requires_grad=True)
@@ -141,15 +160,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ranks stop at this step with an error instead of waiting for the collective timeout."""
         world = self.strategy.world_size
         if world > 1:
-            self.all_to_all(torch.full((3 * world,), REFUSED, device=self.strategy.device),
-                            [3] * world, [3] * world, "ids")
+            self.all_to_all(
+                torch.full((3 * world,), REFUSED, device=self.strategy.device),
+                [3] * world,
+                [3] * world,
+                "ids",
+            )
 
     def collective_name(self, what: str) -> str:
         """How errors name a collective of this module."""
         return f"{BUILDER}: {what}"
 
-    def all_to_all(self, tensor: torch.Tensor, send: list[int], receive: list[int],
-                   what: str) -> torch.Tensor:
+    def all_to_all(
+        self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
+    ) -> torch.Tensor:
         """A blocking all_to_all_single (the tensor itself on one process)."""
         if self.strategy.world_size == 1:
             return tensor
@@ -174,10 +198,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rule = self.fused_optimizer.optimizer
         row_sq_mean = summed.square().mean(1) if rule.needs_full_rows else None
         if summed.shape[1] != shard.cols:  # full-width gradient of a column block
-            summed = summed[:, shard.col_start:shard.col_end]
+            summed = summed[:, shard.col_start : shard.col_end]
         with torch.no_grad():
-            rule.step_rows(self.tables[config.name].weight, self.fused_optimizer.state[
-                config.name], rows, summed, self.fused_optimizer.step, row_sq_mean)
+            rule.step_rows(
+                self.tables[config.name].weight,
+                self.fused_optimizer.state[config.name],
+                rows,
+                summed,
+                self.fused_optimizer.step,
+                row_sq_mean,
+            )
 
     # checkpoint -------------------------------------------------------------------------------
     def _table_block(self, table: EmbeddingTable) -> LocalShards:
@@ -187,18 +217,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if shard is None:
             return LocalShards(shape, [], table.weight.dtype)
         primary = not shard.replicated or shard.rank == 0
-        return LocalShards(shape, [Block((shard.row_start, shard.col_start), table.weight.data,
-                                         primary)], table.weight.dtype)
+        return LocalShards(
+            shape,
+            [Block((shard.row_start, shard.col_start), table.weight.data, primary)],
+            table.weight.dtype,
+        )
 
     def _full_tensor(self, shards: LocalShards) -> torch.Tensor:
         with self.strategy._collective(f"{BUILDER}: gathering a full table"):
             return shards.gather(self.strategy.group if self.strategy.world_size > 1 else None)
 
-    def _table_state_dict(self, table: nn.Module, state_dict: dict, prefix: str,
-                          local_metadata: Any) -> None:
+    def _table_state_dict(
+        self, table: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    ) -> None:
         value = self._table_block(table)
-        state_dict[prefix + "weight"] = (self._full_tensor(value) if gathering_full_tensors()
-                                         else value)
+        state_dict[prefix + "weight"] = (
+            self._full_tensor(value) if gathering_full_tensors() else value
+        )
 
     def _table_load_pre_hook(self, state_dict: dict, prefix: str, *args: Any) -> None:
         key = prefix + "weight"
@@ -217,8 +252,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
 class _EmbeddingLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, module: ShardedEmbeddingBagCollection,
-                features: SparseFeatures) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        module: ShardedEmbeddingBagCollection,
+        features: SparseFeatures,
+    ) -> torch.Tensor:
         out, saved = lookup(module, features)
         ctx.module, ctx.saved = module, saved
         return out
@@ -230,16 +269,21 @@ class _EmbeddingLookup(torch.autograd.Function):
         return None, None, None
 
 
-def _fill_block(weight: nn.Parameter, source: torch.Tensor, config: Any, seed: int,
-                shard: Any) -> None:
+def _fill_block(
+    weight: nn.Parameter, source: torch.Tensor, config: Any, seed: int, shard: Any
+) -> None:
     """This rank's block: the source's values if it is real, else the seeded initial values."""
     with torch.no_grad():
         if source.is_meta:  # generated in place: no second copy of the block, even briefly
-            init_rows(config, seed, (shard.row_start, shard.row_end),
-                      (shard.col_start, shard.col_end), out=weight.detach())
+            init_rows(
+                config,
+                seed,
+                (shard.row_start, shard.row_end),
+                (shard.col_start, shard.col_end),
+                out=weight.detach(),
+            )
         else:
-            weight.copy_(source[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
-
+            weight.copy_(source[shard.row_start : shard.row_end, shard.col_start : shard.col_end])
 
 
 def fused_optimizers(model: nn.Module) -> dict[str, FusedOptimizer]:
@@ -247,8 +291,11 @@ def fused_optimizers(model: nn.Module) -> dict[str, FusedOptimizer]:
 
     Keys: "sparse_optim" for a single collection, else "sparse_optim_<module path>".
     """
-    found = {name: m.fused_optimizer for name, m in model.named_modules()
-             if isinstance(m, ShardedEmbeddingBagCollection)}
+    found = {
+        name: m.fused_optimizer
+        for name, m in model.named_modules()
+        if isinstance(m, ShardedEmbeddingBagCollection)
+    }
     if len(found) == 1:
         return {"sparse_optim": next(iter(found.values()))}
     return {"sparse_optim_" + name.replace(".", "_"): opt for name, opt in found.items()}

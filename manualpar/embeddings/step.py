@@ -54,9 +54,9 @@ class PendingAllToAll:
 
     module: ShardedEmbeddingBagCollection
     work: Any
-    sent: torch.Tensor      # kept alive until the exchange is done
+    sent: torch.Tensor  # kept alive until the exchange is done
     received: torch.Tensor
-    receive: list[int]      # elements from each rank
+    receive: list[int]  # elements from each rank
     what: str
 
     def wait(self) -> torch.Tensor:
@@ -68,8 +68,13 @@ class PendingAllToAll:
         return self.received
 
 
-def start_all_to_all(module: ShardedEmbeddingBagCollection, tensor: torch.Tensor,
-                     send: list[int], receive: list[int], what: str) -> PendingAllToAll:
+def start_all_to_all(
+    module: ShardedEmbeddingBagCollection,
+    tensor: torch.Tensor,
+    send: list[int],
+    receive: list[int],
+    what: str,
+) -> PendingAllToAll:
     """Start an all_to_all_single of `tensor` (`send`/`receive`: elements per rank); waits use
     the strategy's collective timeout. On one process nothing is sent."""
     received = tensor.new_empty(sum(receive))
@@ -77,15 +82,17 @@ def start_all_to_all(module: ShardedEmbeddingBagCollection, tensor: torch.Tensor
     if module.strategy.world_size > 1:
         tensor = tensor.contiguous()
         with module.strategy._collective(module.collective_name(f"{what} all_to_all")):
-            work = torch.distributed.all_to_all_single(received, tensor, receive, send,
-                                                       group=module.strategy.group,
-                                                       async_op=True)
+            work = torch.distributed.all_to_all_single(
+                received, tensor, receive, send, group=module.strategy.group, async_op=True
+            )
     return PendingAllToAll(module, work, tensor, received, receive, what)
 
 
 # forward ---------------------------------------------------------------------------------------
-def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
-           ) -> tuple[torch.Tensor, dict[str, Any]]:
+def lookup(
+    module: ShardedEmbeddingBagCollection,
+    features: SparseFeatures,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
     routing = module.routing
     rank, world = routing.rank, routing.world_size
@@ -97,8 +104,7 @@ def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
     _unpack_others(routing, ids_in.wait(), sizes, parts)
     pooled_in = _send_pooled(module, parts, out) if world > 1 else None
     local = routing.routed_local_shards()
-    bags = [combine_senders([parts[s][k] for s in range(world)], rank)
-            for k in range(len(local))]
+    bags = [combine_senders([parts[s][k] for s in range(world)], rank) for k in range(len(local))]
     if module.fused_optimizer.optimizer.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
             shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
@@ -108,13 +114,19 @@ def lookup(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
     mean_scale = _mean_scale(module, lengths, out.dtype)
     if mean_scale is not None:
         out.mul_(mean_scale)
-    return out, {"bags": bags, "batch_sizes": [size[0] for size in sizes],
-                 "features": feature_ids, "mean_scale": mean_scale}
+    return out, {
+        "bags": bags,
+        "batch_sizes": [size[0] for size in sizes],
+        "features": feature_ids,
+        "mean_scale": mean_scale,
+    }
 
 
-def _send_ids(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
-              lengths: torch.Tensor,
-              ) -> tuple[list[list[int]], list[list[SenderBags]], PendingAllToAll]:
+def _send_ids(
+    module: ShardedEmbeddingBagCollection,
+    features: SparseFeatures,
+    lengths: torch.Tensor,
+) -> tuple[list[list[int]], list[list[SenderBags]], PendingAllToAll]:
     """Exchange sizes (blocking), then send the ids (in flight on return). Returns every
     rank's [batch, payload length, weighted], the bags per sender rank and local shard (only
     this rank's own filled yet), and the pending exchange."""
@@ -122,31 +134,42 @@ def _send_ids(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
     rank, world = routing.rank, routing.world_size
     weighted = features.weights is not None
     payloads = pack_ids(routing, features.values, lengths, features.weights)
-    sizes = module.all_to_all(size_header(features.batch_size, payloads, weighted),
-                              [3] * world, [3] * world, "ids").view(world, 3).tolist()
+    sizes = (
+        module.all_to_all(
+            size_header(features.batch_size, payloads, weighted), [3] * world, [3] * world, "ids"
+        )
+        .view(world, 3)
+        .tolist()
+    )
     check_refusals(sizes)
     others = [p for d, p in enumerate(payloads) if d != rank]
     pending = start_all_to_all(
-        module, torch.cat(others) if others else payloads[rank][:0],
+        module,
+        torch.cat(others) if others else payloads[rank][:0],
         [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
-        [0 if s == rank else size[1] for s, size in enumerate(sizes)], "ids")
+        [0 if s == rank else size[1] for s, size in enumerate(sizes)],
+        "ids",
+    )
     parts: list[list[SenderBags]] = [[] for _ in range(world)]
     parts[rank] = unpack_ids(routing, payloads[rank], features.batch_size, weighted)
     return sizes, parts, pending
 
 
-def _unpack_others(routing: Routing, received: torch.Tensor, sizes: list[list[int]],
-                   parts: list[list[SenderBags]]) -> None:
+def _unpack_others(
+    routing: Routing, received: torch.Tensor, sizes: list[list[int]], parts: list[list[SenderBags]]
+) -> None:
     offset = 0
     for sender, (batch, length, weighted) in enumerate(sizes):
         if sender != routing.rank:
-            parts[sender] = unpack_ids(routing, received[offset:offset + length], batch,
-                                       bool(weighted))
+            parts[sender] = unpack_ids(
+                routing, received[offset : offset + length], batch, bool(weighted)
+            )
             offset += length
 
 
-def _add_own_pooled(module: ShardedEmbeddingBagCollection, own: list[SenderBags],
-                    out: torch.Tensor, batch: int) -> None:
+def _add_own_pooled(
+    module: ShardedEmbeddingBagCollection, own: list[SenderBags], out: torch.Tensor, batch: int
+) -> None:
     """Look up this rank's own bags in its own shards, straight into the output."""
     routing = module.routing
     routes = iter(routing.routes_to[routing.rank])
@@ -156,34 +179,44 @@ def _add_own_pooled(module: ShardedEmbeddingBagCollection, own: list[SenderBags]
             add_block(routing, out, next(routes), block)
 
 
-def _send_pooled(module: ShardedEmbeddingBagCollection, parts: list[list[SenderBags]],
-                 out: torch.Tensor) -> PendingAllToAll:
+def _send_pooled(
+    module: ShardedEmbeddingBagCollection, parts: list[list[SenderBags]], out: torch.Tensor
+) -> PendingAllToAll:
     """Look up the other ranks' bags and send them their pooled rows (in flight on return;
     `out`, this rank's output, gives the batch size, dtype and device)."""
     routing = module.routing
     local = routing.routed_local_shards()
-    pooled = [None if s == routing.rank else
-              [pooled_sum(module.weight_of(shard), *bags)
-               for shard, bags in zip(local, parts[s], strict=True)]
-              for s in range(routing.world_size)]
+    pooled = [
+        None
+        if s == routing.rank
+        else [
+            pooled_sum(module.weight_of(shard), *bags)
+            for shard, bags in zip(local, parts[s], strict=True)
+        ]
+        for s in range(routing.world_size)
+    ]
     flat, splits = pack_pooled(pooled, like=out)
-    return start_all_to_all(module, flat, splits, output_splits(routing, out.shape[0]),
-                            "pooled output")
+    return start_all_to_all(
+        module, flat, splits, output_splits(routing, out.shape[0]), "pooled output"
+    )
 
 
-def _add_received_pooled(routing: Routing, received: torch.Tensor, splits: list[int],
-                         out: torch.Tensor, batch: int) -> None:
+def _add_received_pooled(
+    routing: Routing, received: torch.Tensor, splits: list[int], out: torch.Tensor, batch: int
+) -> None:
     offset = 0
     for owner, size in enumerate(splits):
         if size:
-            for route, block in pooled_blocks(routing, owner, received[offset:offset + size],
-                                              batch):
+            for route, block in pooled_blocks(
+                routing, owner, received[offset : offset + size], batch
+            ):
                 add_block(routing, out, route, block)
         offset += size
 
 
-def _lookup_data_parallel(module: ShardedEmbeddingBagCollection, features: SparseFeatures,
-                          out: torch.Tensor) -> list:
+def _lookup_data_parallel(
+    module: ShardedEmbeddingBagCollection, features: SparseFeatures, out: torch.Tensor
+) -> list:
     """Replicated tables are looked up locally; returns per-feature (ids, lengths, weights)."""
     routing = module.routing
     if not routing.data_parallel:
@@ -194,40 +227,44 @@ def _lookup_data_parallel(module: ShardedEmbeddingBagCollection, features: Spars
             ids, lengths, weights = feature_ids[f]
             weight = module.tables[module.configs[t].name].weight.detach()
             start = routing.feature_offsets[f]
-            out[:, start:start + routing.dims[f]] = pooled_sum(weight, ids, lengths, weights)
+            out[:, start : start + routing.dims[f]] = pooled_sum(weight, ids, lengths, weights)
     return feature_ids
 
 
-def _mean_scale(module: ShardedEmbeddingBagCollection, lengths: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor | None:
+def _mean_scale(
+    module: ShardedEmbeddingBagCollection, lengths: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
     """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
     routing = module.routing
-    means = [f for f, (_, t) in enumerate(routing.features)
-             if module.configs[t].pooling == "mean"]
+    means = [f for f, (_, t) in enumerate(routing.features) if module.configs[t].pooling == "mean"]
     if not means:
         return None
     scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype, device=lengths.device)
     for f in means:
         start = routing.feature_offsets[f]
-        scale[:, start:start + routing.dims[f]] = 1 / lengths[f].clamp(min=1).to(
-            dtype).unsqueeze(1)
+        scale[:, start : start + routing.dims[f]] = 1 / lengths[f].clamp(min=1).to(dtype).unsqueeze(
+            1
+        )
     return scale
 
 
-def split_features(features: SparseFeatures) -> list[tuple[torch.Tensor, torch.Tensor,
-                                                            torch.Tensor | None]]:
+def split_features(
+    features: SparseFeatures,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     batch = features.batch_size
     sizes = features.feature_sizes()
     values = features.values.split(sizes)
-    weights = (features.weights.split(sizes) if features.weights is not None
-               else [None] * len(sizes))
-    return [(values[f], features.lengths[f * batch:(f + 1) * batch], weights[f])
-            for f in range(len(sizes))]
+    weights = features.weights.split(sizes) if features.weights is not None else [None] * len(sizes)
+    return [
+        (values[f], features.lengths[f * batch : (f + 1) * batch], weights[f])
+        for f in range(len(sizes))
+    ]
 
 
 # backward --------------------------------------------------------------------------------------
-def apply_gradient(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
-                   saved: dict[str, Any]) -> None:
+def apply_gradient(
+    module: ShardedEmbeddingBagCollection, grad: torch.Tensor, saved: dict[str, Any]
+) -> None:
     """Send the output gradient to the shards' owners and update our shards with theirs."""
     routing, optimizer = module.routing, module.fused_optimizer
     full = optimizer.optimizer.needs_full_rows
@@ -237,17 +274,24 @@ def apply_gradient(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
     batch_sizes = saved["batch_sizes"]
     scales = sender_scales(module.normalize_by, batch_sizes)
     flat, splits = pack_output_grad(routing, grad, full)
-    grads_in = start_all_to_all(module, flat, splits,
-                                grad_receive_splits(routing, batch_sizes, full),
-                                "output gradient")
+    grads_in = start_all_to_all(
+        module, flat, splits, grad_receive_splits(routing, batch_sizes, full), "output gradient"
+    )
     local, all_bags = routing.routed_local_shards(), saved["bags"]
     own = own_grad_blocks(routing, grad, full)
     own_scale = scales[routing.rank]
     alone = routing.world_size == 1
     # while the other ranks' gradients travel: rows only our own bags touched
-    fused = [_step_bags(module, shard, bags, BagGradients(blocks, [own_scale] * len(blocks)),
-                        RowPass.ALL if alone else RowPass.OWN)
-             for shard, bags, blocks in zip(local, all_bags, own, strict=True)]
+    fused = [
+        _step_bags(
+            module,
+            shard,
+            bags,
+            BagGradients(blocks, [own_scale] * len(blocks)),
+            RowPass.ALL if alone else RowPass.OWN,
+        )
+        for shard, bags, blocks in zip(local, all_bags, own, strict=True)
+    ]
     others = grad_blocks(routing, grads_in.wait(), batch_sizes, full)
     for k, (shard, bags) in enumerate(zip(local, all_bags, strict=True)):
         grads = BagGradients([], [])
@@ -257,8 +301,9 @@ def apply_gradient(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
             grads.scales += [scale] * len(blocks)
         if not fused[k]:
             bag_grads, scale = grads.dense()
-            rows, summed = row_gradients(bags.ids, bags.lengths, bags.weights, bag_grads,
-                                         shard.shard.rows, scale)
+            rows, summed = row_gradients(
+                bags.ids, bags.lengths, bags.weights, bag_grads, shard.shard.rows, scale
+            )
             module.update_rows(shard.table, rows, summed)
         elif not alone:
             _step_bags(module, shard, bags, grads, RowPass.REST)
@@ -274,18 +319,33 @@ def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
     return [b / total if total else 0.0 for b in batch_sizes]
 
 
-def _step_bags(module: ShardedEmbeddingBagCollection, shard: Any, bags: ShardBags,
-               grads: BagGradients, rows: RowPass) -> bool:
+def _step_bags(
+    module: ShardedEmbeddingBagCollection,
+    shard: Any,
+    bags: ShardBags,
+    grads: BagGradients,
+    rows: RowPass,
+) -> bool:
     name = module.configs[shard.table].name
     optimizer = module.fused_optimizer
     with torch.no_grad():
-        return optimizer.optimizer.step_bags(module.tables[name].weight, optimizer.state[name],
-                                             bags, grads, shard.shard.col_start, optimizer.step,
-                                             rows)
+        return optimizer.optimizer.step_bags(
+            module.tables[name].weight,
+            optimizer.state[name],
+            bags,
+            grads,
+            shard.shard.col_start,
+            optimizer.step,
+            rows,
+        )
 
 
-def _update_data_parallel(module: ShardedEmbeddingBagCollection, grad: torch.Tensor,
-                          saved: dict[str, Any], my_scale: float) -> None:
+def _update_data_parallel(
+    module: ShardedEmbeddingBagCollection,
+    grad: torch.Tensor,
+    saved: dict[str, Any],
+    my_scale: float,
+) -> None:
     """Replicated tables: sum dense row gradients and touch counts over ranks (one all_reduce
     for all of them; such tables are small by construction)."""
     routing = module.routing
@@ -298,20 +358,20 @@ def _update_data_parallel(module: ShardedEmbeddingBagCollection, grad: torch.Ten
                 continue
             ids, lengths, weights = saved["features"][f]
             start = routing.feature_offsets[f]
-            bag_grads = grad[:, start:start + config.embedding_dim] * my_scale
-            rows, summed = row_gradients(ids, lengths, weights, bag_grads,
-                                         config.num_embeddings)
+            bag_grads = grad[:, start : start + config.embedding_dim] * my_scale
+            rows, summed = row_gradients(ids, lengths, weights, bag_grads, config.num_embeddings)
             dense[rows, :-1] += summed
             dense[rows, -1] += 1
         buffers.append(dense)
     flat = torch.cat([b.flatten() for b in buffers])
     if module.strategy.world_size > 1:
-        with module.strategy._collective(module.collective_name(
-                "data-parallel gradient all_reduce")):
+        with module.strategy._collective(
+            module.collective_name("data-parallel gradient all_reduce")
+        ):
             torch.distributed.all_reduce(flat, group=module.strategy.group)
     offset = 0
     for t, buffer in zip(routing.data_parallel, buffers, strict=True):
-        dense = flat[offset:offset + buffer.numel()].view_as(buffer)
+        dense = flat[offset : offset + buffer.numel()].view_as(buffer)
         offset += buffer.numel()
         rows = torch.nonzero(dense[:, -1]).flatten()
         module.update_rows(t, rows, dense[rows, :-1])

@@ -53,8 +53,13 @@ def _torch_uniform(key: int, counters: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_rows(config: EmbeddingBagConfig, seed: int, rows: tuple[int, int],
-              columns: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
+def init_rows(
+    config: EmbeddingBagConfig,
+    seed: int,
+    rows: tuple[int, int],
+    columns: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Values of rows [r0, r1) and columns [c0, c1) of the table, on CPU unless `out` is given."""
     (r0, r1), (c0, c1) = rows, columns
     if out is None:
@@ -65,8 +70,9 @@ def init_rows(config: EmbeddingBagConfig, seed: int, rows: tuple[int, int],
         return out
     for start in range(r0, r1, 4096):  # bounded temporaries on the torch path
         stop = min(start + 4096, r1)
-        counters = (torch.arange(start, stop, device=out.device).unsqueeze(1) * dim
-                    + torch.arange(c0, c1, device=out.device))
+        counters = torch.arange(start, stop, device=out.device).unsqueeze(1) * dim + torch.arange(
+            c0, c1, device=out.device
+        )
         values = _torch_uniform(key, counters).mul_(2 * bound).sub_(bound)
-        out[start - r0:stop - r0].copy_(values)
+        out[start - r0 : stop - r0].copy_(values)
     return out

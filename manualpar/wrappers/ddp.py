@@ -43,8 +43,13 @@ _NORMALIZE_MARK = "_manualpar_ddp_normalize_by"
 _BUILDER_MARK = "_manualpar_builder"  # set by ownership.claim on the module a builder took
 
 
-def ddp(module: nn.Module, strategy: ManualParallelStrategy, *,
-        normalize_by: NormalizeBy = "world_size", **ddp_kwargs: Any) -> nn.Module:
+def ddp(
+    module: nn.Module,
+    strategy: ManualParallelStrategy,
+    *,
+    normalize_by: NormalizeBy = "world_size",
+    **ddp_kwargs: Any,
+) -> nn.Module:
     """Wrap `module` in DistributedDataParallel on the strategy's group and device.
 
     Parameters other builders own (and buffers of submodules they took) are left out of DDP. With
@@ -66,7 +71,8 @@ def ddp(module: nn.Module, strategy: ManualParallelStrategy, *,
         raise BuilderError("ddp(): process_group comes from the strategy; do not pass it")
     taken, ignored = _split(module)
     left_on_meta = [n for n, p in taken if p.is_meta] + [
-        n for n, b in module.named_buffers() if b.is_meta and n not in ignored]
+        n for n, b in module.named_buffers() if b.is_meta and n not in ignored
+    ]
     if left_on_meta:
         raise BuilderError(
             f"ddp(): {type(module).__name__} still has tensors on the meta device "
@@ -99,7 +105,8 @@ def ddp(module: nn.Module, strategy: ManualParallelStrategy, *,
     if ignored:
         earlier = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            module, sorted(set(earlier) | ignored))
+            module, sorted(set(earlier) | ignored)
+        )
     if strategy.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [strategy.device.index])
     if normalize_by == "global_samples":
@@ -112,8 +119,11 @@ def _split(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], set[str]]
 
     Every name of a shared parameter is listed, since DDP matches module-by-module names.
     """
-    foreign = [name + "." for name, sub in module.named_modules()
-               if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None]
+    foreign = [
+        name + "."
+        for name, sub in module.named_modules()
+        if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None
+    ]
     taken: list[tuple[str, nn.Parameter]] = []
     ignored: set[str] = set()
     seen: set[int] = set()
@@ -133,8 +143,11 @@ def _move(module: nn.Module, device: torch.device, taken: list[tuple[str, nn.Par
     """Move what DDP takes from the CPU to `device`; submodules of other builders stay put."""
     if device.type == "cpu" or any(p.device.type != "cpu" for _, p in taken):
         return
-    foreign = [name + "." for name, sub in module.named_modules()
-               if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None]
+    foreign = [
+        name + "."
+        for name, sub in module.named_modules()
+        if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None
+    ]
     for name, sub in module.named_modules():
         if not (name + ".").startswith(tuple(foreign)):
             sub._apply(lambda t: t.to(device), recurse=False)
@@ -162,13 +175,16 @@ class _SampleCount:
         self.scale = self.local / total.clamp(min=1)
 
 
-def _global_samples_hook(state: _SampleCount, bucket: dist.GradBucket
-                         ) -> torch.futures.Future[torch.Tensor]:
+def _global_samples_hook(
+    state: _SampleCount, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Sum over ranks of n_r / N * grad_r: the gradient of the mean over the global batch."""
     buffer = bucket.buffer()
     if state.scale is None:
-        raise RuntimeError("ddp(normalize_by='global_samples'): backward ran before any forward "
-                           "through the wrapper, so the sample count is unknown")
+        raise RuntimeError(
+            "ddp(normalize_by='global_samples'): backward ran before any forward "
+            "through the wrapper, so the sample count is unknown"
+        )
     if state.local == 0:
         buffer.zero_()  # an empty batch's mean loss is NaN; it contributes nothing
     else:
@@ -180,14 +196,14 @@ def _global_samples_hook(state: _SampleCount, bucket: dist.GradBucket
 # DDP compares the hook's annotations with the real types; `from __future__ import annotations`
 # turned them into strings.
 _global_samples_hook.__annotations__.update(
-    bucket=dist.GradBucket, state=_SampleCount, **{"return": torch.futures.Future[torch.Tensor]})
+    bucket=dist.GradBucket, state=_SampleCount, **{"return": torch.futures.Future[torch.Tensor]}
+)
 
 
 class GlobalSamplesDDP(DistributedDataParallel):
     """DistributedDataParallel whose gradient is the mean over all ranks' samples, not ranks."""
 
-    def __init__(self, module: nn.Module, strategy: ManualParallelStrategy, **kwargs: Any
-                 ) -> None:
+    def __init__(self, module: nn.Module, strategy: ManualParallelStrategy, **kwargs: Any) -> None:
         super().__init__(module, process_group=strategy.group, **kwargs)
         self._samples = _SampleCount(strategy)
         self.register_comm_hook(self._samples, _global_samples_hook)
@@ -211,8 +227,9 @@ def set_batch_size(model: nn.Module, n: int) -> None:
     parts = [m for m in model.modules() if isinstance(m, GlobalSamplesDDP)]
     for part in parts:
         part.set_batch_size(n)
-    if not parts and not any(getattr(m, _NORMALIZE_MARK, None) == "global_samples"
-                             for m in model.modules()):
+    if not parts and not any(
+        getattr(m, _NORMALIZE_MARK, None) == "global_samples" for m in model.modules()
+    ):
         raise BuilderError(
             f"set_batch_size(): {type(model).__name__} has no part wrapped with "
             "ddp(..., normalize_by='global_samples'); the batch size would be ignored"

@@ -44,9 +44,14 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never w
 
 
 def fsdp(
-    module: nn.Module, strategy: ManualParallelStrategy, *, reshard_after_forward: bool = True,
-    cpu_offload: bool = False, param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None, min_num_params: int | None = None,
+    module: nn.Module,
+    strategy: ManualParallelStrategy,
+    *,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    min_num_params: int | None = None,
     wrap: tuple[type[nn.Module], ...] | type[nn.Module] | Sequence[nn.Module] | None = None,
 ) -> nn.Module:
     """Shard `module` over the strategy's ranks (FSDP2) and return it (the same object).
@@ -73,9 +78,11 @@ def fsdp(
     blocks = _blocks(module, wrap, min_num_params, ignored)  # validated on one process too
     if not strategy.is_distributed:
         if param_dtype is not None or reduce_dtype is not None or cpu_offload:
-            warnings.warn("fsdp(): no process group (world size 1), so the module is not "
-                          "sharded and param_dtype/reduce_dtype/cpu_offload are not applied",
-                          stacklevel=2)
+            warnings.warn(
+                "fsdp(): no process group (world size 1), so the module is not "
+                "sharded and param_dtype/reduce_dtype/cpu_offload are not applied",
+                stacklevel=2,
+            )
         if from_meta:
             _materialize(module, strategy.device, strategy.device, ignored)
         else:
@@ -83,10 +90,15 @@ def fsdp(
         _claim(module)
         return module
     mesh = DeviceMesh.from_group(strategy.group, strategy.device.type)
-    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
-                              if cpu_offload else OffloadPolicy())
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
+        if cpu_offload
+        else OffloadPolicy()
+    )
     options = dict(
-        mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        offload_policy=offload,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         ignored_params=set(ignored.values()) or None,
     )
@@ -109,8 +121,11 @@ def _check_not_wrapped(module: nn.Module) -> None:
             f"{builder or 'fully_shard'}(); call fsdp once per module (to shard blocks "
             "separately, pass wrap=... or min_num_params=... to a single call)"
         )
-    taken = [n for n, p in module.named_parameters()  # skips an fsdp()'d child's subtree
-             if owner_of(p) == BUILDER and any(p is q for q in _own_params(module))]
+    taken = [
+        n
+        for n, p in module.named_parameters()  # skips an fsdp()'d child's subtree
+        if owner_of(p) == BUILDER and any(p is q for q in _own_params(module))
+    ]
     if taken:
         raise BuilderError(
             f"fsdp(): parameters of {type(module).__name__} ({', '.join(taken[:3])}) are already "
@@ -120,8 +135,11 @@ def _check_not_wrapped(module: nn.Module) -> None:
 
 
 def _claim(module: nn.Module) -> None:
-    claim(module, BUILDER, params=[(n, p) for n, p in module.named_parameters()
-                                   if owner_of(p) is None])
+    claim(
+        module,
+        BUILDER,
+        params=[(n, p) for n, p in module.named_parameters() if owner_of(p) is None],
+    )
 
 
 # ---- which submodules are this call's, and which become their own FSDP block -------------
@@ -156,13 +174,15 @@ def _own_modules(root: nn.Module) -> Iterator[nn.Module]:
     yield from visit(root)
 
 
-def _blocks(root: nn.Module, wrap: object, min_num_params: int | None,
-            ignored: dict[int, nn.Parameter]) -> list[nn.Module]:
+def _blocks(
+    root: nn.Module, wrap: object, min_num_params: int | None, ignored: dict[int, nn.Parameter]
+) -> list[nn.Module]:
     """Submodules to fully_shard before the root, children before parents."""
     own = list(_own_modules(root))
     explicit: set[int] = set()
-    if isinstance(wrap, type) or (isinstance(wrap, tuple) and wrap
-                                  and all(isinstance(w, type) for w in wrap)):
+    if isinstance(wrap, type) or (
+        isinstance(wrap, tuple) and wrap and all(isinstance(w, type) for w in wrap)
+    ):
         explicit = {id(m) for m in own[1:] if isinstance(m, wrap)}  # type: ignore[arg-type]
     elif wrap is not None:
         listed = list(wrap)  # type: ignore[call-overload]
@@ -184,8 +204,13 @@ def _blocks(root: nn.Module, wrap: object, min_num_params: int | None,
     return [m for m in reversed(own) if m in chosen]
 
 
-def _auto_wrap(root: nn.Module, min_num_params: int, explicit: set[int],
-               ignored: dict[int, nn.Parameter], chosen: set[nn.Module]) -> None:
+def _auto_wrap(
+    root: nn.Module,
+    min_num_params: int,
+    explicit: set[int],
+    ignored: dict[int, nn.Parameter],
+    chosen: set[nn.Module],
+) -> None:
     """fairscale's default_auto_wrap_policy: wrap bottom-up once a subtree is big enough."""
     seen: set[int] = set()
 
@@ -199,8 +224,9 @@ def _auto_wrap(root: nn.Module, min_num_params: int, explicit: set[int],
                 count += unwrapped_count(child)
         if module is root:
             return count
-        if id(module) in explicit or (count >= min_num_params
-                                      and not isinstance(module, _CONTAINERS)):
+        if id(module) in explicit or (
+            count >= min_num_params and not isinstance(module, _CONTAINERS)
+        ):
             chosen.add(module)
             return 0
         return count
@@ -238,11 +264,19 @@ def _check_meta(root: nn.Module, ignored: dict[int, nn.Parameter]) -> bool:
     return bool(on_meta)
 
 
-def _materialize(root: nn.Module, param_device: torch.device, buffer_device: torch.device,
-                 ignored: dict[int, nn.Parameter]) -> None:
+def _materialize(
+    root: nn.Module,
+    param_device: torch.device,
+    buffer_device: torch.device,
+    ignored: dict[int, nn.Parameter],
+) -> None:
     own = list(_own_modules(root))
-    kept = {id(p): p.data for module in own for p in module.parameters(recurse=False)
-            if id(p) in ignored}
+    kept = {
+        id(p): p.data
+        for module in own
+        for p in module.parameters(recurse=False)
+        if id(p) in ignored
+    }
     # Children first, so each FSDP module re-registers its shards after they were allocated.
     for module in reversed(own):
         module.to_empty(device=param_device, recurse=False)
@@ -253,8 +287,9 @@ def _materialize(root: nn.Module, param_device: torch.device, buffer_device: tor
             if id(param) in kept:
                 param.data = kept[id(param)]  # another builder's tensor: keep its values
     for module in own:  # only modules holding tensors: a parent's reset would hit shards
-        if (callable(getattr(module, "reset_parameters", None))
-                and (module._parameters or module._buffers)):
+        if callable(getattr(module, "reset_parameters", None)) and (
+            module._parameters or module._buffers
+        ):
             _reset_on_full_copy(module)
 
 
@@ -267,7 +302,8 @@ def _reset_on_full_copy(module: nn.Module) -> None:
         if param is not None:
             module._parameters[name] = nn.Parameter(
                 torch.empty(param.shape, dtype=param.dtype, device="cpu"),
-                requires_grad=param.requires_grad)
+                requires_grad=param.requires_grad,
+            )
     try:
         module.reset_parameters()  # type: ignore[operator]
         for name, param in originals.items():
@@ -289,7 +325,7 @@ def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     rows = full.shape[0]
     per_rank = -(-rows // world)
     start = min(rank * per_rank, rows)
-    local = full[start: start + per_rank]
+    local = full[start : start + per_rank]
     if tuple(local.shape) != tuple(param.to_local().shape):
         raise BuilderError(
             f"fsdp(): cannot place the initialized {tuple(full.shape)} parameter: expected a "

@@ -15,8 +15,7 @@ from torch import nn
 
 from manualpar.errors import BuilderError
 
-__all__ = ["claim", "mark_replaced", "owned_by_others", "owner_of", "replaced_by",
-           "stale_reason"]
+__all__ = ["claim", "mark_replaced", "owned_by_others", "owner_of", "replaced_by", "stale_reason"]
 
 _OWNER = "_manualpar_owner"
 _REPLACED = "_manualpar_replaced_by"
@@ -27,8 +26,11 @@ def owner_of(param: torch.Tensor) -> str | None:
     return getattr(param, _OWNER, None)
 
 
-def claim(module: nn.Module, builder: str, params: Iterable[tuple[str, nn.Parameter]] | None = None,
-          ) -> None:
+def claim(
+    module: nn.Module,
+    builder: str,
+    params: Iterable[tuple[str, nn.Parameter]] | None = None,
+) -> None:
     """Record `builder` as the owner of the given (default: all unowned) parameters of `module`.
 
     Raises BuilderError if the module itself was already wrapped by a builder.
@@ -40,7 +42,7 @@ def claim(module: nn.Module, builder: str, params: Iterable[tuple[str, nn.Parame
             "call each builder once per module, on disjoint submodules"
         )
     object.__setattr__(module, "_manualpar_builder", builder)
-    for _, param in (params if params is not None else unowned_parameters(module)):
+    for _, param in params if params is not None else unowned_parameters(module):
         setattr(param, _OWNER, builder)
 
 
@@ -50,8 +52,11 @@ def unowned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def owned_by_others(module: nn.Module, builder: str) -> list[tuple[str, nn.Parameter]]:
     """Parameters of `module` another builder already took (to be ignored by `builder`)."""
-    return [(n, p) for n, p in module.named_parameters()
-            if owner_of(p) is not None and owner_of(p) != builder]
+    return [
+        (n, p)
+        for n, p in module.named_parameters()
+        if owner_of(p) is not None and owner_of(p) != builder
+    ]
 
 
 def mark_replaced(params: Iterable[torch.Tensor], builder: str) -> None:

@@ -30,7 +30,8 @@ __all__ = ["sharded_grad_scaler", "zero_optimizer"]
 
 def zero_optimizer(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-    optimizer_class: type[torch.optim.Optimizer], strategy: ManualParallelStrategy,
+    optimizer_class: type[torch.optim.Optimizer],
+    strategy: ManualParallelStrategy,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """An `optimizer_class(params, **kwargs)` whose state is sharded over the strategy's ranks.
@@ -46,8 +47,7 @@ def zero_optimizer(
     # Imported here: torch.distributed.optim scripts its functional optimizers on import.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(items, optimizer_class, process_group=strategy.group,
-                                   **kwargs)
+    return ZeroRedundancyOptimizer(items, optimizer_class, process_group=strategy.group, **kwargs)
 
 
 def _normalize(params: Iterable[Any]) -> tuple[list[Any], list[torch.Tensor]]:
@@ -71,8 +71,10 @@ def _check_params(tensors: list[torch.Tensor], name: str) -> None:
         raise BuilderError(f"{name}: got no parameters")
     for index, param in enumerate(tensors):
         if not isinstance(param, torch.Tensor):
-            raise BuilderError(f"{name}: parameter {index} is a {type(param).__name__}, "
-                               "not a tensor; pass model.parameters() or param groups")
+            raise BuilderError(
+                f"{name}: parameter {index} is a {type(param).__name__}, "
+                "not a tensor; pass model.parameters() or param groups"
+            )
         why = stale_reason(param)
         if why is not None:
             raise BuilderError(
@@ -109,6 +111,7 @@ def sharded_grad_scaler(
     if sharded and strategy.is_distributed:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device=strategy.device.type, process_group=strategy.group,
-                                 **kwargs)
+        return ShardedGradScaler(
+            device=strategy.device.type, process_group=strategy.group, **kwargs
+        )
     return torch.amp.GradScaler(strategy.device.type, **kwargs)

@@ -20,14 +20,20 @@ def main() -> None:
     args = parser.parse_args()
     strategy = mp.ManualParallelStrategy()
     restart = strategy.environment.restart_count
-    if strategy.rank == 1 and (args.fail == "always" or
-                               (args.fail == "first_attempt" and restart == 0)):
+    if strategy.rank == 1 and (
+        args.fail == "always" or (args.fail == "first_attempt" and restart == 0)
+    ):
         raise RuntimeError(f"injected failure on rank 1, attempt {restart}")
     total = strategy.all_reduce(float(strategy.rank + 1), op="sum").item()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    report = {"rank": strategy.rank, "world_size": strategy.world_size, "sum": total,
-              "restart_count": restart, "source": strategy.environment.source,
-              "pid": os.getpid()}
+    report = {
+        "rank": strategy.rank,
+        "world_size": strategy.world_size,
+        "sum": total,
+        "restart_count": restart,
+        "source": strategy.environment.source,
+        "pid": os.getpid(),
+    }
     (Path(args.out) / f"rank_{strategy.rank}.json").write_text(json.dumps(report))
     strategy.teardown()
 

@@ -51,8 +51,9 @@ def main() -> None:
     strategy = mp.ManualParallelStrategy()
     strategy.seed_everything(0)
     model = Regression(args.kill_at)
-    trainer = mp.Trainer(strategy, args.out, max_steps=args.steps, checkpoint_every=4,
-                         log_every=1, progress=False)
+    trainer = mp.Trainer(
+        strategy, args.out, max_steps=args.steps, checkpoint_every=4, log_every=1, progress=False
+    )
     trainer.fit(model, data)
     if strategy.is_global_zero:
         torch.save(model.net.module.state_dict(), Path(args.out) / "final.pt")
