@@ -81,7 +81,8 @@ def main() -> None:
         measure,
         lambda r: (
             f" ({r['table_gib']:.2f} GiB): lookup {r['lookup_ms']:.2f} ms, "
-            f"group {r['group_ms']:.2f} ms, update {r['update_ms']:.2f} ms; update / lookup {r['update_vs_lookup']:.2f}x"
+            f"group {r['group_ms']:.2f} ms, update {r['update_ms']:.2f} ms; "
+            f"update / lookup {r['update_vs_lookup']:.2f}x"
         ),
     )
 
