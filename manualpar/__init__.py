@@ -4,8 +4,8 @@ The strategy owns ranks, collectives and checkpoint IO; your module composes DDP
 sharded embedding tables itself in `setup(strategy)`.
 """
 
+from manualpar.builders import ddp, fsdp, set_batch_size, sharded_grad_scaler, zero_optimizer
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
-from manualpar.checks import check_finite
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -25,12 +25,11 @@ from manualpar.errors import (
     NonFiniteError,
     PlanError,
 )
-from manualpar.init import empty_init, is_meta, materialize
+from manualpar.loop import Trainer, check_finite, dataset_batches
+from manualpar.meta import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
-from manualpar.trainer import Trainer, dataset_batches
-from manualpar.wrappers import ddp, fsdp, set_batch_size, sharded_grad_scaler, zero_optimizer
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from manualpar.errors import BuilderError
-from manualpar.wrappers.ownership import owner_of, stale_reason
+from manualpar.ownership import owner_of, stale_reason
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -136,7 +136,7 @@ def load_trained(
     `build()` constructs the model (its __init__ only declares modules); `key` is the name the
     model was saved under in `strategy.save_checkpoint(path, {key: model, ...})`.
     """
-    from manualpar.init import empty_init
+    from manualpar.meta import empty_init
 
     with empty_init():
         model = build()

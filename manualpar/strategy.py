@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from manualpar import checkpoint as _checkpoint
+from manualpar.checkpoint import io as checkpoint_io
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import CollectiveError
 from manualpar.seed import seed_everything
@@ -393,13 +393,13 @@ class ManualParallelStrategy:
         overwrite: bool = True,
     ) -> Path:
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
-        return _checkpoint.save_checkpoint(self, path, state, full=full, overwrite=overwrite)
+        return checkpoint_io.save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
         self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
     ) -> dict[str, Any]:
         """Load into `state` on all ranks (collective). See manualpar.checkpoint."""
-        return _checkpoint.load_checkpoint(self, path, state, strict=strict)
+        return checkpoint_io.load_checkpoint(self, path, state, strict=strict)
 
 
 _KNOWN_DTYPES = (

@@ -10,13 +10,13 @@ import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from manualpar.components import trainer
+from manualpar.cli.torchx_component import run_script
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "launched.py")
 
 
 def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: ignore[no-untyped-def]
-    app = trainer(
+    app = run_script(
         *script_args,
         script=SCRIPT,
         j="1x2",
@@ -33,7 +33,7 @@ def _reports(directory: Path) -> list[dict]:
 
 
 def test_component_builds_a_torchrun_command() -> None:
-    app = trainer("--lr", "0.1", script="train.py", j="1x4", max_restarts=2)
+    app = run_script("--lr", "0.1", script="train.py", j="1x4", max_restarts=2)
     role = app.roles[0]
     assert role.entrypoint == sys.executable
     assert role.args == [
@@ -48,7 +48,7 @@ def test_component_builds_a_torchrun_command() -> None:
         "--lr",
         "0.1",
     ]
-    multi = trainer(m="pkg.train", j="3x8").roles[0]
+    multi = run_script(m="pkg.train", j="3x8").roles[0]
     assert multi.entrypoint == "bash" and multi.num_replicas == 3
     assert "--nnodes 3" in multi.args[1] and "-m pkg.train" in multi.args[1]
     assert "${rank0_env}:=localhost}:29500" in multi.args[1]
@@ -56,9 +56,9 @@ def test_component_builds_a_torchrun_command() -> None:
 
 def test_component_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="pass exactly one of --script and -m"):
-        trainer()
+        run_script()
     with pytest.raises(ValueError, match=r"-j must look like NODESxPROCS \(e\.g\. 1x2\), got '2'"):
-        trainer(script="a.py", j="2")
+        run_script(script="a.py", j="2")
 
 
 def test_local_launch_runs_two_ranks(tmp_path: Path) -> None:
@@ -87,4 +87,4 @@ def test_registered_next_to_torchx_builtins() -> None:
     from torchx.specs.finder import get_components
 
     names = set(get_components())
-    assert {"manualpar.trainer", "dist.ddp", "utils.echo"} <= names
+    assert {"manualpar.run_script", "dist.ddp", "utils.echo"} <= names

@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import manualpar as mp
+from manualpar.builders.ddp import GlobalSamplesDDP, ddp, infer_batch_size, set_batch_size
+from manualpar.ownership import claim, owner_of
 from manualpar.testing import free_port, run_distributed
-from manualpar.wrappers.ddp import GlobalSamplesDDP, ddp, infer_batch_size, set_batch_size
-from manualpar.wrappers.ownership import claim, owner_of
 
 ATOL = 1e-5
 VARIABLE = (3, 7, 1)  # samples per rank, 3 ranks
@@ -277,7 +277,7 @@ def test_ddp_twice_and_meta_parameters_raise() -> None:
         mp.BuilderError,
         match=re.escape(
             "ddp(): Sequential still has tensors on the meta device (0.weight, 0.bias, 2.weight, "
-            "2.bias); call manualpar.init.materialize on it first"
+            "2.bias); call manualpar.meta.materialize on it first"
         ),
     ):
         ddp(net, strategy)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingPlan,
     shard_embeddings,
 )
-from manualpar.embeddings.local_shards import full_tensors
 from manualpar.testing import run_distributed
 from tests.embedding_cases import (
     SEED,

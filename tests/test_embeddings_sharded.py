@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingPlan,
@@ -23,7 +24,6 @@ from manualpar.embeddings import (
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.local_shards import full_tensors
 from manualpar.testing import run_distributed
 from tests.embedding_cases import (
     SEED,

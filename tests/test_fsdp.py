@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import manualpar as mp
+from manualpar.builders.fsdp import fsdp
+from manualpar.ownership import claim, owner_of, replaced_by
 from manualpar.testing import run_distributed
-from manualpar.wrappers.fsdp import fsdp
-from manualpar.wrappers.ownership import claim, owner_of, replaced_by
 
 DIM, BATCH, STEPS, LR = 6, 8, 3, 0.01
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import manualpar as mp
-from manualpar.init import empty_init, is_meta, materialize
+from manualpar.meta import empty_init, is_meta, materialize
 from manualpar.testing import run_distributed
 
 MB = 1024 * 1024

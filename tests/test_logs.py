@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from manualpar.logs import log_with_rank
+from manualpar.loop.logs import log_with_rank
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from torch import nn
 import manualpar as mp
 from manualpar.errors import BuilderError
 from manualpar.module import ParallelModule, check_optimizer
-from manualpar.wrappers.ownership import claim, mark_replaced
+from manualpar.ownership import claim, mark_replaced
 
 
 class TwoTowers(ParallelModule):

@@ -15,10 +15,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import manualpar as mp
+from manualpar.builders.fsdp import fsdp
+from manualpar.builders.zero import sharded_grad_scaler, zero_optimizer
+from manualpar.ownership import mark_replaced
 from manualpar.testing import free_port, run_distributed
-from manualpar.wrappers.fsdp import fsdp
-from manualpar.wrappers.ownership import mark_replaced
-from manualpar.wrappers.zero import sharded_grad_scaler, zero_optimizer
 
 BATCH, STEPS = 8, 3
 

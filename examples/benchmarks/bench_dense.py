@@ -20,8 +20,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import manualpar as mp
-from manualpar.wrappers.ddp import ddp
-from manualpar.wrappers.fsdp import fsdp
+from manualpar.builders.ddp import ddp
+from manualpar.builders.fsdp import fsdp
 
 
 def make_model(hidden: int, layers: int) -> nn.Sequential:

@@ -27,9 +27,9 @@ from model import DLRM, make_plan
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
+from manualpar.cli.plot import plot_metrics
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
 from manualpar.embeddings.planner import plan_tables
-from manualpar.plot import plot_metrics
 
 
 def parse_args() -> argparse.Namespace:

@@ -3,7 +3,7 @@
     python examples/torchx/run_recsys.py --out runs/torchx-recsys
 
 Builds the job with manualpar's torchx component (the AppDef that `torchx run -s local_cwd
-manualpar.trainer ...` builds) and runs it with torchx's Runner on the local_cwd scheduler.
+manualpar.run_script ...` builds) and runs it with torchx's Runner on the local_cwd scheduler.
 Rank 1 raises once at --fail-at (examples/recsys/train.py --fail-once-at-step); torchrun's one
 allowed restart starts both ranks again, the Trainer resumes from the last checkpoint, and the
 job finishes. The same AppDef goes to slurm or kubernetes with another scheduler name.
@@ -20,7 +20,7 @@ from torchx.runner import get_runner
 from torchx.schedulers.api import Stream
 from torchx.specs import AppDef, AppState, AppStatus
 
-from manualpar.components import trainer
+from manualpar.cli.torchx_component import run_script
 
 TRAIN = Path(__file__).resolve().parent.parent / "recsys" / "train.py"
 SMALL = (
@@ -61,7 +61,7 @@ def recsys_app(
     ]
     if fail_at is not None:
         args += ["--fail-once-at-step", str(fail_at)]
-    return trainer(
+    return run_script(
         *args, script=str(TRAIN), j=f"1x{nproc}", max_restarts=max_restarts, name="recsys", env=env
     )
 

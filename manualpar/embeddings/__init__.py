@@ -8,7 +8,6 @@ from manualpar.embeddings.collection import (
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import JaggedFeature, SparseFeatures
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     Shard,
@@ -20,6 +19,7 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection, shard_embeddings
+from manualpar.embeddings.update_rules import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
 
 __all__ = [
     "SGD",

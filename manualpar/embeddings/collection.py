@@ -17,8 +17,8 @@ from torch import nn
 
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.kernels import bag_offsets
 from manualpar.embeddings.memory import empty_rows
+from manualpar.embeddings.shard_compute import bag_offsets
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import EmbeddingInputError
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from manualpar.embeddings.kernels import ShardBags
 from manualpar.embeddings.native import native_kernels, supports
 from manualpar.embeddings.routing import LocalShard, Route, Routing
+from manualpar.embeddings.shard_compute import ShardBags
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [

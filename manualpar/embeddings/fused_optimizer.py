@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from manualpar.embeddings.local_shards import Block, LocalShards, gathering_full_tensors
-from manualpar.embeddings.optimizers import SparseOptimizer, check_lr
+from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.update_rules import SparseOptimizer, check_lr
 
 __all__ = ["FusedOptimizer"]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.optimizers import SparseOptimizer
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
@@ -27,6 +26,7 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import PlanError
 
 __all__ = ["plan_tables", "table_bytes"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.collection import (
     EmbeddingBagCollection,
     EmbeddingTable,
@@ -27,15 +28,14 @@ from manualpar.embeddings.collection import (
 )
 from manualpar.embeddings.exchange import REFUSED
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.forward_backward import apply_gradient, lookup, start_all_to_all
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.local_shards import Block, LocalShards, gathering_full_tensors
-from manualpar.embeddings.optimizers import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.routing import LocalShard, Routing
-from manualpar.embeddings.step import apply_gradient, lookup, start_all_to_all
 from manualpar.embeddings.table_init import init_rows
+from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
-from manualpar.wrappers.ownership import claim, mark_replaced
+from manualpar.ownership import claim, mark_replaced
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy

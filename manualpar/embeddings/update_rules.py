@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import torch
 
-from manualpar.embeddings.kernels import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import native_kernels, supports
+from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.errors import BuilderError
 
 __all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "check_lr"]

@@ -34,8 +34,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
+from manualpar.ownership import claim, mark_replaced, owned_by_others, owner_of
 from manualpar.strategy import ManualParallelStrategy
-from manualpar.wrappers.ownership import claim, mark_replaced, owned_by_others, owner_of
 
 __all__ = ["fsdp"]
 

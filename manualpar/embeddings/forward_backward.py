@@ -32,7 +32,8 @@ from manualpar.embeddings.exchange import (
     unpack_ids,
 )
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.kernels import (
+from manualpar.embeddings.routing import Routing
+from manualpar.embeddings.shard_compute import (
     BagGradients,
     RowPass,
     ShardBags,
@@ -40,7 +41,6 @@ from manualpar.embeddings.kernels import (
     pooled_sum,
     row_gradients,
 )
-from manualpar.embeddings.routing import Routing
 
 if TYPE_CHECKING:
     from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from manualpar.checkpoint_files import FULL_KEY, read_full, read_manifest
+from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest
 from manualpar.errors import CheckpointError
 
-__all__ = ["describe_checkpoint", "format_description"]
+__all__ = ["describe_checkpoint"]
 
 
 def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -70,19 +70,3 @@ def _describe_full(path: Path) -> dict[str, Any]:
         "tensors": tensors,
         "bytes": path.stat().st_size,
     }
-
-
-def format_description(info: dict[str, Any]) -> str:
-    lines = [
-        f"checkpoint {info['path']}",
-        f"  kind {info['kind']}, step {info['step']}, saved by {info['world_size']} rank(s), "
-        f"{info['bytes'] / 2**20:.2f} MiB on disk",
-        "  entries: " + ", ".join(f"{k} ({v})" for k, v in info["entries"].items()),
-        f"  {len(info['tensors'])} tensors:",
-    ]
-    width = max((len(k) for k in info["tensors"]), default=0)
-    for key, meta in info["tensors"].items():
-        shape = "x".join(map(str, meta["shape"])) or "scalar"
-        split = f"  ({meta['chunks']} chunks)" if meta["chunks"] > 1 else ""
-        lines.append(f"    {key:<{width}}  {shape:>14}  {meta['dtype']}{split}")
-    return "\n".join(lines)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from manualpar.embeddings.local_shards import full_tensors
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.errors import CheckpointError
 
 SEP = "/"

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
+from manualpar.ownership import stale_reason
 from manualpar.strategy import ManualParallelStrategy
-from manualpar.wrappers.ownership import stale_reason
 
 __all__ = ["sharded_grad_scaler", "zero_optimizer"]
 

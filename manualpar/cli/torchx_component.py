@@ -1,7 +1,7 @@
-"""torchx component: launch any manualpar script with torchrun on local processes or a cluster.
+"""torchx component `manualpar.run_script`: any script under torchrun, local or on a cluster.
 
-    torchx run -s local_cwd manualpar.trainer --script examples/strategy_demo.py -j 1x2
-    torchx run -s slurm manualpar.trainer --script train.py -j 4x8 --max_restarts 2
+    torchx run -s local_cwd manualpar.run_script --script examples/strategy_demo.py -j 1x2
+    torchx run -s slurm manualpar.run_script --script train.py -j 4x8 --max_restarts 2
 
 The AppDef runs `python -m torch.distributed.run` directly with an absolute interpreter path, so
 it works whether or not a virtualenv is on PATH (torchx's own dist.ddp goes through
@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 from torchx import specs
 
-__all__ = ["trainer"]
+__all__ = ["run_script", "trainer"]
 
 
 def _nodes_and_procs(j: str) -> tuple[int, int]:
@@ -33,7 +33,7 @@ def _nodes_and_procs(j: str) -> tuple[int, int]:
     return nodes, procs
 
 
-def trainer(
+def run_script(
     *script_args: str,
     script: Optional[str] = None,
     m: Optional[str] = None,
@@ -121,3 +121,8 @@ def trainer(
             )
         ],
     )
+
+
+# The component's name before 0.2 (it launches any script, not only the Trainer); kept so existing
+# command lines and .torchxconfig files keep working.
+trainer = run_script

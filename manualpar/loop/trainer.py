@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from manualpar.checkpoint_files import latest_checkpoint, read_manifest
+from manualpar.checkpoint.files import latest_checkpoint, read_manifest
 from manualpar.embeddings.sharded import fused_optimizers
-from manualpar.logs import log_with_rank
+from manualpar.loop.logs import log_with_rank
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from manualpar.errors import BuilderError
-from manualpar.wrappers.ownership import claim, owner_of
+from manualpar.ownership import claim, owner_of
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -77,7 +77,7 @@ def ddp(
         raise BuilderError(
             f"ddp(): {type(module).__name__} still has tensors on the meta device "
             f"({', '.join(left_on_meta[:5])}{' ...' if len(left_on_meta) > 5 else ''}); "
-            "call manualpar.init.materialize on it first (or build it outside empty_init())"
+            "call manualpar.meta.materialize on it first (or build it outside empty_init())"
         )
     if not any(p.requires_grad for _, p in taken):
         owners = sorted({str(owner_of(p)) for _, p in module.named_parameters()} - {"None"})

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from manualpar.errors import ManualParError
 
-__all__ = ["plot_metrics"]
+__all__ = ["add_arguments", "plot_metrics", "run"]
 
 
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -52,3 +53,13 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figure.savefig(target, dpi=100)
     plt.close(figure)
     return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(plot_metrics(args.run_dir, args.out))
+    return 0

@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from manualpar.checkpoint_files import (
+from manualpar.checkpoint.files import (
     FORMAT,
     FULL_KEY,
     MANIFEST,
@@ -43,7 +43,7 @@ from manualpar.checkpoint_files import (
     swap_in,
     write_file,
 )
-from manualpar.checkpoint_state import (
+from manualpar.checkpoint.state import (
     describe_shape,
     entry_kind,
     entry_state_dict,
