@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from manualpar.timeouts import TIMEOUT_ENV_VAR
+from manualpar.strategy.timeouts import TIMEOUT_ENV_VAR
 
 __all__ = ["DistributedTestError", "RankOutcome", "free_port", "run_distributed"]
 

@@ -33,8 +33,8 @@ def die_at(point: str) -> None:
         raise ValueError(f"unknown fault point {point!r}; choose one of {POINTS}")
     from torch.distributed.checkpoint import FileSystemWriter
 
-    import manualpar.checkpoint as checkpoint
     import manualpar.checkpoint.files as files
+    import manualpar.checkpoint.io as checkpoint
 
     if point in ("before_write", "after_write"):
         original = FileSystemWriter.write_data

@@ -12,7 +12,7 @@ import torch
 from checkpoint_models import make_model
 
 import manualpar as mp
-from manualpar.__main__ import main
+from manualpar.cli import main
 from manualpar.embeddings import EmbeddingPlan
 
 

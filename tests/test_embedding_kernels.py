@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manualpar.embeddings import RowWiseAdagrad, kernels, native
+from manualpar.embeddings import RowWiseAdagrad, native
+from manualpar.embeddings import shard_compute as kernels
 
 pytestmark = pytest.mark.skipif(
     native.native_kernels() is None, reason="the C++ kernels could not be built on this machine"

@@ -21,7 +21,7 @@ from checkpoint_models import make_model
 from faults import assert_first_checkpoint_intact, reference_after_one_step
 
 import manualpar as mp
-import manualpar.checkpoint as checkpoint
+import manualpar.checkpoint.io as checkpoint
 from manualpar.embeddings import SGD, EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
 from manualpar.embeddings import shard_embeddings as shard
 from manualpar.errors import ClusterEnvironmentError
@@ -234,7 +234,7 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
     ids=["not_a_number", "negative"],
 )
 def test_bad_timeout_variable(raw, error, message, monkeypatch):
-    from manualpar.timeouts import resolve_timeout
+    from manualpar.strategy.timeouts import resolve_timeout
 
     monkeypatch.setenv("MANUALPAR_TIMEOUT_S", raw)
     with pytest.raises(error) as raised:

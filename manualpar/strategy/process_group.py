@@ -1,0 +1,119 @@
+"""The process group's life: this rank's device, creating or adopting the group, destroying it.
+
+Collectives over the group are the strategy's (strategy.py); this module only makes and unmakes
+the group, so the strategy's file holds one idea: what ranks can do together.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from manualpar.environment import ClusterEnvironment
+from manualpar.errors import CollectiveError
+
+__all__ = ["adopted_environment", "destroy_group", "init_process_group", "pick_device"]
+
+# Groups this process destroyed, kept referenced until interpreter exit. A DDP Reducer holds its
+# group, and when a model is freed the Reducer's destructor (GIL held) joins gloo's worker
+# threads, one of which may still need the GIL to drop a finished collective's tensors: a
+# deadlock at exit. While this list holds the group, the last reference dies here instead, in
+# the group's own Python binding, whose destructor releases the GIL.
+_RETIRED_GROUPS: list[dist.ProcessGroup] = []
+
+
+def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    """One device per local rank: cuda:<local_rank> on GPU nodes, else the CPU."""
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cpu":
+        return torch.device("cpu")
+    if accelerator != "cuda":
+        raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {accelerator!r}")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"local rank {local_rank} needs cuda:{local_rank}, but this node shows {count} "
+            "CUDA device(s); launch at most one process per GPU or set CUDA_VISIBLE_DEVICES"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def adopted_environment(
+    detected: ClusterEnvironment, group: dist.ProcessGroup | None
+) -> ClusterEnvironment:
+    """Ranks as seen inside an adopted group (a subgroup numbers its members from 0)."""
+    if group is None:
+        return detected
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(
+            "this process is not a member of the adopted process group; "
+            "create the strategy only on the group's members"
+        )
+    is_world = group is dist.group.WORLD
+    if (
+        is_world
+        and detected.source != "single"
+        and (detected.rank, detected.world_size) != (rank, world)
+    ):
+        raise ValueError(
+            f"the adopted process group has rank {rank} of {world}, but the {detected.source} "
+            f"environment says rank {detected.rank} of {detected.world_size}; pass a matching "
+            "ClusterEnvironment or the world group"
+        )
+    local_world = min(detected.local_world_size, world) if detected.source != "single" else 1
+    return ClusterEnvironment(
+        rank=rank,
+        world_size=world,
+        local_rank=min(detected.local_rank, local_world - 1),
+        local_world_size=local_world,
+        node_rank=detected.node_rank,
+        master_addr=detected.master_addr or "adopted",
+        master_port=detected.master_port or 1,
+        restart_count=detected.restart_count,
+        source="adopted",
+    )
+
+
+def init_process_group(
+    env: ClusterEnvironment, backend: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """Join the default group with a finite timeout; CollectiveError says what to check."""
+    try:
+        # Under torchrun the agent already serves the store: join it. Its keys survive a
+        # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
+        # attempt's gloo addresses and times out after a restart).
+        store: dist.Store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and not env.uses_agent_store,
+            timeout=timeout,
+        )
+        if env.uses_agent_store:
+            store = dist.PrefixStore(f"manualpar/attempt_{env.restart_count}", store)
+        dist.init_process_group(
+            backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    except Exception as error:
+        raise CollectiveError(
+            f"rank {env.rank} of {env.world_size} could not join the process group at "
+            f"{env.master_addr}:{env.master_port} (backend {backend}) within "
+            f"{timeout.total_seconds():g}s: {error}. Check that every rank was started "
+            "and that the master address and port are reachable."
+        ) from error
+    group = dist.group.WORLD
+    assert group is not None  # set by init_process_group
+    return group
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy the default group, keeping the Python object alive until exit (see above)."""
+    if group is not None:
+        _RETIRED_GROUPS.append(group)
+    if dist.is_initialized():
+        dist.destroy_process_group()
