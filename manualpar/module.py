@@ -22,15 +22,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from manualpar.errors import BuilderError
-from manualpar.ownership import owner_of, stale_reason
+from manualpar.ownership import owner_of, stale_reason, trained_by_owner
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["SPARSE_OWNERS", "ParallelModule", "check_optimizer", "load_trained"]
-
-# Builders whose parameters are updated by their own fused optimizer, never by the dense one.
-SPARSE_OWNERS = frozenset({"shard_embeddings"})
+__all__ = ["ParallelModule", "check_optimizer", "load_trained"]
 
 
 class ParallelModule(nn.Module):
@@ -67,7 +64,7 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}.dense_parameters() called before setup(strategy); "
                 "create the optimizer after setup, when parameters are materialized and sharded"
             )
-        return (p for p in self.parameters() if owner_of(p) not in SPARSE_OWNERS)
+        return (p for p in self.parameters() if not trained_by_owner(p))
 
 
 def _checked_setup(user_setup: Callable) -> Callable:

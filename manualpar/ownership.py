@@ -1,9 +1,11 @@
 """Which builder owns which parameter, so builders compose without touching each other's parts.
 
 Every builder (ddp, fsdp, shard_embeddings, ...) calls `claim` on the module it takes over. A
-parameter belongs to exactly one builder; claiming it twice raises BuilderError. Builders skip
-parameters that others own (DDP ignores them, FSDP leaves them unsharded), and
-`ParallelModule.parameters_by_owner` lists them for the right optimizer.
+parameter belongs to exactly one builder; claiming a module twice raises BuilderError. Builders
+skip parameters and submodules that others own (DDP ignores them, FSDP leaves them unsharded).
+A builder that updates its parameters itself (a fused optimizer inside backward) claims them
+with `trains_itself=True`, so `ParallelModule.dense_parameters()` leaves them out of the dense
+optimizer without knowing any builder by name.
 """
 
 from __future__ import annotations
@@ -15,10 +17,23 @@ from torch import nn
 
 from manualpar.errors import BuilderError
 
-__all__ = ["claim", "mark_replaced", "owned_by_others", "owner_of", "replaced_by", "stale_reason"]
+__all__ = [
+    "builder_of",
+    "claim",
+    "claimed_submodules",
+    "mark_replaced",
+    "owned_by_others",
+    "owner_of",
+    "replaced_by",
+    "stale_reason",
+    "trained_by_owner",
+    "unowned_parameters",
+]
 
-_OWNER = "_manualpar_owner"
-_REPLACED = "_manualpar_replaced_by"
+_OWNER = "_manualpar_owner"  # on a parameter: the builder that owns it
+_TRAINS_ITSELF = "_manualpar_trained_by_owner"  # on a parameter: its owner updates it
+_BUILDER = "_manualpar_builder"  # on a module: the builder that took it over
+_REPLACED = "_manualpar_replaced_by"  # on a parameter: the builder that swapped it out
 
 
 def owner_of(param: torch.Tensor) -> str | None:
@@ -26,24 +41,38 @@ def owner_of(param: torch.Tensor) -> str | None:
     return getattr(param, _OWNER, None)
 
 
+def trained_by_owner(param: torch.Tensor) -> bool:
+    """True if the owning builder updates `param` itself (no dense optimizer may hold it)."""
+    return bool(getattr(param, _TRAINS_ITSELF, False))
+
+
+def builder_of(module: nn.Module) -> str | None:
+    """The builder that took `module` over, or None."""
+    return getattr(module, _BUILDER, None)
+
+
 def claim(
     module: nn.Module,
     builder: str,
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    *,
+    trains_itself: bool = False,
 ) -> None:
     """Record `builder` as the owner of the given (default: all unowned) parameters of `module`.
 
-    Raises BuilderError if the module itself was already wrapped by a builder.
+    Raises BuilderError if the module itself was already taken over by a builder.
     """
-    previous = getattr(module, "_manualpar_builder", None)
+    previous = builder_of(module)
     if previous is not None:
         raise BuilderError(
             f"{builder}(): module {type(module).__name__} was already set up by {previous}(); "
             "call each builder once per module, on disjoint submodules"
         )
-    object.__setattr__(module, "_manualpar_builder", builder)
+    object.__setattr__(module, _BUILDER, builder)
     for _, param in params if params is not None else unowned_parameters(module):
         setattr(param, _OWNER, builder)
+        if trains_itself:
+            setattr(param, _TRAINS_ITSELF, True)
 
 
 def unowned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -56,6 +85,15 @@ def owned_by_others(module: nn.Module, builder: str) -> list[tuple[str, nn.Param
         (n, p)
         for n, p in module.named_parameters()
         if owner_of(p) is not None and owner_of(p) != builder
+    ]
+
+
+def claimed_submodules(module: nn.Module) -> list[str]:
+    """Qualified names (each ending in '.') of the strict submodules a builder took over."""
+    return [
+        name + "."
+        for name, sub in module.named_modules()
+        if sub is not module and builder_of(sub) is not None
     ]
 
 

@@ -19,7 +19,7 @@ class TwoTowers(ParallelModule):
         self.dense = nn.Linear(3, 1)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        claim(self.sparse, "shard_embeddings")  # stands in for a fused-optimizer builder
+        claim(self.sparse, "fused_tables", trains_itself=True)  # updated inside backward
         claim(self.dense, "ddp")
 
 
@@ -32,7 +32,7 @@ def test_setup_runs_once_and_groups_parameters_by_owner() -> None:
     assert model.strategy is strategy
     assert [p.shape for p in model.dense_parameters()] == [(1, 3), (1,)]
     by_owner = model.parameters_by_owner()
-    assert sorted(by_owner, key=str) == ["ddp", "shard_embeddings"]
+    assert sorted(by_owner, key=str) == ["ddp", "fused_tables"]
     with pytest.raises(BuilderError, match=r"TwoTowers\.setup\(\) already ran"):
         model.setup(strategy)
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from manualpar.errors import BuilderError
-from manualpar.ownership import claim, owner_of
+from manualpar.ownership import builder_of, claim, claimed_submodules, owner_of
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -40,7 +40,6 @@ __all__ = ["GlobalSamplesDDP", "NormalizeBy", "ddp", "infer_batch_size", "set_ba
 
 NormalizeBy = Literal["world_size", "global_samples"]
 _NORMALIZE_MARK = "_manualpar_ddp_normalize_by"
-_BUILDER_MARK = "_manualpar_builder"  # set by ownership.claim on the module a builder took
 
 
 def ddp(
@@ -65,7 +64,7 @@ def ddp(
             f"ddp(): the module is already a DistributedDataParallel (around "
             f"{type(module.module).__name__}); call ddp() once per module"
         )
-    if getattr(module, _BUILDER_MARK, None) is not None:
+    if builder_of(module) is not None:
         claim(module, "ddp")  # raises ownership's "already set up by <builder>()" error
     if "process_group" in ddp_kwargs:
         raise BuilderError("ddp(): process_group comes from the strategy; do not pass it")
@@ -119,11 +118,7 @@ def _split(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], set[str]]
 
     Every name of a shared parameter is listed, since DDP matches module-by-module names.
     """
-    foreign = [
-        name + "."
-        for name, sub in module.named_modules()
-        if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None
-    ]
+    foreign = claimed_submodules(module)
     taken: list[tuple[str, nn.Parameter]] = []
     ignored: set[str] = set()
     seen: set[int] = set()
@@ -143,11 +138,7 @@ def _move(module: nn.Module, device: torch.device, taken: list[tuple[str, nn.Par
     """Move what DDP takes from the CPU to `device`; submodules of other builders stay put."""
     if device.type == "cpu" or any(p.device.type != "cpu" for _, p in taken):
         return
-    foreign = [
-        name + "."
-        for name, sub in module.named_modules()
-        if sub is not module and getattr(sub, _BUILDER_MARK, None) is not None
-    ]
+    foreign = claimed_submodules(module)
     for name, sub in module.named_modules():
         if not (name + ".").startswith(tuple(foreign)):
             sub._apply(lambda t: t.to(device), recurse=False)
@@ -189,8 +180,7 @@ def _global_samples_hook(
         buffer.zero_()  # an empty batch's mean loss is NaN; it contributes nothing
     else:
         buffer.mul_(state.scale)
-    work = dist.all_reduce(buffer, group=state.strategy.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return state.strategy.all_reduce_async(buffer, name="ddp: gradient bucket all_reduce").future()
 
 
 # DDP compares the hook's annotations with the real types; `from __future__ import annotations`

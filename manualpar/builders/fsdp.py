@@ -34,7 +34,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
-from manualpar.ownership import claim, mark_replaced, owned_by_others, owner_of
+from manualpar.ownership import builder_of, claim, mark_replaced, owned_by_others, owner_of
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["fsdp"]
@@ -114,7 +114,7 @@ def fsdp(
 
 
 def _check_not_wrapped(module: nn.Module) -> None:
-    builder = getattr(module, "_manualpar_builder", None)
+    builder = builder_of(module)
     if builder is not None or isinstance(module, FSDPModule):
         raise BuilderError(
             f"fsdp(): module {type(module).__name__} was already set up by "
@@ -168,7 +168,7 @@ def _own_modules(root: nn.Module) -> Iterator[nn.Module]:
         seen.add(id(module))
         yield module
         for child in module.children():
-            if getattr(child, "_manualpar_builder", None) is None:
+            if builder_of(child) is None:
                 yield from visit(child)
 
     yield from visit(root)
@@ -220,7 +220,7 @@ def _auto_wrap(
         seen.add(id(module))
         count = sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in ignored)
         for child in module.children():
-            if getattr(child, "_manualpar_builder", None) is None:
+            if builder_of(child) is None:
                 count += unwrapped_count(child)
         if module is root:
             return count

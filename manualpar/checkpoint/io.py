@@ -93,7 +93,7 @@ def _agree(strategy: ManualParallelStrategy, what: str, fn: Callable[[], T]) -> 
 def _dcp_call(strategy: ManualParallelStrategy, operation: str, fn: Callable[[], Any]) -> None:
     """Run a DCP call; a dead or stalled peer surfaces as CollectiveError naming the operation."""
     try:
-        with strategy._collective(operation), warnings.catch_warnings():
+        with strategy.collective_guard(operation), warnings.catch_warnings():
             # Without a process group DCP warns that it assumes one process: that is intended.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn()

@@ -7,7 +7,8 @@ on one rank, or column blocks on a subset of ranks; this small class can describ
 rectangles, so a table saved under one plan or world size loads under any other. The blocks are
 views of the live tensors: DCP reads into them in place.
 
-`full_tensors()` switches state dicts to plain, gathered tensors (the `full=True` export).
+`full_tensors()` switches state dicts to plain, gathered tensors (the `full=True` export); the
+owner gathers them from `primary_sum()` with its strategy's all-reduce.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -121,14 +121,13 @@ class LocalShards(torch.Tensor):
         raise ValueError(f"{index.fqn}: this rank holds no block at offset {index.offset}")
 
     # full tensors ---------------------------------------------------------------------------
-    def gather(self, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """The whole tensor on every rank (sum of disjoint primary blocks: one all-reduce)."""
+    def primary_sum(self) -> torch.Tensor:
+        """A tensor of the global shape holding this rank's primary blocks (zeros elsewhere):
+        summed over ranks (one all-reduce, by the owner's strategy) it is the whole tensor."""
         full = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         for block in self.blocks:
             if block.primary:
                 full[_region(block)] = block.tensor
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(full, group=group)
         return full
 
     def copy_from_full(self, full: torch.Tensor, what: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from manualpar.embeddings.exchange import (
     SenderBags,
@@ -32,7 +33,8 @@ from manualpar.embeddings.exchange import (
     unpack_ids,
 )
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.routing import Routing
+from manualpar.embeddings.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.routing import LocalShard, Routing
 from manualpar.embeddings.shard_compute import (
     BagGradients,
     RowPass,
@@ -43,75 +45,70 @@ from manualpar.embeddings.shard_compute import (
 )
 
 if TYPE_CHECKING:
-    from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection
+    from manualpar.strategy import ManualParallelStrategy, PendingCollective
 
-__all__ = ["PendingAllToAll", "apply_gradient", "lookup", "start_all_to_all"]
+__all__ = ["LookupContext", "apply_gradient", "lookup", "sender_scales"]
+
+BUILDER = "shard_embeddings"
 
 
 @dataclass
-class PendingAllToAll:
-    """An all_to_all in flight; `wait()` gives the received tensor (or raises CollectiveError)."""
+class LookupContext:
+    """What a sharded collection's forward and backward need, built once by the module: the
+    routing of its plan, this rank's blocks, the fused optimizer and the strategy that carries
+    the exchanges."""
 
-    module: ShardedEmbeddingBagCollection
-    work: Any
-    sent: torch.Tensor  # kept alive until the exchange is done
-    received: torch.Tensor
-    receive: list[int]  # elements from each rank
-    what: str
+    routing: Routing
+    tables: nn.ModuleDict  # this rank's block of each table, by table name
+    optimizer: FusedOptimizer
+    strategy: ManualParallelStrategy
+    normalize_by: str
+    device: torch.device
 
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            name = self.module.collective_name(f"{self.what} all_to_all")
-            with self.module.strategy._collective(name):
-                self.work.wait()
-            self.work = None
-        return self.received
+    def name(self, table: int) -> str:
+        return self.routing.tables[table].name
 
+    def weight(self, table: int) -> torch.Tensor:
+        """This rank's block of table `table` (detached: the update is the fused optimizer's)."""
+        return self.tables[self.name(table)].weight.detach()
 
-def start_all_to_all(
-    module: ShardedEmbeddingBagCollection,
-    tensor: torch.Tensor,
-    send: list[int],
-    receive: list[int],
-    what: str,
-) -> PendingAllToAll:
-    """Start an all_to_all_single of `tensor` (`send`/`receive`: elements per rank); waits use
-    the strategy's collective timeout. On one process nothing is sent."""
-    received = tensor.new_empty(sum(receive))
-    work = None
-    if module.strategy.world_size > 1:
-        tensor = tensor.contiguous()
-        with module.strategy._collective(module.collective_name(f"{what} all_to_all")):
-            work = torch.distributed.all_to_all_single(
-                received, tensor, receive, send, group=module.strategy.group, async_op=True
-            )
-    return PendingAllToAll(module, work, tensor, received, receive, what)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight(0).dtype
+
+    def exchange(
+        self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
+    ) -> PendingCollective:
+        """Start one all_to_all of the step (elements per rank); errors name `what`."""
+        return self.strategy.all_to_all_async(
+            tensor, send, receive, name=f"{BUILDER}: {what} all_to_all"
+        )
 
 
 # forward ---------------------------------------------------------------------------------------
 def lookup(
-    module: ShardedEmbeddingBagCollection,
+    ctx: LookupContext,
     features: SparseFeatures,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
-    routing = module.routing
+    routing = ctx.routing
     rank, world = routing.rank, routing.world_size
     batch = features.batch_size
     lengths = features.lengths.view(len(routing.features), batch)
-    sizes, parts, ids_in = _send_ids(module, features, lengths)
-    out = torch.zeros(batch, routing.total_dim, dtype=module.dtype, device=module.device)
-    _add_own_pooled(module, parts[rank], out, batch)  # while the other ranks' ids travel
+    sizes, parts, ids_in = _send_ids(ctx, features, lengths)
+    out = torch.zeros(batch, routing.total_dim, dtype=ctx.dtype, device=ctx.device)
+    _add_own_pooled(ctx, parts[rank], out, batch)  # while the other ranks' ids travel
     _unpack_others(routing, ids_in.wait(), sizes, parts)
-    pooled_in = _send_pooled(module, parts, out) if world > 1 else None
+    pooled_in = _send_pooled(ctx, parts, out) if world > 1 else None
     local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank) for k in range(len(local))]
-    if module.fused_optimizer.optimizer.fuses_bags:  # while the pooled rows travel
+    if ctx.optimizer.rule.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
             shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
     if pooled_in is not None:
-        _add_received_pooled(routing, pooled_in.wait(), pooled_in.receive, out, batch)
-    feature_ids = _lookup_data_parallel(module, features, out)
-    mean_scale = _mean_scale(module, lengths, out.dtype)
+        _add_received_pooled(routing, pooled_in.wait(), output_splits(routing, batch), out, batch)
+    feature_ids = _lookup_data_parallel(ctx, features, out)
+    mean_scale = _mean_scale(ctx, lengths, out.dtype)
     if mean_scale is not None:
         out.mul_(mean_scale)
     return out, {
@@ -123,28 +120,22 @@ def lookup(
 
 
 def _send_ids(
-    module: ShardedEmbeddingBagCollection,
+    ctx: LookupContext,
     features: SparseFeatures,
     lengths: torch.Tensor,
-) -> tuple[list[list[int]], list[list[SenderBags]], PendingAllToAll]:
+) -> tuple[list[list[int]], list[list[SenderBags]], PendingCollective]:
     """Exchange sizes (blocking), then send the ids (in flight on return). Returns every
     rank's [batch, payload length, weighted], the bags per sender rank and local shard (only
     this rank's own filled yet), and the pending exchange."""
-    routing = module.routing
+    routing = ctx.routing
     rank, world = routing.rank, routing.world_size
     weighted = features.weights is not None
     payloads = pack_ids(routing, features.values, lengths, features.weights)
-    sizes = (
-        module.all_to_all(
-            size_header(features.batch_size, payloads, weighted), [3] * world, [3] * world, "ids"
-        )
-        .view(world, 3)
-        .tolist()
-    )
+    header = size_header(features.batch_size, payloads, weighted)
+    sizes = ctx.exchange(header, [3] * world, [3] * world, "ids").wait().view(world, 3).tolist()
     check_refusals(sizes)
     others = [p for d, p in enumerate(payloads) if d != rank]
-    pending = start_all_to_all(
-        module,
+    pending = ctx.exchange(
         torch.cat(others) if others else payloads[rank][:0],
         [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
         [0 if s == rank else size[1] for s, size in enumerate(sizes)],
@@ -168,37 +159,35 @@ def _unpack_others(
 
 
 def _add_own_pooled(
-    module: ShardedEmbeddingBagCollection, own: list[SenderBags], out: torch.Tensor, batch: int
+    ctx: LookupContext, own: list[SenderBags], out: torch.Tensor, batch: int
 ) -> None:
     """Look up this rank's own bags in its own shards, straight into the output."""
-    routing = module.routing
+    routing = ctx.routing
     routes = iter(routing.routes_to[routing.rank])
     for shard, bags in zip(routing.routed_local_shards(), own, strict=True):
-        pooled = pooled_sum(module.weight_of(shard), *bags)
+        pooled = pooled_sum(ctx.weight(shard.table), *bags)
         for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
             add_block(routing, out, next(routes), block)
 
 
 def _send_pooled(
-    module: ShardedEmbeddingBagCollection, parts: list[list[SenderBags]], out: torch.Tensor
-) -> PendingAllToAll:
+    ctx: LookupContext, parts: list[list[SenderBags]], out: torch.Tensor
+) -> PendingCollective:
     """Look up the other ranks' bags and send them their pooled rows (in flight on return;
     `out`, this rank's output, gives the batch size, dtype and device)."""
-    routing = module.routing
+    routing = ctx.routing
     local = routing.routed_local_shards()
     pooled = [
         None
         if s == routing.rank
         else [
-            pooled_sum(module.weight_of(shard), *bags)
+            pooled_sum(ctx.weight(shard.table), *bags)
             for shard, bags in zip(local, parts[s], strict=True)
         ]
         for s in range(routing.world_size)
     ]
     flat, splits = pack_pooled(pooled, like=out)
-    return start_all_to_all(
-        module, flat, splits, output_splits(routing, out.shape[0]), "pooled output"
-    )
+    return ctx.exchange(flat, splits, output_splits(routing, out.shape[0]), "pooled output")
 
 
 def _add_received_pooled(
@@ -214,29 +203,29 @@ def _add_received_pooled(
         offset += size
 
 
-def _lookup_data_parallel(
-    module: ShardedEmbeddingBagCollection, features: SparseFeatures, out: torch.Tensor
-) -> list:
+def _lookup_data_parallel(ctx: LookupContext, features: SparseFeatures, out: torch.Tensor) -> list:
     """Replicated tables are looked up locally; returns per-feature (ids, lengths, weights)."""
-    routing = module.routing
+    routing = ctx.routing
     if not routing.data_parallel:
         return []
     feature_ids = split_features(features)
     for f, (_, t) in enumerate(routing.features):
         if t in routing.data_parallel:
             ids, lengths, weights = feature_ids[f]
-            weight = module.tables[module.configs[t].name].weight.detach()
+            weight = ctx.weight(t)
             start = routing.feature_offsets[f]
             out[:, start : start + routing.dims[f]] = pooled_sum(weight, ids, lengths, weights)
     return feature_ids
 
 
 def _mean_scale(
-    module: ShardedEmbeddingBagCollection, lengths: torch.Tensor, dtype: torch.dtype
+    ctx: LookupContext, lengths: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
-    routing = module.routing
-    means = [f for f, (_, t) in enumerate(routing.features) if module.configs[t].pooling == "mean"]
+    routing = ctx.routing
+    means = [
+        f for f, (_, t) in enumerate(routing.features) if ctx.routing.tables[t].pooling == "mean"
+    ]
     if not means:
         return None
     scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype, device=lengths.device)
@@ -262,20 +251,18 @@ def split_features(
 
 
 # backward --------------------------------------------------------------------------------------
-def apply_gradient(
-    module: ShardedEmbeddingBagCollection, grad: torch.Tensor, saved: dict[str, Any]
-) -> None:
+def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]) -> None:
     """Send the output gradient to the shards' owners and update our shards with theirs."""
-    routing, optimizer = module.routing, module.fused_optimizer
-    full = optimizer.optimizer.needs_full_rows
+    routing, optimizer = ctx.routing, ctx.optimizer
+    full = optimizer.rule.needs_full_rows
     optimizer.step += 1
     if saved["mean_scale"] is not None:
         grad = grad * saved["mean_scale"]
     batch_sizes = saved["batch_sizes"]
-    scales = sender_scales(module.normalize_by, batch_sizes)
+    scales = sender_scales(ctx.normalize_by, batch_sizes)
     flat, splits = pack_output_grad(routing, grad, full)
-    grads_in = start_all_to_all(
-        module, flat, splits, grad_receive_splits(routing, batch_sizes, full), "output gradient"
+    grads_in = ctx.exchange(
+        flat, splits, grad_receive_splits(routing, batch_sizes, full), "output gradient"
     )
     local, all_bags = routing.routed_local_shards(), saved["bags"]
     own = own_grad_blocks(routing, grad, full)
@@ -284,7 +271,7 @@ def apply_gradient(
     # while the other ranks' gradients travel: rows only our own bags touched
     fused = [
         _step_bags(
-            module,
+            ctx,
             shard,
             bags,
             BagGradients(blocks, [own_scale] * len(blocks)),
@@ -304,11 +291,11 @@ def apply_gradient(
             rows, summed = row_gradients(
                 bags.ids, bags.lengths, bags.weights, bag_grads, shard.shard.rows, scale
             )
-            module.update_rows(shard.table, rows, summed)
+            optimizer.update_rows(ctx.name(shard.table), ctx.weight(shard.table), rows, summed)
         elif not alone:
-            _step_bags(module, shard, bags, grads, RowPass.REST)
+            _step_bags(ctx, shard, bags, grads, RowPass.REST)
     if routing.data_parallel:
-        _update_data_parallel(module, grad, saved, own_scale)
+        _update_data_parallel(ctx, grad, saved, own_scale)
 
 
 def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
@@ -320,38 +307,25 @@ def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
 
 
 def _step_bags(
-    module: ShardedEmbeddingBagCollection,
-    shard: Any,
-    bags: ShardBags,
-    grads: BagGradients,
-    rows: RowPass,
+    ctx: LookupContext, shard: LocalShard, bags: ShardBags, grads: BagGradients, rows: RowPass
 ) -> bool:
-    name = module.configs[shard.table].name
-    optimizer = module.fused_optimizer
-    with torch.no_grad():
-        return optimizer.optimizer.step_bags(
-            module.tables[name].weight,
-            optimizer.state[name],
-            bags,
-            grads,
-            shard.shard.col_start,
-            optimizer.step,
-            rows,
-        )
+    return ctx.optimizer.step_bags(
+        ctx.name(shard.table), ctx.weight(shard.table), bags, grads, rows
+    )
 
 
 def _update_data_parallel(
-    module: ShardedEmbeddingBagCollection,
+    ctx: LookupContext,
     grad: torch.Tensor,
     saved: dict[str, Any],
     my_scale: float,
 ) -> None:
     """Replicated tables: sum dense row gradients and touch counts over ranks (one all_reduce
     for all of them; such tables are small by construction)."""
-    routing = module.routing
+    routing = ctx.routing
     buffers = []
     for t in routing.data_parallel:
-        config = module.configs[t]
+        config = ctx.routing.tables[t]
         dense = grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
         for f, (_, ft) in enumerate(routing.features):
             if ft != t:
@@ -364,14 +338,10 @@ def _update_data_parallel(
             dense[rows, -1] += 1
         buffers.append(dense)
     flat = torch.cat([b.flatten() for b in buffers])
-    if module.strategy.world_size > 1:
-        with module.strategy._collective(
-            module.collective_name("data-parallel gradient all_reduce")
-        ):
-            torch.distributed.all_reduce(flat, group=module.strategy.group)
+    ctx.strategy.all_reduce_(flat, "sum", name=f"{BUILDER}: data-parallel gradient all_reduce")
     offset = 0
     for t, buffer in zip(routing.data_parallel, buffers, strict=True):
         dense = flat[offset : offset + buffer.numel()].view_as(buffer)
         offset += buffer.numel()
         rows = torch.nonzero(dense[:, -1]).flatten()
-        module.update_rows(t, rows, dense[rows, :-1])
+        ctx.optimizer.update_rows(ctx.name(t), ctx.weight(t), rows, dense[rows, :-1])

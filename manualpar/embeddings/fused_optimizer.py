@@ -18,50 +18,93 @@ import torch
 
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.update_rules import SparseOptimizer, check_lr
 
 __all__ = ["FusedOptimizer"]
 
 
 class FusedOptimizer:
+    """A sharded collection's update rule, its per-table state and step count."""
+
     def __init__(
         self,
-        optimizer: SparseOptimizer,
+        rule: SparseOptimizer,
         shards: dict[str, Shard | None],
         dims: dict[str, int],
         rows: dict[str, int],
         device: torch.device,
         full_tensor: Callable[[LocalShards], torch.Tensor],
     ) -> None:
-        self.optimizer = optimizer
+        self.rule = rule
         self.step = 0
         self._shards, self._dims, self._rows = shards, dims, rows
         self._full_tensor = full_tensor
         self.state: dict[str, dict[str, torch.Tensor]] = {
-            name: optimizer.init_state(shard.rows, shard.cols, device)
+            name: rule.init_state(shard.rows, shard.cols, device)
             for name, shard in shards.items()
             if shard is not None
         }
 
     @property
+    def optimizer(self) -> SparseOptimizer:
+        """The update rule (its name before 0.2)."""
+        return self.rule
+
+    @property
     def lr(self) -> float:
-        return self.optimizer.lr
+        return self.rule.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.lr = check_lr(value, "fused optimizer")
+        self.rule.lr = check_lr(value, "fused optimizer")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """For logging code that reads param_groups[0]["lr"]."""
         return [{"lr": self.lr}]
 
+    # updates (inside backward) ----------------------------------------------------------------
+    def _held(self, table: str) -> Shard:
+        shard = self._shards.get(table)
+        if shard is None:
+            raise KeyError(f"table {table!r} has no block on this rank to update")
+        return shard
+
+    @torch.no_grad()
+    def update_rows(
+        self, table: str, weight: torch.Tensor, rows: torch.Tensor, summed: torch.Tensor
+    ) -> None:
+        """Apply the rule to distinct `rows` of this rank's block of `table`, given each row's
+        summed gradient (full width for a column block if the rule needs full rows)."""
+        shard = self._held(table)
+        row_sq_mean = summed.square().mean(1) if self.rule.needs_full_rows else None
+        if summed.shape[1] != shard.cols:  # full-width gradient of a column block
+            summed = summed[:, shard.col_start : shard.col_end]
+        self.rule.step_rows(weight, self.state[table], rows, summed, self.step, row_sq_mean)
+
+    @torch.no_grad()
+    def step_bags(
+        self,
+        table: str,
+        weight: torch.Tensor,
+        bags: ShardBags,
+        grads: BagGradients,
+        rows: RowPass,
+    ) -> bool:
+        """The rule's fused pass straight from the bags' gradients; False if it has none for
+        these tensors (then sum row gradients and call `update_rows`)."""
+        shard = self._held(table)
+        return self.rule.step_bags(
+            weight, self.state[table], bags, grads, shard.col_start, self.step, rows
+        )
+
     def __repr__(self) -> str:
-        return f"FusedOptimizer({self.optimizer.describe()}, tables={list(self.state)})"
+        return f"FusedOptimizer({self.rule.describe()}, tables={list(self.state)})"
 
     # checkpoint ---------------------------------------------------------------------------------
     def _shards_of(self, table: str, key: str) -> LocalShards:
-        per_row = self.optimizer.STATE[key]
+        per_row = self.rule.STATE[key]
         shape = (self._rows[table],) if per_row else (self._rows[table], self._dims[table])
         shard = self._shards.get(table)
         if shard is None:  # no block of this table here: an entry without blocks
@@ -77,7 +120,7 @@ class FusedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            table: {key: self._shards_of(table, key) for key in self.optimizer.STATE}
+            table: {key: self._shards_of(table, key) for key in self.rule.STATE}
             for table in self._rows
         }
         if gathering_full_tensors():
@@ -91,7 +134,7 @@ class FusedOptimizer:
         self.lr = state_dict["lr"]
         self.step = int(state_dict["step"])
         for table in self._rows:
-            for key in self.optimizer.STATE:
+            for key in self.rule.STATE:
                 value = state_dict["state"][table][key]
                 mine = self._shards_of(table, key)
                 if isinstance(value, LocalShards):

@@ -28,10 +28,10 @@ from manualpar.embeddings.collection import (
 )
 from manualpar.embeddings.exchange import REFUSED
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.forward_backward import apply_gradient, lookup, start_all_to_all
+from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
-from manualpar.embeddings.routing import LocalShard, Routing
+from manualpar.embeddings.routing import Routing
 from manualpar.embeddings.table_init import init_rows
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
@@ -40,9 +40,8 @@ from manualpar.ownership import claim, mark_replaced
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["ShardedEmbeddingBagCollection", "fused_optimizers", "shard_embeddings"]
+__all__ = ["ShardedEmbeddingBagCollection", "shard_embeddings"]
 
-BUILDER = "shard_embeddings"
 NORMALIZATIONS = ("world", "global_samples")
 
 
@@ -127,7 +126,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
-        claim(self, BUILDER)
+        claim(self, BUILDER, trains_itself=True)
         self._shards = shards
         self.fused_optimizer = FusedOptimizer(
             optimizer,
@@ -140,9 +139,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
         self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.lookup_context = LookupContext(
+            self.routing, self.tables, self.fused_optimizer, strategy, normalize_by, device
+        )
 
     def extra_repr(self) -> str:
-        return f"{self.plan}, optimizer={self.fused_optimizer.optimizer.describe()}"
+        return f"{self.plan}, optimizer={self.fused_optimizer.rule.describe()}"
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
@@ -160,24 +162,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ranks stop at this step with an error instead of waiting for the collective timeout."""
         world = self.strategy.world_size
         if world > 1:
-            self.all_to_all(
-                torch.full((3 * world,), REFUSED, device=self.strategy.device),
-                [3] * world,
-                [3] * world,
-                "ids",
-            )
+            refused = torch.full((3 * world,), REFUSED, device=self.strategy.device)
+            self.lookup_context.exchange(refused, [3] * world, [3] * world, "ids").wait()
 
-    def collective_name(self, what: str) -> str:
-        """How errors name a collective of this module."""
-        return f"{BUILDER}: {what}"
-
-    def all_to_all(
-        self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
-    ) -> torch.Tensor:
-        """A blocking all_to_all_single (the tensor itself on one process)."""
-        if self.strategy.world_size == 1:
-            return tensor
-        return start_all_to_all(self, tensor, send, receive, what).wait()
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
+        return {"sparse_optim": self.fused_optimizer}
 
     @property
     def device(self) -> torch.device:
@@ -185,29 +175,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(iter(self.tables.values())).weight.dtype
-
-    def weight_of(self, shard: LocalShard) -> torch.Tensor:
-        return self.tables[self.configs[shard.table].name].weight.detach()
-
-    def update_rows(self, t: int, rows: torch.Tensor, summed: torch.Tensor) -> None:
-        """Apply the optimizer to distinct `rows` of table `t` given their summed gradients
-        (full width for a column block if the rule needs full rows)."""
-        config = self.configs[t]
-        shard = self._shards[config.name]
-        rule = self.fused_optimizer.optimizer
-        row_sq_mean = summed.square().mean(1) if rule.needs_full_rows else None
-        if summed.shape[1] != shard.cols:  # full-width gradient of a column block
-            summed = summed[:, shard.col_start : shard.col_end]
-        with torch.no_grad():
-            rule.step_rows(
-                self.tables[config.name].weight,
-                self.fused_optimizer.state[config.name],
-                rows,
-                summed,
-                self.fused_optimizer.step,
-                row_sq_mean,
-            )
+        return self.lookup_context.dtype
 
     # checkpoint -------------------------------------------------------------------------------
     def _table_block(self, table: EmbeddingTable) -> LocalShards:
@@ -224,8 +192,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
 
     def _full_tensor(self, shards: LocalShards) -> torch.Tensor:
-        with self.strategy._collective(f"{BUILDER}: gathering a full table"):
-            return shards.gather(self.strategy.group if self.strategy.world_size > 1 else None)
+        return self.strategy.all_reduce_(
+            shards.primary_sum(), "sum", name=f"{BUILDER}: gathering a full table"
+        )
 
     def _table_state_dict(
         self, table: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
@@ -258,13 +227,13 @@ class _EmbeddingLookup(torch.autograd.Function):
         module: ShardedEmbeddingBagCollection,
         features: SparseFeatures,
     ) -> torch.Tensor:
-        out, saved = lookup(module, features)
-        ctx.module, ctx.saved = module, saved
+        out, saved = lookup(module.lookup_context, features)
+        ctx.lookup, ctx.saved = module.lookup_context, saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        apply_gradient(ctx.module, grad.contiguous(), ctx.saved)
+        apply_gradient(ctx.lookup, grad.contiguous(), ctx.saved)
         ctx.saved = None
         return None, None, None
 
@@ -284,18 +253,3 @@ def _fill_block(
             )
         else:
             weight.copy_(source[shard.row_start : shard.row_end, shard.col_start : shard.col_end])
-
-
-def fused_optimizers(model: nn.Module) -> dict[str, FusedOptimizer]:
-    """Checkpoint entries for every sharded collection's fused optimizer in `model`.
-
-    Keys: "sparse_optim" for a single collection, else "sparse_optim_<module path>".
-    """
-    found = {
-        name: m.fused_optimizer
-        for name, m in model.named_modules()
-        if isinstance(m, ShardedEmbeddingBagCollection)
-    }
-    if len(found) == 1:
-        return {"sparse_optim": next(iter(found.values()))}
-    return {"sparse_optim_" + name.replace(".", "_"): opt for name, opt in found.items()}

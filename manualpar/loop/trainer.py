@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
-from manualpar.embeddings.sharded import fused_optimizers
 from manualpar.loop.logs import log_with_rank
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
@@ -124,7 +124,7 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.step = 0
-        self._fused: dict[str, Any] = {}
+        self._extra: dict[str, Any] = {}
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -153,8 +153,8 @@ class Trainer:
                     "optimizer= to fit()"
                 )
             optimizer = model.configure_optimizers()
-        self._fused = fused_optimizers(model)
-        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._fused}
+        self._extra = extra_checkpoint_entries(model)
+        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._extra}
         self._resume(state)
         self.step = state["step"]
         model.train()
@@ -232,9 +232,13 @@ class Trainer:
     ) -> dict[str, float]:
         reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
         lr = float(optimizer.param_groups[0].get("lr", 0.0))
-        # sharded tables train with their own fused optimizers: log their rates too
-        fused_lr = {f"{name}/lr": fused.lr for name, fused in self._fused.items()}
-        self._append({"step": self.step, **reduced, "lr": lr, **fused_lr, "steps_per_s": rate})
+        # extra entries with a learning rate (fused optimizers of sharded tables): log it too
+        extra_lr = {
+            f"{name}/lr": float(entry.lr)
+            for name, entry in self._extra.items()
+            if isinstance(getattr(entry, "lr", None), (int, float))
+        }
+        self._append({"step": self.step, **reduced, "lr": lr, **extra_lr, "steps_per_s": rate})
         return reduced
 
     def _append(self, record: Mapping[str, Any]) -> None:
