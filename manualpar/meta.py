@@ -15,19 +15,28 @@ buffers must define `reset_parameters()` or be handled by `init_fn`, else Builde
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["empty_init", "is_meta", "materialize"]
+__all__ = [
+    "empty_init",
+    "is_meta",
+    "materialize",
+    "materialize_placed",
+    "require_reset_parameters",
+]
+
+Slot = tuple[str, str]  # ("p" or "b", attribute name) of a module's own tensor
 
 InitFn = Callable[[nn.Module], "bool | None"]
 Skip = Callable[[str, nn.Module], bool] | Collection[str]
@@ -86,33 +95,80 @@ def materialize(
         if any(t.is_meta for t in _direct(sub).values() if t is not None)
     ]
     if init_fn is None:
-        missing = [_describe(name, sub) for name, sub in todo if not _has_reset(sub)]
-        if missing:
-            raise BuilderError(
-                "materialize(): these submodules hold meta-device parameters or buffers but "
-                f"define no reset_parameters(): {'; '.join(missing)}. Values computed in "
-                "__init__ cannot be recovered from the meta device: add a reset_parameters() "
-                "that initializes the module's own parameters and buffers in place, or pass "
-                "init_fn=... that does it for them and returns True"
-            )
+        require_reset_parameters(todo, "materialize()", hint_init_fn=True)
     memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, sub in todo:
         _initialize(name, sub, _allocate(sub, device, memo), init_fn, seed, device)
     return module
 
 
+def require_reset_parameters(
+    modules: Sequence[tuple[str, nn.Module]], who: str, *, hint_init_fn: bool = False
+) -> None:
+    """Raise BuilderError naming the submodules that hold meta tensors but cannot initialize
+    them (no reset_parameters()): the one check every meta-init path makes."""
+    missing = [_describe(name, sub) for name, sub in modules if not _has_reset(sub)]
+    if missing:
+        raise BuilderError(
+            f"{who}: these submodules hold meta-device parameters or buffers but define no "
+            f"reset_parameters(): {'; '.join(missing)}. Values computed in __init__ cannot be "
+            "recovered from the meta device: add a reset_parameters() that initializes the "
+            "module's own parameters and buffers in place"
+            + (
+                ", or pass init_fn=... that does it for them and returns True"
+                if hint_init_fn
+                else ""
+            )
+        )
+
+
+def materialize_placed(
+    modules: Sequence[tuple[str, nn.Module]],
+    param_device: torch.device,
+    buffer_device: torch.device,
+    keep: Collection[int],
+) -> None:
+    """Allocate and initialize meta modules whose parameters a builder already placed (FSDP2's
+    sharded DTensors), in place: `to_empty` re-creates each module's own tensors (children
+    first, so an FSDP module re-registers its shards after they exist), then each submodule's
+    reset_parameters() runs as in `materialize`, on full CPU stand-ins whose local part (this
+    rank's shard) is kept, so the values equal eager construction under the same seed on any
+    device and world size. Parameters whose id is in `keep` (another builder's) keep their
+    values; modules are visited in the given (registration) order."""
+    kept = {id(p): p.data for _, m in modules for p in m.parameters(recurse=False) if id(p) in keep}
+    for _, module in reversed(modules):
+        module.to_empty(device=param_device, recurse=False)
+        for key, buffer in module.named_buffers(recurse=False):
+            if buffer.device != buffer_device:
+                module._buffers[key] = torch.empty_like(buffer, device=buffer_device)
+        for param in module.parameters(recurse=False):
+            if id(param) in kept:
+                param.data = kept[id(param)]  # another builder's tensor: keep its values
+    for name, module in modules:  # only modules holding tensors: a parent's reset hits shards
+        if _has_reset(module) and (module._parameters or module._buffers):
+            fresh = {
+                slot
+                for slot, t in _direct(module).items()
+                if t is not None and not (slot[0] == "p" and id(t) in keep)
+            }
+            _initialize(name, module, fresh, None, None, buffer_device, full_on_cpu=True)
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 def _initialize(
     name: str,
     sub: nn.Module,
-    fresh: set[tuple[str, str]],
+    fresh: set[Slot],
     init_fn: InitFn | None,
     seed: int | None,
     device: torch.device,
+    *,
+    full_on_cpu: bool = False,
 ) -> None:
     """Run the submodule's initializer on its freshly allocated tensors only."""
     buffers = _poison_buffers(sub, fresh)
-    with _seeded(seed, name, device), _protect(sub, fresh), torch.no_grad():
+    stand_ins = _stand_ins(sub, fresh, full_on_cpu)
+    with _seeded(seed, name, device), stand_ins, torch.no_grad():
         if _has_reset(sub):
             sub.reset_parameters()  # type: ignore[operator]
         elif not (init_fn is not None and init_fn(sub)):
@@ -170,8 +226,8 @@ def _selected(root: nn.Module, skip: Skip | None) -> list[tuple[str, nn.Module]]
     return [(name, sub) for name, sub in modules if not inside(name)]
 
 
-def _direct(module: nn.Module) -> dict[tuple[str, str], torch.Tensor | None]:
-    slots: dict[tuple[str, str], torch.Tensor | None] = {}
+def _direct(module: nn.Module) -> dict[Slot, torch.Tensor | None]:
+    slots: dict[Slot, torch.Tensor | None] = {}
     slots.update({("p", k): v for k, v in module._parameters.items()})
     slots.update({("b", k): v for k, v in module._buffers.items()})
     return slots
@@ -192,10 +248,10 @@ def _describe(name: str, module: nn.Module) -> str:
 
 def _allocate(
     module: nn.Module, device: torch.device, memo: dict[int, tuple[torch.Tensor, torch.Tensor]]
-) -> set[tuple[str, str]]:
+) -> set[Slot]:
     """Replace the module's meta tensors by uninitialized real ones; return the slots filled
     here for the first time (a tied tensor another submodule already allocated is not fresh)."""
-    fresh: set[tuple[str, str]] = set()
+    fresh: set[Slot] = set()
     for (kind, key), old in _direct(module).items():
         if old is None or not old.is_meta:
             continue
@@ -209,7 +265,7 @@ def _allocate(
     return fresh
 
 
-def _poison_buffers(module: nn.Module, fresh: set[tuple[str, str]]) -> list[str]:
+def _poison_buffers(module: nn.Module, fresh: set[Slot]) -> list[str]:
     """Fill fresh floating buffers with NaN, so one the initializer forgot is caught, not used."""
     names = [key for kind, key in fresh if kind == "b" and module._buffers[key].is_floating_point()]  # type: ignore[union-attr]
     for key in names:
@@ -218,22 +274,60 @@ def _poison_buffers(module: nn.Module, fresh: set[tuple[str, str]]) -> list[str]
 
 
 @contextmanager
-def _protect(module: nn.Module, fresh: set[tuple[str, str]]) -> Iterator[None]:
-    """While initializing, point every non-fresh tensor slot at a scratch copy, so
-    reset_parameters() consumes the RNG as in eager construction but overwrites nothing real."""
-    kept = {slot: t for slot, t in _direct(module).items() if t is not None and slot not in fresh}
-    for (kind, key), tensor in kept.items():
-        scratch = torch.empty_like(tensor)
-        if kind == "p":
-            module._parameters[key] = nn.Parameter(scratch, requires_grad=tensor.requires_grad)
-        else:
-            module._buffers[key] = scratch
+def _stand_ins(module: nn.Module, fresh: set[Slot], full_on_cpu: bool) -> Iterator[None]:
+    """While initializing, give reset_parameters() plain, full tensors to write. A fresh plain
+    tensor is written in place (unless `full_on_cpu`: through a CPU copy, so the CPU generator
+    draws it); a fresh sharded one (DTensor) through a full CPU copy whose local part is kept;
+    any other (already real, or another builder's) through a scratch copy that is thrown away,
+    so the RNG advances as in eager construction but nothing real is overwritten."""
+    originals = {slot: t for slot, t in _direct(module).items() if t is not None}
+    for (kind, key), tensor in originals.items():
+        sharded = isinstance(tensor, DTensor)
+        if (kind, key) in fresh and not sharded and not full_on_cpu:
+            continue
+        on_cpu = sharded or ((kind, key) in fresh and full_on_cpu)
+        scratch = torch.empty(
+            tensor.shape, dtype=tensor.dtype, device="cpu" if on_cpu else tensor.device
+        )
+        _set_slot(module, kind, key, scratch, tensor.requires_grad)
     try:
         yield
+        with torch.no_grad():
+            for (kind, key), tensor in originals.items():
+                written = _direct(module)[kind, key]
+                if (kind, key) in fresh and written is not tensor and written is not None:
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    local.copy_(_local_slice(written, tensor))
     finally:
-        for (kind, key), tensor in kept.items():
+        for (kind, key), tensor in originals.items():
             slots: dict[str, Any] = module._parameters if kind == "p" else module._buffers
             slots[key] = tensor
+
+
+def _set_slot(module: nn.Module, kind: str, key: str, value: torch.Tensor, grad: bool) -> None:
+    if kind == "p":
+        module._parameters[key] = nn.Parameter(value, requires_grad=grad)
+    else:
+        module._buffers[key] = value
+
+
+def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full` under FSDP2's dim-0 sharding (torch.chunk sizes); the whole
+    tensor for a plain one."""
+    if not isinstance(param, DTensor):
+        return full
+    mesh = param.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = full.shape[0]
+    per_rank = -(-rows // world)
+    start = min(rank * per_rank, rows)
+    local = full[start : start + per_rank]
+    if tuple(local.shape) != tuple(param.to_local().shape):
+        raise BuilderError(
+            f"fsdp(): cannot place the initialized {tuple(full.shape)} parameter: expected a "
+            f"local shard of {tuple(local.shape)}, FSDP holds {tuple(param.to_local().shape)}"
+        )
+    return local
 
 
 @contextmanager

@@ -31,9 +31,9 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
 from manualpar.errors import BuilderError
+from manualpar.meta import materialize_placed, require_reset_parameters
 from manualpar.ownership import builder_of, claim, mark_replaced, owned_by_others, owner_of
 from manualpar.strategy import ManualParallelStrategy
 
@@ -238,29 +238,23 @@ def _auto_wrap(
 def _check_meta(root: nn.Module, ignored: dict[int, nn.Parameter]) -> bool:
     """True if this call's parameters are all on meta; raise if only some are, or if a
     submodule holding meta tensors cannot initialize them (no reset_parameters)."""
-    on_meta, real, missing_reset = [], [], []
+    on_meta, real = 0, 0
+    with_meta: list[tuple[str, nn.Module]] = []
     names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
     for module in _own_modules(root):
         direct = [p for p in module.parameters(recurse=False) if id(p) not in ignored]
         tensors = direct + list(module.buffers(recurse=False))
-        meta_here = [t for t in tensors if t.is_meta]
-        on_meta += meta_here
-        real += [t for t in tensors if not t.is_meta]
-        if meta_here and not callable(getattr(module, "reset_parameters", None)):
-            missing_reset.append(f"{names.get(id(module), '?')} ({type(module).__name__})")
+        meta_here = sum(t.is_meta for t in tensors)
+        on_meta, real = on_meta + meta_here, real + len(tensors) - meta_here
+        if meta_here:
+            with_meta.append((names.get(id(module), "?"), module))
     if on_meta and real:
         raise BuilderError(
-            f"fsdp(): {type(root).__name__} has {len(on_meta)} tensors on the meta device and "
-            f"{len(real)} elsewhere; build it entirely under empty_init() or entirely on a "
+            f"fsdp(): {type(root).__name__} has {on_meta} tensors on the meta device and "
+            f"{real} elsewhere; build it entirely under empty_init() or entirely on a "
             "real device"
         )
-    if missing_reset:
-        raise BuilderError(
-            "fsdp(): these submodules hold meta-device parameters or buffers but define no "
-            f"reset_parameters(), so they cannot be initialized after sharding: "
-            f"{', '.join(missing_reset)}. Give them a reset_parameters() that initializes their "
-            "own parameters and buffers in place"
-        )
+    require_reset_parameters(with_meta, "fsdp()")
     return bool(on_meta)
 
 
@@ -270,68 +264,9 @@ def _materialize(
     buffer_device: torch.device,
     ignored: dict[int, nn.Parameter],
 ) -> None:
-    own = list(_own_modules(root))
-    kept = {
-        id(p): p.data
-        for module in own
-        for p in module.parameters(recurse=False)
-        if id(p) in ignored
-    }
-    # Children first, so each FSDP module re-registers its shards after they were allocated.
-    for module in reversed(own):
-        module.to_empty(device=param_device, recurse=False)
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.device != buffer_device:
-                module._buffers[name] = torch.empty_like(buffer, device=buffer_device)
-        for param in module.parameters(recurse=False):
-            if id(param) in kept:
-                param.data = kept[id(param)]  # another builder's tensor: keep its values
-    for module in own:  # only modules holding tensors: a parent's reset would hit shards
-        if callable(getattr(module, "reset_parameters", None)) and (
-            module._parameters or module._buffers
-        ):
-            _reset_on_full_copy(module)
-
-
-@torch.no_grad()
-def _reset_on_full_copy(module: nn.Module) -> None:
-    """reset_parameters() on full CPU stand-ins for the direct parameters, then keep the local
-    part (this rank's shard of a DTensor, the whole tensor otherwise)."""
-    originals = dict(module._parameters)
-    for name, param in originals.items():
-        if param is not None:
-            module._parameters[name] = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device="cpu"),
-                requires_grad=param.requires_grad,
-            )
-    try:
-        module.reset_parameters()  # type: ignore[operator]
-        for name, param in originals.items():
-            full = module._parameters[name]
-            if param is None or full is None or owner_of(param) not in (None, BUILDER):
-                continue  # ignored: another builder's parameter keeps its values
-            local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(_local_slice(full, param))
-    finally:
-        module._parameters.update(originals)
-
-
-def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of `full` under FSDP2's dim-0 sharding (torch.chunk sizes)."""
-    if not isinstance(param, DTensor):
-        return full
-    mesh = param.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
-    rows = full.shape[0]
-    per_rank = -(-rows // world)
-    start = min(rank * per_rank, rows)
-    local = full[start : start + per_rank]
-    if tuple(local.shape) != tuple(param.to_local().shape):
-        raise BuilderError(
-            f"fsdp(): cannot place the initialized {tuple(full.shape)} parameter: expected a "
-            f"local shard of {tuple(local.shape)}, FSDP holds {tuple(param.to_local().shape)}"
-        )
-    return local
+    names = {id(m): name for name, m in root.named_modules()}
+    own = [(names.get(id(m), ""), m) for m in _own_modules(root)]
+    materialize_placed(own, param_device, buffer_device, keep=set(ignored))
 
 
 def _move(root: nn.Module, device: torch.device, ignored: dict[int, nn.Parameter]) -> None:

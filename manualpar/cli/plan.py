@@ -2,17 +2,17 @@
 
 Sizing a job before it runs: how many ranks or how much memory per rank the tables need, and a
 plan file that a training script can load (`EmbeddingPlan.from_json`, e.g. examples/recsys's
-`--plan FILE`). The placement itself comes from the planner and the builders in
-manualpar.embeddings; this module only reads the command line into them.
+`--plan FILE`). The placement itself comes from manualpar.embeddings.planner; this module only
+reads the command line into it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from manualpar.embeddings import (
@@ -20,24 +20,17 @@ from manualpar.embeddings import (
     Adagrad,
     Adam,
     EmbeddingBagConfig,
-    EmbeddingPlan,
     RowWiseAdagrad,
     SparseOptimizer,
-    TablePlacement,
-    column_wise,
-    data_parallel,
-    row_wise,
-    table_row_wise,
-    table_wise,
 )
 from manualpar.embeddings.config import check_tables
 from manualpar.embeddings.plan import format_bytes
-from manualpar.embeddings.planner import plan_tables, table_bytes
-from manualpar.errors import ManualParError, PlanError
+from manualpar.embeddings.planner import UNIFORM_PLANS, plan_tables, plan_uniform
+from manualpar.errors import ManualParError
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
-PLANS = ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+PLANS = ("auto", *UNIFORM_PLANS)
 OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
     "rowwise_adagrad": RowWiseAdagrad,
     "adagrad": Adagrad,
@@ -149,84 +142,6 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def state_bytes(
-    tables: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan, optimizer: SparseOptimizer
-) -> list[int]:
-    """Bytes on each rank: fp32 weights plus `optimizer`'s state for every shard it holds
-    (plan.bytes_per_rank counts row-wise Adagrad's state only)."""
-    per_row = sum(1 for per_row in optimizer.STATE.values() if per_row)
-    per_element = 1 + sum(1 for per_row in optimizer.STATE.values() if not per_row)
-    total = [0] * plan.world_size
-    for config in tables:
-        for shard in plan.shards(config):
-            total[shard.rank] += shard.rows * 4 * (shard.cols * per_element + per_row)
-    return total
-
-
-def _least_loaded(
-    tables: Sequence[EmbeddingBagConfig],
-    bins: int,
-    optimizer: SparseOptimizer,
-    place: Callable[[int], TablePlacement],
-) -> dict[str, TablePlacement]:
-    """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""
-    load, placements = [0] * bins, {}
-    for config in sorted(tables, key=lambda c: table_bytes(c, optimizer), reverse=True):
-        target = load.index(min(load))
-        placements[config.name] = place(target)
-        load[target] += table_bytes(config, optimizer)
-    return {c.name: placements[c.name] for c in tables}
-
-
-def build_plan(
-    kind: str,
-    tables: Sequence[EmbeddingBagConfig],
-    world_size: int,
-    *,
-    optimizer: SparseOptimizer,
-    budget: int | None,
-    ranks_per_node: int | None,
-) -> EmbeddingPlan:
-    """The planner for "auto", otherwise one builder for every table."""
-    if kind == "auto":
-        return plan_tables(
-            tables,
-            world_size,
-            ranks_per_node=ranks_per_node,
-            memory_budget_bytes=budget,
-            optimizer=optimizer,
-        )
-    per_node = ranks_per_node or world_size
-    if kind == "table_wise":
-        placements = _least_loaded(tables, world_size, optimizer, table_wise)
-    elif kind == "table_row_wise":
-        placements = _least_loaded(
-            tables, world_size // per_node, optimizer, lambda node: table_row_wise(node, per_node)
-        )
-    else:
-        make = {
-            "row_wise": row_wise,
-            "data_parallel": data_parallel,
-            "column_wise": lambda: column_wise(range(world_size)),
-        }[kind]
-        placements = {c.name: make() for c in tables}
-    return EmbeddingPlan(world_size, placements)
-
-
-def _check_budget(kind: str, per_rank: Sequence[int], budget: int | None) -> None:
-    """A builder ignores the budget (the planner honours it): say which rank it overflows."""
-    if kind == "auto":
-        return
-    over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
-    if over:
-        rank = max(over, key=lambda r: per_rank[r])
-        raise PlanError(
-            f"plan {kind} puts {format_bytes(per_rank[rank])} on rank {rank}, more "
-            f"than the memory budget of {format_bytes(budget or 0)}; try --plan auto, "
-            "more ranks or a larger --memory-budget"
-        )
-
-
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.plan not in PLANS:
         raise UsageError(f"--plan {args.plan!r}: expected one of {', '.join(PLANS)}")
@@ -251,17 +166,16 @@ def run(args: argparse.Namespace) -> int:
     check_tables(tables)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     optimizer = OPTIMIZERS[args.optimizer](lr=0.01)  # only its state's shape matters here
-    plan = build_plan(
-        args.plan,
+    place = plan_tables if args.plan == "auto" else functools.partial(plan_uniform, args.plan)
+    plan = place(
         tables,
         args.world_size,
-        optimizer=optimizer,
-        budget=budget,
         ranks_per_node=args.ranks_per_node,
+        memory_budget_bytes=budget,
+        optimizer=optimizer,
     )
     plan.validate(tables, args.world_size)
-    per_rank = state_bytes(tables, plan, optimizer)
-    _check_budget(args.plan, per_rank, budget)
+    per_rank = plan.bytes_per_rank(tables, optimizer.STATE)
     print(plan.describe(tables))
     if not isinstance(optimizer, RowWiseAdagrad):
         what = (

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["EmbeddingBagConfig", "check_tables"]
+__all__ = ["ROW_WISE_STATE", "EmbeddingBagConfig", "block_bytes", "check_tables"]
 
 POOLINGS = ("sum", "mean")
+FLOAT_BYTES = 4  # rows and optimizer state are fp32
+# An update rule's state: name -> per-row (one float per row) or per-element. Row-wise Adagrad's
+# single per-row float is what plans count when no rule is named (it is the planner's default).
+ROW_WISE_STATE: Mapping[str, bool] = {"sum": True}
+
+
+def block_bytes(rows: int, cols: int, state: Mapping[str, bool] = ROW_WISE_STATE) -> int:
+    """Bytes of a block of `rows` x `cols` weights plus its optimizer `state` (one float per row
+    for a per-row entry, one per element otherwise). The one place table memory is counted."""
+    per_row = cols + sum(1 if per_row else cols for per_row in state.values())
+    return rows * per_row * FLOAT_BYTES
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,8 @@ class EmbeddingBagConfig:
 
     @property
     def num_bytes(self) -> int:
-        """fp32 weight bytes."""
-        return self.num_embeddings * self.embedding_dim * 4
+        """Weight bytes (no optimizer state)."""
+        return block_bytes(self.num_embeddings, self.embedding_dim, state={})
 
 
 def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.errors import PlanError
 
 __all__ = [
@@ -230,13 +230,14 @@ class EmbeddingPlan:
         ]
 
     def bytes_per_rank(
-        self, configs: Sequence[EmbeddingBagConfig], state_bytes_per_row: int = 4
+        self, configs: Sequence[EmbeddingBagConfig], state: Mapping[str, bool] = ROW_WISE_STATE
     ) -> list[int]:
-        """Weight bytes (fp32) plus optimizer state (default: row-wise Adagrad) on each rank."""
+        """Weight plus optimizer-state bytes on each rank (`state`: the update rule's STATE;
+        default row-wise Adagrad's one float per row)."""
         total = [0] * self.world_size
         for config in configs:
             for shard in self.shards(config):
-                total[shard.rank] += shard.rows * (shard.cols * 4 + state_bytes_per_row)
+                total[shard.rank] += block_bytes(shard.rows, shard.cols, state)
         return total
 
     # presentation -----------------------------------------------------------------------------

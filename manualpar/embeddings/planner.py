@@ -1,4 +1,6 @@
-"""plan="auto": place each table from its size, its lookups and a per-rank memory budget.
+"""Plans from table sizes: `plan_tables` (plan="auto") and `plan_uniform` (one placement kind).
+
+plan="auto": place each table from its size, its lookups and a per-rank memory budget.
 
 Rules, in order (each table's note says which applied):
 1. A table of at most `replicate_bytes` (weights + state) is replicated (data_parallel): its
@@ -14,12 +16,13 @@ Rules, in order (each table's note says which applied):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
+    column_wise,
     data_parallel,
     format_bytes,
     row_wise,
@@ -29,17 +32,15 @@ from manualpar.embeddings.plan import (
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import PlanError
 
-__all__ = ["plan_tables", "table_bytes"]
+__all__ = ["UNIFORM_PLANS", "plan_tables", "plan_uniform", "table_bytes"]
 
 GiB = 2**30
 
 
 def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
-    """fp32 weights plus the optimizer's state (row-wise Adagrad if none given)."""
-    per_row = config.embedding_dim * 4
-    states = optimizer.STATE if optimizer is not None else {"sum": True}
-    per_row += sum(4 if row_state else config.embedding_dim * 4 for row_state in states.values())
-    return config.num_embeddings * per_row
+    """A whole table's weights plus `optimizer`'s state (row-wise Adagrad's if none given)."""
+    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+    return block_bytes(config.num_embeddings, config.embedding_dim, state)
 
 
 def plan_tables(
@@ -145,3 +146,68 @@ def _check_fits(
 
 def _tables(count: int) -> str:
     return "the table holds" if count == 1 else f"the {count} tables hold"
+
+
+UNIFORM_PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+def plan_uniform(
+    sharding: str,
+    tables: Sequence[EmbeddingBagConfig],
+    world_size: int,
+    *,
+    ranks_per_node: int | None = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: SparseOptimizer | None = None,
+) -> EmbeddingPlan:
+    """Every table placed the same way: table_wise and table_row_wise put the largest tables
+    first on the least-loaded rank (node); the others split every table over all ranks.
+
+    Unlike `plan_tables`, the placement does not adapt to the budget: a rank it overflows
+    raises PlanError naming the rank.
+    """
+    if sharding not in UNIFORM_PLANS:
+        raise PlanError(f"sharding must be one of {UNIFORM_PLANS}, got {sharding!r}")
+    per_node = ranks_per_node or world_size
+    if sharding == "table_wise":
+        placements = _least_loaded(tables, world_size, optimizer, table_wise)
+    elif sharding == "table_row_wise":
+        placements = _least_loaded(
+            tables, world_size // per_node, optimizer, lambda node: table_row_wise(node, per_node)
+        )
+    else:
+        make: Callable[[], TablePlacement] = {
+            "row_wise": row_wise,
+            "data_parallel": data_parallel,
+            "column_wise": lambda: column_wise(range(world_size)),
+        }[sharding]
+        placements = {c.name: make() for c in tables}
+    plan = EmbeddingPlan(world_size, placements)
+    plan.validate(tables, world_size)
+    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+    per_rank = plan.bytes_per_rank(tables, state)
+    budget = memory_budget_bytes
+    over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
+    if over:
+        rank = max(over, key=lambda r: per_rank[r])
+        raise PlanError(
+            f"plan {sharding} puts {format_bytes(per_rank[rank])} on rank {rank}, more than the "
+            f"memory budget of {format_bytes(budget or 0)}; try plan 'auto', more ranks or a "
+            "larger budget"
+        )
+    return plan
+
+
+def _least_loaded(
+    tables: Sequence[EmbeddingBagConfig],
+    bins: int,
+    optimizer: SparseOptimizer | None,
+    place: Callable[[int], TablePlacement],
+) -> dict[str, TablePlacement]:
+    """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""
+    load, placements = [0] * bins, {}
+    for config in sorted(tables, key=lambda c: table_bytes(c, optimizer), reverse=True):
+        target = load.index(min(load))
+        placements[config.name] = place(target)
+        load[target] += table_bytes(config, optimizer)
+    return {c.name: placements[c.name] for c in tables}
