@@ -27,8 +27,11 @@ demo-strategy: install
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 		examples/strategy_demo.py --out runs/strategy_demo
 
+# Lint, format and types: ruff (rules and formatting) over everything, mypy over the package.
 lint: install
 	$(PY) -m ruff check manualpar tests examples
+	$(PY) -m ruff format --check manualpar tests examples
+	$(PY) -m mypy manualpar
 
 # The C++ embedding kernels: built once per machine and source version (about 40 s), before the
 # tests start ranks; without a compiler this warns and the torch path is used.

@@ -261,7 +261,8 @@ def _allocate(
             new.__dict__.update(old.__dict__)  # keep attributes such as the owning builder
             memo[id(old)] = (old, new)  # holding `old` keeps its id unique during the call
             fresh.add((kind, key))
-        (module._parameters if kind == "p" else module._buffers)[key] = memo[id(old)][1]
+        slots: dict[str, Any] = module._parameters if kind == "p" else module._buffers
+        slots[key] = memo[id(old)][1]
     return fresh
 
 

@@ -23,7 +23,8 @@ def seed_everything(seed: int) -> int:
 
 def capture_rng_state() -> dict[str, Any]:
     """All RNG states as tensors and plain values, loadable with torch.load(weights_only=True)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    keys = np.asarray(keys)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

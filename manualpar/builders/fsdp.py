@@ -18,6 +18,7 @@ children is not called).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -89,13 +90,15 @@ def fsdp(
             _move(module, strategy.device, ignored)
         _claim(module)
         return module
+    assert strategy.group is not None  # is_distributed
     mesh = DeviceMesh.from_group(strategy.group, strategy.device.type)
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
         if cpu_offload
         else OffloadPolicy()
     )
-    options = dict(
+    shard = functools.partial(
+        fully_shard,
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         offload_policy=offload,
@@ -104,8 +107,8 @@ def fsdp(
     )
     mark_replaced([p for p in module.parameters() if owner_of(p) is None], BUILDER)
     for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(module, **options)
+        shard(block)
+    shard(module)
     if from_meta:
         param_device = torch.device("cpu") if cpu_offload else strategy.device
         _materialize(module, param_device, strategy.device, ignored)
@@ -183,7 +186,7 @@ def _blocks(
     if isinstance(wrap, type) or (
         isinstance(wrap, tuple) and wrap and all(isinstance(w, type) for w in wrap)
     ):
-        explicit = {id(m) for m in own[1:] if isinstance(m, wrap)}  # type: ignore[arg-type]
+        explicit = {id(m) for m in own[1:] if isinstance(m, wrap)}
     elif wrap is not None:
         listed = list(wrap)  # type: ignore[call-overload]
         own_ids = {id(m) for m in own}

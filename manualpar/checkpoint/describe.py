@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest
 from manualpar.errors import CheckpointError
@@ -31,7 +32,7 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable tensor metadata: {error}") from None
     tensors = {}
     for key, meta in sorted(metadata.state_dict_metadata.items()):
-        if hasattr(meta, "size"):
+        if isinstance(meta, TensorStorageMetadata):
             tensors[key] = {
                 "shape": list(meta.size),
                 "dtype": str(meta.properties.dtype),

@@ -163,8 +163,9 @@ def _save_sharded(
         strategy,
         f"preparing checkpoint {path}",
         lambda: (
-            strategy.is_global_zero
-            and prepare(path, staging, overwrite, make_dir=True, needed=needed)
+            prepare(path, staging, overwrite, make_dir=True, needed=needed)
+            if strategy.is_global_zero
+            else None
         ),
     )
     _dcp_call(
@@ -202,7 +203,9 @@ def _save_full(
     _agree(
         strategy,
         f"preparing checkpoint {path}",
-        lambda: strategy.is_global_zero and prepare(path, staging, overwrite, make_dir=False),
+        lambda: (
+            prepare(path, staging, overwrite, make_dir=False) if strategy.is_global_zero else None
+        ),
     )
     blob: dict[str, Any] = {}
     for key, value in state.items():

@@ -75,10 +75,11 @@ class LocalShards(torch.Tensor):
         self.blocks = list(blocks)
         return self
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs type these hooks as instance methods; tensor subclasses define them as here
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: object, types: object, args: object = (), kwargs: object = None
     ) -> None:
         raise NotImplementedError(

@@ -22,7 +22,13 @@ from manualpar.embeddings.shard_compute import bag_offsets
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingTable", "PooledEmbeddings", "check_features"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingTable",
+    "PooledEmbeddings",
+    "check_features",
+    "table_of",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,13 @@ class EmbeddingTable(nn.Module):
         )
 
 
+def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
+    """One table of a collection's ModuleDict, typed (ModuleDict lookups are plain Modules)."""
+    table = tables[name]
+    assert isinstance(table, EmbeddingTable), f"{name!r} is a {type(table).__name__}"
+    return table
+
+
 class EmbeddingBagCollection(nn.Module):
     def __init__(
         self,
@@ -95,15 +108,15 @@ class EmbeddingBagCollection(nn.Module):
         self.tables = nn.ModuleDict(
             {c.name: EmbeddingTable(c, seed, device=device) for c in tables}
         )
-        for table in self.tables.values():
-            table.reset_parameters()
+        for config in tables:
+            table_of(self.tables, config.name).reset_parameters()
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         features = check_features(features, self.configs)
         outputs = []
         for config in self.configs:
-            weight = self.tables[config.name].weight
+            weight = table_of(self.tables, config.name).weight
             for name in config.feature_names:
                 bags = features[name]
                 if bags.lengths.numel() == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from manualpar.embeddings.native import native_kernels, supports
+from manualpar.embeddings.native import loaded_kernels, supports
 from manualpar.embeddings.routing import LocalShard, Route, Routing
 from manualpar.embeddings.shard_compute import ShardBags
 from manualpar.errors import EmbeddingInputError
@@ -129,7 +129,7 @@ def split_by_rows(
     (to reorder per-id weights)."""
     starts = routing.row_start_tensors[table]
     if supports(ids) and ids.dtype == torch.int64 and lengths.dtype == torch.int64:
-        counts, local, order = native_kernels().split_by_rows(
+        counts, local, order = loaded_kernels().split_by_rows(
             ids.contiguous(), lengths.contiguous(), starts
         )
         return counts, local, order

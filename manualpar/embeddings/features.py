@@ -111,7 +111,9 @@ class SparseFeatures:
             keys,
             torch.cat([p.values for p in parts]) if parts else torch.empty(0),
             torch.cat([p.lengths for p in parts]) if parts else torch.empty(0),
-            torch.cat([p.weights for p in parts]) if all(weighted) and parts else None,
+            torch.cat([p.weights for p in parts if p.weights is not None])
+            if all(weighted) and parts
+            else None,
         )
 
     # views ------------------------------------------------------------------------------------

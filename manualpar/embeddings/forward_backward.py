@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from manualpar.embeddings.collection import table_of
 from manualpar.embeddings.exchange import (
     SenderBags,
     add_block,
@@ -70,7 +71,7 @@ class LookupContext:
 
     def weight(self, table: int) -> torch.Tensor:
         """This rank's block of table `table` (detached: the update is the fused optimizer's)."""
-        return self.tables[self.name(table)].weight.detach()
+        return table_of(self.tables, self.name(table)).weight.detach()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -283,7 +284,8 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
     for k, (shard, bags) in enumerate(zip(local, all_bags, strict=True)):
         grads = BagGradients([], [])
         for sender, scale in enumerate(scales):  # bag order: every sender's, in rank order
-            blocks = own[k] if sender == routing.rank else [others[k][sender]]
+            other = others[k][sender]
+            blocks = own[k] if other is None else [other]
             grads.blocks += blocks
             grads.scales += [scale] * len(blocks)
         if not fused[k]:

@@ -119,14 +119,15 @@ class FusedOptimizer:
         return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
+        shards = {
             table: {key: self._shards_of(table, key) for key in self.rule.STATE}
             for table in self._rows
         }
+        state: dict[str, dict[str, torch.Tensor]] = {t: dict(keys) for t, keys in shards.items()}
         if gathering_full_tensors():
             state = {
                 table: {key: self._full_tensor(value) for key, value in keys.items()}
-                for table, keys in state.items()
+                for table, keys in shards.items()
             }
         return {"lr": self.lr, "step": self.step, "state": state}
 

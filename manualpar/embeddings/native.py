@@ -116,6 +116,14 @@ def native_kernels() -> ModuleType | None:
     return _loaded
 
 
+def loaded_kernels() -> ModuleType:
+    """The compiled kernels, for a caller that checked `supports(...)` first."""
+    kernels = native_kernels()
+    if kernels is None:
+        raise RuntimeError("the C++ embedding kernels are not available; check supports() first")
+    return kernels
+
+
 def supports(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels handle these tensors (CPU, float32/float64 for floating ones)."""
     for tensor in tensors:

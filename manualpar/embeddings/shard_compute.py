@@ -14,7 +14,7 @@ from enum import IntEnum
 import torch
 import torch.nn.functional as F
 
-from manualpar.embeddings.native import native_kernels, supports
+from manualpar.embeddings.native import loaded_kernels, supports
 
 __all__ = [
     "BagGradients",
@@ -100,7 +100,7 @@ def group_rows(bags: ShardBags, num_rows: int) -> RowGroups | None:
     ):
         return None
     return RowGroups(
-        *native_kernels().group_rows(
+        *loaded_kernels().group_rows(
             bags.ids.contiguous(), bags.lengths.contiguous(), num_rows, bags.own_begin, bags.own_end
         )
     )
@@ -140,7 +140,7 @@ def row_gradients(
     (index_add_ on CPU loops per index and is several times slower).
     """
     if supports(bag_grads, weights) and (weights is None or weights.dtype == bag_grads.dtype):
-        rows, summed = native_kernels().segment_sum(
+        rows, summed = loaded_kernels().segment_sum(
             ids, lengths, weights, bag_grads.contiguous(), num_rows, scale
         )
         return rows, summed
@@ -169,6 +169,6 @@ def add_to_rows(
         and tensor.is_contiguous()
         and rows.dtype == torch.int64
     ):
-        native_kernels().add_to_rows(tensor, rows.contiguous(), delta.contiguous(), alpha)
+        loaded_kernels().add_to_rows(tensor, rows.contiguous(), delta.contiguous(), alpha)
         return
     tensor.index_copy_(0, rows, tensor.index_select(0, rows).add_(delta, alpha=alpha))

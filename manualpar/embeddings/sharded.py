@@ -25,6 +25,7 @@ from manualpar.embeddings.collection import (
     EmbeddingTable,
     PooledEmbeddings,
     check_features,
+    table_of,
 )
 from manualpar.embeddings.exchange import REFUSED
 from manualpar.embeddings.features import SparseFeatures
@@ -121,7 +122,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             table = EmbeddingTable(config, ebc.seed, rows, cols, device=device)
             if shard is not None:
                 _fill_block(
-                    table.weight, ebc.tables[config.name].weight, config, ebc.seed, shard.shard
+                    table.weight,
+                    table_of(ebc.tables, config.name).weight,
+                    config,
+                    ebc.seed,
+                    shard.shard,
                 )
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
@@ -199,6 +204,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _table_state_dict(
         self, table: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
     ) -> None:
+        assert isinstance(table, EmbeddingTable)
         value = self._table_block(table)
         state_dict[prefix + "weight"] = (
             self._full_tensor(value) if gathering_full_tensors() else value
@@ -209,7 +215,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if key not in state_dict:
             return
         name = prefix.rstrip(".").split(".")[-1]
-        table = self.tables[name]
+        table = table_of(self.tables, name)
         value, mine = state_dict[key], self._table_block(table)
         if isinstance(value, LocalShards):
             if value.blocks and value.blocks[0].tensor.data_ptr() != table.weight.data_ptr():

@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.native import native_kernels, supports
+from manualpar.embeddings.native import loaded_kernels, supports
 
 __all__ = ["init_rows", "table_key"]
 
@@ -66,7 +66,7 @@ def init_rows(
         out = torch.empty(r1 - r0, c1 - c0)
     key, bound, dim = table_key(seed, config.name), config.bound, config.embedding_dim
     if supports(out) and out.is_contiguous():
-        native_kernels().uniform_rows(out, _signed(key), r0, c0, dim, bound)
+        loaded_kernels().uniform_rows(out, _signed(key), r0, c0, dim, bound)
         return out
     for start in range(r0, r1, 4096):  # bounded temporaries on the torch path
         stop = min(start + 4096, r1)

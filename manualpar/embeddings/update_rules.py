@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from manualpar.embeddings.memory import empty_rows, zeros_rows
-from manualpar.embeddings.native import native_kernels, supports
+from manualpar.embeddings.native import loaded_kernels, supports
 from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.errors import BuilderError
 
@@ -111,7 +111,15 @@ class SparseOptimizer:
 class SGD(SparseOptimizer):
     """Plain SGD on the looked-up rows (no state)."""
 
-    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+    def step_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        row_sq_mean: torch.Tensor | None,
+    ) -> None:
         add_to_rows(weight, rows, grad, -self.lr)
 
 
@@ -123,10 +131,20 @@ class Adagrad(SparseOptimizer):
     initial_accumulator_value: float = 0.0
     STATE = {"sum": False}
 
-    def init_state(self, rows, cols, device=None):
+    def init_state(
+        self, rows: int, cols: int, device: torch.device | str | None = None
+    ) -> dict[str, torch.Tensor]:
         return {"sum": empty_rows(rows, cols, device=device).fill_(self.initial_accumulator_value)}
 
-    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+    def step_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        row_sq_mean: torch.Tensor | None,
+    ) -> None:
         total = state["sum"].index_select(0, rows).addcmul_(grad, grad)
         state["sum"].index_copy_(0, rows, total)
         add_to_rows(weight, rows, grad / total.sqrt_().add_(self.eps), -self.lr)
@@ -141,12 +159,30 @@ class RowWiseAdagrad(SparseOptimizer):
     needs_full_rows = True
     fuses_bags = True
 
-    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+    def step_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        row_sq_mean: torch.Tensor | None,
+    ) -> None:
+        assert row_sq_mean is not None  # needs_full_rows: the caller computes it
         total = state["sum"].index_select(0, rows).add_(row_sq_mean)
         state["sum"].index_copy_(0, rows, total)
         add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1), -self.lr)
 
-    def step_bags(self, weight, state, bags, grads, col_start, step, rows):
+    def step_bags(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        bags: ShardBags,
+        grads: BagGradients,
+        col_start: int,
+        step: int,
+        rows: RowPass,
+    ) -> bool:
         if not (
             bags.groups is not None
             and supports(weight, bags.weights, *grads.blocks)
@@ -157,7 +193,7 @@ class RowWiseAdagrad(SparseOptimizer):
             return False
         groups = bags.groups
         run_begin, run_end, first_bag, end_bag = rows.span(bags)
-        native_kernels().rowwise_adagrad_update(
+        loaded_kernels().rowwise_adagrad_update(
             weight,
             state["sum"],
             bags.weights,
@@ -195,7 +231,15 @@ class Adam(SparseOptimizer):
         ):
             raise BuilderError(f"Adam: betas must be two numbers in [0, 1), got {self.betas!r}")
 
-    def step_rows(self, weight, state, rows, grad, step, row_sq_mean):
+    def step_rows(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        row_sq_mean: torch.Tensor | None,
+    ) -> None:
         beta1, beta2 = self.betas
         exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad, 1 - beta1)
         exp_avg_sq = (

@@ -152,7 +152,7 @@ class Trainer:
                     f"{type(model).__name__} has no configure_optimizers(); pass "
                     "optimizer= to fit()"
                 )
-            optimizer = model.configure_optimizers()
+            optimizer = _user(model).configure_optimizers()
         self._extra = extra_checkpoint_entries(model)
         state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._extra}
         self._resume(state)
@@ -193,7 +193,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for micro in range(self.accumulate):
             index = self.step * self.accumulate + micro
-            out = model.training_step(data(index, self.strategy), index)
+            out = _user(model).training_step(data(index, self.strategy), index)
             metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
             if "loss" not in metrics:
                 raise ValueError(
@@ -212,7 +212,7 @@ class Trainer:
         model.eval()
         sums: dict[str, float] = {}
         for index in range(self.val_steps):
-            for name, value in model.validation_step(val_data(index, self.strategy)).items():
+            for name, value in _user(model).validation_step(val_data(index, self.strategy)).items():
                 sums[name] = sums.get(name, 0.0) + float(value) / self.val_steps
         model.train()
         reduced = self._reduce({f"val/{k}": v for k, v in sums.items()})
@@ -283,3 +283,9 @@ class Trainer:
             )
             for _, old in committed[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _user(model: nn.Module) -> Any:
+    """The model as the user wrote it: training_step, validation_step, configure_optimizers are
+    its own methods, which nn.Module's types do not know."""
+    return model

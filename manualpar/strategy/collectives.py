@@ -118,9 +118,8 @@ class Collectives:
         size = self.group_size(group)
         if not 0 <= src < size:
             raise ValueError(f"{operation}: rank {src} is not in [0, {size})")
-        if not self.is_distributed:
-            return src
-        return dist.get_global_rank(self._group(operation, group), src)
+        over = self._group(operation, group)
+        return src if over is None else dist.get_global_rank(over, src)
 
     def _check_open(self, operation: str) -> None:
         if self._torn_down:
@@ -354,10 +353,6 @@ class Collectives:
         with self.collective_guard("all_gather_object"):
             dist.all_gather_object(out, obj, group=self._group("all_gather_object", group))
         return out
-
-    @property
-    def _object_device(self) -> torch.device | None:
-        return self.device if self.device.type == "cuda" else None
 
     @property
     def _object_device(self) -> torch.device | None:

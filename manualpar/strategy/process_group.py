@@ -87,6 +87,8 @@ def init_process_group(
         # Under torchrun the agent already serves the store: join it. Its keys survive a
         # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
         # attempt's gloo addresses and times out after a restart).
+        if env.master_addr is None or env.master_port is None:
+            raise ValueError("no master address and port in the environment")
         store: dist.Store = dist.TCPStore(
             env.master_addr,
             env.master_port,
