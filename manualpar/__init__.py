@@ -31,7 +31,7 @@ from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
 from manualpar.strategy import DEFAULT_TIMEOUT, ManualParallelStrategy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
