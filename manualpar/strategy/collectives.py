@@ -296,6 +296,11 @@ class Collectives:
                 f"{name}: {len(send_splits)} send and {len(receive_splits)} receive splits for "
                 f"{size} ranks; give one split per rank"
             )
+        if sum(send_splits) != tensor.numel():
+            raise ValueError(
+                f"{name}: the send splits add up to {sum(send_splits)} elements but the tensor "
+                f"has {tensor.numel()}; send exactly the tensor's elements"
+            )
         if not self.is_distributed or size == 1:
             return PendingCollective(self, None, tensor, tensor, name)
         tensor = tensor.contiguous()
