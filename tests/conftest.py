@@ -1,26 +1,37 @@
+"""Shared by the three kinds of tests, each in its folder:
+
+- unit/: one process, in-process only (no subprocess, no run_distributed); runs alone quickly.
+- dist/: real gloo ranks through manualpar.testing.run_distributed, compared with a
+  single-process reference computed in the test.
+- e2e/:  torchrun and torchx subprocesses, the examples, benchmark smoke runs, injected faults
+  (ranks that die, stall or are killed).
+
+Helpers shared by several test files live in support/ (put on sys.path here, so tests and the
+child processes of run_distributed import them by plain name); scripts launched by the e2e tests
+live in scripts/.
+"""
+
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "OMPI_COMM_WORLD_SIZE",
-)
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+from launch import is_launcher_variable  # noqa: E402  (needs SUPPORT on sys.path)
 
 
 @pytest.fixture(autouse=True)
 def _single_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests run as a single process, whatever launcher started pytest."""
-    for key in LAUNCHER_VARIABLES:
-        monkeypatch.delenv(key, raising=False)
+    for key in list(os.environ):
+        if is_launcher_variable(key):
+            monkeypatch.delenv(key, raising=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

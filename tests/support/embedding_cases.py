@@ -18,9 +18,15 @@ from manualpar.embeddings import (
     Adam,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
     SparseOptimizer,
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
 )
 
 TABLES = (
@@ -33,6 +39,7 @@ TABLES = (
 )
 FEATURES = tuple(f for t in TABLES for f in t.feature_names)
 STEPS = 3
+OPTIMIZERS = ("sgd", "adagrad", "rowwise", "adam")
 SEED = 11
 
 
@@ -43,6 +50,34 @@ def optimizer(name: str) -> SparseOptimizer:
         "rowwise": RowWiseAdagrad(lr=0.3),
         "adam": Adam(lr=0.05),
     }[name]
+
+
+def mixed_plan(world: int) -> EmbeddingPlan:
+    """Every kind of placement side by side (table-wise, row-wise, column-wise, table-row-wise,
+    data-parallel)."""
+    return EmbeddingPlan(
+        world,
+        {
+            "t0": table_wise(world - 1),
+            "t1": row_wise(),
+            "t2": column_wise(tuple(reversed(range(world)))),
+            "t3": data_parallel(),
+            "t4": table_row_wise(0, world),
+            "t5": column_wise((0, world - 1)) if world > 1 else table_wise(0),
+        },
+    )
+
+
+def uniform_plan(kind: str, world: int) -> EmbeddingPlan:
+    """Every table placed the same way."""
+    make = {
+        "table_wise": lambda i: table_wise(i % world),
+        "row_wise": lambda i: row_wise(),
+        "column_wise": lambda i: column_wise(tuple(range(world))),
+        "table_row_wise": lambda i: table_row_wise(0, world),
+        "data_parallel": lambda i: data_parallel(),
+    }[kind]
+    return EmbeddingPlan(world, {t.name: make(i) for i, t in enumerate(TABLES)})
 
 
 def make_batch(

@@ -4,13 +4,13 @@ place in tests), so it does not rot between the runs that produce docs' numbers.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_modules import EXAMPLES
+from launch import run_python
 
-BENCH = Path(__file__).resolve().parent.parent / "examples" / "benchmarks" / "bench_embeddings.py"
+BENCH = EXAMPLES / "benchmarks" / "bench_embeddings.py"
 TOY = [
     "--rows",
     "3000",
@@ -31,13 +31,7 @@ TOY = [
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
-    run = subprocess.run(
-        [sys.executable, str(BENCH), *TOY, *extra, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    run_python(BENCH, *TOY, *extra, "--json", str(out), timeout=240, check=True)
     return json.loads(out.read_text())
 
 
@@ -85,52 +79,15 @@ def test_kernel_benchmark_reports_each_table_size(tmp_path: Path) -> None:
         pytest.skip("the C++ kernels could not be built on this machine")
     out = tmp_path / "kernels.json"
     script = BENCH.parent / "bench_embedding_kernels.py"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--rows",
-            "5000",
-            "20000",
-            "--bags",
-            "64",
-            "--repeats",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    run_python(
+        script,
+        *("--rows", "5000", "20000", "--bags", "64", "--repeats", "2", "--warmup", "1"),
+        *("--json", str(out)),
         timeout=100,
+        check=True,
     )
-    assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())["results"]
     assert [r["rows"] for r in results] == [5000, 20000]
     for result in results:
         assert {"lookup_ms", "group_ms", "update_ms", "update_vs_lookup"} <= set(result)
         assert all(len(samples) == 2 for samples in result["samples"].values())
-
-
-def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        from bench_embeddings import _error_lines
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    stderr = "\n".join(
-        [
-            "W1123 torch/distributed/run.py] *****************************************",
-            "Traceback (most recent call last):",
-            '  File "worker.py", line 3, in <module>',
-            "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
-            "============================================================",
-            "Root Cause (first observed failure):",
-        ]
-    )
-    assert _error_lines(stderr) == [
-        "Traceback (most recent call last):",
-        "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
-    ]
-    assert _error_lines("killed\n=====") == ["killed", "====="]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from fsdp_cases import DIM, Block, Net, make_net
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -28,40 +29,8 @@ from manualpar.builders.fsdp import fsdp
 from manualpar.ownership import claim, owner_of, replaced_by
 from manualpar.testing import run_distributed
 
-DIM, BATCH, STEPS, LR = 6, 8, 3, 0.01
+BATCH, STEPS, LR = 8, 3, 0.01
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class Net(nn.Module):
-    """Block has 54 parameters, fc 42, inp 36, out 21 (3 rows: an uneven shard on 2 ranks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.out = nn.Linear(DIM, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
-
-
-def make_net(seed: int, device: str = "cpu") -> Net:
-    torch.manual_seed(seed)  # init order is registration order: same values on meta or eager
-    with torch.device(device):
-        return Net()
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -269,42 +238,6 @@ def test_ignored_params_of_another_builder_and_double_wrap() -> None:
     assert result["nested_blocks"] == ["blocks.1"]
     for key, value in reference()[1].items():
         torch.testing.assert_close(result["nested_params"][key], value, rtol=1e-5, atol=1e-6)
-
-
-def test_single_process_moves_materializes_and_claims() -> None:
-    strategy = mp.ManualParallelStrategy()
-    model = fsdp(make_net(0, "meta"), strategy)  # on strategy.device, initialized on the CPU
-    assert {p.device for p in model.parameters()} == {strategy.device}
-    for key, value in make_net(0).state_dict().items():
-        torch.testing.assert_close(model.state_dict()[key].cpu(), value, rtol=0, atol=0)
-    assert {owner_of(p) for p in model.parameters()} == {"fsdp"}
-    with pytest.raises(mp.BuilderError, match="already set up by fsdp"):
-        fsdp(model, strategy)
-    with pytest.warns(UserWarning, match="not sharded"):
-        fsdp(make_net(0), strategy, param_dtype=torch.bfloat16)
-
-
-def test_bad_inputs_raise_before_anything_changes() -> None:
-    strategy = mp.ManualParallelStrategy()
-    model = make_net(0, "meta")
-    model.out = nn.Linear(DIM, 3)
-    with pytest.raises(mp.BuilderError, match="on the meta device and 2 elsewhere"):
-        fsdp(model, strategy)
-
-    class NoReset(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(3))
-
-    with torch.device("meta"):
-        bare = nn.Sequential(nn.Linear(3, 3), NoReset())
-    with pytest.raises(mp.BuilderError, match=r"define no reset_parameters\(\).*1 \(NoReset\)"):
-        fsdp(bare, strategy)
-    other = make_net(0)
-    with pytest.raises(mp.BuilderError, match=r"item 0 \(Linear\) is not a submodule"):
-        fsdp(make_net(0), strategy, wrap=[other.inp])
-    with pytest.raises(mp.BuilderError, match="min_num_params must be positive"):
-        fsdp(make_net(0), strategy, min_num_params=0)
 
 
 def test_checkpoint_reshards_to_one_plain_process_and_back_to_two(tmp_path: Path) -> None:

@@ -12,6 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from embedding_cases import (
+    SEED,
+    TABLES,
+    assert_close,
+    local_loss,
+    make_batch,
+    mixed_plan,
+    optimizer,
+    reference,
+    uniform_plan,
+)
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
@@ -21,16 +32,6 @@ from manualpar.embeddings import (
     shard_embeddings,
 )
 from manualpar.testing import run_distributed
-from tests.embedding_cases import (
-    SEED,
-    TABLES,
-    assert_close,
-    local_loss,
-    make_batch,
-    optimizer,
-    reference,
-)
-from tests.test_embeddings_sharded import mixed_plan, uniform_plan
 
 BATCHES = [5, 3]
 

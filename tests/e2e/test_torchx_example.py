@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from example_modules import load_example
 from torchx.specs import AppState
 
 import manualpar as mp
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "torchx" / "run_recsys.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("torchx_run_recsys", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.timeout(90)
 def test_recsys_fails_once_restarts_and_finishes(tmp_path: Path) -> None:
-    example = _load()
+    example = load_example(Path("torchx/run_recsys.py"), "torchx_run_recsys")
     out = tmp_path / "out"
     app = example.recsys_app(
         out,

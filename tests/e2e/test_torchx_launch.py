@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
 from manualpar.cli.torchx_component import run_script
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "launched.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "launched.py")
 
 
 def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: ignore[no-untyped-def]
@@ -30,35 +28,6 @@ def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: 
 
 def _reports(directory: Path) -> list[dict]:
     return [json.loads((directory / f"rank_{r}.json").read_text()) for r in range(2)]
-
-
-def test_component_builds_a_torchrun_command() -> None:
-    app = run_script("--lr", "0.1", script="train.py", j="1x4", max_restarts=2)
-    role = app.roles[0]
-    assert role.entrypoint == sys.executable
-    assert role.args == [
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "2",
-        "--standalone",
-        "train.py",
-        "--lr",
-        "0.1",
-    ]
-    multi = run_script(m="pkg.train", j="3x8").roles[0]
-    assert multi.entrypoint == "bash" and multi.num_replicas == 3
-    assert "--nnodes 3" in multi.args[1] and "-m pkg.train" in multi.args[1]
-    assert "${rank0_env}:=localhost}:29500" in multi.args[1]
-
-
-def test_component_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="pass exactly one of --script and -m"):
-        run_script()
-    with pytest.raises(ValueError, match=r"-j must look like NODESxPROCS \(e\.g\. 1x2\), got '2'"):
-        run_script(script="a.py", j="2")
 
 
 def test_local_launch_runs_two_ranks(tmp_path: Path) -> None:
@@ -81,10 +50,3 @@ def test_restart_recovers_from_a_failed_attempt(tmp_path: Path) -> None:
     )
     assert status.state == AppState.SUCCEEDED, status
     assert [r["restart_count"] for r in _reports(tmp_path / "out")] == [1, 1]
-
-
-def test_registered_next_to_torchx_builtins() -> None:
-    from torchx.specs.finder import get_components
-
-    names = set(get_components())
-    assert {"manualpar.run_script", "dist.ddp", "utils.echo"} <= names

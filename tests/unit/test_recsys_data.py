@@ -1,92 +1,20 @@
-"""The recommender example: it learns on 2 ranks, reads Criteo TSV exactly, and its AUC is exact."""
+"""The recommender example's data and metric: samples depend only on seed and index, the
+Criteo TSV reader parses exact values, and its AUC equals the brute-force pair count."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
 import math
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from example_modules import load_example
 
-import manualpar as mp
-
-RECSYS = Path(__file__).parent.parent / "examples" / "recsys"
-
-
-def _load(name: str) -> ModuleType:
-    """An example module under a unique name (the scripts import each other by plain name)."""
-    spec = importlib.util.spec_from_file_location(f"recsys_{name}", RECSYS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-data = _load("data")
-metrics = _load("metrics")
-
-
-def _train(*args: str, ranks: int = 2) -> str:
-    """train.py under torchrun on `ranks` processes, or as a plain single process."""
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    launch = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-        if ranks > 1
-        else []
-    )
-    command = [sys.executable, *launch, str(RECSYS / "train.py"), *args]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**env, "MANUALPAR_TIMEOUT_S": "30", "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
-def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
-    out = _train(
-        "--out",
-        str(tmp_path),
-        "--steps",
-        "40",
-        "--batch",
-        "512",
-        "--max-rows",
-        "20000",
-        "--val-every",
-        "20",
-        "--val-samples",
-        "4096",
-        "--log-every",
-        "10",
-        "--checkpoint-every",
-        "20",
-        "--no-progress",
-    )
-    assert "embedding plan for 2 ranks" in out
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    aucs = [r["val/auc"] for r in records if "val/auc" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0] - 0.05
-    assert {r["sparse_optim/lr"] for r in records if "loss" in r} == {0.05}  # --emb-lr default
-    assert len(aucs) == 2 and aucs[-1] > 0.6
-    final = float(re.search(r"validation AUC (\d\.\d+)", out).group(1))
-    assert math.isclose(final, aucs[-1], abs_tol=1e-4)  # the final evaluation: same model
-    assert mp.latest_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints/step_00000040"
-    assert (tmp_path / "metrics.png").stat().st_size > 0
+data = load_example(Path("recsys/data.py"), "recsys_data")
+metrics = load_example(Path("recsys/metrics.py"), "recsys_metrics")
 
 
 def test_synthetic_samples_depend_only_on_seed_and_index() -> None:
@@ -137,32 +65,6 @@ def test_criteo_tsv_reader_parses_exact_values(tmp_path: Path) -> None:
     ]  # rank r keeps lines r, r + 2, ...
     assert [len(r.labels) for r in ranks] == [1, 1]  # the odd last line is dropped on all ranks
     assert ranks[1].dense[0].tolist() == [0.0] * data.NUM_DENSE
-
-
-def test_trains_on_a_criteo_tsv_file_in_one_process(tmp_path: Path) -> None:
-    source = data.SyntheticCriteo(data.table_rows(max_rows=20000), seed=0)
-    data.write_criteo_tsv(tmp_path / "day.tsv", data.synthetic_records(source, 0, 4000))
-    out = _train(
-        "--criteo",
-        str(tmp_path / "day.tsv"),
-        "--out",
-        str(tmp_path / "run"),
-        "--steps",
-        "12",
-        "--batch",
-        "256",
-        "--max-rows",
-        "20000",
-        "--val-samples",
-        "1024",
-        "--val-every",
-        "6",
-        "--no-progress",
-        "--no-plot",
-        ranks=1,
-    )
-    assert "embedding plan for 1 ranks" in out
-    assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.55
 
 
 @pytest.mark.parametrize("seed", range(5))

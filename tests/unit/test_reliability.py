@@ -1,6 +1,7 @@
 """Bad inputs and faults the other test files do not cover: non-finite data (opt-in check), a full
 disk, an unwritable directory, a checkpoint of other table sizes, a file that is not a
-checkpoint, and collectives called with different shapes on different ranks.
+checkpoint, a bad timeout variable. Collectives called with different shapes on different ranks
+are in tests/dist/test_collective_shapes.py.
 
 Each case asserts the exception type, the key parts of the message, and that nothing was lost:
 the previous checkpoint still loads. docs/reliability.md lists every case with its node id.
@@ -25,7 +26,6 @@ import manualpar.checkpoint.io as checkpoint
 from manualpar.embeddings import SGD, EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
 from manualpar.embeddings import shard_embeddings as shard
 from manualpar.errors import ClusterEnvironmentError
-from manualpar.testing import run_distributed
 
 
 def _raises(error: type[Exception], *parts: str) -> pytest.RaisesContext:
@@ -70,7 +70,7 @@ def test_finite_values_pass_through_unchanged() -> None:
 
 # ---- saving: a full disk, an unwritable directory ----------------------------------------------
 def _committed(directory: Path) -> dict[str, Any]:
-    """ckpt_a (step 1) as tests/faults.py's save_twice commits it; the state to save next."""
+    """ckpt_a (step 1) as faults.save_twice (tests/support) commits it; the state to save next."""
     model = reference_after_one_step()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     mp.ManualParallelStrategy().save_checkpoint(directory / "ckpt_a", {"model": model, "step": 1})
@@ -166,31 +166,6 @@ def test_a_plain_torch_file_is_not_taken_for_a_full_export(tmp_path: Path) -> No
     torch.save(make_model(0).state_dict(), tmp_path / "weights.pt")
     with _raises(mp.CheckpointError, "is not a manualpar full checkpoint (no '__manualpar__')"):
         mp.ManualParallelStrategy().load_checkpoint(tmp_path / "weights.pt", {"step": 0})
-
-
-# ---- collectives with different shapes on different ranks -------------------------------------
-def _broadcast_mismatch(checked: bool) -> list[float]:
-    strategy = mp.ManualParallelStrategy(check_collectives=checked)
-    tensor = torch.zeros(2) if strategy.rank == 0 else torch.full((3,), 7.0)
-    result = strategy.broadcast(tensor, src=0).tolist()
-    strategy.teardown()
-    return result
-
-
-def test_mismatched_broadcast_unchecked_is_silent_checked_raises_on_every_rank() -> None:
-    # Measured, not promised: unchecked, gloo fills only the common prefix and nobody notices.
-    assert run_distributed(_broadcast_mismatch, world_size=2, args=(False,)) == [
-        [0.0, 0.0],
-        [0.0, 0.0, 7.0],
-    ]
-    outcomes = run_distributed(_broadcast_mismatch, world_size=2, args=(True,), allow_failure=True)
-    for outcome in outcomes:
-        assert outcome.error_type == "CollectiveError", outcome.describe()
-        assert outcome.error.startswith(
-            "broadcast: ranks passed tensors of different shapes or "
-            "dtypes (rank 0: (2,) torch.float32, rank 1: (3,) "
-            "torch.float32); every rank must pass the same shape"
-        )
 
 
 # ---- security: nothing is unpickled from disk by manualpar's own code ---------------------------

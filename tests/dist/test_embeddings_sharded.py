@@ -10,58 +10,24 @@ only in its state. Batches differ in size per rank, have empty bags and duplicat
 from __future__ import annotations
 
 import pytest
-import torch
-
-import manualpar as mp
-from manualpar.checkpoint.local_shards import full_tensors
-from manualpar.embeddings import (
-    EmbeddingBagCollection,
-    EmbeddingPlan,
-    column_wise,
-    data_parallel,
-    row_wise,
-    shard_embeddings,
-    table_row_wise,
-    table_wise,
-)
-from manualpar.testing import run_distributed
-from tests.embedding_cases import (
+from embedding_cases import (
+    OPTIMIZERS,
     SEED,
     STEPS,
     TABLES,
     assert_close,
     local_loss,
     make_batch,
+    mixed_plan,
     optimizer,
     reference,
+    uniform_plan,
 )
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise", "adam")
-
-
-def mixed_plan(world: int) -> EmbeddingPlan:
-    return EmbeddingPlan(
-        world,
-        {
-            "t0": table_wise(world - 1),
-            "t1": row_wise(),
-            "t2": column_wise(tuple(reversed(range(world)))),
-            "t3": data_parallel(),
-            "t4": table_row_wise(0, world),
-            "t5": column_wise((0, world - 1)) if world > 1 else table_wise(0),
-        },
-    )
-
-
-def uniform_plan(kind: str, world: int) -> EmbeddingPlan:
-    make = {
-        "table_wise": lambda i: table_wise(i % world),
-        "row_wise": lambda i: row_wise(),
-        "column_wise": lambda i: column_wise(tuple(range(world))),
-        "table_row_wise": lambda i: table_row_wise(0, world),
-        "data_parallel": lambda i: data_parallel(),
-    }[kind]
-    return EmbeddingPlan(world, {t.name: make(i) for i, t in enumerate(TABLES)})
+import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
+from manualpar.embeddings import EmbeddingBagCollection, EmbeddingPlan, shard_embeddings
+from manualpar.testing import run_distributed
 
 
 def train_sharded(
@@ -155,36 +121,3 @@ def test_uneven_row_and_column_splits_on_3_ranks_with_global_sample_normalizatio
         [f"mixed plan on 3 ranks, {o}" for o in opts],
         "global_samples",
     )
-
-
-def test_single_process_fused_optimizers_match_torch():
-    """World size 1: the same module is the unsharded collection with a fused optimizer."""
-    strategy = mp.ManualParallelStrategy()
-    for opt_name in OPTIMIZERS:
-        ebc = EmbeddingBagCollection(TABLES, seed=SEED)
-        emb = shard_embeddings(ebc, strategy, "auto", optimizer(opt_name))
-        first = None
-        for step in range(STEPS):
-            pooled = emb(make_batch(0, step, 5)).values
-            first = pooled.detach().clone() if step == 0 else first
-            local_loss(pooled, 0, step).backward()
-        ref_first, ref_tables, ref_state = reference(opt_name, [5])
-        assert_close(first, ref_first[0], f"{opt_name}: output")
-        with full_tensors():
-            weights = emb.state_dict()
-            state = emb.fused_optimizer.state_dict()["state"]
-        for name, expected in ref_tables.items():
-            assert_close(weights[f"tables.{name}.weight"], expected, f"{opt_name}: {name}")
-            for key, value in ref_state[name].items():
-                assert_close(state[name][key], value, f"{opt_name}: state {name}/{key}")
-
-
-def test_meta_built_shard_equals_unsharded_initial_values():
-    strategy = mp.ManualParallelStrategy()
-    with mp.empty_init():
-        ebc = EmbeddingBagCollection(TABLES, seed=SEED)
-    assert all(p.is_meta for p in ebc.parameters())
-    emb = shard_embeddings(ebc, strategy, {t.name: table_wise(0) for t in TABLES}, optimizer("sgd"))
-    reference_ebc = EmbeddingBagCollection(TABLES, seed=SEED)
-    for name, table in reference_ebc.tables.items():
-        assert torch.equal(emb.tables[name].weight, table.weight)

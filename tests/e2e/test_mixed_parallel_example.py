@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
-import torch
+from launch import run_torchrun
 
 import manualpar as mp
 from manualpar.testing import run_distributed
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "mixed_parallel"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixed_parallel"
 SMALL = (
     "--width",
     "32",
@@ -45,42 +42,9 @@ SMALL = (
 STEPS = 40
 
 
-def _load_data() -> ModuleType:
-    """data.py under a unique name (the example's scripts import each other by plain name)."""
-    spec = importlib.util.spec_from_file_location("mixed_parallel_data", EXAMPLE / "data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-data = _load_data()
-
-
-def _run(script: str, *args: str, ranks: int = 1) -> str:
-    """A script of the example under torchrun on `ranks` processes, or as a plain process."""
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    launch = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-        if ranks > 1
-        else []
-    )
-    command = [sys.executable, *launch, str(EXAMPLE / script), *args]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env={
-            **env,
-            "MANUALPAR_TIMEOUT_S": "30",
-            "CUDA_VISIBLE_DEVICES": "",
-            "OMP_NUM_THREADS": "1",
-        },
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+def _run(script: str, *args: str, ranks: int = 2) -> str:
+    """A script of the example under torchrun on `ranks` processes."""
+    return run_torchrun(EXAMPLE / script, *args, nproc=ranks, timeout=90, check=True).stdout
 
 
 def _eval_loss(out: str) -> float:
@@ -167,20 +131,3 @@ def test_resuming_with_another_model_shape_is_refused(run: tuple[Path, str]) -> 
     )
     assert outcome.error_type == "SystemExit" and "--depth 2 -> 3" in str(outcome.error)
     assert (out / "config.json").read_text() == before
-
-
-def test_data_is_split_over_ranks_and_follows_the_chain() -> None:
-    text = data.MarkovText(vocab=8, seq_len=16, batch_size=12, eval_batch_size=6, seed=3)
-    whole = text.sequences(5, 12)
-    for world in (1, 2, 3):
-        shares = [text.train(5, SimpleNamespace(rank=r, world_size=world)) for r in range(world)]
-        assert torch.equal(torch.cat([inputs for inputs, _ in shares]), whole[:, :-1])
-        assert torch.equal(torch.cat([targets for _, targets in shares]), whole[:, 1:])
-    allowed = text.transition[whole[:, :-2], whole[:, 1:-1], whole[:, 2:]]
-    assert bool((allowed > 0).all())  # every token is one of its pair's candidates
-    assert not torch.equal(text.sequences(6, 12), whole)
-    assert torch.equal(data.MarkovText(vocab=8, seq_len=16, seed=3).sequences(5, 12), whole)
-    h = text.entropies()
-    assert h.rate < h.best < h.first_order < h.unigram <= math.log(8)
-    with pytest.raises(ValueError, match="multiple of the world size"):
-        text.validation(0, SimpleNamespace(rank=0, world_size=4))

@@ -4,7 +4,7 @@ Each trial saves a committed checkpoint (step 1), trains one more step, then sav
 directory or an overwrite of the first) while one rank or both are SIGKILLed at a random point.
 CI runs a few seeded trials; a soak run uses more:
 
-    MANUALPAR_FAULT_TRIALS=200 MANUALPAR_FAULT_SEED=$RANDOM pytest tests/test_save_faults.py
+    MANUALPAR_FAULT_TRIALS=200 MANUALPAR_FAULT_SEED=$RANDOM pytest tests/e2e/test_save_faults.py
 """
 
 from __future__ import annotations

@@ -4,40 +4,16 @@ last checkpoint and ends with exactly the parameters of an uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from launch import run_torchrun
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "train_regression.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_regression.py"
 
 
 def _torchrun(out: Path, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    env.update(MANUALPAR_TIMEOUT_S="30", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            SCRIPT,
-            "--out",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_torchrun(SCRIPT, "--out", str(out), *args, max_restarts=1, timeout=180, check=True)
 
 
 def test_killed_rank_restart_resumes_to_identical_parameters(tmp_path: Path) -> None:

@@ -1,0 +1,74 @@
+"""`python -m manualpar` as a user runs it: exit codes and one-line errors, and the plan a
+command writes read back by the recsys example (`train.py --plan-only`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import output_tail, run_python
+
+from manualpar.cli import main
+from manualpar.embeddings import EmbeddingPlan
+
+RECSYS_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "recsys" / "train.py"
+
+
+def _plan(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_inspect_reports_a_missing_checkpoint_in_one_line(tmp_path: Path) -> None:
+    result = run_python("-m", "manualpar", "inspect", str(tmp_path / "no"), timeout=60)
+    assert result.returncode == 2, output_tail(result)
+    assert result.stderr.strip() == f"error: no checkpoint at {tmp_path / 'no'}"
+
+
+def test_plan_error_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([{"name": "user", "num_embeddings": 10, "dim": 4}]))
+    result = run_python(
+        "-m", "manualpar", "plan", "--world-size", "2", "--tables", str(tables), timeout=60
+    )
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"error: --tables {tables}: entry 0 has unknown fields ['dim'] or "
+        "lacks ['embedding_dim']; the fields are ['name', 'num_embeddings', "
+        "'embedding_dim', 'feature_names', 'pooling', 'init_bound']\n"
+    )
+
+
+def _recsys_plan_only(out: Path, *args: str) -> None:
+    run_python(RECSYS_TRAIN, "--plan-only", "2", "--out", str(out), *args, timeout=60, check=True)
+
+
+def test_plan_json_round_trips_through_the_recsys_example(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _recsys_plan_only(tmp_path / "example")  # writes its tables.json and its own auto plan
+    tables = str(tmp_path / "example" / "tables.json")
+    auto = tmp_path / "auto.json"
+    assert _plan(capsys, "--world-size", "2", "--tables", tables, "--json", str(auto))[0] == 0
+    assert auto.read_text() == (tmp_path / "example" / "plan.json").read_text()  # same planner
+    row_wise = tmp_path / "row_wise.json"
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "2",
+        "--tables",
+        tables,
+        "--plan",
+        "row_wise",
+        "--json",
+        str(row_wise),
+    )
+    assert code == 0 and out.splitlines()[-1] == f"plan written to {row_wise}"
+    plan = EmbeddingPlan.from_json(row_wise.read_text())
+    assert plan.world_size == 2 and len(plan.tables) == 26
+    assert {str(p) for p in plan.tables.values()} == {"row_wise"}
+    assert EmbeddingPlan.from_json(plan.to_json()) == plan
+    _recsys_plan_only(tmp_path / "reloaded", "--plan", str(row_wise))  # train.py --plan FILE
+    assert EmbeddingPlan.from_json((tmp_path / "reloaded" / "plan.json").read_text()) == plan

@@ -1,0 +1,35 @@
+"""The embedding benchmark's report of a failed job: the error lines, not torchrun's banners.
+
+Running the benchmarks at toy size is in tests/e2e/test_benchmarks.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from example_modules import EXAMPLES
+
+BENCHMARKS = EXAMPLES / "benchmarks"
+
+
+def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_embeddings import _error_lines
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    stderr = "\n".join(
+        [
+            "W1123 torch/distributed/run.py] *****************************************",
+            "Traceback (most recent call last):",
+            '  File "worker.py", line 3, in <module>',
+            "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
+            "============================================================",
+            "Root Cause (first observed failure):",
+        ]
+    )
+    assert _error_lines(stderr) == [
+        "Traceback (most recent call last):",
+        "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
+    ]
+    assert _error_lines("killed\n=====") == ["killed", "====="]

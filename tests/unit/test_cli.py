@@ -1,0 +1,63 @@
+"""`manualpar inspect` on real checkpoints and `manualpar plot`, called in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_models import make_model
+
+import manualpar as mp
+from manualpar.cli import main
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1), "step": 7}
+    strategy.save_checkpoint(tmp_path / "step_7", state)
+    strategy.save_checkpoint(tmp_path / "full.pt", state, full=True)
+    return tmp_path
+
+
+def test_inspect_sharded_checkpoint(checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(checkpoints / "step_7")]) == 0
+    out = capsys.readouterr().out
+    assert "kind sharded, step 7, saved by 1 rank(s)" in out
+    assert "entries: model (module), optim (optimizer), step (value)" in out
+    assert [line.split()[:2] for line in out.splitlines() if "model/0.weight" in line] == [
+        ["model/0.weight", "8x4"]
+    ]
+
+
+def test_inspect_json_of_full_export(checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "--json", str(checkpoints / "full.pt")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "full" and info["step"] == 7 and info["world_size"] == 1
+    assert info["tensors"]["model/2.weight"] == {
+        "shape": [2, 8],
+        "dtype": "torch.float32",
+        "chunks": 1,
+    }
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    records = [{"step": s, "loss": 1.0 / s, "lr": 0.1} for s in range(1, 6)]
+    records.append({"step": 5, "val/loss": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "metrics.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_without_metrics_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: no metrics.jsonl in {tmp_path}; pass the Trainer's out_dir"
+    )

@@ -1,0 +1,28 @@
+"""Collectives on one process without a process group, and their argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from collective_cases import collectives_report, expected_report
+
+from manualpar import ManualParallelStrategy
+
+
+def test_collectives_single_process_without_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    result = collectives_report()
+    assert result.pop("repr").startswith("ManualParallelStrategy(rank=0, world_size=1")
+    assert result == expected_report(0, 1)
+
+
+def test_single_process_rejects_bad_arguments() -> None:
+    strategy = ManualParallelStrategy()
+    ops = r"\['max', 'mean', 'min', 'sum'\]"
+    with pytest.raises(ValueError, match=rf"reduce: op must be one of {ops}, got 'avg'"):
+        strategy.reduce(torch.ones(1), op="avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"broadcast: rank 1 is not in \[0, 1\)"):
+        strategy.broadcast(1, src=1)
+    with pytest.raises(ValueError, match=r"reduce: rank 3 is not in \[0, 1\)"):
+        strategy.reduce(torch.ones(1), dst=3)

@@ -1,0 +1,57 @@
+"""shard_embeddings on one process: the fused optimizers against torch's own, meta init.
+
+The same module on world size 1 is the unsharded collection with a fused optimizer; the
+multi-rank runs against the same reference are in tests/dist/test_embeddings_sharded.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from embedding_cases import (
+    OPTIMIZERS,
+    SEED,
+    STEPS,
+    TABLES,
+    assert_close,
+    local_loss,
+    make_batch,
+    optimizer,
+    reference,
+)
+
+import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
+from manualpar.embeddings import EmbeddingBagCollection, shard_embeddings, table_wise
+
+
+def test_single_process_fused_optimizers_match_torch():
+    """World size 1: the same module is the unsharded collection with a fused optimizer."""
+    strategy = mp.ManualParallelStrategy()
+    for opt_name in OPTIMIZERS:
+        ebc = EmbeddingBagCollection(TABLES, seed=SEED)
+        emb = shard_embeddings(ebc, strategy, "auto", optimizer(opt_name))
+        first = None
+        for step in range(STEPS):
+            pooled = emb(make_batch(0, step, 5)).values
+            first = pooled.detach().clone() if step == 0 else first
+            local_loss(pooled, 0, step).backward()
+        ref_first, ref_tables, ref_state = reference(opt_name, [5])
+        assert_close(first, ref_first[0], f"{opt_name}: output")
+        with full_tensors():
+            weights = emb.state_dict()
+            state = emb.fused_optimizer.state_dict()["state"]
+        for name, expected in ref_tables.items():
+            assert_close(weights[f"tables.{name}.weight"], expected, f"{opt_name}: {name}")
+            for key, value in ref_state[name].items():
+                assert_close(state[name][key], value, f"{opt_name}: state {name}/{key}")
+
+
+def test_meta_built_shard_equals_unsharded_initial_values():
+    strategy = mp.ManualParallelStrategy()
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(TABLES, seed=SEED)
+    assert all(p.is_meta for p in ebc.parameters())
+    emb = shard_embeddings(ebc, strategy, {t.name: table_wise(0) for t in TABLES}, optimizer("sgd"))
+    reference_ebc = EmbeddingBagCollection(TABLES, seed=SEED)
+    for name, table in reference_ebc.tables.items():
+        assert torch.equal(emb.tables[name].weight, table.weight)

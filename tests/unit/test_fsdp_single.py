@@ -1,0 +1,49 @@
+"""fsdp() on one process: it moves, materializes and claims; bad inputs raise before anything
+changes. The multi-rank runs are in tests/dist/test_fsdp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_cases import DIM, make_net
+from torch import nn
+
+import manualpar as mp
+from manualpar.builders.fsdp import fsdp
+from manualpar.ownership import owner_of
+
+
+def test_single_process_moves_materializes_and_claims() -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = fsdp(make_net(0, "meta"), strategy)  # on strategy.device, initialized on the CPU
+    assert {p.device for p in model.parameters()} == {strategy.device}
+    for key, value in make_net(0).state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key].cpu(), value, rtol=0, atol=0)
+    assert {owner_of(p) for p in model.parameters()} == {"fsdp"}
+    with pytest.raises(mp.BuilderError, match="already set up by fsdp"):
+        fsdp(model, strategy)
+    with pytest.warns(UserWarning, match="not sharded"):
+        fsdp(make_net(0), strategy, param_dtype=torch.bfloat16)
+
+
+def test_bad_inputs_raise_before_anything_changes() -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = make_net(0, "meta")
+    model.out = nn.Linear(DIM, 3)
+    with pytest.raises(mp.BuilderError, match="on the meta device and 2 elsewhere"):
+        fsdp(model, strategy)
+
+    class NoReset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+    with torch.device("meta"):
+        bare = nn.Sequential(nn.Linear(3, 3), NoReset())
+    with pytest.raises(mp.BuilderError, match=r"define no reset_parameters\(\).*1 \(NoReset\)"):
+        fsdp(bare, strategy)
+    other = make_net(0)
+    with pytest.raises(mp.BuilderError, match=r"item 0 \(Linear\) is not a submodule"):
+        fsdp(make_net(0), strategy, wrap=[other.inp])
+    with pytest.raises(mp.BuilderError, match="min_num_params must be positive"):
+        fsdp(make_net(0), strategy, min_num_params=0)

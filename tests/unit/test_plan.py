@@ -1,0 +1,149 @@
+"""`manualpar plan`, called in-process: placements, bytes per rank, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from manualpar.cli import main
+
+TABLES = [
+    "--table",
+    "user:100000:64",
+    "--table",
+    "item:50000:64:item,last_item",
+    "--table",
+    "country:200:16",
+]
+
+
+def _plan(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_auto_prints_placements_and_bytes_per_rank(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _plan(capsys, "--world-size", "2", *TABLES)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "embedding plan for 2 ranks"
+    assert [line.split()[:5] for line in lines[1:4]] == [
+        ["user", "100000", "x", "64", "row_wise"],
+        ["item", "50000", "x", "64", "table_wise[0]"],
+        ["country", "200", "x", "16", "data_parallel"],
+    ]
+    assert (
+        "r0:rows[0:50000], r1:rows[50000:100000]  (rows split over all 2 ranks (larger than "
+        "an even share; 12.4 MiB each))" in lines[1]
+    )
+    assert lines[2].endswith("r0:rows[0:50000]  (whole on rank 0 (12.4 MiB; least-loaded rank))")
+    assert lines[4] == "  bytes per rank (weights + row-wise state): r0: 24.8 MiB, r1: 12.4 MiB"
+    assert len(lines) == 5
+
+
+def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "2",
+        "--plan",
+        "column_wise",
+        "--optimizer",
+        "adam",
+        "--table",
+        "user:100000:64",
+        "--table",
+        "item:50000:64",
+    )
+    assert code == 0
+    assert "r0:rows[0:100000]cols[0:32], r1:rows[0:100000]cols[32:64]" in out
+    assert (
+        out.splitlines()[-1] == "  bytes per rank (weights + Adam state): r0: 54.9 MiB, "
+        "r1: 54.9 MiB"
+    )  # 150000 rows x 32 columns x 3 floats
+    code, out, _ = _plan(
+        capsys,
+        "--world-size",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--plan",
+        "table_row_wise",
+        "--optimizer",
+        "sgd",
+        "--table",
+        "user:100000:64",
+        "--table",
+        "item:60000:32",
+    )
+    assert code == 0
+    assert [line.split()[4:] for line in out.splitlines()[1:3]] == [
+        ["table_row_wise[0,", "1]", "r0:rows[0:50000],", "r1:rows[50000:100000]"],
+        ["table_row_wise[2,", "3]", "r2:rows[0:30000],", "r3:rows[30000:60000]"],
+    ]
+    assert out.splitlines()[-1] == (
+        "  bytes per rank (weights only, SGD keeps no state): "
+        "r0: 12.2 MiB, r1: 12.2 MiB, r2: 3.7 MiB, r3: 3.7 MiB"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--table", "user:abc:64"],
+            "error: --table 'user:abc:64': expected NAME:ROWS:DIM"
+            "[:FEATURE,...] with integer ROWS and DIM, e.g. user:1000000:64 or "
+            "item:500000:64:item,last_item",
+        ),
+        (
+            ["--table", "user:10:4", "--plan", "diagonal"],
+            "error: --plan 'diagonal': expected one of "
+            "auto, table_wise, row_wise, column_wise, table_row_wise, data_parallel",
+        ),
+        (
+            ["--table", "user:10:4", "--memory-budget", "2 lots"],
+            "error: --memory-budget '2 lots': "
+            "expected a positive size such as 2GiB, 512MiB, 1.5GB or plain bytes",
+        ),
+        (
+            ["--table", "user:10:4", "--optimizer", "lamb"],
+            "error: --optimizer 'lamb': expected one of rowwise_adagrad, adagrad, adam, sgd",
+        ),
+        (
+            [],
+            "error: no tables: pass --table NAME:ROWS:DIM[:FEATURE,...] (repeatable) or --tables "
+            "FILE",
+        ),
+        (
+            ["--table", "user:10:4", "--table", "user:20:4"],
+            "error: table names must be unique; repeated: ['user']",
+        ),
+        (
+            ["--table", "user:10000000:64", "--memory-budget", "1GiB"],
+            "error: the table holds 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
+            "ranks, more than the budget of 1.00 GiB; raise the memory budget to 1.21 GiB or more, "
+            "use 3 or more ranks, or shrink the tables",
+        ),
+        (
+            [
+                "--table",
+                "user:10000000:64",
+                "--table",
+                "item:10:4",
+                "--plan",
+                "table_wise",
+                "--memory-budget",
+                "2147483648",
+            ],
+            "error: plan table_wise puts 2.42 GiB on rank 0, more "
+            "than the memory budget of 2.00 GiB; try --plan auto, more ranks or a larger "
+            "--memory-budget",
+        ),
+    ],
+)
+def test_plan_errors_are_one_line(
+    capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    code, out, err = _plan(capsys, "--world-size", "2", *args)
+    assert (code, out, err) == (2, "", message + "\n")
