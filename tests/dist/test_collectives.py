@@ -6,7 +6,7 @@ import pytest
 import torch
 from collective_cases import collectives_report, expected_report
 
-from manualpar import CollectiveError, ManualParallelStrategy
+from manualpar import ManualParallelStrategy
 from manualpar.testing import run_distributed
 
 
@@ -45,8 +45,26 @@ def test_checked_reduce_reports_dtype_mismatch() -> None:
         assert "rank 0: (4,) torch.float32, rank 1: (4,) torch.float64" in outcome.error
 
 
-def test_collective_error_is_a_runtime_error() -> None:
-    assert issubclass(CollectiveError, RuntimeError)
+def _catch_collective_after_teardown_as_runtime_error() -> tuple[str, str]:
+    """Code written against plain torch catches RuntimeError: it must see the CollectiveError."""
+    strategy = ManualParallelStrategy()
+    strategy.teardown()
+    try:
+        strategy.all_reduce(torch.ones(1), op="sum")
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def test_collective_error_is_caught_as_a_runtime_error() -> None:
+    for rank, caught in enumerate(
+        run_distributed(_catch_collective_after_teardown_as_runtime_error, world_size=2)
+    ):
+        assert caught == (
+            "CollectiveError",
+            f"reduce(op=sum) called on rank {rank} after teardown(); the process group is gone, "
+            "so the result would be this rank's value alone",
+        )
 
 
 def _subgroup_collectives() -> dict | None:

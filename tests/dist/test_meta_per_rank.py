@@ -36,13 +36,13 @@ def _materialize_my_layers() -> dict:
         "full": sum(p.numel() * p.element_size() for p in model.parameters()),
         "meta": [i for i in range(LAYERS) if is_meta(model[i])],
         "corners": {i: model[i].weight[:2, :4].detach().clone() for i in mine},
-        "dtensor_kept": _sharded_weight_is_kept(strategy.world_size),
+        "sharded_layer": _materialize_beside_a_sharded_weight(strategy.world_size),
     }
     strategy.teardown()
     return result
 
 
-def _sharded_weight_is_kept(world_size: int) -> bool:
+def _materialize_beside_a_sharded_weight(world_size: int) -> dict:
     """A builder already sharded the weight (a DTensor with a real local shard); only the meta
     bias of the same Linear is materialized."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
@@ -53,11 +53,11 @@ def _sharded_weight_is_kept(world_size: int) -> bool:
     layer.weight = nn.Parameter(distribute_tensor(torch.full((4, 4), 3.0), mesh, [Shard(0)]))
     weight = layer.weight
     materialize(layer, "cpu")
-    return (
-        layer.weight is weight
-        and not layer.bias.is_meta
-        and torch.equal(weight.to_local(), torch.full((4 // world_size, 4), 3.0))
-    )
+    return {
+        "weight_ids": (id(layer.weight), id(weight)),  # the same object: not replaced
+        "bias_device": layer.bias.device.type,
+        "local_shard": weight.to_local().detach().clone(),
+    }
 
 
 def test_each_rank_allocates_only_its_share() -> None:
@@ -67,7 +67,12 @@ def test_each_rank_allocates_only_its_share() -> None:
         share, full = result["share"], result["full"]
         assert share == 4 * (WIDTH * WIDTH + WIDTH) * 4 and full == 2 * share
         assert result["meta"] == [i for i in range(LAYERS) if i % 2 != rank]
-        assert result["dtensor_kept"]
+        kept_id, sharded_id = result["sharded_layer"]["weight_ids"]
+        assert kept_id == sharded_id, "materialize replaced a weight a builder had sharded"
+        assert result["sharded_layer"]["bias_device"] == "cpu"
+        torch.testing.assert_close(
+            result["sharded_layer"]["local_shard"], torch.full((2, 4), 3.0), rtol=0, atol=0
+        )
         assert result["peak"] < share + 400 * MB, (rank, result["peak"] / MB)
         grown = result["peak"] - result["before"]
         assert grown < (share + full) / 2, f"rank {rank} grew {grown / MB:.0f} MB"

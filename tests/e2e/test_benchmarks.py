@@ -4,6 +4,7 @@ place in tests), so it does not rot between the runs that produce docs' numbers.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -11,15 +12,16 @@ from example_modules import EXAMPLES
 from launch import run_python
 
 BENCH = EXAMPLES / "benchmarks" / "bench_embeddings.py"
+ROWS, TABLES, DIM, BATCH, IDS_PER_BAG = 3000, 2, 8, 64, 20  # the benchmark's default ids per bag
 TOY = [
     "--rows",
-    "3000",
+    str(ROWS),
     "--tables",
-    "2",
+    str(TABLES),
     "--dim",
-    "8",
+    str(DIM),
     "--batch",
-    "64",
+    str(BATCH),
     "--steps",
     "2",
     "--warmup",
@@ -35,6 +37,16 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+def _check_run(run: dict, plan: str, rows: int = ROWS) -> None:
+    """One job's result: its median and throughput follow from its own step times."""
+    assert run["plan"] == plan and len(run["step_ms"]) == 2
+    assert len(run["peak_rss_gb_per_rank"]) == 2
+    assert run["ms_per_step"] == statistics.median(run["step_ms"])
+    lookups = BATCH * TABLES * IDS_PER_BAG
+    assert run["lookups_per_s"] == pytest.approx(lookups / (run["ms_per_step"] / 1000), rel=1e-12)
+    assert run["table_gb"] == pytest.approx(TABLES * rows * DIM * 4 / 2**30, rel=1e-12)
+
+
 @pytest.mark.timeout(300)
 def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
     result = _run(tmp_path)
@@ -43,8 +55,21 @@ def test_compare_writes_ratios_for_both_plans(tmp_path: Path) -> None:
         assert ratio["pairs"] == 1 and set(ratio) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
         for name in ("manualpar", "baseline"):
             (run,) = result["runs"][plan][name]
-            assert run["plan"] == plan and len(run["step_ms"]) == 2
-            assert len(run["peak_rss_gb_per_rank"]) == 2
+            _check_run(run, plan)
+        # one pair: each ratio is manualpar's number over the baseline's, from the raw runs
+        (ours,) = result["runs"][plan]["manualpar"]
+        (theirs,) = result["runs"][plan]["baseline"]
+        assert ratio["ms_per_step"] == pytest.approx(
+            ours["ms_per_step"] / theirs["ms_per_step"], rel=1e-12
+        )
+        assert ratio["peak_rss"] == pytest.approx(
+            max(ours["peak_rss_gb_per_rank"]) / max(theirs["peak_rss_gb_per_rank"]), rel=1e-12
+        )
+        assert ratio["init_s"] == pytest.approx(ours["init_s"] / theirs["init_s"], rel=1e-12)
+        assert result["summary"][plan]["median_ms_per_step"] == {
+            "manualpar": ours["ms_per_step"],
+            "baseline": theirs["ms_per_step"],
+        }
 
 
 @pytest.mark.timeout(300)
@@ -65,10 +90,22 @@ def test_floor_runs_every_lookup_without_exchanges(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
     result = _run(tmp_path, "--scale", "--scale-gib", "0.001", "0.002")
-    summary = result["summary"]
-    assert summary["0.001GiB"]["vs_0.001GiB"] == 1.0
+    summary, runs = result["summary"], result["runs"]
+    assert set(runs) == {"0.001GiB", "0.002GiB"} and all(len(r) == 1 for r in runs.values())
+    first = statistics.median(r["ms_per_step"] for r in runs["0.001GiB"])
+    for size, gib in (("0.001GiB", 0.001), ("0.002GiB", 0.002)):
+        (run,) = runs[size]
+        rows = int(gib * 2**30 / (TABLES * DIM * 4))  # tables of `gib` GiB in all
+        _check_run(run, "table_wise", rows)
+        median = statistics.median(r["ms_per_step"] for r in runs[size])
+        assert summary[size]["median_ms_per_step"] == median
+        # each size's median step time over the first size's, computed here from the raw times
+        assert summary[size]["vs_0.001GiB"] == pytest.approx(median / first, rel=1e-12)
+        assert summary[size]["max_peak_rss_gb"] == max(run["peak_rss_gb_per_rank"])
+        state_gb = TABLES * rows * (DIM * 4 + 4) / 2**30  # weights + a row-wise optimizer sum
+        assert summary[size]["rss_bound_gb"] == pytest.approx(state_gb / 2 + 0.5, rel=1e-12)
+        assert summary[size]["median_init_s"] == run["init_s"]
     assert summary["0.002GiB"]["rss_bound_gb"] > summary["0.001GiB"]["rss_bound_gb"]
-    assert len(result["runs"]["0.002GiB"]) == 1
 
 
 @pytest.mark.timeout(120)

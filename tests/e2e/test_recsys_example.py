@@ -10,6 +10,7 @@ from pathlib import Path
 
 from example_modules import EXAMPLES, load_example
 from launch import run_python, run_torchrun
+from png_checks import assert_plots_every_metric
 
 import manualpar as mp
 
@@ -56,7 +57,7 @@ def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
     final = float(re.search(r"validation AUC (\d\.\d+)", out).group(1))
     assert math.isclose(final, aucs[-1], abs_tol=1e-4)  # the final evaluation: same model
     assert mp.latest_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints/step_00000040"
-    assert (tmp_path / "metrics.png").stat().st_size > 0
+    assert_plots_every_metric(tmp_path / "metrics.png", tmp_path / "metrics.jsonl")
 
 
 def test_trains_on_a_criteo_tsv_file_in_one_process(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_models import make_model
+from png_checks import assert_plots_every_metric, metric_names
 
 import manualpar as mp
 from manualpar.cli import main
@@ -52,6 +53,8 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     png = tmp_path / "metrics.png"
     assert capsys.readouterr().out.strip() == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert metric_names(tmp_path / "metrics.jsonl") == {"loss", "lr", "val/loss"}
+    assert_plots_every_metric(png, tmp_path / "metrics.jsonl")  # one plotted panel each
 
 
 def test_plot_without_metrics_is_a_one_line_error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -404,8 +405,9 @@ def test_user_environment_valid() -> None:
 
 def test_user_environment_is_frozen() -> None:
     env = ClusterEnvironment()
-    with pytest.raises(AttributeError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'rank'"):
         env.rank = 1  # type: ignore[misc]
+    assert env.rank == 0
 
 
 @pytest.mark.parametrize(
@@ -445,9 +447,30 @@ def test_user_environment_validated(kwargs: dict, message: str) -> None:
     assert text.endswith(". Fix the launcher's variables or pass a ClusterEnvironment explicitly.")
 
 
+def _caught(catch: type[Exception], env: dict[str, str]) -> tuple[str, str]:
+    """What `except catch` receives from detecting `env`: the error's type name and message."""
+    try:
+        detect_environment(env)
+    except catch as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
 def test_error_types() -> None:
-    assert issubclass(ClusterEnvironmentError, ValueError)
-    assert issubclass(ClusterEnvironmentError, ManualParError)
+    """Launcher code written against plain Python catches ValueError; manualpar-aware code
+    catches ManualParError: both receive the full message naming the launcher's variables."""
+    contradiction = _torchrun(RANK="2", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    message = (
+        "inconsistent torchelastic environment: RANK=2 must be in [0, WORLD_SIZE=2). Fix the "
+        "launcher's variables or pass a ClusterEnvironment explicitly."
+    )
+    assert _caught(ValueError, contradiction) == ("ClusterEnvironmentError", message)
+    assert _caught(ManualParError, contradiction) == ("ClusterEnvironmentError", message)
+    not_a_number = _torchrun(RANK="abc")
+    assert _caught(ValueError, not_a_number) == (
+        "ClusterEnvironmentError",
+        "environment variable RANK='abc' is not an integer",
+    )
     with pytest.raises(ValueError, match=re.escape("RANK=2 must be in [0, WORLD_SIZE=2)")):
         from_torchelastic(_torchrun(RANK="2", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 import manualpar as mp
+import manualpar.module as module
 from manualpar.errors import BuilderError
 from manualpar.module import ParallelModule, check_optimizer
 from manualpar.ownership import claim, mark_replaced
@@ -85,13 +88,47 @@ def test_optimizer_over_meta_parameters_is_refused() -> None:
         check_optimizer(optimizer)
 
 
-def test_a_correct_optimizer_steps_normally() -> None:
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model(torch.ones(1, 4)).sum().backward()
-    before = model.bias.detach().clone()
-    optimizer.step()
-    torch.testing.assert_close(model.bias, before - 1.0)
+class Tower(ParallelModule):
+    """Built on meta; setup materializes it (new parameters replace the meta ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        mp.materialize(self, strategy)
+
+
+def test_the_step_hook_refuses_an_early_optimizer_and_checks_a_good_one_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checked: list[torch.optim.Optimizer] = []
+
+    def counting_check(optimizer: torch.optim.Optimizer) -> None:
+        checked.append(optimizer)
+        check_optimizer(optimizer)
+
+    monkeypatch.setattr(module, "check_optimizer", counting_check)
+    with mp.empty_init():
+        model = Tower()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.setup(mp.ManualParallelStrategy())
+    message = re.escape(
+        "SGD holds a parameter of shape (2, 4) (param group 0) that is still on the meta "
+        "device: the optimizer was created before model.setup(strategy). Create it after "
+        "setup, e.g. torch.optim.Adam(model.dense_parameters())"
+    )
+    for _ in range(2):  # refused at every step, not only the first
+        with pytest.raises(BuilderError, match=message):
+            early.step()
+    assert checked == [early, early]
+
+    late = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    for _ in range(3):
+        late.zero_grad()
+        model.body(torch.ones(1, 4)).sum().backward()
+        late.step()
+    assert checked == [early, early, late], "a good optimizer is checked at its first step only"
 
 
 class Regressor(ParallelModule):

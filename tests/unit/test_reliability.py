@@ -65,7 +65,23 @@ def test_infinite_loss_and_sparse_weights() -> None:
 def test_finite_values_pass_through_unchanged() -> None:
     batch = {"x": torch.randn(3, 2), "ids": torch.tensor([1]), "name": "a", "n": 3}
     assert mp.check_finite(batch, where="batch") is batch
-    assert issubclass(mp.NonFiniteError, ValueError)
+
+
+def test_non_finite_error_is_caught_as_a_value_error() -> None:
+    """Code that guards its input with `except ValueError` catches the check's refusal."""
+    batch = {"x": torch.tensor([1.0, float("nan")])}
+    try:
+        mp.check_finite(batch, where="batch")
+    except ValueError as error:
+        caught = (type(error).__name__, str(error))
+    else:
+        caught = ("no error", "")
+    assert caught == (
+        "NonFiniteError",
+        "batch['x']: 1 non-finite value(s) (1 NaN, 0 inf) in a torch.float32 tensor of shape "
+        "(2,); the first is nan at index (1,). Fix or drop this input before it reaches the "
+        "model (a NaN loss usually means a NaN input or too high a learning rate)",
+    )
 
 
 # ---- saving: a full disk, an unwritable directory ----------------------------------------------
