@@ -1,0 +1,381 @@
+"""The package's layering, read from the source with `ast` (nothing of manualpar is imported).
+
+- Each top-level name under manualpar/ sits in a layer of LAYERS (lowest first) and imports only
+  from its own layer or lower ones; a new module must be placed here deliberately.
+- No import cycle between modules.
+- Only manualpar/strategy/ calls torch.distributed's collectives (everything else goes through
+  the strategy, which adds timeouts, error messages and the checks).
+
+Imports count at run time: inside functions too, but not under `if TYPE_CHECKING:`. Importing
+manualpar.a.b runs manualpar/a/__init__.py, so it counts as importing manualpar.a as well
+(except the root manualpar/__init__.py, which may import anything and is left out).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "manualpar"
+ROOT = "manualpar"
+
+LAYERS = [
+    {"errors"},
+    {"environment", "seed"},
+    {"ownership", "meta", "checkpoint"},
+    {"strategy", "module"},
+    {"builders", "embeddings"},
+    {"loop"},
+    {"cli", "testing", "__main__"},
+]
+ALLOWED_COLLECTIVE_CALLERS = "manualpar/strategy/"
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_gather_into_tensor",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "gather",
+        "scatter",
+        "monitored_barrier",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One module of the package: its dotted name, its path as shown in messages, its text."""
+
+    name: str
+    path: str
+    text: str
+    is_package: bool = False
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the imported module (after resolving `from x import y`)
+    line: int
+
+
+# ---- reading the package ------------------------------------------------------------------------
+def read_package(directory: Path = PACKAGE) -> dict[str, Source]:
+    """Every .py file under `directory`, by dotted module name."""
+    sources = {}
+    for path in sorted(directory.rglob("*.py")):
+        parts = path.relative_to(directory.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        shown = path.relative_to(directory.parent).as_posix()
+        sources[name] = Source(name, shown, path.read_text(), is_package)
+    return sources
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterable[ast.AST]:
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (their `else:` runs)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(reversed(node.orelse))
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _known(name: str, modules: Iterable[str]) -> str | None:
+    """`name`, or the longest module prefix of it that exists (manualpar.a.Thing -> manualpar.a)."""
+    known = set(modules)
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in known:
+            return candidate
+        parts.pop()
+    return None
+
+
+def imports_of(source: Source, modules: Iterable[str]) -> list[Import]:
+    """The package's modules `source` imports at run time (absolute or relative imports)."""
+    modules = set(modules)
+    found = []
+    package = source.name if source.is_package else source.name.rpartition(".")[0]
+    for node in _runtime_nodes(ast.parse(source.text, source.path)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            # `from manualpar.x import y` imports module manualpar.x.y when there is one
+            names = [
+                f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
+                for alias in node.names
+            ]
+        for name in names:
+            if name == ROOT or name.startswith(ROOT + "."):
+                target = _known(name, modules)
+                if target is not None and target != source.name:
+                    found.append(Import(source.name, target, node.lineno))
+    return found
+
+
+def with_packages(target: str) -> list[str]:
+    """The modules importing `target` runs: its packages' __init__ (not the root's), then it."""
+    parts = target.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+
+
+def import_graph(sources: Mapping[str, Source]) -> dict[str, set[str]]:
+    """Module -> modules its import runs (package __init__ chains included; the root left out).
+
+    A module's own packages were imported before it ran, so a sibling import does not run
+    them again; importing one of them by name still counts."""
+    graph: dict[str, set[str]] = {name: set() for name in sources if name != ROOT}
+    for name, source in sources.items():
+        if name == ROOT:
+            continue
+        already = set(with_packages(name))
+        for found in imports_of(source, sources):
+            runs = {m for m in with_packages(found.target)[:-1] if m not in already}
+            graph[name].update((runs | {found.target}) - {name})
+    return graph
+
+
+# ---- the three rules ----------------------------------------------------------------------------
+def top_name(module: str) -> str:
+    """The first name under manualpar: manualpar.strategy.collectives -> strategy."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer_of(module: str, layers: list[set[str]]) -> int | None:
+    if module == ROOT:
+        return len(layers)  # above everything: the root imports every layer
+    for index, names in enumerate(layers):
+        if top_name(module) in names:
+            return index
+    return None
+
+
+def unplaced_modules(sources: Mapping[str, Source], layers: list[set[str]]) -> list[str]:
+    """Top-level names under manualpar/ that no layer lists."""
+    return sorted(
+        {top_name(n) for n in sources if n != ROOT and layer_of(n, layers) is None},
+    )
+
+
+def layer_violations(sources: Mapping[str, Source], layers: list[set[str]]) -> list[str]:
+    """Each import of a higher layer, as `manualpar/x.py imports manualpar.y (layer i -> j)`."""
+    found = []
+    for name, source in sources.items():
+        if name == ROOT:
+            continue
+        low = layer_of(name, layers)
+        for imported in imports_of(source, sources):
+            high = layer_of(imported.target, layers)
+            if low is not None and high is not None and high > low:
+                found.append(f"{source.path} imports {imported.target} (layer {low} -> {high})")
+    return list(dict.fromkeys(found))
+
+
+def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path: list[str] = [start]
+        on_path = {start}
+        pending = [iter(sorted(graph[start]))]
+        while pending:
+            following = next(pending[-1], None)
+            if following is None:
+                pending.pop()
+                done.add(path[-1])
+                on_path.discard(path.pop())
+            elif following in on_path:
+                return [*path[path.index(following) :], following]
+            elif following not in done and following in graph:
+                path.append(following)
+                on_path.add(following)
+                pending.append(iter(sorted(graph[following])))
+    return None
+
+
+def collective_calls(sources: Mapping[str, Source]) -> list[tuple[str, int, str]]:
+    """(path, line, call) of every call of a torch.distributed collective in `sources`."""
+    found = []
+    for source in sources.values():
+        tree = ast.parse(source.text, source.path)
+        modules = {"dist", "torch.distributed"}  # names that mean the torch.distributed module
+        functions = set()  # collectives imported by name
+        for node in _runtime_nodes(tree):
+            if isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+                modules |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                functions |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in COLLECTIVES
+                and ast.unparse(func.value) in modules
+            ) or (isinstance(func, ast.Name) and func.id in functions):
+                found.append((source.path, node.lineno, ast.unparse(func)))
+    return found
+
+
+def misplaced_collectives(sources: Mapping[str, Source]) -> list[str]:
+    return [
+        f"{path}:{line} calls {call}"
+        for path, line, call in collective_calls(sources)
+        if not path.startswith(ALLOWED_COLLECTIVE_CALLERS)
+    ]
+
+
+# ---- the package ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def package() -> dict[str, Source]:
+    sources = read_package()
+    assert f"{ROOT}.strategy.collectives" in sources, f"no manualpar package at {PACKAGE}"
+    return sources
+
+
+def test_every_module_has_a_layer(package: dict[str, Source]) -> None:
+    unplaced = unplaced_modules(package, LAYERS)
+    assert unplaced == [], (
+        f"manualpar/{unplaced[0]} is in no layer: add it to LAYERS in {__file__}, at the "
+        "lowest layer holding everything it imports"
+    )
+
+
+def test_modules_import_only_their_layer_or_lower_ones(package: dict[str, Source]) -> None:
+    violations = layer_violations(package, LAYERS)
+    assert not violations, "imports against the layer order:\n" + "\n".join(violations)
+
+
+def test_no_import_cycle(package: dict[str, Source]) -> None:
+    cycle = find_cycle(import_graph(package))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_only_the_strategy_calls_collectives(package: dict[str, Source]) -> None:
+    misplaced = misplaced_collectives(package)
+    assert not misplaced, "collectives outside manualpar/strategy/:\n" + "\n".join(misplaced)
+    calls = collective_calls(package)
+    assert any(path == "manualpar/strategy/collectives.py" for path, _, _ in calls), (
+        "the scan found no collective call in the strategy itself"
+    )
+
+
+# ---- the checks find what they look for -------------------------------------------------------
+SYNTHETIC = {
+    "manualpar/__init__.py": "from manualpar.cli import main\n",
+    "manualpar/errors.py": (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from manualpar.loop import Trainer\n"  # typing only: neither layer nor cycle
+        "import manualpar.seed\n"  # layer 0 -> 1
+    ),
+    "manualpar/seed.py": "import torch\n",
+    "manualpar/strategy/__init__.py": "from manualpar.strategy.core import Strategy\n",
+    "manualpar/strategy/core.py": (
+        "import torch.distributed as dist\n"
+        "def f(x):\n"
+        "    dist.all_reduce(x)\n"  # allowed here
+        "    from manualpar.builders import ddp\n"  # layer 3 -> 4, at run time
+    ),
+    "manualpar/builders/__init__.py": "from .ddp import ddp\n",
+    "manualpar/builders/ddp.py": (
+        "import torch.distributed as dist\n"
+        "from torch.distributed import broadcast as send_all\n"
+        "from manualpar.strategy import core\n"
+        "def ddp(x):\n"
+        "    dist.barrier()\n"
+        "    send_all(x, 0)\n"
+        "    torch.distributed.all_gather([], x)\n"
+    ),
+    "manualpar/plugins.py": "from manualpar import errors\n",
+}
+
+
+@pytest.fixture
+def synthetic() -> dict[str, Source]:
+    sources = {}
+    for path, text in SYNTHETIC.items():
+        parts = Path(path).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        sources[name] = Source(name, path, text, is_package)
+    return sources
+
+
+def test_the_checks_report_each_kind_of_violation(synthetic: dict[str, Source]) -> None:
+    assert unplaced_modules(synthetic, LAYERS) == ["plugins"]
+    assert layer_violations(synthetic, LAYERS) == [
+        "manualpar/errors.py imports manualpar.seed (layer 0 -> 1)",
+        "manualpar/strategy/core.py imports manualpar.builders.ddp (layer 3 -> 4)",
+    ]
+    # builders.ddp -> strategy (its __init__) -> strategy.core -> builders (__init__) -> ddp
+    assert find_cycle(import_graph(synthetic)) == [
+        "manualpar.builders",
+        "manualpar.builders.ddp",
+        "manualpar.strategy",
+        "manualpar.strategy.core",
+        "manualpar.builders",
+    ]
+    assert misplaced_collectives(synthetic) == [
+        "manualpar/builders/ddp.py:5 calls dist.barrier",
+        "manualpar/builders/ddp.py:6 calls send_all",
+        "manualpar/builders/ddp.py:7 calls torch.distributed.all_gather",
+    ]
+
+
+def test_typing_only_imports_and_lazy_imports_are_told_apart() -> None:
+    lazy = Source(
+        "manualpar.meta",
+        "manualpar/meta.py",
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from manualpar.strategy import Strategy\n"
+        "else:\n"
+        "    from manualpar.errors import BuilderError\n"
+        "def materialize():\n"
+        "    from manualpar.loop.trainer import Trainer\n",
+    )
+    modules = {"manualpar.strategy", "manualpar.errors", "manualpar.loop", "manualpar.loop.trainer"}
+    assert [(i.target, i.line) for i in imports_of(lazy, [*modules, lazy.name])] == [
+        ("manualpar.errors", 5),
+        ("manualpar.loop.trainer", 7),
+    ]
+    assert with_packages("manualpar.loop.trainer") == ["manualpar.loop", "manualpar.loop.trainer"]
