@@ -1,4 +1,6 @@
-"""zero_optimizer() on 2 real gloo processes against plain Adam; misuse errors; the fp16 scaler.
+"""zero_optimizer() on 2 real gloo processes against plain Adam: its sharded state, the reload
+from a consolidated state, sharded or replaced parameters refused (one process, misuse and the
+fp16 scaler: tests/unit/test_zero_single.py).
 
 The ZeRO runs use torch's DDP, or a plain model whose gradients are all-reduced by hand, with
 half of each global batch per rank; the parent replays the full batch with a plain Adam.
