@@ -40,7 +40,10 @@ def test_bad_inputs_raise_before_anything_changes() -> None:
 
     with torch.device("meta"):
         bare = nn.Sequential(nn.Linear(3, 3), NoReset())
-    with pytest.raises(mp.BuilderError, match=r"define no reset_parameters\(\).*1 \(NoReset\)"):
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"^fsdp\(\): .* define no reset_parameters\(\): '1' \(NoReset: scale\)\. ",
+    ):
         fsdp(bare, strategy)
     other = make_net(0)
     with pytest.raises(mp.BuilderError, match=r"item 0 \(Linear\) is not a submodule"):

@@ -137,8 +137,8 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
                 "2147483648",
             ],
             "error: plan table_wise puts 2.42 GiB on rank 0, more "
-            "than the memory budget of 2.00 GiB; try --plan auto, more ranks or a larger "
-            "--memory-budget",
+            "than the memory budget of 2.00 GiB; try plan 'auto', more ranks or a larger "
+            "budget",
         ),
     ],
 )
