@@ -6,7 +6,13 @@ the group, so the strategy's file holds one idea: what ranks can do together.
 
 from __future__ import annotations
 
+import atexit
+import gc
+import sys
+import traceback
+import weakref
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,14 +20,75 @@ import torch.distributed as dist
 from manualpar.environment import ClusterEnvironment
 from manualpar.errors import CollectiveError
 
-__all__ = ["adopted_environment", "destroy_group", "init_process_group", "pick_device"]
+__all__ = [
+    "adopted_environment",
+    "destroy_group",
+    "init_process_group",
+    "pick_device",
+    "tear_down_at_exit",
+]
 
 # Groups this process destroyed, kept referenced until interpreter exit. A DDP Reducer holds its
 # group, and when a model is freed the Reducer's destructor (GIL held) joins gloo's worker
 # threads, one of which may still need the GIL to drop a finished collective's tensors: a
 # deadlock at exit. While this list holds the group, the last reference dies here instead, in
-# the group's own Python binding, whose destructor releases the GIL.
+# the group's own Python binding, whose destructor releases the GIL. _teardown_at_exit lets go
+# of them before interpreter finalization.
 _RETIRED_GROUPS: list[dist.ProcessGroup] = []
+
+
+class _Owner(Protocol):
+    def teardown(self, *, wait_for_peers: bool = True) -> None: ...
+
+
+# Strategies whose group is up and the groups init_process_group made, for _teardown_at_exit.
+_OWNERS: weakref.WeakSet[_Owner] = weakref.WeakSet()
+_CREATED_GROUPS: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_AT_EXIT: list[bool] = []  # whether _teardown_at_exit is registered
+
+
+def tear_down_at_exit(owner: _Owner) -> None:
+    """Call `owner.teardown(wait_for_peers=False)` at interpreter exit if the script did not."""
+    _OWNERS.add(owner)
+    if not _AT_EXIT:  # at the first group: atexit runs it before the handlers of earlier imports
+        atexit.register(_teardown_at_exit)
+        _AT_EXIT.append(True)
+
+
+def _teardown_at_exit() -> None:
+    """Destroy the groups the script left up, and free every group while threads may still run.
+
+    gloo's worker threads may drop a finished collective's last reference after the waiting rank
+    moved on, and that needs the GIL (the work holds Python objects). Once the interpreter is
+    finalizing, a thread that asks for the GIL is ended by pthread_exit, whose unwinding through
+    a noexcept destructor calls std::terminate: "terminate called without an active exception"
+    and SIGABRT after a successful script. Here, before finalization, the last reference to each
+    group dies in its Python binding, which releases the GIL while gloo joins its workers.
+    No barrier: a peer may be gone, and exiting closes the connections anyway.
+    """
+    for owner in list(_OWNERS):
+        owner.teardown(wait_for_peers=False)  # also drops the strategy's reference to its group
+    _OWNERS.clear()
+    if dist.is_initialized() and dist.group.WORLD in _CREATED_GROUPS:  # its strategy died first
+        destroy_group(dist.group.WORLD)
+    _drop_group_holders()
+    _RETIRED_GROUPS.clear()
+
+
+def _drop_group_holders() -> None:
+    """Free what still holds a group the script no longer uses: an uncaught exception's frames
+    (the model's locals), models in reference cycles, DTensor caches of FSDP meshes."""
+    last_traceback = getattr(sys, "last_traceback", None)
+    if last_traceback is not None:  # printed already; Python keeps it only for pdb.pm()
+        traceback.clear_frames(last_traceback)
+    if "torch.distributed.tensor" in sys.modules:
+        try:
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+        except Exception:  # a private torch API: never let it break the exit
+            pass
+    gc.collect()
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
@@ -110,6 +177,7 @@ def init_process_group(
         ) from error
     group = dist.group.WORLD
     assert group is not None  # set by init_process_group
+    _CREATED_GROUPS.add(group)
     return group
 
 

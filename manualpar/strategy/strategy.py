@@ -27,6 +27,7 @@ from manualpar.strategy.process_group import (
     destroy_group,
     init_process_group,
     pick_device,
+    tear_down_at_exit,
 )
 from manualpar.strategy.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 
@@ -77,6 +78,7 @@ class ManualParallelStrategy(Collectives):
         if self.group is None and self.world_size > 1:
             self.group = init_process_group(self.environment, self.backend, self.timeout)
             self._owns_group = True
+            tear_down_at_exit(self)  # a script that ends without teardown() still exits cleanly
 
     # ---- rank information -------------------------------------------------------------------
     @property
