@@ -7,6 +7,7 @@ a model. Nothing here imports the strategy: it is passed in and used through its
 """
 
 from manualpar.checkpoint.files import MANIFEST, latest_checkpoint, read_manifest
-from manualpar.checkpoint.io import load_checkpoint, save_checkpoint
+from manualpar.checkpoint.load import load_checkpoint
+from manualpar.checkpoint.save import save_checkpoint
 
 __all__ = ["MANIFEST", "latest_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from manualpar.checkpoint import io as checkpoint_io
+from manualpar.checkpoint.load import load_checkpoint
+from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.seed import seed_everything
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
@@ -143,10 +144,10 @@ class ManualParallelStrategy(Collectives):
         overwrite: bool = True,
     ) -> Path:
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
-        return checkpoint_io.save_checkpoint(self, path, state, full=full, overwrite=overwrite)
+        return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
         self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
     ) -> dict[str, Any]:
         """Load into `state` on all ranks (collective). See manualpar.checkpoint."""
-        return checkpoint_io.load_checkpoint(self, path, state, strict=strict)
+        return load_checkpoint(self, path, state, strict=strict)

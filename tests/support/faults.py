@@ -34,7 +34,7 @@ def die_at(point: str) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     import manualpar.checkpoint.files as files
-    import manualpar.checkpoint.io as checkpoint
+    import manualpar.checkpoint.save as checkpoint
 
     if point in ("before_write", "after_write"):
         original = FileSystemWriter.write_data

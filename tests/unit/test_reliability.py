@@ -22,7 +22,7 @@ from checkpoint_models import make_model
 from faults import assert_first_checkpoint_intact, reference_after_one_step
 
 import manualpar as mp
-import manualpar.checkpoint.io as checkpoint
+import manualpar.checkpoint.save as checkpoint
 from manualpar.embeddings import SGD, EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
 from manualpar.embeddings import shard_embeddings as shard
 from manualpar.errors import ClusterEnvironmentError

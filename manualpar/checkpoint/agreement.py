@@ -1,0 +1,80 @@
+"""Checkpoint IO across ranks: a failure on one rank becomes the same error on every rank.
+
+Saving and loading run steps that can fail on one rank only (a full disk, a corrupted file). Each
+step's outcome is exchanged, so every rank raises the same CheckpointError naming the rank that
+failed, instead of the others waiting in the next collective until the timeout. The strategy is
+used through `Ranks`, the little of it checkpoint IO needs, so this layer never imports it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from manualpar.errors import CheckpointError, CollectiveError
+
+__all__ = ["Ranks", "agree", "dcp_call"]
+
+T = TypeVar("T")
+
+
+class Ranks(Protocol):
+    """What checkpoint IO needs from the strategy."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_distributed(self) -> bool: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    group: dist.ProcessGroup | None
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def collective_guard(self, operation: str) -> AbstractContextManager[None]: ...
+
+
+def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; raise on all of them if it failed on any (naming the first)."""
+    result: Any = None
+    local_error: BaseException | None = None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as error:
+        local_error = error
+    if strategy.is_distributed:
+        try:
+            reports = strategy.all_gather_object(None if local_error is None else str(local_error))
+        except CollectiveError as error:  # a peer died or stalled: say what was going on
+            raise CollectiveError(f"{what}: {error}") from error
+    else:
+        reports = [None if local_error is None else str(local_error)]
+    failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+    if not failed:
+        return result
+    if isinstance(local_error, CheckpointError):
+        raise local_error
+    rank, message = failed[0]
+    raise CheckpointError(f"{what} failed on rank {rank}: {message}") from local_error
+
+
+def dcp_call(strategy: Ranks, operation: str, fn: Callable[[], Any]) -> None:
+    """Run a DCP call; a dead or stalled peer surfaces as CollectiveError naming the operation."""
+    try:
+        with strategy.collective_guard(operation), warnings.catch_warnings():
+            # Without a process group DCP warns that it assumes one process: that is intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            fn()
+    except CheckpointException as error:
+        raise CheckpointError(f"{operation} failed: {error}") from None

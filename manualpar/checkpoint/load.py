@@ -1,0 +1,239 @@
+"""Loading a checkpoint into modules, optimizers and stateful objects, on any world size.
+
+Keys and shapes are compared with the checkpoint first, on every rank, so a mismatch raises
+CheckpointMismatchError listing them before anything is modified. A sharded checkpoint is read
+by torch.distributed.checkpoint into this rank's shards (resharding as needed); a full export is
+memory-mapped and each rank takes its part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
+from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest, resolve
+from manualpar.checkpoint.save import state_dicts
+from manualpar.checkpoint.state import (
+    describe_shape,
+    entry_kind,
+    flatten,
+    is_tensor_leaf,
+    load_entry,
+    split_leaves,
+    unflatten,
+    validate_state,
+)
+from manualpar.errors import CheckpointError, CheckpointMismatchError
+
+__all__ = ["load_checkpoint"]
+
+log = logging.getLogger("manualpar.checkpoint")
+
+
+def _collapse_values(leaves: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain values are replaced whole, so compare them by entry name, not by their leaves."""
+    values = {key for key, value in state.items() if entry_kind(value) == "value"}
+    return {
+        key.split("/")[0] if key.split("/")[0] in values else key: leaf
+        for key, leaf in leaves.items()
+    }
+
+
+def _check_match(
+    path: Path,
+    state: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    strict: bool,
+) -> set[str]:
+    """Compare leaves by key and shape; return the keys to load, or raise listing the problems.
+
+    Only the checkpoint's entries named in `state` are compared: loading just the model from a
+    training checkpoint that also holds an optimizer is fine.
+    """
+    saved = {key: leaf for key, leaf in saved.items() if key.split("/")[0] in state}
+    original_saved = list(saved)
+    expected, saved = _collapse_values(expected, state), _collapse_values(saved, state)
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = sorted(
+        f"{key}: checkpoint {saved[key]} vs current {describe_shape(expected[key])}"
+        for key in set(expected) & set(saved)
+        if is_tensor_leaf(expected[key])
+        and isinstance(saved[key], tuple)
+        and tuple(expected[key].shape) != saved[key]
+    )
+    problems = []
+    if shapes:
+        problems.append(f"shape mismatches: {_clip(shapes)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_clip(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected in the checkpoint: {_clip(unexpected)}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not match the state being loaded; "
+            + "; ".join(problems)
+            + ". It was probably saved from another model or configuration"
+            + ("; strict=False loads only the matching keys." if not shapes else ".")
+        )
+    values = {key for key, value in state.items() if entry_kind(value) == "value"}
+    return {key for key in original_saved if key in expected or key.split("/")[0] in values}
+
+
+def _clip(items: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _saved_leaves(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tensor shapes from DCP metadata, and the replicated non-tensor leaves."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        objects = torch.load(path / "objects" / "replicated.pt", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path} is corrupted or truncated: {error}") from None
+    shapes = {
+        key: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
+    return shapes, objects
+
+
+def _apply(
+    strategy: Ranks,
+    state: dict[str, Any],
+    leaves: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None,
+    *,
+    full: bool,
+    strict: bool,
+    path: Path,
+) -> None:
+    for key, value in list(state.items()):
+        kind = entry_kind(value)
+        if kind == "per_rank":
+            if per_rank is None or not any(k == key or k.startswith(key + "/") for k in per_rank):
+                log.warning(
+                    "rank %d: %s holds no %r for this rank; keeping the current value",
+                    strategy.rank,
+                    path,
+                    key,
+                )
+                continue
+            loaded = unflatten(per_rank, key)
+        else:
+            if not any(k == key or k.startswith(key + "/") for k in leaves):
+                continue  # absent and not strict: keep the current value
+            loaded = unflatten(leaves, key)
+        try:
+            load_entry(key, value, loaded, state, full=full, strict=strict)
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointMismatchError(
+                f"cannot load entry {key!r} ({kind}) from {path}: {error}"
+            ) from error
+
+
+def load_checkpoint(
+    strategy: Ranks,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into `state` in place (collective); returns `state`.
+
+    Modules, optimizers and stateful objects are loaded into; plain values are replaced in
+    `state`. Any world size can load a sharded checkpoint. Keys and shapes are checked first:
+    a mismatch raises CheckpointMismatchError listing them, before anything is modified.
+    """
+    path = resolve(Path(path).absolute())
+    validate_state(state)
+    is_full = agree(strategy, f"opening checkpoint {path}", lambda: _open(path))
+    if is_full:
+        _load_full(strategy, path, state, strict)
+    else:
+        _load_sharded(strategy, path, state, strict)
+    return state
+
+
+def _open(path: Path) -> bool:
+    if path.is_file() and not path.name.endswith(".partial"):
+        return True
+    read_manifest(path)
+    return False
+
+
+def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
+    shared, _ = state_dicts(state, full=False)
+    tensors, _objects = split_leaves(shared)
+    saved_shapes, saved_objects = agree(strategy, f"reading {path}", lambda: _saved_leaves(path))
+    keep = agree(
+        strategy,
+        f"checking {path}",
+        lambda: _check_match(path, state, shared, {**saved_shapes, **saved_objects}, strict),
+    )
+    to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
+    dcp_call(
+        strategy,
+        f"load_checkpoint({path}): reading tensor shards",
+        lambda: dcp.load(
+            to_load, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group
+        ),
+    )
+    rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
+    per_rank = agree(
+        strategy,
+        f"reading {rank_file}",
+        lambda: torch.load(rank_file, weights_only=True) if rank_file.exists() else None,
+    )
+    leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
+    agree(
+        strategy,
+        f"load_checkpoint({path}): applying",
+        lambda: _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path),
+    )
+
+
+def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
+    blob = agree(strategy, f"reading {path}", lambda: read_full(path))
+    shared, _ = state_dicts(state, full=False)
+    per_rank_keys = [k for k, v in state.items() if entry_kind(v) == "per_rank"]
+    saved = {
+        k: tuple(v.shape) if isinstance(v, torch.Tensor) else v
+        for key, value in blob.items()
+        if key != FULL_KEY and key not in per_rank_keys
+        for k, v in flatten(value, key).items()
+    }
+    keep = agree(
+        strategy, f"checking {path}", lambda: _check_match(path, state, shared, saved, strict)
+    )
+    leaves = {
+        k: v
+        for key, value in blob.items()
+        if key != FULL_KEY and key not in per_rank_keys
+        for k, v in flatten(value, key).items()
+        if k in keep
+    }
+    mine = f"rank_{strategy.rank}"
+    per_rank = {}
+    for key in per_rank_keys:
+        if isinstance(blob.get(key), dict) and mine in blob[key]:
+            per_rank.update(flatten(blob[key][mine], key))
+    agree(
+        strategy,
+        f"load_checkpoint({path}): applying",
+        lambda: _apply(
+            strategy, state, leaves, per_rank or None, full=True, strict=strict, path=path
+        ),
+    )
