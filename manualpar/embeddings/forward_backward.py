@@ -302,7 +302,7 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
 
 def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
     """Weight of each rank's loss in the table gradient (1/world, or its sample share)."""
-    if normalize_by == "world":
+    if normalize_by == "world_size":
         return [1 / len(batch_sizes)] * len(batch_sizes)
     total = sum(batch_sizes)
     return [b / total if total else 0.0 for b in batch_sizes]

@@ -189,9 +189,16 @@ class EmbeddingPlan:
         where = f"table {config.name!r} ({placement})"
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
+            needed = max(bad) + 1
+            launch = (
+                f", or launch the job on at least {needed} ranks (one node: torchrun "
+                f"--nproc-per-node {needed})"
+                if needed > world_size
+                else ""
+            )
             raise PlanError(
                 f"{where}: ranks {bad} do not exist in a job of {world_size} ranks; "
-                f"use ranks in [0, {world_size})"
+                f"use ranks in [0, {world_size}){launch}"
             )
         if len(set(ranks)) != len(ranks):
             raise PlanError(f"{where}: a rank appears twice; give each block its own rank")

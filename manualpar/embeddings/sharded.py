@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardedEmbeddingBagCollection", "shard_embeddings"]
 
-NORMALIZATIONS = ("world", "global_samples")
+NORMALIZATIONS = ("world_size", "global_samples")  # the spellings ddp() takes
 
 
 def shard_embeddings(
@@ -53,7 +53,7 @@ def shard_embeddings(
     optimizer: SparseOptimizer | None = None,
     *,
     memory_budget_bytes: int | None = None,
-    normalize_by: str = "world",
+    normalize_by: str = "world_size",
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -68,6 +68,8 @@ def shard_embeddings(
             f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
             " sharded tables are updated by a fused optimizer inside backward"
         )
+    if normalize_by == "world":  # the spelling before 0.2
+        normalize_by = "world_size"
     if normalize_by not in NORMALIZATIONS:
         raise BuilderError(
             f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"

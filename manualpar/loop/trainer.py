@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,12 @@ class Trainer:
         val_data: Data | None = None,
     ) -> dict[str, float]:
         """Train to `max_steps`, resuming if a checkpoint exists; returns the last metrics."""
+        if self.val_every and val_data is None:
+            warnings.warn(
+                f"Trainer(val_every={self.val_every}) but fit() got no val_data, so validation "
+                "never runs; pass fit(..., val_data=...) or drop val_every",
+                stacklevel=2,
+            )
         if isinstance(model, ParallelModule) and not model.is_setup:
             model.setup(self.strategy)
         if optimizer is None:

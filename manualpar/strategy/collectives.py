@@ -67,6 +67,7 @@ class Collectives:
     backend: str
     timeout: timedelta
     check_collectives: bool
+    failed_collective: str | None
     _torn_down: bool
 
     @property
@@ -91,6 +92,8 @@ class Collectives:
         except CollectiveError:
             raise
         except RuntimeError as error:
+            if self.failed_collective is None:
+                self.failed_collective = operation
             raise CollectiveError(
                 f"{operation} failed on rank {self.rank} of {self.world_size} "
                 f"(backend {self.backend}, timeout {self.timeout.total_seconds():g}s): {error}. "

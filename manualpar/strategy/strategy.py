@@ -75,6 +75,7 @@ class ManualParallelStrategy(Collectives):
         self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         self._owns_group = False
         self._torn_down = False
+        self.failed_collective: str | None = None  # the first collective that failed here
         self.group: dist.ProcessGroup | None = process_group
         if self.group is None and self.world_size > 1:
             self.group = init_process_group(self.environment, self.backend, self.timeout)
@@ -115,7 +116,12 @@ class ManualParallelStrategy(Collectives):
 
     # ---- process group ----------------------------------------------------------------------
     def teardown(self, *, wait_for_peers: bool = True) -> None:
-        """Destroy the process group if this strategy created it. Safe to call twice."""
+        """Destroy the process group if this strategy created it. Safe to call twice.
+
+        After a collective failed on this rank, peers are not waited for: the group is broken,
+        and a teardown in a `finally:` must not replace that error with its own barrier's.
+        """
+        wait_for_peers = wait_for_peers and self.failed_collective is None
         if self._owns_group and dist.is_initialized():
             # Let every rank finish its last collective first: destroying the group under a
             # peer still inside one (e.g. a DDP reducer's) can hang it.

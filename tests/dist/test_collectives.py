@@ -114,3 +114,26 @@ def test_collective_after_teardown_raises() -> None:
     for rank, outcome in enumerate(outcomes):
         assert outcome.error_type == "CollectiveError"
         assert outcome.error.startswith(f"reduce(op=mean) called on rank {rank} after teardown()")
+
+
+def _teardown_in_finally_after_a_failed_collective() -> str:
+    """Rank 1 leaves at once; rank 0's collective fails, and its `finally: teardown()` must
+    not replace that error with one from the teardown barrier."""
+    strategy = ManualParallelStrategy()
+    if strategy.rank == 1:
+        return "left"
+    try:
+        strategy.all_reduce(torch.ones(1), op="sum")
+    finally:
+        strategy.teardown()
+    return "no error"
+
+
+def test_teardown_after_a_failed_collective_keeps_the_first_error() -> None:
+    first, second = run_distributed(
+        _teardown_in_finally_after_a_failed_collective, world_size=2, allow_failure=True
+    )
+    assert second.ok and second.value == "left"
+    assert first.error_type == "CollectiveError"
+    assert first.error is not None
+    assert first.error.startswith("reduce(op=sum, shape=(1,)) failed on rank 0 of 2"), first.error

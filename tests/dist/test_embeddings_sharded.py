@@ -35,7 +35,7 @@ def train_sharded(
     opt_names: list[str],
     batch_sizes: list[int],
     weighted: bool,
-    normalize: str = "world",
+    normalize: str = "world_size",
 ) -> list[dict]:
     """On each rank: for every (plan, optimizer), train STEPS steps; return full tensors."""
     strategy = mp.ManualParallelStrategy()
@@ -65,7 +65,7 @@ def check_against_reference(
     batch_sizes: list[int],
     weighted: bool,
     label: list[str],
-    normalize: str = "world",
+    normalize: str = "world_size",
 ) -> None:
     for index, opt_name in enumerate(opt_names):
         ref_first, ref_tables, ref_state = reference(opt_name, batch_sizes, weighted, normalize)

@@ -119,7 +119,7 @@ def reference(
     opt_name: str,
     batch_sizes: Sequence[int],
     weighted: bool = False,
-    normalize: str = "world",
+    normalize: str = "world_size",
     tables: Sequence[EmbeddingBagConfig] = TABLES,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, dict]]:
     """Outputs of step 0 per rank, then tables and optimizer state after STEPS steps."""
@@ -142,7 +142,7 @@ def reference(
             pooled = ebc(make_batch(rank, step, batch, weighted, tables)).values
             if step == 0:
                 first_outputs.append(pooled.detach().clone())
-            weight = 1 / world if normalize == "world" else batch / total
+            weight = 1 / world if normalize == "world_size" else batch / total
             loss = loss + weight * local_loss(pooled, rank, step)
         for p in params.values():
             p.grad = None

@@ -229,16 +229,28 @@ def test_plan_with_an_unknown_table() -> None:
 
 
 @pytest.mark.parametrize(
-    ("placement", "bad"),
-    [(table_wise(3), "[3]"), (column_wise((0, -1)), "[-1]"), (row_wise((0, 2)), "[2]")],
+    ("placement", "bad", "launch"),
+    [
+        (table_wise(3), "[3]", 4),
+        (column_wise((0, -1)), "[-1]", None),
+        (row_wise((0, 2)), "[2]", 3),
+    ],
     ids=["table_wise_3", "column_wise_minus_1", "row_wise_0_2"],
 )
-def test_plan_naming_a_rank_that_does_not_exist(placement: TablePlacement, bad: str) -> None:
+def test_plan_naming_a_rank_that_does_not_exist(
+    placement: TablePlacement, bad: str, launch: int | None
+) -> None:
     plan = EmbeddingPlan(2, {"user": placement, "item": table_wise(0)})
+    hint = (
+        f", or launch the job on at least {launch} ranks (one node: torchrun --nproc-per-node "
+        f"{launch})"
+        if launch
+        else ""
+    )
     with _raises(
         PlanError,
         f"table 'user' ({placement}): ranks {bad} do not exist in a job of 2 "
-        "ranks; use ranks in [0, 2)",
+        f"ranks; use ranks in [0, 2){hint}",
     ):
         plan.validate(TABLES, 2)
 

@@ -55,3 +55,28 @@ def test_meta_built_shard_equals_unsharded_initial_values():
     reference_ebc = EmbeddingBagCollection(TABLES, seed=SEED)
     for name, table in reference_ebc.tables.items():
         assert torch.equal(emb.tables[name].weight, table.weight)
+
+
+def test_normalize_by_takes_ddps_spelling_and_the_old_one() -> None:
+    """`normalize_by="world_size"` as in ddp(); "world", the spelling before 0.2, still works."""
+    strategy = mp.ManualParallelStrategy()
+    for spelling in ("world_size", "world"):
+        emb = shard_embeddings(
+            EmbeddingBagCollection(TABLES),
+            strategy,
+            "auto",
+            optimizer("sgd"),
+            normalize_by=spelling,
+        )
+        assert emb.normalize_by == emb.lookup_context.normalize_by == "world_size"
+    try:
+        shard_embeddings(
+            EmbeddingBagCollection(TABLES), strategy, "auto", optimizer("sgd"), normalize_by="ranks"
+        )
+    except mp.BuilderError as error:
+        assert str(error) == (
+            "shard_embeddings(): normalize_by must be one of ('world_size', 'global_samples'), "
+            "got 'ranks'"
+        )
+    else:
+        raise AssertionError("normalize_by='ranks' was accepted")

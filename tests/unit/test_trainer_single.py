@@ -39,3 +39,24 @@ def test_dataset_batches_cover_each_epoch_once_across_ranks() -> None:
         mp.dataset_batches(dataset, 5)(0, ranks[0])
     with pytest.raises(ValueError, match=r"global_batch_size 30 must be in \[1, len\(dataset\)"):
         mp.dataset_batches(dataset, 30)
+
+
+class _Regression(mp.ParallelModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 1)
+
+    def training_step(self, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return self.fc(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_val_every_without_val_data_warns(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trainer = mp.Trainer(
+        mp.ManualParallelStrategy(), tmp_path, max_steps=2, val_every=1, progress=False
+    )
+    with pytest.warns(UserWarning, match=r"Trainer\(val_every=1\) but fit\(\) got no val_data"):
+        trainer.fit(_Regression(), lambda step, strategy: torch.ones(4, 2))
+    assert trainer.step == 2
