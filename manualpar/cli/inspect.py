@@ -1,25 +1,46 @@
-"""`python -m manualpar inspect CKPT`: keys, shapes, sharding and step of a checkpoint."""
+"""`python -m manualpar inspect CKPT`: keys, shapes, sharding and step of a checkpoint.
+
+CKPT may also be a folder of checkpoints or a Trainer run (its `checkpoints/`): the latest
+committed checkpoint in it is described.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from manualpar.checkpoint.describe import describe_checkpoint
+from manualpar.checkpoint.files import MANIFEST, latest_checkpoint
+from manualpar.errors import CheckpointError
 
-__all__ = ["add_arguments", "format_description", "run"]
+__all__ = ["add_arguments", "format_description", "resolve_checkpoint", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", help="a checkpoint, a folder of them, or a Trainer run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    info = describe_checkpoint(args.checkpoint)
+    info = describe_checkpoint(resolve_checkpoint(Path(args.checkpoint)))
     print(json.dumps(info, indent=2) if args.json else format_description(info))
     return 0
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """`path` if it is a checkpoint; else the latest one in it or in its `checkpoints/`."""
+    if path.is_file() or (path / MANIFEST).is_file() or not path.is_dir():
+        return path
+    for folder in (path, path / "checkpoints"):
+        found = latest_checkpoint(folder) if folder.is_dir() else None
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"{path} is not a checkpoint and holds no committed checkpoint (nor does "
+        f"{path / 'checkpoints'}); pass a checkpoint directory or a full export"
+    )
 
 
 def format_description(info: dict[str, Any]) -> str:

@@ -167,7 +167,7 @@ class Trainer:
         model.train()
         bar = self._progress_bar()
         window: dict[str, list[float]] = {}
-        last: dict[str, float] = {}
+        last = self._recorded_at(self.step) if self.step >= self.max_steps else {}
         started, steps_in_window = time.perf_counter(), 0
         while self.step < self.max_steps:
             for name, value in self._train_step(model, optimizer, data).items():
@@ -279,6 +279,19 @@ class Trainer:
             ]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.strategy.barrier("resume")
+
+    def _recorded_at(self, step: int) -> dict[str, float]:
+        """The metrics recorded at `step` (a finished run's last ones), as fit() returns them:
+        losses and validation values, without step, learning rates or throughput."""
+        found: dict[str, float] = {}
+        if self.strategy.is_global_zero and self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                record = json.loads(line) if line else {}
+                if record.get("step") == step:
+                    found.update(record)
+        found = self.strategy.broadcast(found)  # rank 0 holds the file
+        skipped = {"step", "lr", "steps_per_s"}
+        return {k: v for k, v in found.items() if k not in skipped and not k.endswith("/lr")}
 
     def _save(self, state: dict[str, Any]) -> None:
         self.strategy.save_checkpoint(self.checkpoint_dir / f"step_{self.step:08d}", state)

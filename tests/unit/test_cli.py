@@ -64,3 +64,25 @@ def test_plot_without_metrics_is_a_one_line_error(
     assert capsys.readouterr().err.strip() == (
         f"error: no metrics.jsonl in {tmp_path}; pass the Trainer's out_dir"
     )
+
+
+def test_inspect_a_run_folder_describes_its_latest_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = make_model(seed=0)
+    for step in (3, 12, 8):
+        strategy.save_checkpoint(
+            tmp_path / "checkpoints" / f"step_{step}", {"model": model, "step": step}
+        )
+    for target in (tmp_path, tmp_path / "checkpoints"):
+        assert main(["inspect", "--json", str(target)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["path"] == str(tmp_path / "checkpoints" / "step_12") and info["step"] == 12
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["inspect", str(empty)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {empty} is not a checkpoint and holds no committed checkpoint (nor does "
+        f"{empty / 'checkpoints'}); pass a checkpoint directory or a full export\n"
+    )

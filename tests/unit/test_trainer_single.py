@@ -60,3 +60,18 @@ def test_val_every_without_val_data_warns(tmp_path) -> None:  # type: ignore[no-
     with pytest.warns(UserWarning, match=r"Trainer\(val_every=1\) but fit\(\) got no val_data"):
         trainer.fit(_Regression(), lambda step, strategy: torch.ones(4, 2))
     assert trainer.step == 2
+
+
+def test_fit_on_a_finished_run_returns_its_last_metrics(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def data(step: int, strategy: mp.ManualParallelStrategy) -> torch.Tensor:
+        return torch.full((4, 2), float(step + 1))
+
+    def fit() -> dict[str, float]:
+        torch.manual_seed(0)
+        trainer = mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=3, progress=False)
+        return trainer.fit(_Regression(), data)
+
+    first = fit()
+    assert set(first) == {"loss"}
+    again = fit()  # resumes at step 3 = max_steps: nothing to train
+    assert again == first
