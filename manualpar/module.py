@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -37,6 +38,10 @@ class ParallelModule(nn.Module):
     """
 
     strategy: ManualParallelStrategy | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._forward_check = self.register_forward_pre_hook(_check_forward_before_setup)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -76,6 +81,7 @@ def _checked_setup(user_setup: Callable) -> Callable:
             )
         user_setup(self, strategy)
         self.strategy = strategy
+        self._forward_check.remove()
         left = [name for name, p in self.named_parameters() if p.is_meta]
         left += [name for name, b in self.named_buffers() if b.is_meta]
         if left:
@@ -89,6 +95,42 @@ def _checked_setup(user_setup: Callable) -> Callable:
             )
 
     return setup
+
+
+def _check_forward_before_setup(module: nn.Module, args: Any) -> None:
+    """A forward before setup either fails deep in torch (meta tensors) or, under a process
+    group, silently trains one unsynchronized replica per rank: say which, and what to do."""
+    assert isinstance(module, ParallelModule)
+    if module.strategy is not None:
+        return
+    name = type(module).__name__
+    meta = next(
+        (n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta), None
+    )
+    if meta is not None:
+        raise BuilderError(
+            f"{name}.forward() called before setup(strategy): {meta!r} is still on the meta "
+            "device (the model was built under empty_init()); call model.setup(strategy) first"
+        )
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and "setup" in _own_setups(type(module)) and torch.is_grad_enabled():
+        raise BuilderError(
+            f"{name}.forward() called before setup(strategy) in a job of {world} ranks: its "
+            "parts are not wrapped yet, so each rank would train its own replica; call "
+            "model.setup(strategy) first"
+        )
+    module._forward_check.remove()  # checked once: nothing here can change back
+
+
+def _own_setups(cls: type) -> set[str]:
+    """{"setup"} if a subclass of ParallelModule defines its own setup()."""
+    return {
+        "setup"
+        for klass in cls.__mro__
+        if klass is not ParallelModule
+        and issubclass(klass, ParallelModule)
+        and "setup" in klass.__dict__
+    }
 
 
 # ---- optimizer created before setup -------------------------------------------------------------

@@ -152,3 +152,28 @@ def test_load_trained_builds_on_meta_sets_up_and_loads(tmp_path) -> None:  # typ
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)  # b was built eagerly on CPU
     with pytest.raises(mp.CheckpointMismatchError, match="missing from the checkpoint: net"):
         mp.load_trained(Regressor, strategy, tmp_path / "ckpt", key="net")
+
+
+class _Tower(ParallelModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        mp.materialize(self.fc, strategy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_forward_before_setup_on_meta_names_the_model_and_the_fix() -> None:
+    with mp.empty_init():
+        model = _Tower()
+    with pytest.raises(BuilderError) as caught:
+        model(torch.ones(1, 3))
+    assert str(caught.value) == (
+        "_Tower.forward() called before setup(strategy): 'fc.weight' is still on the meta "
+        "device (the model was built under empty_init()); call model.setup(strategy) first"
+    )
+    model.setup(mp.ManualParallelStrategy())
+    assert model(torch.ones(1, 3)).shape == (1, 2)
