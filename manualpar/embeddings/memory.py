@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["empty_rows", "zeros_rows"]
+__all__ = ["available_bytes", "empty_rows", "zeros_rows"]
 
 HUGE_PAGE = 2 * 2**20
 ENV_SWITCH = "MANUALPAR_HUGE_PAGES"
@@ -61,3 +61,17 @@ def zeros_rows(
     *shape: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     return empty_rows(*shape, device=device, dtype=dtype).zero_()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory this process could still allocate on `device`: the GPU's free memory, or the host's
+    MemAvailable (Linux); None where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu" or not os.path.exists("/proc/meminfo"):
+        return None
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts KiB
+    return None

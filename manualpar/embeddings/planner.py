@@ -137,15 +137,19 @@ def _check_fits(
     need = -(-sum(sizes.values()) // world_size)
     if need > budget:
         raise PlanError(
-            f"{_tables(len(tables))} {format_bytes(sum(sizes.values()))} with optimizer state: at "
+            f"{_tables(sizes)} {format_bytes(sum(sizes.values()))} with optimizer state: at "
             f"least {format_bytes(need)} per rank on {world_size} ranks, more than the budget of "
             f"{format_bytes(budget)}; raise the memory budget to {format_bytes(need)} or more, use "
             f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables"
         )
 
 
-def _tables(count: int) -> str:
-    return "the table holds" if count == 1 else f"the {count} tables hold"
+def _tables(sizes: Mapping[str, int]) -> str:
+    """Who holds the bytes: the table by name, or how many tables and the largest."""
+    largest = max(sizes, key=lambda name: sizes[name])
+    if len(sizes) == 1:
+        return f"table {largest!r} holds"
+    return f"the {len(sizes)} tables (largest {largest!r}: {format_bytes(sizes[largest])}) hold"
 
 
 UNIFORM_PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")

@@ -80,3 +80,31 @@ def test_normalize_by_takes_ddps_spelling_and_the_old_one() -> None:
         )
     else:
         raise AssertionError("normalize_by='ranks' was accepted")
+
+
+def test_auto_plan_defaults_to_the_memory_this_rank_can_allocate() -> None:
+    """A table far larger than memory is named before anything is allocated (it was a bare
+    allocator failure); an explicit budget still wins."""
+    from manualpar.embeddings import EmbeddingBagConfig
+    from manualpar.embeddings.memory import available_bytes
+    from manualpar.embeddings.plan import format_bytes
+
+    strategy = mp.ManualParallelStrategy()
+    free = available_bytes(strategy.device)
+    assert free is not None and free > 0
+    rows = free // (65 * 4) * 4  # four times this machine's free memory, with row-wise state
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection([EmbeddingBagConfig("huge", rows, 64)])
+    try:
+        shard_embeddings(ebc, strategy, "auto", optimizer("rowwise"))
+    except mp.PlanError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a table 4x the free memory was planned")
+    assert message.startswith(f"table 'huge' holds {format_bytes(rows * 65 * 4)} with optimizer")
+    assert "(the budget is the memory each rank can allocate now, " in message
+    assert message.endswith("; pass memory_budget_bytes= to plan for another amount)")
+    with mp.empty_init():
+        small = EmbeddingBagCollection(TABLES)
+    emb = shard_embeddings(small, strategy, "auto", optimizer("rowwise"))
+    assert emb.plan.world_size == 1

@@ -121,9 +121,9 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
         ),
         (
             ["--table", "user:10000000:64", "--memory-budget", "1GiB"],
-            "error: the table holds 2.42 GiB with optimizer state: at least 1.21 GiB per rank on 2 "
-            "ranks, more than the budget of 1.00 GiB; raise the memory budget to 1.21 GiB or more, "
-            "use 3 or more ranks, or shrink the tables",
+            "error: table 'user' holds 2.42 GiB with optimizer state: at least 1.21 GiB per "
+            "rank on 2 ranks, more than the budget of 1.00 GiB; raise the memory budget to "
+            "1.21 GiB or more, use 3 or more ranks, or shrink the tables",
         ),
         (
             [
