@@ -113,7 +113,7 @@ def _check_forward_before_setup(module: nn.Module, args: Any) -> None:
             "device (the model was built under empty_init()); call model.setup(strategy) first"
         )
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world > 1 and "setup" in _own_setups(type(module)) and torch.is_grad_enabled():
+    if world > 1 and _defines_setup(type(module)) and torch.is_grad_enabled():
         raise BuilderError(
             f"{name}.forward() called before setup(strategy) in a job of {world} ranks: its "
             "parts are not wrapped yet, so each rank would train its own replica; call "
@@ -122,15 +122,13 @@ def _check_forward_before_setup(module: nn.Module, args: Any) -> None:
     module._forward_check.remove()  # checked once: nothing here can change back
 
 
-def _own_setups(cls: type) -> set[str]:
-    """{"setup"} if a subclass of ParallelModule defines its own setup()."""
-    return {
-        "setup"
+def _defines_setup(cls: type) -> bool:
+    """Whether a subclass of ParallelModule defines its own setup() (the default wraps nothing)."""
+    return any(
+        "setup" in klass.__dict__
         for klass in cls.__mro__
-        if klass is not ParallelModule
-        and issubclass(klass, ParallelModule)
-        and "setup" in klass.__dict__
-    }
+        if klass is not ParallelModule and issubclass(klass, ParallelModule)
+    )
 
 
 # ---- optimizer created before setup -------------------------------------------------------------

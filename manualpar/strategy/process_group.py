@@ -44,15 +44,16 @@ class _Owner(Protocol):
 # Strategies whose group is up and the groups init_process_group made, for _teardown_at_exit.
 _OWNERS: weakref.WeakSet[_Owner] = weakref.WeakSet()
 _CREATED_GROUPS: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-_AT_EXIT: list[bool] = []  # whether _teardown_at_exit is registered
+_at_exit_registered = False
 
 
 def tear_down_at_exit(owner: _Owner) -> None:
     """Call `owner.teardown(wait_for_peers=False)` at interpreter exit if the script did not."""
+    global _at_exit_registered
     _OWNERS.add(owner)
-    if not _AT_EXIT:  # at the first group: atexit runs it before the handlers of earlier imports
+    if not _at_exit_registered:  # at the first group: it runs before earlier imports' handlers
         atexit.register(_teardown_at_exit)
-        _AT_EXIT.append(True)
+        _at_exit_registered = True
 
 
 def _teardown_at_exit() -> None:
