@@ -4,7 +4,15 @@ The strategy owns ranks, collectives and checkpoint IO; your module composes DDP
 sharded embedding tables itself in `setup(strategy)`.
 """
 
-from manualpar.builders import ddp, fsdp, set_batch_size, sharded_grad_scaler, zero_optimizer
+from manualpar.builders import (
+    clip_grad_norm_,
+    ddp,
+    fsdp,
+    set_batch_size,
+    sharded_grad_scaler,
+    total_grad_norm,
+    zero_optimizer,
+)
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from manualpar.embeddings import (
     EmbeddingBagCollection,
@@ -55,6 +63,7 @@ __all__ = [
     "Trainer",
     "capture_rng_state",
     "check_finite",
+    "clip_grad_norm_",
     "dataset_batches",
     "ddp",
     "detect_environment",
@@ -72,5 +81,6 @@ __all__ = [
     "set_batch_size",
     "shard_embeddings",
     "sharded_grad_scaler",
+    "total_grad_norm",
     "zero_optimizer",
 ]

@@ -19,16 +19,18 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
 from manualpar.loop.logs import log_with_rank
+from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
@@ -37,6 +39,7 @@ __all__ = ["Trainer", "dataset_batches"]
 
 log = logging.getLogger("manualpar.trainer")
 Data = Callable[[int, ManualParallelStrategy], Any]
+Scheduler = Any  # a torch lr_scheduler (LRScheduler or ReduceLROnPlateau-free: step() alone)
 
 
 def dataset_batches(
@@ -92,6 +95,13 @@ class Trainer:
         log_every: reduce and record metrics every N steps.
         val_every / val_steps: run `model.validation_step` on `val_steps` batches every N steps.
         progress: show a progress bar on rank 0.
+        clip_grad_norm: clip the dense gradients (the optimizer's parameters: DDP, FSDP, any
+            mix) to this global norm before each optimizer step; logs `grad_norm` (before
+            clipping). Sharded tables clip inside their fused update (see their optimizers).
+        resume_lr: on resume, "checkpoint" keeps the learning rates saved with the optimizers
+            (an interrupted run continues as it was); "configured" puts back the ones the
+            optimizers were created with (to change the learning rate of a run). Either way
+            the resume logs which values the checkpoint overrode.
     """
 
     def __init__(
@@ -107,6 +117,8 @@ class Trainer:
         val_every: int | None = None,
         val_steps: int = 1,
         progress: bool = True,
+        clip_grad_norm: float | None = None,
+        resume_lr: str = "checkpoint",
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -117,6 +129,10 @@ class Trainer:
         ):
             if value < 1:
                 raise ValueError(f"Trainer: {name} must be >= 1, got {value}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"Trainer: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
+        if resume_lr not in RESUME_LR:
+            raise ValueError(f"Trainer: resume_lr must be one of {RESUME_LR}, got {resume_lr!r}")
         self.strategy = strategy
         log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
@@ -124,8 +140,10 @@ class Trainer:
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
+        self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
         self.step = 0
         self._extra: dict[str, Any] = {}
+        self._schedulers: list[Scheduler] = []
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -142,9 +160,16 @@ class Trainer:
         data: Data,
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        schedulers: Scheduler | Sequence[Scheduler] | None = None,
         val_data: Data | None = None,
     ) -> dict[str, float]:
-        """Train to `max_steps`, resuming if a checkpoint exists; returns the last metrics."""
+        """Train to `max_steps`, resuming if a checkpoint exists; returns the last metrics.
+
+        `optimizer` and `schedulers` default to `model.configure_optimizers()`, which returns
+        an optimizer or {"optimizer": ..., "schedulers": [...]}. Schedulers (torch lr_scheduler
+        objects, over the dense optimizer or a sharded collection's `fused_optimizer`) step once
+        after every optimizer step and are checkpointed as `scheduler_<i>`.
+        """
         if self.val_every and val_data is None:
             warnings.warn(
                 f"Trainer(val_every={self.val_every}) but fit() got no val_data, so validation "
@@ -159,9 +184,24 @@ class Trainer:
                     f"{type(model).__name__} has no configure_optimizers(); pass "
                     "optimizer= to fit()"
                 )
-            optimizer = _user(model).configure_optimizers()
+            optimizer, configured = _optimizer_and_schedulers(
+                _user(model).configure_optimizers(), type(model).__name__
+            )
+            schedulers = configured if schedulers is None else schedulers
+        if schedulers is None:
+            schedulers = []
+        elif not isinstance(schedulers, Sequence):
+            schedulers = [schedulers]
+        self._schedulers = list(schedulers)
         self._extra = extra_checkpoint_entries(model)
-        state = {"model": model, "optim": optimizer, "step": 0, "rng": RNGState(), **self._extra}
+        state = {
+            "model": model,
+            "optim": optimizer,
+            "step": 0,
+            "rng": RNGState(),
+            **self._extra,
+            **{f"scheduler_{i}": s for i, s in enumerate(self._schedulers)},
+        }
         self._resume(state)
         self.step = state["step"]
         model.train()
@@ -211,7 +251,12 @@ class Trainer:
             for name, value in metrics.items():
                 value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
                 totals[name] = totals.get(name, 0.0) + value / self.accumulate
+        if self.clip_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            totals["grad_norm"] = float(clip_grad_norm_(params, self.clip_grad_norm))
         optimizer.step()
+        for scheduler in self._schedulers:
+            scheduler.step()
         return totals
 
     @torch.no_grad()
@@ -268,8 +313,15 @@ class Trainer:
         latest = latest_checkpoint(self.checkpoint_dir)
         if latest is None:
             return
+        configured = learning_rates(state)
         self.strategy.load_checkpoint(latest, state)
-        log.info("resumed from %s at step %d", latest, state["step"])
+        log.info(
+            "resumed from %s at step %d: restored %s",
+            latest,
+            state["step"],
+            ", ".join(sorted(state)),
+        )
+        report_restored_lrs(configured, state, keep=self.resume_lr)
         if self.strategy.is_global_zero and self.metrics_path.exists():
             # Drop what the interrupted run recorded after its last checkpoint: it is redone.
             kept = [
@@ -303,6 +355,23 @@ class Trainer:
             )
             for _, old in committed[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _optimizer_and_schedulers(configured: Any, model_name: str) -> tuple[Any, list[Scheduler]]:
+    """configure_optimizers() returns an optimizer, or {"optimizer": ..., "schedulers": ...}."""
+    if not isinstance(configured, Mapping):
+        return configured, []
+    unknown = set(configured) - {"optimizer", "schedulers"}
+    if "optimizer" not in configured or unknown:
+        raise ValueError(
+            f"{model_name}.configure_optimizers() returned a dict with keys "
+            f"{sorted(configured)}; return an optimizer or "
+            "{'optimizer': optimizer, 'schedulers': [scheduler, ...]}"
+        )
+    schedulers = configured.get("schedulers") or []
+    if not isinstance(schedulers, Sequence):
+        schedulers = [schedulers]
+    return configured["optimizer"], list(schedulers)
 
 
 def _user(model: nn.Module) -> Any:

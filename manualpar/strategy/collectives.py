@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from manualpar.errors import CollectiveError
+from manualpar.strategy.differentiable import gather_with_gradient
 
 __all__ = ["Collectives", "PendingCollective", "ReduceOp"]
 
@@ -334,13 +335,21 @@ class Collectives:
         ).wait()
 
     def all_gather(
-        self, tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        group: dist.ProcessGroup | None = None,
+        differentiable: bool = False,
     ) -> torch.Tensor:
         """Stack every rank's tensor into shape (group size, *shape).
 
         Shapes and dtypes are compared first (one tiny extra collective); a mismatch raises
-        CollectiveError naming each rank's shape.
+        CollectiveError naming each rank's shape. `differentiable=True` keeps the autograd
+        graph: the gradient of this rank's slice is the sum of the gradients every rank's loss
+        gave it (one all-reduce in backward), for losses over the global batch.
         """
+        if differentiable:
+            return gather_with_gradient(self, tensor, group)
         self._check_open("all_gather")
         if not self.is_distributed:
             return tensor.detach().unsqueeze(0).clone()

@@ -26,3 +26,13 @@ def test_single_process_rejects_bad_arguments() -> None:
         strategy.broadcast(1, src=1)
     with pytest.raises(ValueError, match=r"reduce: rank 3 is not in \[0, 1\)"):
         strategy.reduce(torch.ones(1), dst=3)
+
+
+def test_differentiable_all_gather_on_one_process_keeps_the_graph() -> None:
+    strategy = ManualParallelStrategy()
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    gathered = strategy.all_gather(x, differentiable=True)
+    assert gathered.shape == (1, 2)
+    (gathered * 3).sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [3.0, 3.0]
+    assert not strategy.all_gather(x).requires_grad  # the default stays a detached copy

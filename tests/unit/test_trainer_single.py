@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import StepLR
 
 import manualpar as mp
 
@@ -75,3 +76,123 @@ def test_fit_on_a_finished_run_returns_its_last_metrics(tmp_path) -> None:  # ty
     assert set(first) == {"loss"}
     again = fit()  # resumes at step 3 = max_steps: nothing to train
     assert again == first
+
+
+def _ramp(step: int, strategy: mp.ManualParallelStrategy) -> torch.Tensor:
+    return torch.full((4, 2), float(step + 1))
+
+
+def _records(path) -> list[dict]:  # type: ignore[no-untyped-def]
+    import json
+
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_clip_grad_norm_clips_before_each_step_and_logs_the_norm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = _Regression()
+    reference = _Regression()
+    reference.load_state_dict(model.state_dict())
+    trainer = mp.Trainer(
+        mp.ManualParallelStrategy(),
+        tmp_path,
+        max_steps=3,
+        log_every=1,
+        clip_grad_norm=0.5,
+        progress=False,
+    )
+    trainer.fit(model, _ramp)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    norms = []
+    for step in range(3):
+        optimizer.zero_grad()
+        reference.training_step(_ramp(step, None), step).backward()  # type: ignore[arg-type]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
+        optimizer.step()
+    assert [r["grad_norm"] for r in _records(tmp_path)] == pytest.approx(norms, rel=1e-6)
+    assert norms[0] > 0.5  # the bound was active
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class _Scheduled(_Regression):
+    def configure_optimizers(self) -> dict:  # type: ignore[override]
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "schedulers": [StepLR(optimizer, 1, gamma=0.5)]}
+
+
+def test_schedulers_step_after_each_optimizer_step_and_resume(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def fit(max_steps: int) -> None:
+        torch.manual_seed(0)
+        trainer = mp.Trainer(
+            mp.ManualParallelStrategy(),
+            tmp_path,
+            max_steps=max_steps,
+            log_every=1,
+            checkpoint_every=2,
+            progress=False,
+        )
+        trainer.fit(_Scheduled(), _ramp)
+
+    fit(2)
+    fit(4)  # resumes at step 2 with the scheduler's state
+    # lr is logged after the step's scheduler step: the rate the next step uses
+    assert [r["lr"] for r in _records(tmp_path)] == [0.05, 0.025, 0.0125, 0.00625]
+
+
+def test_configure_optimizers_dict_with_unknown_keys_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    class Bad(_Regression):
+        def configure_optimizers(self) -> dict:  # type: ignore[override]
+            return {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1), "lr_scheduler": 1}
+
+    trainer = mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=1, progress=False)
+    with pytest.raises(ValueError, match=r"Bad.configure_optimizers\(\) returned a dict with keys"):
+        trainer.fit(Bad(), _ramp)
+
+
+@pytest.mark.parametrize("resume_lr", ["checkpoint", "configured"])
+def test_resume_reports_the_learning_rate_it_overrode(tmp_path, caplog, resume_lr: str) -> None:  # type: ignore[no-untyped-def]
+    class Tuned(_Regression):
+        def __init__(self, lr: float) -> None:
+            super().__init__()
+            self.lr = lr
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def fit(lr: float, max_steps: int) -> float:
+        trainer = mp.Trainer(
+            mp.ManualParallelStrategy(),
+            tmp_path,
+            max_steps=max_steps,
+            log_every=1,
+            progress=False,
+            resume_lr=resume_lr,
+        )
+        trainer.fit(Tuned(lr), _ramp)
+        return _records(tmp_path)[-1]["lr"]
+
+    fit(0.1, 1)
+    with caplog.at_level("WARNING", logger="manualpar.trainer"):
+        lr = fit(0.02, 2)
+    if resume_lr == "checkpoint":
+        assert lr == 0.1
+        assert (
+            "optim param group 0: learning rate 0.1 restored from the checkpoint replaces the "
+            "configured 0.02; pass Trainer(resume_lr='configured')"
+        ) in caplog.text
+    else:
+        assert lr == 0.02
+        assert "optim param group 0: learning rate 0.02 configured (the checkpoint had 0.1" in (
+            caplog.text
+        )
+
+
+def test_bad_clip_and_resume_arguments() -> None:
+    strategy = mp.ManualParallelStrategy()
+    with pytest.raises(ValueError, match="Trainer: clip_grad_norm must be > 0 or None, got 0"):
+        mp.Trainer(strategy, "x", max_steps=1, clip_grad_norm=0)
+    with pytest.raises(
+        ValueError, match=r"resume_lr must be one of \('checkpoint'"
+    ):
+        mp.Trainer(strategy, "x", max_steps=1, resume_lr="new")

@@ -1,0 +1,51 @@
+"""A differentiable all_gather, for losses over the global batch (in-batch negatives).
+
+Each rank's slice of the gathered tensor is used by the loss on every rank, so the gradient of
+that slice is the sum of the gradients all ranks computed for it: backward all-reduces the
+gradient of the whole gathered tensor and keeps this rank's slice (the meaning of
+`torch.distributed.nn.functional.all_gather`). The collectives go through the strategy, so
+they keep its timeout and error messages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from manualpar.strategy.collectives import Collectives
+
+__all__ = ["gather_with_gradient"]
+
+
+class _GatherWithGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        strategy: Collectives,
+        group: dist.ProcessGroup | None,
+        index: int,
+    ) -> torch.Tensor:
+        ctx.strategy, ctx.group, ctx.index = strategy, group, index
+        return strategy.all_gather(tensor, group=group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        summed = ctx.strategy.all_reduce_(
+            grad.contiguous().clone(), "sum", name="all_gather backward", group=ctx.group
+        )
+        return summed[ctx.index], None, None, None
+
+
+def gather_with_gradient(
+    strategy: Collectives, tensor: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """`strategy.all_gather(tensor, differentiable=True)`; see the module docstring."""
+    if not strategy.is_distributed:
+        return tensor.unsqueeze(0)
+    over = strategy.group if group is None else group
+    index = dist.get_rank(over)
+    return _GatherWithGradient.apply(tensor, strategy, group, index)
