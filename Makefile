@@ -11,9 +11,10 @@ NPROC ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml constraints.txt
+$(STAMP): $(PY) pyproject.toml constraints.txt Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]" \
+		--config-settings editable_mode=compat
 	touch $(STAMP)
 
 install: $(STAMP)
