@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 Slot = tuple[str, str]  # ("p" or "b", attribute name) of a module's own tensor
+# Class attribute of modules a builder shards (its value: the builder's name): materializing
+# them whole as part of a larger module on several ranks is refused (see _refuse_whole_copies).
+SHARD_FIRST = "sharded_by"
 
 InitFn = Callable[[nn.Module], "bool | None"]
 Skip = Callable[[str, nn.Module], bool] | Collection[str]
@@ -94,6 +97,8 @@ def materialize(
         for name, sub in _selected(module, skip)
         if any(t.is_meta for t in _direct(sub).values() if t is not None)
     ]
+    if _world_size(strategy_or_device) > 1 and not getattr(module, SHARD_FIRST, None):
+        _refuse_whole_copies(todo, _world_size(strategy_or_device))
     if init_fn is None:
         require_reset_parameters(todo, "materialize()", hint_init_fn=True)
     memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -155,6 +160,34 @@ def materialize_placed(
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def _world_size(strategy_or_device: Any) -> int:
+    return int(getattr(strategy_or_device, "world_size", 1))
+
+
+def _refuse_whole_copies(todo: Sequence[tuple[str, nn.Module]], world_size: int) -> None:
+    """A still-meta module that a builder shards (embedding tables), reached while materializing
+    a larger module on several ranks, would be allocated whole on every rank before it is
+    sharded: every rank then holds (and initializes) the full tables, silently. Materializing the
+    sharded module itself (`materialize(model.emb, strategy)`) says that is meant."""
+    whole = [(name, sub) for name, sub in todo if getattr(sub, SHARD_FIRST, None)]
+    if not whole:
+        return
+    size = sum(
+        t.numel() * t.element_size()
+        for _, sub in whole
+        for t in _direct(sub).values()
+        if t is not None
+    )
+    builder = getattr(whole[0][1], SHARD_FIRST)
+    names = ", ".join(name or type(sub).__name__ for name, sub in whole)
+    raise BuilderError(
+        f"materialize(): {names} would be allocated whole on each of the {world_size} ranks "
+        f"({size / 2**20:.1f} MiB per rank) before {builder}() shards them; call {builder}() on "
+        f"them first and materialize() after (the order in setup), or skip them "
+        f"(skip=[...]); to keep whole copies on purpose, materialize that module itself"
+    )
+
+
 def _initialize(
     name: str,
     sub: nn.Module,

@@ -6,12 +6,14 @@ plain nn.Module; `dense_parameters()` lists what a plain torch optimizer should 
 updated by a builder's own fused optimizer are left out).
 
 An optimizer created before setup would hold meta or replaced (pre-sharding) parameters and
-silently train nothing: a step pre-hook on every torch optimizer detects that at the first step.
+silently train nothing: setup refuses one it can find (before any table updates itself in
+backward), and a step pre-hook on every torch optimizer catches the rest at their first step.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -79,9 +81,11 @@ def _checked_setup(user_setup: Callable) -> Callable:
             raise BuilderError(
                 f"{type(self).__name__}.setup() already ran; build a new model to set up again"
             )
+        before = list(self.parameters())
         user_setup(self, strategy)
         self.strategy = strategy
         self._forward_check.remove()
+        _refuse_optimizers_created_before(self, [p for p in before if stale_reason(p)])
         left = [name for name, p in self.named_parameters() if p.is_meta]
         left += [name for name, b in self.named_buffers() if b.is_meta]
         if left:
@@ -143,10 +147,38 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if why is not None:
                 raise BuilderError(
                     f"{type(optimizer).__name__} holds a parameter of shape "
-                    f"{tuple(param.shape)} (param group {group_index}) that {why}: the optimizer "
-                    "was created before model.setup(strategy). Create it after setup, e.g. "
-                    "torch.optim.Adam(model.dense_parameters())"
+                    f"{tuple(param.shape)} (param group {group_index}) that {why}{_FIX}"
                 )
+
+
+_FIX = (
+    ": the optimizer was created before model.setup(strategy). Create it after setup, e.g. "
+    "torch.optim.Adam(model.dense_parameters())"
+)
+
+
+def _refuse_optimizers_created_before(model: nn.Module, stale: list[torch.Tensor]) -> None:
+    """At the end of setup, before any forward: an optimizer created earlier holds parameters
+    setup replaced. The step pre-hook would catch it too, but only after a backward in which
+    sharded tables already updated themselves. torch keeps no registry of optimizers, so their
+    param groups are found as the referrers of the replaced tensors (two scans, once)."""
+    if not stale:
+        return
+    wanted = {id(p) for p in stale}
+    lists = [
+        held
+        for held in gc.get_referrers(*stale)
+        if isinstance(held, list) and any(id(x) in wanted for x in held)
+    ]
+    held_ids = {id(held) for held in lists}
+    for group in gc.get_referrers(*lists) if lists else []:
+        if isinstance(group, dict) and "lr" in group and id(group.get("params")) in held_ids:
+            param = next(p for p in group["params"] if id(p) in wanted)
+            raise BuilderError(
+                f"an optimizer (param group with lr={group['lr']}) holds a parameter of shape "
+                f"{tuple(param.shape)} that {stale_reason(param)}{_FIX} (found at the end of "
+                f"{type(model).__name__}.setup(), before any update)"
+            )
 
 
 def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -56,6 +56,8 @@ class PooledEmbeddings:
 class EmbeddingTable(nn.Module):
     """One table's weight (or, once sharded, this rank's block of it)."""
 
+    sharded_by = "shard_embeddings"  # meta.SHARD_FIRST: not materialized whole by accident
+
     def __init__(
         self,
         config: EmbeddingBagConfig,
@@ -95,6 +97,8 @@ def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
 
 
 class EmbeddingBagCollection(nn.Module):
+    sharded_by = "shard_embeddings"  # meta.SHARD_FIRST (materializing it itself is allowed)
+
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],

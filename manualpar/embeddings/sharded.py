@@ -69,6 +69,19 @@ def shard_embeddings(
             f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
             " sharded tables are updated by a fused optimizer inside backward"
         )
+    wrong_dtype = {
+        name: table.weight.dtype
+        for name, table in ebc.tables.items()
+        if table.weight.dtype != torch.float32
+    }
+    if wrong_dtype:
+        name, dtype = next(iter(wrong_dtype.items()))
+        raise BuilderError(
+            f"{BUILDER}(): table {name!r} is {dtype} (tables: {sorted(wrong_dtype)}); sharded "
+            "tables hold float32 rows, and converting silently would ignore your .to(). Keep "
+            "the collection float32 (undo the .to(dtype) on it, or convert only the dense parts) "
+            "and cast the pooled output if the dense parts compute in a lower precision"
+        )
     if normalize_by == "world":  # the spelling before 0.2
         normalize_by = "world_size"
     if normalize_by not in NORMALIZATIONS:

@@ -328,3 +328,15 @@ def test_bad_learning_rate_set_during_training() -> None:
     with _raises(BuilderError, "fused optimizer: lr must be a finite number >= 0, got inf"):
         emb.fused_optimizer.lr = float("inf")
     assert emb.fused_optimizer.lr == 0.05
+
+
+def test_a_collection_converted_to_bfloat16_is_refused_not_silently_kept_float32() -> None:
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig("user", 8, 4), EmbeddingBagConfig("item", 8, 4)]
+    ).to(torch.bfloat16)
+    with pytest.raises(
+        BuilderError,
+        match=r"shard_embeddings\(\): table 'user' is torch.bfloat16 \(tables: \['item', 'user'\]\)"
+        r"; sharded tables hold float32 rows",
+    ):
+        shard_embeddings(ebc, mp.ManualParallelStrategy(), plan="auto", optimizer=SGD(lr=0.1))

@@ -210,3 +210,39 @@ def test_seeded_values_do_not_depend_on_what_else_is_materialized() -> None:
         _assert_equal_state(full[index], odd[index])
     assert not torch.equal(full[1].weight, full[3].weight)
     assert is_meta(odd[0]) and is_meta(odd[2])
+
+
+class _TwoRanks:
+    """What materialize() reads from a strategy: the device and the world size."""
+
+    device = torch.device("cpu")
+    world_size = 2
+
+
+class _WithTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.emb = mp.EmbeddingBagCollection(
+            [mp.EmbeddingBagConfig("big", num_embeddings=1024, embedding_dim=16)]
+        )
+
+
+def test_materializing_tables_whole_before_sharding_is_refused_on_several_ranks() -> None:
+    with mp.empty_init():
+        model = _WithTables()
+    with pytest.raises(
+        mp.BuilderError,
+        match=r"materialize\(\): emb.tables.big would be allocated whole on each of the 2 ranks "
+        r"\(0.1 MiB per rank\) before shard_embeddings\(\) shards them; call shard_embeddings",
+    ):
+        mp.materialize(model, _TwoRanks())
+    assert model.fc.weight.is_meta  # refused before allocating anything
+    mp.materialize(model, _TwoRanks(), skip=["emb"])  # the fix: dense parts now, tables later
+    assert not model.fc.weight.is_meta and model.emb.tables["big"].weight.is_meta
+    mp.materialize(model.emb, _TwoRanks())  # whole copies on purpose: the collection itself
+    assert not mp.is_meta(model)
+    with mp.empty_init():
+        single = _WithTables()
+    mp.materialize(single, torch.device("cpu"))  # one process: the whole table is the shard
+    assert not mp.is_meta(single)

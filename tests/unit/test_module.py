@@ -112,7 +112,7 @@ def test_the_step_hook_refuses_an_early_optimizer_and_checks_a_good_one_once(
     with mp.empty_init():
         model = Tower()
     early = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.setup(mp.ManualParallelStrategy())
+    mp.materialize(model, mp.ManualParallelStrategy())  # without setup: only the hook sees it
     message = re.escape(
         "SGD holds a parameter of shape (2, 4) (param group 0) that is still on the meta "
         "device: the optimizer was created before model.setup(strategy). Create it after "
@@ -123,7 +123,7 @@ def test_the_step_hook_refuses_an_early_optimizer_and_checks_a_good_one_once(
             early.step()
     assert checked == [early, early]
 
-    late = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         late.zero_grad()
         model.body(torch.ones(1, 4)).sum().backward()
@@ -177,3 +177,23 @@ def test_forward_before_setup_on_meta_names_the_model_and_the_fix() -> None:
     )
     model.setup(mp.ManualParallelStrategy())
     assert model(torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_setup_refuses_an_optimizer_created_before_it_before_any_update() -> None:
+    with mp.empty_init():
+        model = Tower()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        BuilderError,
+        match=re.escape(
+            "an optimizer (param group with lr=0.1) holds a parameter of shape (2, 4) that is "
+            "still on the meta device: the optimizer was created before model.setup(strategy). "
+            "Create it after setup, e.g. torch.optim.Adam(model.dense_parameters()) (found at "
+            "the end of Tower.setup(), before any update)"
+        ),
+    ):
+        model.setup(mp.ManualParallelStrategy())
+    del early
+    fresh = Tower()
+    fresh.setup(mp.ManualParallelStrategy())  # no optimizer yet: nothing to refuse
+    torch.optim.SGD(fresh.parameters(), lr=0.1).step()

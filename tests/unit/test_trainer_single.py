@@ -192,7 +192,5 @@ def test_bad_clip_and_resume_arguments() -> None:
     strategy = mp.ManualParallelStrategy()
     with pytest.raises(ValueError, match="Trainer: clip_grad_norm must be > 0 or None, got 0"):
         mp.Trainer(strategy, "x", max_steps=1, clip_grad_norm=0)
-    with pytest.raises(
-        ValueError, match=r"resume_lr must be one of \('checkpoint'"
-    ):
+    with pytest.raises(ValueError, match=r"resume_lr must be one of \('checkpoint'"):
         mp.Trainer(strategy, "x", max_steps=1, resume_lr="new")
