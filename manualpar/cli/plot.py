@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from manualpar.errors import ManualParError
 
-__all__ = ["add_arguments", "plot_metrics", "run"]
+__all__ = ["add_arguments", "metrics_figure", "plot_metrics", "run"]
 
 
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -32,6 +33,17 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 values.append(float(value))
     if not series:
         raise ManualParError(f"{source} holds no numeric metrics")
+    figure = metrics_figure(series, str(run_dir))
+    target = Path(out) if out else run_dir / "metrics.png"
+    figure.savefig(target, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    return target
+
+
+def metrics_figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any:
+    """One panel per metric, stacked, sharing the step axis; `title` above them all."""
     try:
         import matplotlib
 
@@ -39,20 +51,23 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ManualParError("plotting needs matplotlib: pip install 'manualpar[plot]'") from None
+    # The constrained layout reserves room for the title; tight_layout() ignores a suptitle,
+    # which then overlapped the top panel.
     figure, axes = plt.subplots(
-        len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True, squeeze=False
+        len(series),
+        1,
+        figsize=(7, 2.2 * len(series)),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
     )
     for axis, (name, (steps, values)) in zip(axes[:, 0], sorted(series.items()), strict=True):
         axis.plot(steps, values, marker="." if len(steps) < 50 else None)
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
-    figure.suptitle(str(run_dir))
-    figure.tight_layout()
-    target = Path(out) if out else run_dir / "metrics.png"
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
-    return target
+    figure.suptitle(title)
+    return figure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

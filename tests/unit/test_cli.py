@@ -86,3 +86,16 @@ def test_inspect_a_run_folder_describes_its_latest_checkpoint(
         f"error: {empty} is not a checkpoint and holds no committed checkpoint (nor does "
         f"{empty / 'checkpoints'}); pass a checkpoint directory or a full export\n"
     )
+
+
+@pytest.mark.parametrize("panels", [1, 3])
+def test_plot_title_sits_above_the_top_panel(panels: int) -> None:
+    from manualpar.cli.plot import metrics_figure
+
+    series = {f"metric{i}": ([1, 2, 3], [1.0, 0.5, 0.25]) for i in range(panels)}
+    figure = metrics_figure(series, "runs/a-long-run-directory-name/with/parts")
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    title = figure.get_suptitle() and figure._suptitle.get_window_extent(renderer)
+    top = figure.axes[0].get_tightbbox(renderer)  # the panel with its tick labels
+    assert title.y0 >= top.y1, f"title {title} overlaps the top panel {top}"
