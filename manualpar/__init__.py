@@ -9,6 +9,8 @@ from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manife
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     EmbeddingPlan,
     SparseFeatures,
     shard_embeddings,
@@ -43,6 +45,8 @@ __all__ = [
     "CollectiveError",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
     "EmbeddingInputError",
     "EmbeddingPlan",
     "ManualParError",
