@@ -17,6 +17,8 @@ from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manife
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     EmbeddingPlan,
     SparseFeatures,
     shard_embeddings,
@@ -51,6 +53,8 @@ __all__ = [
     "CollectiveError",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
     "EmbeddingInputError",
     "EmbeddingPlan",
     "ManualParError",

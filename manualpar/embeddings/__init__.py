@@ -18,7 +18,17 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection, shard_embeddings
+from manualpar.embeddings.sequence import (
+    EmbeddingCollection,
+    EmbeddingConfig,
+    JaggedEmbeddings,
+    SequenceEmbeddings,
+)
+from manualpar.embeddings.sharded import (
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    shard_embeddings,
+)
 from manualpar.embeddings.update_rules import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
 
 __all__ = [
@@ -27,14 +37,19 @@ __all__ = [
     "Adam",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
     "EmbeddingPlan",
     "EmbeddingTable",
     "FusedOptimizer",
+    "JaggedEmbeddings",
     "JaggedFeature",
     "PooledEmbeddings",
     "RowWiseAdagrad",
+    "SequenceEmbeddings",
     "Shard",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "SparseFeatures",
     "SparseOptimizer",
     "TablePlacement",

@@ -9,6 +9,9 @@ the average over ranks (the gradient of the global-batch mean), so tables and DD
 `normalize_by="global_samples"` weights each rank by its share of the global batch instead, as
 `ddp(normalize_by="global_samples")`, for variable per-rank batches. Every rank must run forward
 and backward the same number of times (each is a collective), as with DDP.
+
+An EmbeddingCollection (sequence.py, one row per id) is sharded the same way, each id a bag of
+its own (sequence_sharded.py), into a ShardedEmbeddingCollection.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.memory import available_bytes
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement, format_bytes
 from manualpar.embeddings.routing import Routing
+from manualpar.embeddings.sequence import (
+    EmbeddingCollection,
+    SequenceEmbeddings,
+    check_sequence_features,
+)
+from manualpar.embeddings.sequence_sharded import (
+    sample_share,
+    scale_gradient,
+    split_rows,
+    unit_bags,
+)
 from manualpar.embeddings.table_init import init_rows
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
@@ -42,13 +56,13 @@ from manualpar.ownership import claim, mark_replaced
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["ShardedEmbeddingBagCollection", "shard_embeddings"]
+__all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection", "shard_embeddings"]
 
 NORMALIZATIONS = ("world_size", "global_samples")  # the spellings ddp() takes
 
 
 def shard_embeddings(
-    ebc: EmbeddingBagCollection,
+    ebc: EmbeddingBagCollection | EmbeddingCollection,
     strategy: ManualParallelStrategy,
     plan: EmbeddingPlan | Mapping[str, TablePlacement] | str = "auto",
     optimizer: SparseOptimizer | None = None,
@@ -62,8 +76,11 @@ def shard_embeddings(
     mapping table name -> placement for this world size. Meta tables are initialized per shard
     with the values the unsharded collection would have; real tables are copied block by block.
     """
-    if not isinstance(ebc, EmbeddingBagCollection):
-        raise BuilderError(f"{BUILDER}() takes an EmbeddingBagCollection, got {type(ebc).__name__}")
+    if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
+        raise BuilderError(
+            f"{BUILDER}() takes an EmbeddingBagCollection or an EmbeddingCollection, got "
+            f"{type(ebc).__name__}"
+        )
     if optimizer is None:
         raise BuilderError(
             f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
@@ -96,13 +113,17 @@ def shard_embeddings(
         plan = EmbeddingPlan(strategy.world_size, dict(plan))
     plan.validate(ebc.configs, strategy.world_size)
     claim(ebc, BUILDER)
-    sharded = ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by)
+    sharded = (
+        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by)
+        if isinstance(ebc, EmbeddingCollection)
+        else ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by)
+    )
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
 
 
 def _auto_plan(
-    ebc: EmbeddingBagCollection,
+    ebc: EmbeddingBagCollection | EmbeddingCollection,
     strategy: ManualParallelStrategy,
     optimizer: SparseOptimizer,
     budget: int | None,
@@ -139,7 +160,7 @@ def _auto_plan(
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(
         self,
-        ebc: EmbeddingBagCollection,
+        ebc: EmbeddingBagCollection | EmbeddingCollection,
         strategy: ManualParallelStrategy,
         plan: EmbeddingPlan,
         optimizer: SparseOptimizer,
@@ -302,3 +323,34 @@ def _fill_block(
             )
         else:
             weight.copy_(source[shard.row_start : shard.row_end, shard.col_start : shard.col_end])
+
+
+class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
+    """`shard_embeddings` of an EmbeddingCollection: the bag collection above with one id per
+    bag (sequence_sharded.py); forward returns SequenceEmbeddings, the rest is the same."""
+
+    def __init__(
+        self,
+        ec: EmbeddingCollection,
+        strategy: ManualParallelStrategy,
+        plan: EmbeddingPlan,
+        optimizer: SparseOptimizer,
+        normalize_by: str,
+    ) -> None:
+        super().__init__(ec, strategy, plan, optimizer, "world_size")  # see sample_share
+        self.normalize_by = normalize_by
+
+    def forward(  # type: ignore[override]  # the same machinery, another output type
+        self, features: SparseFeatures
+    ) -> SequenceEmbeddings:
+        try:
+            features = check_sequence_features(features, self.configs)
+        except EmbeddingInputError:
+            self._refuse_step()
+            raise
+        features = features.to(self.strategy.device)
+        bags, counts = unit_bags(features)
+        pooled = super().forward(bags).values
+        if self.normalize_by == "global_samples":
+            pooled = scale_gradient(pooled, sample_share(self.strategy, features.batch_size))
+        return split_rows(pooled, features, counts, self.routing)
