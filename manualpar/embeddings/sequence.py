@@ -105,6 +105,8 @@ class EmbeddingCollection(nn.Module):
     """Tables (EmbeddingConfig) whose features return one row per id: `forward(features)` is a
     SequenceEmbeddings. Per-id weights are refused (there is no sum for them to scale)."""
 
+    sharded_by = "shard_embeddings"  # meta.SHARD_FIRST (materializing it itself is allowed)
+
     def __init__(
         self,
         tables: Sequence[EmbeddingConfig],
