@@ -18,6 +18,7 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.planner import plan_collections
 from manualpar.embeddings.sharded import ShardedEmbeddingBagCollection, shard_embeddings
 from manualpar.embeddings.update_rules import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
 
@@ -40,6 +41,7 @@ __all__ = [
     "TablePlacement",
     "column_wise",
     "data_parallel",
+    "plan_collections",
     "row_wise",
     "shard_embeddings",
     "table_row_wise",
