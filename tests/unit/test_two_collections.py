@@ -12,13 +12,16 @@ from torch import nn
 import manualpar as mp
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.embeddings import (
+    SGD,
     Adagrad,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
     SparseFeatures,
+    data_parallel,
     plan_collections,
     shard_embeddings,
+    table_wise,
 )
 
 USER = [EmbeddingBagConfig("user_id", 100, 8), EmbeddingBagConfig("user_geo", 10, 4)]
@@ -33,9 +36,10 @@ class TwoTower(mp.ParallelModule):
         self.head = nn.Linear(8, 1)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        plans = plan_collections({"user": self.user, "item": self.item}, strategy)
-        self.user = shard_embeddings(self.user, strategy, plans["user"], RowWiseAdagrad(lr=0.1))
-        self.item = shard_embeddings(self.item, strategy, plans["item"], Adagrad(lr=0.1))
+        rules = {"user": RowWiseAdagrad(lr=0.1), "item": Adagrad(lr=0.1)}
+        plans = plan_collections({"user": self.user, "item": self.item}, strategy, optimizer=rules)
+        self.user = shard_embeddings(self.user, strategy, plans["user"], rules["user"])
+        self.item = shard_embeddings(self.item, strategy, plans["item"], rules["item"])
         mp.materialize(self, strategy)
 
     def forward(self, batch: SparseFeatures) -> torch.Tensor:
@@ -91,6 +95,12 @@ def test_checkpoint_and_metric_keys_of_two_collections(tmp_path: Path) -> None:
         "head.weight",
         "head.bias",
     ]
+    dense = [
+        name
+        for name, p in model.named_parameters()
+        if any(p is d for d in model.dense_parameters())
+    ]
+    assert dense == ["head.weight", "head.bias"]  # the sharded tables train themselves
     entries = extra_checkpoint_entries(model)
     assert list(entries) == ["sparse_optim_user", "sparse_optim_item"]
     assert entries["sparse_optim_user"] is model.user.fused_optimizer
@@ -105,4 +115,31 @@ def test_checkpoint_and_metric_keys_of_two_collections(tmp_path: Path) -> None:
         "sparse_optim_user/lr",
         "sparse_optim_item/lr",
         "steps_per_s",
+    ]
+
+
+def test_dense_parameters_leave_out_sharded_tables_replicated_ones_too() -> None:
+    """Every table of a sharded collection, data-parallel ones included, is updated by its fused
+    optimizer; a collection left unsharded is ordinary parameters (sparse gradients)."""
+
+    class Model(mp.ParallelModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sharded = EmbeddingBagCollection(USER)
+            self.plain = EmbeddingBagCollection(ITEM)
+            self.head = nn.Linear(8, 1)
+
+        def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+            plan = {"user_id": table_wise(0), "user_geo": data_parallel()}
+            self.sharded = shard_embeddings(self.sharded, strategy, plan, SGD(lr=0.1))
+            mp.materialize(self, strategy)
+
+    model = Model()
+    model.setup(mp.ManualParallelStrategy())
+    dense = {id(p) for p in model.dense_parameters()}
+    assert [n for n, p in model.named_parameters() if id(p) in dense] == [
+        "plain.tables.item_id.weight",
+        "plain.tables.item_cat.weight",
+        "head.weight",
+        "head.bias",
     ]
