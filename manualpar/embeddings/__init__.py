@@ -18,6 +18,7 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.planner import plan_collections
 from manualpar.embeddings.sequence import (
     EmbeddingCollection,
     EmbeddingConfig,
@@ -55,6 +56,7 @@ __all__ = [
     "TablePlacement",
     "column_wise",
     "data_parallel",
+    "plan_collections",
     "row_wise",
     "shard_embeddings",
     "table_row_wise",

@@ -5,12 +5,17 @@ id, feature-major (all bags of the first key, then the second key, ...); `length
 the number of ids in bag b of feature f. Optional `weights` hold one float per id (weighted
 pooling). The batch is validated when built, so a malformed batch fails here, naming the
 feature, and not later inside a collective.
+
+TorchRec's KeyedJaggedTensor has the same layout: `from_kjt` reads one (or any object with its
+methods) and `to_kjt` builds one, sharing the tensors; TorchRec is imported only by `to_kjt`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +105,44 @@ class SparseFeatures:
         return cls(tuple(keys), values, torch.diff(offsets), weights)
 
     @classmethod
+    def from_kjt(cls, kjt: Any) -> SparseFeatures:
+        """From a TorchRec KeyedJaggedTensor, or any object with its methods (duck typing, so
+        TorchRec need not be installed): keys(), values(), lengths() or offsets(), and
+        weights_or_none(). The tensors are shared when they are already int64."""
+        has_lengths = callable(getattr(kjt, "lengths", None))
+        has_offsets = callable(getattr(kjt, "offsets", None))
+        missing = [
+            f"{name}()"
+            for name in ("keys", "values", "weights_or_none")
+            if not callable(getattr(kjt, name, None))
+        ]
+        if not has_lengths and not has_offsets:
+            missing.append("lengths() or offsets()")
+        if missing:
+            raise EmbeddingInputError(
+                f"SparseFeatures.from_kjt(): a {type(kjt).__name__} has no {', '.join(missing)}; "
+                "it takes a KeyedJaggedTensor or an object with keys(), values(), lengths() (or "
+                "offsets()) and weights_or_none()"
+            )
+        variable = getattr(kjt, "variable_stride_per_key", None)
+        if callable(variable) and variable():
+            raise EmbeddingInputError(
+                "SparseFeatures.from_kjt(): this KeyedJaggedTensor has a batch size per feature "
+                "(variable stride); SparseFeatures needs one bag per sample for every feature, "
+                "so give each feature the same number of bags (empty ones where it has no ids)"
+            )
+        keys, values, weights = tuple(kjt.keys()), kjt.values(), kjt.weights_or_none()
+        lengths = kjt.lengths() if has_lengths else None
+        if lengths is None:
+            if not has_offsets:
+                raise EmbeddingInputError(
+                    f"SparseFeatures.from_kjt(): a {type(kjt).__name__}'s lengths() returned "
+                    "None and it has no offsets(); give it lengths or offsets"
+                )
+            return cls.from_offsets(keys, values, kjt.offsets(), weights)
+        return cls(keys, values, lengths, weights)
+
+    @classmethod
     def from_features(cls, features: Mapping[str, JaggedFeature]) -> SparseFeatures:
         """Concatenate per-feature bags (all with the same number of samples)."""
         keys = tuple(features)
@@ -149,6 +192,31 @@ class SparseFeatures:
     def select(self, keys: Sequence[str]) -> SparseFeatures:
         """The same batch with only `keys`, in that order."""
         return SparseFeatures.from_features({key: self[key] for key in keys})
+
+    def to_kjt(self) -> Any:
+        """This batch as a TorchRec `KeyedJaggedTensor` sharing its tensors (TorchRec is imported
+        here, and only here; ImportError says how to get it when it is missing)."""
+        try:
+            jagged = importlib.import_module("torchrec.sparse.jagged_tensor")
+        except ImportError as error:
+            absent = (
+                isinstance(error, ModuleNotFoundError)
+                and (error.name or "").split(".")[0] == "torchrec"
+            )
+            raise ImportError(
+                "SparseFeatures.to_kjt() needs TorchRec, which is not installed (pip install "
+                "torchrec; manualpar itself does not need it)"
+                if absent
+                else f"SparseFeatures.to_kjt() needs TorchRec, which is installed but failed to "
+                f"import: {error}"
+            ) from error
+        return jagged.KeyedJaggedTensor(
+            keys=list(self.keys),
+            values=self.values,
+            lengths=self.lengths,
+            weights=self.weights,
+            stride=self.batch_size,
+        )
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:

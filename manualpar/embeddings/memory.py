@@ -17,10 +17,14 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["available_bytes", "empty_rows", "zeros_rows"]
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["agreed_available_bytes", "available_bytes", "empty_rows", "zeros_rows"]
 
 HUGE_PAGE = 2 * 2**20
 ENV_SWITCH = "MANUALPAR_HUGE_PAGES"
@@ -75,3 +79,14 @@ def available_bytes(device: torch.device) -> int | None:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024  # the file counts KiB
     return None
+
+
+def agreed_available_bytes(strategy: ManualParallelStrategy) -> int | None:
+    """The memory every rank can still allocate (the smallest over ranks; on the CPU a node's
+    ranks share the host's, so each counts its share), the same number on every rank so that
+    each plans alike; None if some rank cannot tell. A collective: every rank must call it."""
+    free = available_bytes(strategy.device)
+    if free is not None and strategy.device.type == "cpu":
+        free //= strategy.environment.local_world_size
+    agreed = strategy.all_reduce(torch.tensor(-1 if free is None else free), op="min")
+    return None if int(agreed) < 0 else int(agreed)

@@ -1,4 +1,5 @@
-"""Plans from table sizes: `plan_tables` (plan="auto") and `plan_uniform` (one placement kind).
+"""Plans from table sizes: `plan_tables` (plan="auto"), `plan_collections` (plan="auto" for
+several collections together) and `plan_uniform` (one placement kind).
 
 plan="auto": place each table from its size, its lookups and a per-rank memory budget.
 
@@ -12,13 +13,25 @@ Rules, in order (each table's note says which applied):
    (it would leave one rank the straggler), is split by rows over every rank (row_wise), or
    over one node's ranks (table_row_wise) when that fits, keeping its traffic on the node.
 4. If even an even split cannot fit the budget, PlanError says how much memory is needed.
+
+`plan_collections` applies these rules once to the tables of every collection of a model, so
+the ranks balance over all of them; collections planned one by one each start from empty ranks
+and pile their largest tables onto the same ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.collection import EmbeddingBagCollection
+from manualpar.embeddings.config import (
+    ROW_WISE_STATE,
+    EmbeddingBagConfig,
+    block_bytes,
+    check_tables,
+)
+from manualpar.embeddings.memory import agreed_available_bytes
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
@@ -29,12 +42,17 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.sequence import EmbeddingCollection
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import PlanError
+from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["UNIFORM_PLANS", "plan_tables", "plan_uniform", "table_bytes"]
+Collection = EmbeddingBagCollection | EmbeddingCollection | Sequence[EmbeddingBagConfig]
+
+__all__ = ["UNIFORM_PLANS", "plan_collections", "plan_tables", "plan_uniform", "table_bytes"]
 
 GiB = 2**30
+REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replicated
 
 
 def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
@@ -51,17 +69,165 @@ def plan_tables(
     memory_budget_bytes: int | None = None,
     optimizer: SparseOptimizer | None = None,
     pooling_factors: Mapping[str, float] | None = None,
-    replicate_bytes: int = 256 * 2**10,
+    replicate_bytes: int = REPLICATE_BYTES,
 ) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring for the rules."""
-    ranks_per_node = ranks_per_node or world_size
-    pooling = {c.name: float((pooling_factors or {}).get(c.name, 1.0)) for c in tables}
-    sizes = {c.name: table_bytes(c, optimizer) for c in tables}
-    budget = memory_budget_bytes
-    _check_fits(tables, sizes, world_size, budget)
+    placements, notes = _place(
+        {c.name: c for c in tables},
+        {c.name: table_bytes(c, optimizer) for c in tables},
+        {c.name: float((pooling_factors or {}).get(c.name, 1.0)) for c in tables},
+        world_size,
+        ranks_per_node or world_size,
+        memory_budget_bytes,
+        replicate_bytes,
+    )
+    return EmbeddingPlan(world_size, placements, notes)
+
+
+def plan_collections(
+    collections: Mapping[str, Collection],
+    world: int | ManualParallelStrategy,
+    *,
+    ranks_per_node: int | None = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: SparseOptimizer | Mapping[str, SparseOptimizer] | None = None,
+    pooling_factors: Mapping[str, Mapping[str, float]] | None = None,
+    replicate_bytes: int = REPLICATE_BYTES,
+) -> dict[str, EmbeddingPlan]:
+    """One plan per collection, made together: plan="auto"'s rules applied to the tables of all
+    `collections` at once, so memory and lookups balance over every table of the model (planned
+    one at a time, two towers of three equal tables each put two tables on rank 0).
+
+    `collections`: name -> EmbeddingBagCollection (meta or real) or its list of configs.
+    `world`: the world size, or the strategy; with the strategy, `ranks_per_node` defaults to
+    the node's ranks and, without `memory_budget_bytes`, the budget is the memory every rank can
+    still allocate, as shard_embeddings(plan="auto") (a collective then: call it on every rank).
+    `optimizer` (whose state is counted) and `pooling_factors` ({table: mean ids per bag}) are
+    one for all, or given per collection name. Hand each plan to
+    `shard_embeddings(ebc, strategy, plan=plans[name], optimizer=...)`. With several
+    collections, notes and errors name a table "collection.table".
+    """
+    configs = _collection_configs(collections)
+    if isinstance(world, ManualParallelStrategy):
+        world_size = world.world_size
+        ranks_per_node = ranks_per_node or world.environment.local_world_size
+        measured = memory_budget_bytes is None
+        budget = agreed_available_bytes(world) if measured else memory_budget_bytes
+    elif isinstance(world, int) and not isinstance(world, bool):
+        world_size, budget, measured = world, memory_budget_bytes, False
+    else:
+        raise PlanError(
+            f"plan_collections(): world must be the world size (an int) or the strategy, got "
+            f"{type(world).__name__}"
+        )
+    if world_size < 1:
+        raise PlanError(f"plan_collections(): the world size must be >= 1, got {world_size}")
+    rules = _per_collection(optimizer, configs, "optimizer", SparseOptimizer)
+    pooling = _per_collection(pooling_factors, configs, "pooling_factors", None)
+    several = len(configs) > 1
+    labels = {
+        (c, t.name): f"{c}.{t.name}" if several else t.name
+        for c, tables in configs.items()
+        for t in tables
+    }
+    try:
+        placements, notes = _place(
+            {labels[c, t.name]: t for c, tables in configs.items() for t in tables},
+            {labels[c, t.name]: table_bytes(t, rules[c]) for c, ts in configs.items() for t in ts},
+            {
+                labels[c, t.name]: float((pooling[c] or {}).get(t.name, 1.0))
+                for c, ts in configs.items()
+                for t in ts
+            },
+            world_size,
+            ranks_per_node or world_size,
+            budget,
+            replicate_bytes,
+        )
+    except PlanError as error:
+        if not measured:
+            raise
+        raise PlanError(
+            f"{error} (the budget is the memory each rank can allocate now, "
+            f"{format_bytes(budget or 0)}; pass memory_budget_bytes= to plan for another amount)"
+        ) from None
+    return {
+        c: EmbeddingPlan(
+            world_size,
+            {t.name: placements[labels[c, t.name]] for t in tables},
+            {t.name: notes[labels[c, t.name]] for t in tables},
+        )
+        for c, tables in configs.items()
+    }
+
+
+def _collection_configs(
+    collections: Mapping[str, Collection],
+) -> dict[str, tuple[EmbeddingBagConfig, ...]]:
+    """Each collection's table configs, checked as an EmbeddingBagCollection checks them."""
+    if not isinstance(collections, Mapping) or not collections:
+        got = type(collections).__name__ if not isinstance(collections, Mapping) else "{}"
+        raise PlanError(
+            "plan_collections() takes a non-empty mapping name -> EmbeddingBagCollection, e.g. "
+            f"{{'user': model.user_tables, 'item': model.item_tables}}; got {got}"
+        )
+    configs = {}
+    for name, collection in collections.items():
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"plan_collections(): collection names must be strings, got {name!r}")
+        if isinstance(collection, (EmbeddingBagCollection, EmbeddingCollection)):
+            configs[name] = collection.configs
+        elif isinstance(collection, Sequence) and all(
+            isinstance(c, EmbeddingBagConfig) for c in collection
+        ):
+            check_tables(collection)
+            configs[name] = tuple(collection)
+        else:
+            raise PlanError(
+                f"plan_collections(): collection {name!r} is a {type(collection).__name__}; pass "
+                "the EmbeddingBagCollection or EmbeddingCollection (before shard_embeddings) or "
+                "its list of EmbeddingBagConfig"
+            )
+    return configs
+
+
+def _per_collection(
+    value: Any, configs: Mapping[str, object], what: str, single: type | None
+) -> dict[str, Any]:
+    """`value` for every collection: one shared value, or a mapping by collection name (which
+    must name existing collections). `single`: the type of a shared value (None: never shared)."""
+    if value is None or (single is not None and isinstance(value, single)):
+        return dict.fromkeys(configs, value)
+    if not isinstance(value, Mapping):
+        raise PlanError(
+            f"plan_collections(): {what} must be "
+            + (f"a {single.__name__} or " if single is not None else "")
+            + f"a mapping collection name -> value, got {type(value).__name__}"
+        )
+    unknown = sorted(set(value) - set(configs))
+    if unknown:
+        raise PlanError(
+            f"plan_collections(): {what} names collections {unknown} that were not given; the "
+            f"collections are {list(configs)}"
+        )
+    return {name: value.get(name) for name in configs}
+
+
+def _place(
+    tables: Mapping[str, EmbeddingBagConfig],
+    sizes: Mapping[str, int],
+    pooling: Mapping[str, float],
+    world_size: int,
+    ranks_per_node: int,
+    budget: int | None,
+    replicate_bytes: int,
+) -> tuple[dict[str, TablePlacement], dict[str, str]]:
+    """Placements and notes by the module docstring's rules, keyed (and named in errors) by the
+    keys of `tables`, in their order."""
+    _check_fits(sizes, world_size, budget)
     memory = [0] * world_size
     work = [0.0] * world_size
-    total_work = sum(pooling[c.name] * c.embedding_dim * len(c.feature_names) for c in tables)
+    total_work = sum(pooling[k] * c.embedding_dim * len(c.feature_names) for k, c in tables.items())
     placements: dict[str, TablePlacement] = {}
     notes: dict[str, str] = {}
     even_share = sum(sizes.values()) / world_size
@@ -69,8 +235,8 @@ def plan_tables(
     def load(rank: int) -> float:
         return memory[rank] / max(even_share, 1) + work[rank] / max(total_work, 1)
 
-    for config in sorted(tables, key=lambda c: sizes[c.name], reverse=True):
-        size, name = sizes[config.name], config.name
+    for name in sorted(tables, key=lambda k: sizes[k], reverse=True):
+        config, size = tables[name], sizes[name]
         lookups = pooling[name] * config.embedding_dim * len(config.feature_names)
         if (
             size <= replicate_bytes
@@ -122,16 +288,10 @@ def plan_tables(
         )
         memory = [m + share for m in memory]
         work = [w + lookups / world_size for w in work]
-    ordered = {c.name: placements[c.name] for c in tables}
-    return EmbeddingPlan(world_size, ordered, {c.name: notes[c.name] for c in tables})
+    return {k: placements[k] for k in tables}, {k: notes[k] for k in tables}
 
 
-def _check_fits(
-    tables: Sequence[EmbeddingBagConfig],
-    sizes: Mapping[str, int],
-    world_size: int,
-    budget: int | None,
-) -> None:
+def _check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:
     if budget is None:
         return
     need = -(-sum(sizes.values()) // world_size)

@@ -34,8 +34,7 @@ from manualpar.embeddings.exchange import REFUSED
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.memory import available_bytes
-from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement, format_bytes
+from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.routing import Routing
 from manualpar.embeddings.sequence import (
     EmbeddingCollection,
@@ -129,32 +128,13 @@ def _auto_plan(
     budget: int | None,
 ) -> EmbeddingPlan:
     """The planner's plan, within `budget` bytes per rank; by default the memory every rank can
-    still allocate (the smallest over ranks; on the CPU a node's ranks share its memory), so a
-    table that cannot fit is named before anything is allocated."""
-    from manualpar.embeddings.planner import plan_tables
+    still allocate, so a table that cannot fit is named before anything is allocated."""
+    from manualpar.embeddings.planner import plan_collections
 
-    default = budget is None
-    if budget is None:
-        free = available_bytes(strategy.device)
-        if free is not None and strategy.device.type == "cpu":
-            free //= strategy.environment.local_world_size
-        agreed = strategy.all_reduce(torch.tensor(-1 if free is None else free), op="min")
-        budget = None if int(agreed) < 0 else int(agreed)  # every rank plans with the same
-    try:
-        return plan_tables(
-            ebc.configs,
-            strategy.world_size,
-            ranks_per_node=strategy.environment.local_world_size,
-            memory_budget_bytes=budget,
-            optimizer=optimizer,
-        )
-    except PlanError as error:
-        if not default:
-            raise
-        raise PlanError(
-            f"{error} (the budget is the memory each rank can allocate now, "
-            f"{format_bytes(budget or 0)}; pass memory_budget_bytes= to plan for another amount)"
-        ) from None
+    plans = plan_collections(
+        {"tables": ebc}, strategy, memory_budget_bytes=budget, optimizer=optimizer
+    )
+    return plans["tables"]
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
