@@ -74,6 +74,12 @@ def fsdp(
     then not applied (a warning says so) - use `torch.autocast` for single-process runs.
     """
     _check_not_wrapped(module)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # fully_shard needs a forward
+        raise BuilderError(
+            f"{BUILDER}(): a {type(module).__name__} has no forward to shard around; shard each "
+            f"block (for block in blocks: {BUILDER}(block, strategy)), or shard the module "
+            f"that holds it with wrap=[...] naming the blocks"
+        )
     ignored = _ignored(module)
     from_meta = _check_meta(module, ignored)
     blocks = _blocks(module, wrap, min_num_params, ignored)  # validated on one process too

@@ -50,3 +50,11 @@ def test_bad_inputs_raise_before_anything_changes() -> None:
         fsdp(make_net(0), strategy, wrap=[other.inp])
     with pytest.raises(mp.BuilderError, match="min_num_params must be positive"):
         fsdp(make_net(0), strategy, min_num_params=0)
+
+
+def test_a_module_list_is_refused_with_how_to_shard_its_blocks() -> None:
+    blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(
+        mp.BuilderError, match=r"fsdp\(\): a ModuleList has no forward to shard around; shard each"
+    ):
+        mp.fsdp(blocks, mp.ManualParallelStrategy())
