@@ -30,9 +30,11 @@ SEP = "/"
 
 
 def entry_kind(value: Any) -> str:
+    """An optimizer with `saves_own_state = True` (a fused optimizer, whose state dict already
+    holds its sharded tables' blocks) is saved as a stateful object, not by parameter."""
     if isinstance(value, nn.Module):
         return "module"
-    if isinstance(value, torch.optim.Optimizer):
+    if isinstance(value, torch.optim.Optimizer) and not getattr(value, "saves_own_state", False):
         return "optimizer"
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return "per_rank" if getattr(value, "per_rank", False) else "stateful"

@@ -1,12 +1,13 @@
 """Layout of one step's exchanges: which ids, pooled rows and gradients go to which rank.
 
 Per step (each `all_to_all_single`; the list form fails on gloo for unequal sizes):
-  1. sizes: every rank sends every rank [batch size, payload length, weighted];
+  1. sizes: every rank sends every rank [batch size, payload length, weighted, frozen table
+     flags...] (frozen.py: the ranks must agree on them);
   2. payload: bag lengths, ids (row-local) and per-id weights (as int64 bit patterns) in one
      buffer per destination, so one collective carries all three;
   3. pooled output: each owner sends back per-bag partial sums (row-wise shards are summed, and
      column blocks concatenated, by the receiver: no separate reduce-scatter);
-  4. in backward, the reverse of 3 carries the output gradient.
+  4. in backward, the reverse of 3 carries the output gradient (of the tables not frozen).
 A rank's own part of 2-4 never enters the collectives (its split is 0): it is computed and
 used in place while the other ranks' parts travel (step.py). Row-wise tables split each
 feature's ids by row range (a stable sort keeps bag order).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from manualpar.embeddings.frozen import num_words
 from manualpar.embeddings.native import loaded_kernels, supports
 from manualpar.embeddings.routing import LocalShard, Route, Routing
 from manualpar.embeddings.shard_compute import ShardBags
@@ -30,6 +32,7 @@ __all__ = [
     "grad_blocks",
     "grad_receive_splits",
     "grad_width",
+    "header_width",
     "output_splits",
     "own_grad_blocks",
     "pack_ids",
@@ -100,10 +103,18 @@ def pack_ids(
     ]
 
 
-def size_header(batch: int, payloads: list[torch.Tensor], weighted: bool) -> torch.Tensor:
-    """What the size exchange sends each rank: [batch size, payload length, weighted]."""
+def header_width(num_tables: int) -> int:
+    """int64 values the size exchange sends each rank (see `size_header`)."""
+    return 3 + num_words(num_tables)
+
+
+def size_header(
+    batch: int, payloads: list[torch.Tensor], weighted: bool, frozen_words: list[int]
+) -> torch.Tensor:
+    """What the size exchange sends each rank: [batch size, payload length, weighted, the
+    frozen tables' flag words]."""
     return torch.tensor(
-        [[batch, p.numel(), int(weighted)] for p in payloads],
+        [[batch, p.numel(), int(weighted), *frozen_words] for p in payloads],
         dtype=torch.int64,
         device=payloads[0].device,
     ).flatten()
@@ -254,9 +265,10 @@ def pack_output_grad(
     routing: Routing,
     grad: torch.Tensor,
     full_rows: bool,
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[torch.Tensor, list[int]]:
     """Sender side: the output-gradient blocks each other owner needs, in its route order, and
-    the send splits (0 to ourselves)."""
+    the send splits (0 to ourselves); none for `frozen` tables."""
     blocks: list[torch.Tensor] = []
     splits = []
     for owner, routes in enumerate(routing.routes_to):
@@ -265,6 +277,8 @@ def pack_output_grad(
             continue
         start_len = len(blocks)
         for route in routes:
+            if route.table in frozen:
+                continue
             start, end = _grad_columns(routing, route, full_rows)
             blocks.append(grad[:, start:end].flatten())
         splits.append(sum(b.numel() for b in blocks[start_len:]))
@@ -276,16 +290,20 @@ def own_grad_blocks(
     routing: Routing,
     grad: torch.Tensor,
     full_rows: bool,
+    frozen: frozenset[int] = frozenset(),
 ) -> list[list[torch.Tensor]]:
     """Per local shard: the gradient of our own bags, one (batch, width) block per feature,
     copied out of the output gradient: as a column slice its rows would lie a whole output row
-    apart, on few cache sets, and the update reads them in random order."""
+    apart, on few cache sets, and the update reads them in random order. None for `frozen`
+    tables."""
     routes = routing.routes_to[routing.rank]
     blocks: list[list[torch.Tensor]] = []
     index = 0
     for shard in routing.routed_local_shards():
         views = []
         for route in routes[index : index + len(shard.features)]:
+            if route.table in frozen:
+                continue
             start, end = _grad_columns(routing, route, full_rows)
             views.append(grad[:, start:end].contiguous())
         index += len(shard.features)
@@ -300,18 +318,27 @@ def grad_width(routing: Routing, shard: LocalShard, full_rows: bool) -> int:
     return shard.shard.cols
 
 
-def grad_receive_splits(routing: Routing, batch_sizes: list[int], full_rows: bool) -> list[int]:
+def grad_receive_splits(
+    routing: Routing,
+    batch_sizes: list[int],
+    full_rows: bool,
+    frozen: frozenset[int] = frozenset(),
+) -> list[int]:
     """Owner side: how many gradient floats each other sender sends for our shards."""
-    local = routing.routed_local_shards()
+    local = [s for s in routing.routed_local_shards() if s.table not in frozen]
     per_sample = sum(len(s.features) * grad_width(routing, s, full_rows) for s in local)
     return [0 if sender == routing.rank else b * per_sample for sender, b in enumerate(batch_sizes)]
 
 
 def grad_blocks(
-    routing: Routing, received: torch.Tensor, batch_sizes: list[int], full_rows: bool
+    routing: Routing,
+    received: torch.Tensor,
+    batch_sizes: list[int],
+    full_rows: bool,
+    frozen: frozenset[int] = frozenset(),
 ) -> list[list[torch.Tensor | None]]:
     """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
-    sender sent (None for ourselves)."""
+    sender sent (None for ourselves, and for `frozen` tables)."""
     local = routing.routed_local_shards()
     widths = [grad_width(routing, s, full_rows) for s in local]
     per_shard: list[list[torch.Tensor | None]] = [[None] * len(batch_sizes) for _ in local]
@@ -320,6 +347,8 @@ def grad_blocks(
         if sender == routing.rank:
             continue
         for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
+            if shard.table in frozen:
+                continue
             rows = len(shard.features) * batch
             per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
             offset += rows * width

@@ -5,7 +5,7 @@ meanwhile: in forward, this rank's own bags are looked up while the other ranks'
 the rows of every shard are grouped for backward while the pooled rows travel; in backward, the
 rows that only this rank's own bags touch are updated while the other ranks' gradients travel.
 Every row is still updated once, with its whole gradient, so the numbers are those of a
-sequential step.
+sequential step. Frozen tables (frozen.py) are left out of backward.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from manualpar.embeddings.exchange import (
     combine_senders,
     grad_blocks,
     grad_receive_splits,
+    header_width,
     output_splits,
     own_grad_blocks,
     pack_ids,
@@ -34,6 +35,7 @@ from manualpar.embeddings.exchange import (
     unpack_ids,
 )
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.frozen import agreed_frozen, encode, frozen_tables
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.routing import LocalShard, Routing
 from manualpar.embeddings.shard_compute import (
@@ -77,6 +79,9 @@ class LookupContext:
     def dtype(self) -> torch.dtype:
         return self.weight(0).dtype
 
+    def table_names(self) -> list[str]:
+        return [config.name for config in self.routing.tables]
+
     def exchange(
         self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
     ) -> PendingCollective:
@@ -96,16 +101,17 @@ def lookup(
     rank, world = routing.rank, routing.world_size
     batch = features.batch_size
     lengths = features.lengths.view(len(routing.features), batch)
-    sizes, parts, ids_in = _send_ids(ctx, features, lengths)
+    sizes, parts, ids_in, frozen = _send_ids(ctx, features, lengths)
     out = torch.zeros(batch, routing.total_dim, dtype=ctx.dtype, device=ctx.device)
     _add_own_pooled(ctx, parts[rank], out, batch)  # while the other ranks' ids travel
     _unpack_others(routing, ids_in.wait(), sizes, parts)
     pooled_in = _send_pooled(ctx, parts, out) if world > 1 else None
     local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank) for k in range(len(local))]
-    if ctx.optimizer.rule.fuses_bags:  # while the pooled rows travel
+    if ctx.optimizer.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
-            shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
+            if shard.table not in frozen:
+                shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
     if pooled_in is not None:
         _add_received_pooled(routing, pooled_in.wait(), output_splits(routing, batch), out, batch)
     feature_ids = _lookup_data_parallel(ctx, features, out)
@@ -117,6 +123,8 @@ def lookup(
         "batch_sizes": [size[0] for size in sizes],
         "features": feature_ids,
         "mean_scale": mean_scale,
+        "frozen": frozen,
+        "trains": len(frozen) < len(routing.tables),  # else no backward
     }
 
 
@@ -124,17 +132,23 @@ def _send_ids(
     ctx: LookupContext,
     features: SparseFeatures,
     lengths: torch.Tensor,
-) -> tuple[list[list[int]], list[list[SenderBags]], PendingCollective]:
+) -> tuple[list[list[int]], list[list[SenderBags]], PendingCollective, frozenset[int]]:
     """Exchange sizes (blocking), then send the ids (in flight on return). Returns every
     rank's [batch, payload length, weighted], the bags per sender rank and local shard (only
-    this rank's own filled yet), and the pending exchange."""
+    this rank's own filled yet), the pending exchange and the frozen tables (agreed)."""
     routing = ctx.routing
     rank, world = routing.rank, routing.world_size
     weighted = features.weights is not None
     payloads = pack_ids(routing, features.values, lengths, features.weights)
-    header = size_header(features.batch_size, payloads, weighted)
-    sizes = ctx.exchange(header, [3] * world, [3] * world, "ids").wait().view(world, 3).tolist()
-    check_refusals(sizes)
+    names = ctx.table_names()
+    flags = encode(frozen_tables(ctx.tables, names), len(names))
+    header = size_header(features.batch_size, payloads, weighted, flags)
+    width = header_width(len(names))
+    received = ctx.exchange(header, [width] * world, [width] * world, "ids").wait()
+    headers = received.view(world, width).tolist()
+    check_refusals(headers)
+    frozen = agreed_frozen([h[3:] for h in headers], names)
+    sizes = [h[:3] for h in headers]
     others = [p for d, p in enumerate(payloads) if d != rank]
     pending = ctx.exchange(
         torch.cat(others) if others else payloads[rank][:0],
@@ -144,7 +158,7 @@ def _send_ids(
     )
     parts: list[list[SenderBags]] = [[] for _ in range(world)]
     parts[rank] = unpack_ids(routing, payloads[rank], features.batch_size, weighted)
-    return sizes, parts, pending
+    return sizes, parts, pending, frozen
 
 
 def _unpack_others(
@@ -253,25 +267,30 @@ def split_features(
 
 # backward --------------------------------------------------------------------------------------
 def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]) -> None:
-    """Send the output gradient to the shards' owners and update our shards with theirs."""
+    """Send the output gradient to the shards' owners and update our shards with theirs
+    (frozen tables: neither)."""
     routing, optimizer = ctx.routing, ctx.optimizer
-    full = optimizer.rule.needs_full_rows
-    optimizer.step += 1
+    full = optimizer.needs_full_rows
+    frozen = saved["frozen"]
+    optimizer.begin_update()
     if saved["mean_scale"] is not None:
         grad = grad * saved["mean_scale"]
     batch_sizes = saved["batch_sizes"]
     scales = sender_scales(ctx.normalize_by, batch_sizes)
-    flat, splits = pack_output_grad(routing, grad, full)
-    grads_in = ctx.exchange(
-        flat, splits, grad_receive_splits(routing, batch_sizes, full), "output gradient"
-    )
+    routed = {route.table for routes in routing.routes_to for route in routes}
+    grads_in = None
+    if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
+        flat, splits = pack_output_grad(routing, grad, full, frozen)
+        receive = grad_receive_splits(routing, batch_sizes, full, frozen)
+        grads_in = ctx.exchange(flat, splits, receive, "output gradient")
     local, all_bags = routing.routed_local_shards(), saved["bags"]
-    own = own_grad_blocks(routing, grad, full)
+    own = own_grad_blocks(routing, grad, full, frozen)
     own_scale = scales[routing.rank]
     alone = routing.world_size == 1
     # while the other ranks' gradients travel: rows only our own bags touched
     fused = [
-        _step_bags(
+        shard.table not in frozen
+        and _step_bags(
             ctx,
             shard,
             bags,
@@ -280,8 +299,14 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
         )
         for shard, bags, blocks in zip(local, all_bags, own, strict=True)
     ]
-    others = grad_blocks(routing, grads_in.wait(), batch_sizes, full)
+    others = (
+        grad_blocks(routing, grads_in.wait(), batch_sizes, full, frozen)
+        if grads_in is not None
+        else []
+    )
     for k, (shard, bags) in enumerate(zip(local, all_bags, strict=True)):
+        if shard.table in frozen:
+            continue
         grads = BagGradients([], [])
         for sender, scale in enumerate(scales):  # bag order: every sender's, in rank order
             other = others[k][sender]
@@ -296,8 +321,9 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
             optimizer.update_rows(ctx.name(shard.table), ctx.weight(shard.table), rows, summed)
         elif not alone:
             _step_bags(ctx, shard, bags, grads, RowPass.REST)
-    if routing.data_parallel:
-        _update_data_parallel(ctx, grad, saved, own_scale)
+    if not set(routing.data_parallel) <= frozen:
+        _update_data_parallel(ctx, grad, saved, own_scale, frozen)
+    optimizer.finish_update(ctx.strategy)
 
 
 def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
@@ -321,12 +347,14 @@ def _update_data_parallel(
     grad: torch.Tensor,
     saved: dict[str, Any],
     my_scale: float,
+    frozen: frozenset[int],
 ) -> None:
-    """Replicated tables: sum dense row gradients and touch counts over ranks (one all_reduce
-    for all of them; such tables are small by construction)."""
+    """Replicated tables not frozen: sum dense row gradients and touch counts over ranks (one
+    all_reduce for all of them; such tables are small by construction)."""
     routing = ctx.routing
+    tables = [t for t in routing.data_parallel if t not in frozen]
     buffers = []
-    for t in routing.data_parallel:
+    for t in tables:
         config = ctx.routing.tables[t]
         dense = grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
         for f, (_, ft) in enumerate(routing.features):
@@ -342,7 +370,7 @@ def _update_data_parallel(
     flat = torch.cat([b.flatten() for b in buffers])
     ctx.strategy.all_reduce_(flat, "sum", name=f"{BUILDER}: data-parallel gradient all_reduce")
     offset = 0
-    for t, buffer in zip(routing.data_parallel, buffers, strict=True):
+    for t, buffer in zip(tables, buffers, strict=True):
         dense = flat[offset : offset + buffer.numel()].view_as(buffer)
         offset += buffer.numel()
         rows = torch.nonzero(dense[:, -1]).flatten()

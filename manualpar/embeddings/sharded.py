@@ -30,7 +30,7 @@ from manualpar.embeddings.collection import (
     check_features,
     table_of,
 )
-from manualpar.embeddings.exchange import REFUSED
+from manualpar.embeddings.exchange import REFUSED, header_width
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
@@ -164,14 +164,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 (shard.shard.rows, shard.shard.cols) if shard else (0, config.embedding_dim)
             )
             table = EmbeddingTable(config, ebc.seed, rows, cols, device=device)
+            source = table_of(ebc.tables, config.name).weight
+            table.weight.requires_grad_(source.requires_grad)  # frozen before sharding stays so
             if shard is not None:
-                _fill_block(
-                    table.weight,
-                    table_of(ebc.tables, config.name).weight,
-                    config,
-                    ebc.seed,
-                    shard.shard,
-                )
+                _fill_block(table.weight, source, config, ebc.seed, shard.shard)
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
@@ -179,6 +175,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._shards = shards
         self.fused_optimizer = FusedOptimizer(
             optimizer,
+            {c.name: table_of(self.tables, c.name).weight for c in self.configs},
             shards,
             {c.name: c.embedding_dim for c in self.configs},
             {c.name: c.num_embeddings for c in self.configs},
@@ -211,8 +208,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ranks stop at this step with an error instead of waiting for the collective timeout."""
         world = self.strategy.world_size
         if world > 1:
-            refused = torch.full((3 * world,), REFUSED, device=self.strategy.device)
-            self.lookup_context.exchange(refused, [3] * world, [3] * world, "ids").wait()
+            width = header_width(len(self.configs))
+            refused = torch.full((width * world,), REFUSED, device=self.strategy.device)
+            self.lookup_context.exchange(refused, [width] * world, [width] * world, "ids").wait()
 
     def checkpoint_entries(self) -> dict[str, Any]:
         """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
@@ -279,6 +277,8 @@ class _EmbeddingLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         out, saved = lookup(module.lookup_context, features)
         ctx.lookup, ctx.saved = module.lookup_context, saved
+        if not saved["trains"]:  # every table frozen: no backward, on every rank
+            ctx.mark_non_differentiable(out)
         return out
 
     @staticmethod

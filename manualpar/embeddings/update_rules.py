@@ -5,16 +5,21 @@ one row and the optimizer updates exactly those rows and their state. The rules 
 sparse optimizers on a coalesced sparse gradient (SGD, Adagrad, SparseAdam), and FBGEMM's
 row-wise Adagrad, whose state is one float per row: the running sum of the mean over the row's
 columns of the squared gradient (the unsharded definition, also under column-wise sharding).
+
+Every rule can clip the table gradient before it is applied (grad_clip.py): each row's summed
+gradient to `max_row_grad_norm`, and/or the whole collection's gradient to `max_grad_norm`
+(as torch.nn.utils.clip_grad_norm_, over every table on every rank).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from manualpar.embeddings.grad_clip import check_max_norm
 from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import loaded_kernels, supports
 from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags, add_to_rows
@@ -45,9 +50,17 @@ def _check_positive(value: object, name: str, where: str) -> None:
 
 @dataclass
 class SparseOptimizer:
-    """Base: `lr` may be changed at any time (e.g. by a schedule) through FusedOptimizer."""
+    """Base: `lr` is the initial learning rate; once sharded, the fused optimizer's
+    `param_groups[0]["lr"]` (what torch's schedulers set) is read at every backward.
+
+    `max_row_grad_norm` clips each row's summed gradient to that L2 norm, `max_grad_norm` the
+    L2 norm of all the collection's table gradients together (one all_reduce per backward);
+    both keyword-only, None (the default) for no clipping, both may be set (rows first).
+    """
 
     lr: float
+    max_row_grad_norm: float | None = field(default=None, kw_only=True)
+    max_grad_norm: float | None = field(default=None, kw_only=True)
 
     # one entry per state tensor: name -> per-row (True: one float per row) or per-element
     STATE: ClassVar[dict[str, bool]] = {}
@@ -58,6 +71,8 @@ class SparseOptimizer:
 
     def __post_init__(self) -> None:
         self.lr = check_lr(self.lr, type(self).__name__)
+        check_max_norm(self.max_row_grad_norm, "max_row_grad_norm", type(self).__name__)
+        check_max_norm(self.max_grad_norm, "max_grad_norm", type(self).__name__)
         if hasattr(self, "eps"):
             _check_positive(self.eps, "eps", type(self).__name__)
 
@@ -103,8 +118,20 @@ class SparseOptimizer:
         `step_rows`."""
         return False
 
+    @property
+    def clips(self) -> bool:
+        return self.max_row_grad_norm is not None or self.max_grad_norm is not None
+
     def describe(self) -> str:
-        return f"{type(self).__name__}(lr={self.lr})"
+        clipping = "".join(
+            f", {name}={value}"
+            for name, value in (
+                ("max_row_grad_norm", self.max_row_grad_norm),
+                ("max_grad_norm", self.max_grad_norm),
+            )
+            if value is not None
+        )
+        return f"{type(self).__name__}(lr={self.lr}{clipping})"
 
 
 @dataclass
