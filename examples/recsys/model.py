@@ -32,7 +32,19 @@ from manualpar.embeddings import (
 )
 
 
-def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """nn.Sequential with its forward written here. Under torch.compile(model) with several
+    ranks, DDP's forward breaks the graph before it calls the module it wraps, and torch.compile
+    starts tracing again only in code outside torch: a bare nn.Sequential under ddp() would run
+    eagerly, this one is compiled. Same parameters and state_dict keys as nn.Sequential."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def mlp(sizes: Sequence[int], *, last_relu: bool) -> MLP:
     """Linear layers with ReLUs between them (and after the last: the bottom MLP's output is a
     vector like the embeddings, as in DLRM; the top MLP ends in a logit)."""
     layers: list[nn.Module] = []
@@ -40,7 +52,7 @@ def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
         layers.append(nn.Linear(fan_in, fan_out))
         if last_relu or index < len(sizes) - 2:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
 def make_plan(
@@ -117,8 +129,15 @@ class DLRM(mp.ParallelModule):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits (B,)."""
         device = self.strategy.device if self.strategy is not None else torch.device("cpu")
-        dense = self.bottom(batch.dense.to(device))  # (B, dim)
-        pooled = rearrange(self.embeddings(batch.sparse).values, "b (f d) -> b f d", d=self.dim)
+        pooled = self.embeddings(batch.sparse).values  # (B, tables * dim); eager under compile
+        return self.dense_forward(batch.dense.to(device), pooled)
+
+    def dense_forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits (B,) from the dense features (B, 13) and the pooled embeddings: the dense part,
+        the one torch.compile(model) compiles (the table lookup before it stays eager)."""
+        device = dense_features.device
+        dense = self.bottom(dense_features)  # (B, dim)
+        pooled = rearrange(pooled, "b (f d) -> b f d", d=self.dim)
         vectors = torch.cat([rearrange(dense, "b d -> b 1 d"), pooled], dim=1)  # (B, 27, dim)
         if self.interaction == "dot":
             gram = einsum(vectors, vectors, "b f d, b g d -> b f g")

@@ -144,11 +144,13 @@ class EmbeddingBagCollection(nn.Module):
         )
 
 
+@torch.compiler.disable(reason="embedding input checks read ids back to the host")
 def check_features(
     features: SparseFeatures,
     tables: Sequence[EmbeddingBagConfig],
 ) -> SparseFeatures:
-    """The batch with keys in the tables' feature order; every id a valid row of its table."""
+    """The batch with keys in the tables' feature order; every id a valid row of its table.
+    Eager under torch.compile, as SparseFeatures' own validation."""
     if not isinstance(features, SparseFeatures):
         raise EmbeddingInputError(
             f"expected SparseFeatures, got {type(features).__name__}; build one with "

@@ -4,7 +4,8 @@ Layout (the one TorchRec and FBGEMM use, so data converts without copies): `valu
 id, feature-major (all bags of the first key, then the second key, ...); `lengths[f * B + b]` is
 the number of ids in bag b of feature f. Optional `weights` hold one float per id (weighted
 pooling). The batch is validated when built, so a malformed batch fails here, naming the
-feature, and not later inside a collective.
+feature, and not later inside a collective; the validation runs eagerly even when the batch is
+built inside a torch.compile'd function.
 
 TorchRec's KeyedJaggedTensor has the same layout: `from_kjt` reads one (or any object with its
 methods) and `to_kjt` builds one, sharing the tensors; TorchRec is imported only by `to_kjt`.
@@ -225,6 +226,9 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+# Validation reads values back to the host (.item(), .tolist()); under torch.compile it runs
+# eagerly, once per batch, instead of splitting the caller's graph at every read.
+@torch.compiler.disable(reason="SparseFeatures validation reads values back to the host")
 def _validate(batch: SparseFeatures) -> None:
     keys, values, lengths, weights = batch.keys, batch.values, batch.lengths, batch.weights
     if len(set(keys)) != len(keys):

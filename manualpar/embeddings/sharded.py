@@ -193,6 +193,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return f"{self.plan}, optimizer={self.fused_optimizer.rule.describe()}"
 
     # forward ----------------------------------------------------------------------------------
+    # A deliberate graph break under torch.compile: the lookup runs eagerly between compiled
+    # dense graphs. Its exchange sizes are known only at run time (host syncs, no CUDA graph
+    # capture either way) and its backward updates tables in place, which an opaque custom op
+    # would have to hide from the compiler (docs/embeddings.md, "torch.compile").
+    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         try:
             features = check_features(features, self.configs)
@@ -320,7 +325,8 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         super().__init__(ec, strategy, plan, optimizer, "world_size")  # see sample_share
         self.normalize_by = normalize_by
 
-    def forward(  # type: ignore[override]  # the same machinery, another output type
+    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
+    def forward(  # the same machinery, another output type (the base forward is untyped here)
         self, features: SparseFeatures
     ) -> SequenceEmbeddings:
         try:

@@ -55,3 +55,13 @@ def test_unit_tests_start_no_process() -> None:
     assert _starters(TESTS / "e2e" / "test_examples.py") == [
         "e2e/test_examples.py:launch.run_torchrun"
     ]
+
+
+def test_test_file_names_are_unique_across_folders() -> None:
+    """pytest imports test files by basename (no __init__.py): two folders holding the same name
+    stop the whole suite at collection, which a run of one folder alone does not show."""
+    seen: dict[str, list[str]] = {}
+    for folder in FOLDERS:
+        for path in (TESTS / folder).glob("test_*.py"):
+            seen.setdefault(path.name, []).append(folder)
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
