@@ -89,6 +89,17 @@ class EmbeddingTable(nn.Module):
         )
 
 
+def make_tables(
+    configs: Sequence[EmbeddingBagConfig], seed: int, device: torch.device | str | None
+) -> nn.ModuleDict:
+    """A collection's checked, initialized tables by name (meta under empty_init)."""
+    check_tables(configs)
+    tables = {c.name: EmbeddingTable(c, seed, device=device) for c in configs}
+    for table in tables.values():
+        table.reset_parameters()
+    return nn.ModuleDict(tables)
+
+
 def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
     """One table of a collection's ModuleDict, typed (ModuleDict lookups are plain Modules)."""
     table = tables[name]
@@ -106,14 +117,8 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_tables(tables)
-        self.configs = tuple(tables)
-        self.seed = seed
-        self.tables = nn.ModuleDict(
-            {c.name: EmbeddingTable(c, seed, device=device) for c in tables}
-        )
-        for config in tables:
-            table_of(self.tables, config.name).reset_parameters()
+        self.configs, self.seed = tuple(tables), seed
+        self.tables = make_tables(self.configs, seed, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:

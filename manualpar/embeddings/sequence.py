@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from manualpar.embeddings.collection import EmbeddingTable, check_features, table_of
-from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
+from manualpar.embeddings.collection import check_features, make_tables, table_of
+from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.errors import EmbeddingInputError
 
@@ -122,14 +122,8 @@ class EmbeddingCollection(nn.Module):
                     "write EmbeddingConfig(name, num_embeddings, embedding_dim, ...) or use an "
                     "EmbeddingBagCollection for pooled features"
                 )
-        check_tables(tables)
-        self.configs = tuple(tables)
-        self.seed = seed
-        self.tables = nn.ModuleDict(
-            {c.name: EmbeddingTable(c, seed, device=device) for c in tables}
-        )
-        for config in tables:
-            table_of(self.tables, config.name).reset_parameters()
+        self.configs, self.seed = tuple(tables), seed
+        self.tables = make_tables(self.configs, seed, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> SequenceEmbeddings:

@@ -125,15 +125,7 @@ def reference(
     """Outputs of step 0 per rank, then tables and optimizer state after STEPS steps."""
     ebc = EmbeddingBagCollection(tables, seed=SEED)
     params = {name: table.weight for name, table in ebc.tables.items()}
-    rule = optimizer(opt_name)
-    torch_opt = {
-        "sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
-        "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
-        "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas, eps=rule.eps),
-        "rowwise": None,
-    }[opt_name]
-    opt = torch_opt(list(params.values())) if torch_opt else None
-    row_state = {name: torch.zeros(p.shape[0]) for name, p in params.items()}
+    updates = ReferenceUpdates(opt_name, params)
     world, total = len(batch_sizes), sum(batch_sizes)
     first_outputs = []
     for step in range(STEPS):
@@ -147,27 +139,54 @@ def reference(
         for p in params.values():
             p.grad = None
         loss.backward()
-        if opt is not None:
-            opt.step()
-            continue
+        updates.step()
+    tables_after = {name: p.detach().clone() for name, p in params.items()}
+    return first_outputs, tables_after, updates.state()
+
+
+class ReferenceUpdates:
+    """The reference updates of sparse table gradients: torch's SGD, Adagrad and SparseAdam, and
+    row-wise Adagrad written out (torch has none); `state()` in the fused optimizer's layout."""
+
+    def __init__(self, opt_name: str, params: dict[str, torch.Tensor]) -> None:
+        self.opt_name, self.params, self.rule = opt_name, params, optimizer(opt_name)
+        rule = self.rule
+        make = {
+            "sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
+            "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
+            "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas, eps=rule.eps),
+            "rowwise": None,
+        }[opt_name]
+        self.opt = make(list(params.values())) if make else None
+        self.row_state = {name: torch.zeros(p.shape[0]) for name, p in params.items()}
+
+    def step(self) -> None:
+        if self.opt is not None:
+            self.opt.step()
+            return
         with torch.no_grad():
-            for name, p in params.items():
+            for name, p in self.params.items():
+                if p.grad is None:
+                    continue
                 grad = p.grad.coalesce()
                 rows, values = grad.indices()[0], grad.values()
-                row_state[name][rows] += values.square().mean(1)
-                p[rows] -= rule.lr * values / (row_state[name][rows].sqrt() + rule.eps)[:, None]
-    tables_after = {name: p.detach().clone() for name, p in params.items()}
-    state: dict[str, dict] = {}
-    for name, p in params.items():
-        if opt_name == "rowwise":
-            state[name] = {"sum": row_state[name]}
-        elif opt_name == "adagrad":
-            state[name] = {"sum": opt.state[p]["sum"].to_dense()}
-        elif opt_name == "adam":
-            state[name] = {k: opt.state[p][k].to_dense() for k in ("exp_avg", "exp_avg_sq")}
-        else:
-            state[name] = {}
-    return first_outputs, tables_after, state
+                self.row_state[name][rows] += values.square().mean(1)
+                scale = self.row_state[name][rows].sqrt() + self.rule.eps
+                p[rows] -= self.rule.lr * values / scale[:, None]
+
+    def state(self) -> dict[str, dict]:
+        state: dict[str, dict] = {}
+        for name, p in self.params.items():
+            if self.opt_name == "rowwise":
+                state[name] = {"sum": self.row_state[name]}
+            elif self.opt_name == "adagrad":
+                state[name] = {"sum": self.opt.state[p]["sum"].to_dense()}
+            elif self.opt_name == "adam":
+                keys = ("exp_avg", "exp_avg_sq")
+                state[name] = {k: self.opt.state[p][k].to_dense() for k in keys}
+            else:
+                state[name] = {}
+        return state
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

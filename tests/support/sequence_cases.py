@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from embedding_cases import SEED, STEPS, optimizer
+from embedding_cases import SEED, STEPS, ReferenceUpdates
 
 from manualpar.embeddings import (
     EmbeddingCollection,
@@ -101,15 +101,7 @@ def reference(
     """Each rank's step-0 rows per feature, then tables and optimizer state after STEPS."""
     ec = EmbeddingCollection(TABLES, seed=SEED)
     params = {name: table.weight for name, table in ec.tables.items()}
-    rule = optimizer(opt_name)
-    make_torch = {
-        "sgd": lambda p: torch.optim.SGD(p, lr=rule.lr),
-        "adagrad": lambda p: torch.optim.Adagrad(p, lr=rule.lr, eps=rule.eps),
-        "adam": lambda p: torch.optim.SparseAdam(p, lr=rule.lr, betas=rule.betas, eps=rule.eps),
-        "rowwise": None,
-    }[opt_name]
-    opt = make_torch(list(params.values())) if make_torch else None
-    row_state = {name: torch.zeros(p.shape[0]) for name, p in params.items()}
+    updates = ReferenceUpdates(opt_name, params)
     world, total = len(batch_sizes), sum(batch_sizes)
     first: list[dict[str, torch.Tensor]] = []
     for step in range(STEPS):
@@ -123,25 +115,5 @@ def reference(
         for p in params.values():
             p.grad = None
         loss.backward()
-        if opt is not None:
-            opt.step()
-            continue
-        with torch.no_grad():
-            for name, p in params.items():
-                if p.grad is None:
-                    continue
-                grad = p.grad.coalesce()
-                rows, values = grad.indices()[0], grad.values()
-                row_state[name][rows] += values.square().mean(1)
-                p[rows] -= rule.lr * values / (row_state[name][rows].sqrt() + rule.eps)[:, None]
-    state: dict[str, dict] = {}
-    for name, p in params.items():
-        if opt_name == "rowwise":
-            state[name] = {"sum": row_state[name]}
-        elif opt_name == "adagrad":
-            state[name] = {"sum": opt.state[p]["sum"].to_dense()}
-        elif opt_name == "adam":
-            state[name] = {k: opt.state[p][k].to_dense() for k in ("exp_avg", "exp_avg_sq")}
-        else:
-            state[name] = {}
-    return first, {name: p.detach().clone() for name, p in params.items()}, state
+        updates.step()
+    return first, {name: p.detach().clone() for name, p in params.items()}, updates.state()
