@@ -46,3 +46,8 @@ class PlanError(ManualParError, ValueError):
 class NonFiniteError(ManualParError, ValueError):
     """`check_finite` found NaN or inf in a tensor; the message names the tensor, the count and
     the first bad index."""
+
+
+class MeshError(ManualParError, ValueError):
+    """A device mesh does not fit the job: sizes that do not multiply to the world size, a dim
+    name that does not exist, a node layout other than the launcher's."""

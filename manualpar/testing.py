@@ -78,7 +78,10 @@ def _child(
         if key.startswith(_LAUNCHER_PREFIXES):
             del os.environ[key]
     os.environ.update(env)
-    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    per_node = int(env["LOCAL_WORLD_SIZE"])  # ranks numbered node by node, as torchrun does
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["GROUP_RANK"] = str(rank // per_node)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
 
@@ -122,17 +125,26 @@ def run_distributed(
     collective_timeout: float = 10.0,
     env: Mapping[str, str] | None = None,
     allow_failure: bool = False,
+    local_world_size: int | None = None,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return each rank's value in order.
+
+    `local_world_size` simulates nodes: ranks are numbered node by node, each rank seeing its
+    LOCAL_RANK and node (GROUP_RANK) as under `torchrun --nnodes world/local`; default one node.
 
     With allow_failure=True, return a RankOutcome per rank instead of raising, so a test can
     assert how a failure surfaced on the surviving ranks.
     """
+    if local_world_size is not None and (local_world_size < 1 or world_size % local_world_size):
+        raise ValueError(
+            f"run_distributed: local_world_size={local_world_size} must divide "
+            f"world_size={world_size} (nodes of equal size)"
+        )
     ctx = _context()
     results = ctx.Queue()
     base_env = {
         "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size or world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         TIMEOUT_ENV_VAR: str(collective_timeout),

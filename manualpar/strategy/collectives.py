@@ -17,11 +17,16 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from manualpar.errors import CollectiveError
 from manualpar.strategy.differentiable import gather_with_gradient
 
-__all__ = ["Collectives", "PendingCollective", "ReduceOp"]
+__all__ = ["Collectives", "Group", "PendingCollective", "ReduceOp"]
+
+# Where a collective runs: the strategy's group (None), a process group, or a 1-D device mesh
+# (a dim of strategy.mesh(...), e.g. mesh["shard"]).
+Group = dist.ProcessGroup | DeviceMesh | None
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 _TORCH_OPS = {
@@ -102,14 +107,26 @@ class Collectives:
                 "check the other ranks' logs."
             ) from error
 
-    def group_size(self, group: dist.ProcessGroup | None = None) -> int:
+    def group_size(self, group: Group = None) -> int:
         """Ranks in `group` (default: the strategy's group; 1 without a process group)."""
+        if isinstance(group, DeviceMesh):
+            return _mesh_dim(group).size()
         if group is None or not self.is_distributed:
             return self.world_size
         return dist.get_world_size(group)
 
-    def _group(self, operation: str, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    def group_rank(self, group: Group = None) -> int:
+        """This rank's index inside `group` (its coordinate along a 1-D mesh)."""
+        if isinstance(group, DeviceMesh):
+            return _mesh_dim(group).get_local_rank()
+        if group is None or not self.is_distributed:
+            return self.rank
+        return dist.get_rank(group)
+
+    def _group(self, operation: str, group: Group) -> dist.ProcessGroup | None:
         """The group a collective runs over; a subgroup needs a process group to exist."""
+        if isinstance(group, DeviceMesh):
+            group = None if not self.is_distributed else _mesh_dim(group).get_group()
         if group is not None and not self.is_distributed:
             raise CollectiveError(
                 f"{operation}: a group was given but the strategy has no process group "
@@ -117,7 +134,7 @@ class Collectives:
             )
         return self.group if group is None else group
 
-    def _check_src(self, operation: str, src: int, group: dist.ProcessGroup | None = None) -> int:
+    def _check_src(self, operation: str, src: int, group: Group = None) -> int:
         """Validate a rank of the group; return it as torch's global rank."""
         size = self.group_size(group)
         if not 0 <= src < size:
@@ -132,9 +149,7 @@ class Collectives:
                 "gone, so the result would be this rank's value alone"
             )
 
-    def _check_same_meta(
-        self, operation: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-    ) -> None:
+    def _check_same_meta(self, operation: str, tensor: torch.Tensor, group: Group = None) -> None:
         """All-gather (ndim, shape, dtype) and raise on the first rank that differs."""
         if tensor.dim() > 14:
             raise ValueError(f"{operation}: tensors with more than 14 dims are not supported")
@@ -157,7 +172,7 @@ class Collectives:
                 "every rank must pass the same shape and dtype"
             )
 
-    def barrier(self, name: str | None = None, *, group: dist.ProcessGroup | None = None) -> None:
+    def barrier(self, name: str | None = None, *, group: Group = None) -> None:
         """Wait until every rank arrives (or raise CollectiveError after the timeout)."""
         label = f"barrier({name!r})" if name else "barrier"
         self._check_open(label)
@@ -169,7 +184,7 @@ class Collectives:
             else:
                 dist.barrier(group=self._group(label, group))
 
-    def broadcast(self, obj: T, src: int = 0, *, group: dist.ProcessGroup | None = None) -> T:
+    def broadcast(self, obj: T, src: int = 0, *, group: Group = None) -> T:
         """Send `obj` from rank `src` (of `group`) to all ranks and return it.
 
         A tensor is broadcast into the tensor each rank passed (same shape and dtype everywhere,
@@ -200,7 +215,7 @@ class Collectives:
         op: ReduceOp = "mean",
         dst: int | None = None,
         *,
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> torch.Tensor | None:
         """Reduce `value` over the ranks of `group` into a new tensor (the input is unchanged).
 
@@ -240,7 +255,7 @@ class Collectives:
         value: torch.Tensor | float,
         op: ReduceOp = "mean",
         *,
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> torch.Tensor:
         """`reduce` with the result on every rank."""
         result = self.reduce(value, op, group=group)
@@ -253,7 +268,7 @@ class Collectives:
         op: ReduceOp = "sum",
         *,
         name: str = "all_reduce",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> torch.Tensor:
         """Reduce `tensor` over the ranks in place (no copy: for large buffers) and return it."""
         if op not in _TORCH_OPS:
@@ -271,7 +286,7 @@ class Collectives:
         tensor: torch.Tensor,
         *,
         name: str = "all_reduce",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place; the result is `tensor` once waited."""
         self._check_open(name)
@@ -288,7 +303,7 @@ class Collectives:
         receive_splits: list[int],
         *,
         name: str = "all_to_all",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> PendingCollective:
         """Start an all_to_all_single of a flat `tensor`: `send_splits[r]` elements go to rank
         r, `receive_splits[r]` come from it. On one process nothing is sent (the splits to
@@ -327,7 +342,7 @@ class Collectives:
         receive_splits: list[int],
         *,
         name: str = "all_to_all",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
     ) -> torch.Tensor:
         """The blocking `all_to_all_async`: the received tensor."""
         return self.all_to_all_async(
@@ -338,7 +353,7 @@ class Collectives:
         self,
         tensor: torch.Tensor,
         *,
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         differentiable: bool = False,
     ) -> torch.Tensor:
         """Stack every rank's tensor into shape (group size, *shape).
@@ -361,7 +376,7 @@ class Collectives:
             )
         return torch.stack(parts)
 
-    def all_gather_object(self, obj: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, group: Group = None) -> list[Any]:
         """Every rank's picklable object, in rank order."""
         self._check_open("all_gather_object")
         if not self.is_distributed:
@@ -374,6 +389,19 @@ class Collectives:
     @property
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
+
+
+def _mesh_dim(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh passed as a collective's group must be one dim of a mesh (mesh["shard"])."""
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        raise ValueError(
+            f"a collective over a {mesh.ndim}-D mesh {dict(zip(names, mesh.shape, strict=False))} "
+            f"is ambiguous; pass one dim, e.g. group=mesh[{names[0]!r}]"
+            if names
+            else f"a collective over a {mesh.ndim}-D mesh is ambiguous; pass a 1-D mesh"
+        )
+    return mesh
 
 
 _KNOWN_DTYPES = (

@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from manualpar.strategy.collectives import Collectives
+    from manualpar.strategy.collectives import Collectives, Group
 
 __all__ = ["gather_with_gradient"]
 
@@ -26,7 +25,7 @@ class _GatherWithGradient(torch.autograd.Function):
         ctx: Any,
         tensor: torch.Tensor,
         strategy: Collectives,
-        group: dist.ProcessGroup | None,
+        group: Group,
         index: int,
     ) -> torch.Tensor:
         ctx.strategy, ctx.group, ctx.index = strategy, group, index
@@ -40,12 +39,9 @@ class _GatherWithGradient(torch.autograd.Function):
         return summed[ctx.index], None, None, None
 
 
-def gather_with_gradient(
-    strategy: Collectives, tensor: torch.Tensor, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def gather_with_gradient(strategy: Collectives, tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """`strategy.all_gather(tensor, differentiable=True)`; see the module docstring."""
     if not strategy.is_distributed:
         return tensor.unsqueeze(0)
-    over = strategy.group if group is None else group
-    index = dist.get_rank(over)
+    index = strategy.group_rank(group)
     return _GatherWithGradient.apply(tensor, strategy, group, index)

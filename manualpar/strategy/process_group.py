@@ -24,6 +24,7 @@ __all__ = [
     "adopted_environment",
     "destroy_group",
     "init_process_group",
+    "init_single_rank_group",
     "pick_device",
     "tear_down_at_exit",
 ]
@@ -180,6 +181,17 @@ def init_process_group(
     assert group is not None  # set by init_process_group
     _CREATED_GROUPS.add(group)
     return group
+
+
+def init_single_rank_group(backend: str, timeout: timedelta) -> None:
+    """A default group of this process alone (an in-memory store, no network), so that
+    torch's DeviceMesh, DTensor and FSDP APIs also run in a single-process job."""
+    dist.init_process_group(
+        backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    _CREATED_GROUPS.add(group)
 
 
 def destroy_group(group: dist.ProcessGroup | None) -> None:

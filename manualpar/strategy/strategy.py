@@ -17,16 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from manualpar.checkpoint.load import load_checkpoint
 from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
+from manualpar.errors import CollectiveError, MeshError
 from manualpar.seed import seed_everything
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
+from manualpar.strategy.mesh import build_mesh, check_node_layout, mesh_shape, rank_grid
 from manualpar.strategy.process_group import (
     adopted_environment,
     destroy_group,
     init_process_group,
+    init_single_rank_group,
     pick_device,
     tear_down_at_exit,
 )
@@ -77,6 +81,8 @@ class ManualParallelStrategy(Collectives):
         self._torn_down = False
         self.failed_collective: str | None = None  # the first collective that failed here
         self.group: dist.ProcessGroup | None = process_group
+        self._meshes: dict[tuple[tuple[str, int], ...], DeviceMesh] = {}
+        self._mesh_only_group = False  # a 1-rank default group made for mesh() at world size 1
         if self.group is None and self.world_size > 1:
             self.group = init_process_group(self.environment, self.backend, self.timeout)
             self._owns_group = True
@@ -100,8 +106,63 @@ class ManualParallelStrategy(Collectives):
         return self.environment.node_rank
 
     @property
+    def num_nodes(self) -> int:
+        """Nodes in the job, from the launcher's processes per node."""
+        return max(self.world_size // max(self.environment.local_world_size, 1), 1)
+
+    @property
     def is_global_zero(self) -> bool:
         return self.rank == 0
+
+    # ---- device meshes ----------------------------------------------------------------------
+    def mesh(self, **dims: int) -> DeviceMesh:
+        """A torch DeviceMesh over this job's ranks with the named dims, outer to inner.
+
+            mesh = strategy.mesh(replicate=2, shard=2)   # HSDP, 2-D tables: mesh["shard"]
+            mesh = strategy.mesh(node=2, local=4)         # the launcher's nodes x processes
+
+        Sizes must multiply to the world size (MeshError otherwise). Ranks fill the mesh
+        row-major, so with node-major ranks (torchrun, SLURM) the inner dims stay in a node.
+        `node` and `local` are checked against the launcher's layout. A collective call on
+        every rank the first time (it makes one process group per row of each dim, with the
+        strategy's timeout); the same dims return the same mesh afterwards. World size 1 works:
+        every dim has size 1 (a one-rank group is made if there is none).
+        """
+        self._check_open("mesh()")
+        names, sizes = mesh_shape(dims, self.world_size)
+        key = tuple(zip(names, sizes, strict=True))
+        if key in self._meshes:
+            return self._meshes[key]
+        if any(name in ("node", "local") for name in names):
+            check_node_layout(names, sizes, self.num_nodes, self.environment.local_world_size)
+            self._check_ranks_node_major()
+        if self.group is not None and self.group is not dist.group.WORLD:
+            raise CollectiveError(
+                "mesh(): the strategy adopted a subgroup; build meshes on a strategy over the "
+                "whole job (its group must be the default group)"
+            )
+        if not dist.is_initialized():  # world size 1, no group: a private one-rank group
+            init_single_rank_group(self.backend, self.timeout)
+            self._mesh_only_group = True
+            tear_down_at_exit(self)
+        ranks = range(self.world_size)
+        with self.collective_guard(f"mesh({', '.join(f'{n}={s}' for n, s in key)})"):
+            mesh = build_mesh(self.device.type, names, rank_grid(sizes, ranks), self.timeout)
+        self._meshes[key] = mesh
+        return mesh
+
+    def _check_ranks_node_major(self) -> None:
+        """Every rank must be node_rank * local_world_size + local_rank (agreed, so a launcher
+        that numbers ranks otherwise raises on every rank instead of hanging one)."""
+        env = self.environment
+        expected = env.node_rank * env.local_world_size + env.local_rank
+        wrong = self.all_reduce(float(expected != self.rank), op="max")
+        if float(wrong) > 0:
+            raise MeshError(
+                f"mesh(node=..., local=...): the launcher does not number ranks node by node "
+                f"(rank {self.rank} is node {env.node_rank}, local rank {env.local_rank} here, "
+                "or on another rank); name the dims otherwise and lay them out yourself"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -132,6 +193,10 @@ class ManualParallelStrategy(Collectives):
                 destroy_group(self.group)
         self._owns_group = False
         self.group = None
+        self._meshes.clear()
+        if self._mesh_only_group and dist.is_initialized():
+            destroy_group(dist.group.WORLD)
+        self._mesh_only_group = False
         self._torn_down = self.world_size > 1
 
     def __enter__(self) -> ManualParallelStrategy:
