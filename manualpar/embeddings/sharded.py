@@ -124,12 +124,11 @@ def shard_embeddings(
     layout.check_plan_size(plan.world_size)
     plan.validate(ebc.configs, layout.shard_size)
     claim(ebc, BUILDER)
-    kind = (
-        ShardedEmbeddingCollection
+    sharded = (
+        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
         if isinstance(ebc, EmbeddingCollection)
-        else ShardedEmbeddingBagCollection
+        else ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
     )
-    sharded = kind(ebc, strategy, plan, optimizer, normalize_by, layout)
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
 
