@@ -52,6 +52,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1024, help="global batch (all ranks)")
     parser.add_argument("--ids-per-bag", type=int, default=10)
+    parser.add_argument(
+        "--hot-rows",
+        type=int,
+        default=None,
+        help="draw ids from the first N rows only (skewed ids: fewer distinct rows per step)",
+    )
     parser.add_argument("--shard", type=int, default=None, help="shard dim (default: per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None)
     parser.add_argument("--steps", type=int, default=8)
@@ -67,6 +73,11 @@ def make_plan(args: argparse.Namespace, configs: list[EmbeddingBagConfig], ranks
         (lambda i: table_wise(i % ranks)) if args.plan == "table_wise" else (lambda i: row_wise())
     )
     return EmbeddingPlan(ranks, {c.name: place(i) for i, c in enumerate(configs)})
+
+
+def ids(args: argparse.Namespace, rank: int, world: int, step: int) -> torch.Tensor:
+    drawn = batch_ids(args, rank, world, step)
+    return drawn % args.hot_rows if args.hot_rows else drawn
 
 
 def count_bytes(strategy: mp.ManualParallelStrategy, per_node: int) -> tuple[Counts, Callable]:
@@ -113,7 +124,7 @@ def main() -> None:
     batch = local_batch(args, world)
     lengths = torch.full((args.tables * batch,), args.ids_per_bag, dtype=torch.int64)
     batches = [
-        SparseFeatures(keys, batch_ids(args, strategy.rank, world, step).flatten(), lengths)
+        SparseFeatures(keys, ids(args, strategy.rank, world, step).flatten(), lengths)
         for step in range(args.warmup + args.steps)
     ]
     variants = {}
