@@ -19,6 +19,7 @@ from data import Batch
 from einops import einsum, rearrange
 from metrics import distributed_auc
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import manualpar as mp
 from manualpar.embeddings import (
@@ -75,6 +76,21 @@ def make_plan(
     return EmbeddingPlan.from_json(Path(kind).read_text())
 
 
+def table_mesh(kind: str, strategy: mp.ManualParallelStrategy) -> DeviceMesh | None:
+    """ "1d" (tables sharded over every rank), "2d" (sharded over each node's processes,
+    replicated across nodes: the table all-to-alls stay inside a node) or "RxS" (explicit
+    replicate x shard sizes)."""
+    if kind == "1d":
+        return None
+    if kind == "2d":
+        shard = strategy.environment.local_world_size
+        return strategy.mesh(replicate=strategy.world_size // shard, shard=shard)
+    replicate, _, shard = kind.partition("x")
+    if not (replicate.isdigit() and shard.isdigit()):
+        raise ValueError(f"--mesh takes 1d, 2d or RxS (e.g. 2x2), got {kind!r}")
+    return strategy.mesh(replicate=int(replicate), shard=int(shard))
+
+
 class DLRM(mp.ParallelModule):
     """Click-through-rate model of DLRM's shape (Naumov et al., 2019).
 
@@ -95,8 +111,10 @@ class DLRM(mp.ParallelModule):
         lr: float = 1e-3,
         seed: int = 0,
         memory_budget_bytes: int | None = None,
+        mesh: str = "1d",
     ) -> None:
         super().__init__()
+        self.mesh_kind = mesh
         self.dim = tables[0].embedding_dim
         if any(t.embedding_dim != self.dim for t in tables):
             raise ValueError("DLRM needs one embedding_dim for all tables")
@@ -114,13 +132,16 @@ class DLRM(mp.ParallelModule):
         self.top = mlp([top_in, *top, 1], last_relu=False)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        plan = make_plan(self.plan_kind, self.tables, strategy.world_size)
+        mesh = table_mesh(self.mesh_kind, strategy)
+        shard_ranks = strategy.world_size if mesh is None else int(mesh.shape[1])
+        plan = make_plan(self.plan_kind, self.tables, shard_ranks)
         self.embeddings = shard_embeddings(
             self.embeddings,
             strategy,
             plan=plan,
             optimizer=RowWiseAdagrad(lr=self.emb_lr),
             memory_budget_bytes=self.memory_budget_bytes,
+            mesh=mesh,
         )
         mp.materialize(self, strategy, seed=self.seed)  # the MLPs: the same values on every rank
         self.bottom = mp.ddp(self.bottom, strategy)

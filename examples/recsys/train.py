@@ -74,6 +74,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="write OUT/plan.json for WORLD_SIZE ranks, print it and exit (allocates nothing)",
     )
+    add(
+        "--mesh",
+        default="1d",
+        help="tables: 1d (sharded over all ranks), 2d (sharded per node, replicated across "
+        "nodes) or RxS, e.g. 2x2",
+    )
     add("--val-every", type=int, default=100, help="validation AUC every N steps")
     add("--val-samples", type=int, default=8192, help="validation set size (all ranks)")
     add("--checkpoint-every", type=int, default=500)
@@ -165,6 +171,7 @@ def main() -> None:
             lr=args.lr,
             seed=args.seed,
             memory_budget_bytes=memory_budget(args, strategy.environment.local_world_size),
+            mesh=args.mesh,
         )
     model.setup(strategy)
     say(model.embeddings.plan.describe(tables))

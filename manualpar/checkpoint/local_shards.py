@@ -107,6 +107,7 @@ class LocalShards(torch.Tensor):
                 ),
             )
             for block in self.blocks
+            if block.primary  # one copy of a replicated block is written (the primary's)
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:

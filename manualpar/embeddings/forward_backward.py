@@ -37,6 +37,7 @@ from manualpar.embeddings.exchange import (
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.frozen import agreed_frozen, encode, frozen_tables
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.replica_combine import RowGradients, combine_replicas
 from manualpar.embeddings.routing import LocalShard, Routing
 from manualpar.embeddings.shard_compute import (
     BagGradients,
@@ -46,6 +47,7 @@ from manualpar.embeddings.shard_compute import (
     pooled_sum,
     row_gradients,
 )
+from manualpar.embeddings.table_mesh import TableMesh
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy, PendingCollective
@@ -67,6 +69,7 @@ class LookupContext:
     strategy: ManualParallelStrategy
     normalize_by: str
     device: torch.device
+    mesh: TableMesh  # the shard group the exchanges run in, and the replicas
 
     def name(self, table: int) -> str:
         return self.routing.tables[table].name
@@ -82,13 +85,40 @@ class LookupContext:
     def table_names(self) -> list[str]:
         return [config.name for config in self.routing.tables]
 
+    @property
+    def fuses_bags(self) -> bool:
+        """Whether the rule's fused pass runs: not when replicas must first sum row gradients
+        (2-D tables take the row-sum path, as global clipping does)."""
+        return self.optimizer.fuses_bags and not self.mesh.combines
+
     def exchange(
         self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
     ) -> PendingCollective:
-        """Start one all_to_all of the step (elements per rank); errors name `what`."""
+        """Start one all_to_all of the step inside the shard group (elements per rank of the
+        group); errors name `what`."""
         return self.strategy.all_to_all_async(
-            tensor, send, receive, name=f"{BUILDER}: {what} all_to_all"
+            tensor, send, receive, name=f"{BUILDER}: {what} all_to_all", group=self.mesh.shard
         )
+
+    def exchange_headers(self, header: torch.Tensor, width: int) -> list[list[int]]:
+        """Every job rank's size header (this rank sends `header`, `width` values per shard
+        group rank). Over the whole job, not just the shard group, so that every replica
+        agrees on refusals and frozen tables and knows the global batch; ranks outside the
+        shard group get a payload length of 0."""
+        mesh = self.mesh
+        rows = header.view(mesh.shard_size, width)
+        if mesh.shard_size != mesh.world_size:
+            full = rows[:1].repeat(mesh.world_size, 1)
+            full[:, 1] = 0
+            full[list(mesh.group_ranks)] = rows
+            rows = full
+        received = self.strategy.all_to_all(
+            rows.flatten(),
+            [width] * mesh.world_size,
+            [width] * mesh.world_size,
+            name=f"{BUILDER}: ids all_to_all",
+        )
+        return received.view(mesh.world_size, width).tolist()
 
 
 # forward ---------------------------------------------------------------------------------------
@@ -101,14 +131,14 @@ def lookup(
     rank, world = routing.rank, routing.world_size
     batch = features.batch_size
     lengths = features.lengths.view(len(routing.features), batch)
-    sizes, parts, ids_in, frozen = _send_ids(ctx, features, lengths)
+    sizes, parts, ids_in, frozen, job_batches = _send_ids(ctx, features, lengths)
     out = torch.zeros(batch, routing.total_dim, dtype=ctx.dtype, device=ctx.device)
     _add_own_pooled(ctx, parts[rank], out, batch)  # while the other ranks' ids travel
     _unpack_others(routing, ids_in.wait(), sizes, parts)
     pooled_in = _send_pooled(ctx, parts, out) if world > 1 else None
     local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank) for k in range(len(local))]
-    if ctx.optimizer.fuses_bags:  # while the pooled rows travel
+    if ctx.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
             if shard.table not in frozen:
                 shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
@@ -121,6 +151,7 @@ def lookup(
     return out, {
         "bags": bags,
         "batch_sizes": [size[0] for size in sizes],
+        "scales": sender_scales(ctx.normalize_by, [size[0] for size in sizes], job_batches),
         "features": feature_ids,
         "mean_scale": mean_scale,
         "frozen": frozen,
@@ -132,10 +163,11 @@ def _send_ids(
     ctx: LookupContext,
     features: SparseFeatures,
     lengths: torch.Tensor,
-) -> tuple[list[list[int]], list[list[SenderBags]], PendingCollective, frozenset[int]]:
+) -> tuple[list[list[int]], list[list[SenderBags]], PendingCollective, frozenset[int], list[int]]:
     """Exchange sizes (blocking), then send the ids (in flight on return). Returns every
-    rank's [batch, payload length, weighted], the bags per sender rank and local shard (only
-    this rank's own filled yet), the pending exchange and the frozen tables (agreed)."""
+    group rank's [batch, payload length, weighted], the bags per sender rank and local shard
+    (only this rank's own filled yet), the pending exchange, the frozen tables (agreed) and
+    every job rank's batch size."""
     routing = ctx.routing
     rank, world = routing.rank, routing.world_size
     weighted = features.weights is not None
@@ -144,11 +176,10 @@ def _send_ids(
     flags = encode(frozen_tables(ctx.tables, names), len(names))
     header = size_header(features.batch_size, payloads, weighted, flags)
     width = header_width(len(names))
-    received = ctx.exchange(header, [width] * world, [width] * world, "ids").wait()
-    headers = received.view(world, width).tolist()
+    headers = ctx.exchange_headers(header, width)
     check_refusals(headers)
     frozen = agreed_frozen([h[3:] for h in headers], names)
-    sizes = [h[:3] for h in headers]
+    sizes = [headers[g][:3] for g in ctx.mesh.group_ranks]
     others = [p for d, p in enumerate(payloads) if d != rank]
     pending = ctx.exchange(
         torch.cat(others) if others else payloads[rank][:0],
@@ -158,7 +189,7 @@ def _send_ids(
     )
     parts: list[list[SenderBags]] = [[] for _ in range(world)]
     parts[rank] = unpack_ids(routing, payloads[rank], features.batch_size, weighted)
-    return sizes, parts, pending, frozen
+    return sizes, parts, pending, frozen, [h[0] for h in headers]
 
 
 def _unpack_others(
@@ -275,8 +306,7 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
     optimizer.begin_update()
     if saved["mean_scale"] is not None:
         grad = grad * saved["mean_scale"]
-    batch_sizes = saved["batch_sizes"]
-    scales = sender_scales(ctx.normalize_by, batch_sizes)
+    batch_sizes, scales = saved["batch_sizes"], saved["scales"]
     routed = {route.table for routes in routing.routes_to for route in routes}
     grads_in = None
     if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
@@ -287,9 +317,11 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
     own = own_grad_blocks(routing, grad, full, frozen)
     own_scale = scales[routing.rank]
     alone = routing.world_size == 1
+    combining = ctx.mesh.combines
     # while the other ranks' gradients travel: rows only our own bags touched
     fused = [
         shard.table not in frozen
+        and not combining
         and _step_bags(
             ctx,
             shard,
@@ -304,6 +336,7 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
         if grads_in is not None
         else []
     )
+    summed_rows: list[tuple[LocalShard, RowGradients]] = []
     for k, (shard, bags) in enumerate(zip(local, all_bags, strict=True)):
         if shard.table in frozen:
             continue
@@ -318,19 +351,34 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
             rows, summed = row_gradients(
                 bags.ids, bags.lengths, bags.weights, bag_grads, shard.shard.rows, scale
             )
-            optimizer.update_rows(ctx.name(shard.table), ctx.weight(shard.table), rows, summed)
+            summed_rows.append((shard, (rows, summed)))
         elif not alone:
             _step_bags(ctx, shard, bags, grads, RowPass.REST)
+    _update_summed_rows(ctx, summed_rows)
     if not set(routing.data_parallel) <= frozen:
         _update_data_parallel(ctx, grad, saved, own_scale, frozen)
-    optimizer.finish_update(ctx.strategy)
+    optimizer.finish_update(ctx.strategy, group=ctx.mesh.shard)
 
 
-def sender_scales(normalize_by: str, batch_sizes: list[int]) -> list[float]:
-    """Weight of each rank's loss in the table gradient (1/world, or its sample share)."""
+def _update_summed_rows(ctx: LookupContext, updates: list[tuple[LocalShard, RowGradients]]) -> None:
+    """Apply the row sums; with replicas, summed over the replicas first (replica_combine.py)."""
+    parts = [part for _, part in updates]
+    if ctx.mesh.replicate is not None and ctx.mesh.combines:
+        parts = combine_replicas(ctx.strategy, ctx.mesh.replicate, parts)
+    for (shard, _), (rows, summed) in zip(updates, parts, strict=True):
+        ctx.optimizer.update_rows(ctx.name(shard.table), ctx.weight(shard.table), rows, summed)
+
+
+def sender_scales(
+    normalize_by: str, batch_sizes: list[int], job_batch_sizes: list[int] | None = None
+) -> list[float]:
+    """Weight of each sender's loss in the table gradient: 1 / (ranks of the job), or its
+    share of the job's samples. `job_batch_sizes`: every job rank's batch (default: the
+    senders are the whole job)."""
+    job = batch_sizes if job_batch_sizes is None else job_batch_sizes
     if normalize_by == "world_size":
-        return [1 / len(batch_sizes)] * len(batch_sizes)
-    total = sum(batch_sizes)
+        return [1 / len(job)] * len(batch_sizes)
+    total = sum(job)
     return [b / total if total else 0.0 for b in batch_sizes]
 
 

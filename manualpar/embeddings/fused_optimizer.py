@@ -37,6 +37,8 @@ from manualpar.embeddings.update_rules import SparseOptimizer, check_lr
 from manualpar.errors import BuilderError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["FusedOptimizer"]
@@ -60,12 +62,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows: dict[str, int],
         device: torch.device,
         full_tensor: Callable[[LocalShards], torch.Tensor],
+        *,
+        primary_replica: bool = True,
     ) -> None:
         super().__init__(list(weights.items()), {"lr": rule.lr})
         self.rule = rule
         self.num_updates = 0  # backwards taken (Adam's bias correction counts them)
         self._shards, self._dims, self._rows = shards, dims, rows
         self._full_tensor = full_tensor
+        self._primary_replica = primary_replica  # 2-D: the first replica's state is saved
         self.table_state: dict[str, dict[str, torch.Tensor]] = {
             name: rule.init_state(shard.rows, shard.cols, device)
             for name, shard in shards.items()
@@ -178,9 +183,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def finish_update(self, strategy: ManualParallelStrategy) -> None:
+    def finish_update(
+        self, strategy: ManualParallelStrategy, group: DeviceMesh | None = None
+    ) -> None:
         """At the end of each backward, on every rank: under global clipping, sum the squared
-        gradients over ranks (one all_reduce), scale and apply the deferred rows."""
+        gradients over the ranks of `group` (one all_reduce; the shard group of 2-D tables,
+        whose replicas hold the same summed gradients), scale and apply the deferred rows."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
@@ -188,7 +196,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         square = torch.zeros((), dtype=torch.float64, device=self._device())
         for table, _, _, summed in deferred:
             square += self._norm_share(table, summed)
-        strategy.all_reduce_(square, "sum", name="shard_embeddings: gradient norm all_reduce")
+        strategy.all_reduce_(
+            square, "sum", name="shard_embeddings: gradient norm all_reduce", group=group
+        )
         scale = clip_coefficient(square.sqrt(), self.rule.max_grad_norm)
         for table, weight, rows, summed in deferred:
             self._apply(table, weight, rows, summed * scale.to(summed.dtype))
@@ -217,7 +227,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if shard is None:  # no block of this table here: an entry without blocks
             return LocalShards(shape, [], torch.float32)
         tensor = self.table_state[table][key]
-        primary = not shard.replicated or shard.rank == 0
+        primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
         if per_row:  # column blocks all hold the same row statistics: one of them saves them
             primary = primary and shard.col_start == 0
             offsets: tuple[int, ...] = (shard.row_start,)

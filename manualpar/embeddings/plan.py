@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
+from manualpar.environment import detect_environment
 from manualpar.errors import PlanError
 
 __all__ = [
@@ -119,8 +120,12 @@ def column_wise(ranks: Sequence[int]) -> TablePlacement:
     return TablePlacement("column_wise", tuple(ranks))
 
 
-def table_row_wise(node: int, ranks_per_node: int) -> TablePlacement:
-    """Rows split over the ranks of one node: row-wise traffic stays on the node's fast links."""
+def table_row_wise(node: int, ranks_per_node: int | None = None) -> TablePlacement:
+    """Rows split over the ranks of one node: row-wise traffic stays on the node's fast links.
+    `ranks_per_node` defaults to the launcher's processes per node (LOCAL_WORLD_SIZE, SLURM's
+    or MPI's equivalent), the layout the strategy reads."""
+    if ranks_per_node is None:
+        ranks_per_node = detect_environment().local_world_size
     start = node * ranks_per_node
     return TablePlacement("table_row_wise", tuple(range(start, start + ranks_per_node)))
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from manualpar.embeddings.collection import EmbeddingBagCollection
 from manualpar.embeddings.config import (
     ROW_WISE_STATE,
@@ -93,6 +95,7 @@ def plan_collections(
     optimizer: SparseOptimizer | Mapping[str, SparseOptimizer] | None = None,
     pooling_factors: Mapping[str, Mapping[str, float]] | None = None,
     replicate_bytes: int = REPLICATE_BYTES,
+    mesh: DeviceMesh | None = None,
 ) -> dict[str, EmbeddingPlan]:
     """One plan per collection, made together: plan="auto"'s rules applied to the tables of all
     `collections` at once, so memory and lookups balance over every table of the model (planned
@@ -102,15 +105,19 @@ def plan_collections(
     `world`: the world size, or the strategy; with the strategy, `ranks_per_node` defaults to
     the node's ranks and, without `memory_budget_bytes`, the budget is the memory every rank can
     still allocate, as shard_embeddings(plan="auto") (a collective then: call it on every rank).
+    `mesh` (with the strategy): the shard dim of a 2-D mesh, e.g. `mesh["shard"]`; the plans are
+    then for its ranks, and `ranks_per_node` defaults to those of its ranks on one node.
     `optimizer` (whose state is counted) and `pooling_factors` ({table: mean ids per bag}) are
     one for all, or given per collection name. Hand each plan to
     `shard_embeddings(ebc, strategy, plan=plans[name], optimizer=...)`. With several
     collections, notes and errors name a table "collection.table".
     """
     configs = _collection_configs(collections)
+    if mesh is not None and not isinstance(world, ManualParallelStrategy):
+        raise PlanError("plan_collections(mesh=...): pass the strategy as `world` with a mesh")
     if isinstance(world, ManualParallelStrategy):
-        world_size = world.world_size
-        ranks_per_node = ranks_per_node or world.environment.local_world_size
+        world_size = world.world_size if mesh is None else world.group_size(mesh)
+        ranks_per_node = ranks_per_node or _ranks_per_node(world, mesh)
         measured = memory_budget_bytes is None
         budget = agreed_available_bytes(world) if measured else memory_budget_bytes
     elif isinstance(world, int) and not isinstance(world, bool):
@@ -159,6 +166,16 @@ def plan_collections(
         )
         for c, tables in configs.items()
     }
+
+
+def _ranks_per_node(strategy: ManualParallelStrategy, mesh: DeviceMesh | None) -> int:
+    """The launcher's processes per node, or how many ranks of the 1-D `mesh` share this
+    rank's node (ranks are numbered node by node)."""
+    per_node = strategy.environment.local_world_size
+    if mesh is None:
+        return per_node
+    members = mesh.mesh.flatten().tolist()
+    return sum(1 for r in members if r // per_node == strategy.rank // per_node)
 
 
 def _collection_configs(

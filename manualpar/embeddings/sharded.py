@@ -48,11 +48,14 @@ from manualpar.embeddings.sequence_sharded import (
     unit_bags,
 )
 from manualpar.embeddings.table_init import init_rows
+from manualpar.embeddings.table_mesh import TableMesh, table_mesh
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
 from manualpar.ownership import claim, mark_replaced
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection", "shard_embeddings"]
@@ -68,12 +71,19 @@ def shard_embeddings(
     *,
     memory_budget_bytes: int | None = None,
     normalize_by: str = "world_size",
+    mesh: DeviceMesh | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
     `plan`: "auto" (the planner; `memory_budget_bytes` per rank), an EmbeddingPlan, or a
     mapping table name -> placement for this world size. Meta tables are initialized per shard
     with the values the unsharded collection would have; real tables are copied block by block.
+
+    `mesh`: None (every rank of the job), or a 2-D `strategy.mesh(replicate=R, shard=S)`: dim 0
+    replicates, dim 1 shards (names are free); the plan is then for S ranks, each row of the
+    mesh holds a sharded copy, ids travel only within a row and the rows' table gradients are
+    summed before the update (table_mesh.py). The tables train to the numbers of a 1-D
+    collection over all R x S ranks.
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -104,18 +114,20 @@ def shard_embeddings(
         raise BuilderError(
             f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
         )
+    layout = table_mesh(mesh, strategy)
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
-        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes)
+        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout)
     elif not isinstance(plan, EmbeddingPlan):
-        plan = EmbeddingPlan(strategy.world_size, dict(plan))
-    plan.validate(ebc.configs, strategy.world_size)
+        plan = EmbeddingPlan(layout.shard_size, dict(plan))
+    layout.check_plan_size(plan.world_size)
+    plan.validate(ebc.configs, layout.shard_size)
     claim(ebc, BUILDER)
     sharded = (
-        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by)
+        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
         if isinstance(ebc, EmbeddingCollection)
-        else ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by)
+        else ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
     )
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
@@ -126,13 +138,19 @@ def _auto_plan(
     strategy: ManualParallelStrategy,
     optimizer: SparseOptimizer,
     budget: int | None,
+    layout: TableMesh,
 ) -> EmbeddingPlan:
-    """The planner's plan, within `budget` bytes per rank; by default the memory every rank can
-    still allocate, so a table that cannot fit is named before anything is allocated."""
+    """The planner's plan for the shard group, within `budget` bytes per rank; by default the
+    memory every rank can still allocate, so a table that cannot fit is named before anything
+    is allocated."""
     from manualpar.embeddings.planner import plan_collections
 
     plans = plan_collections(
-        {"tables": ebc}, strategy, memory_budget_bytes=budget, optimizer=optimizer
+        {"tables": ebc},
+        strategy,
+        memory_budget_bytes=budget,
+        optimizer=optimizer,
+        mesh=layout.shard if layout.replicate is not None else None,
     )
     return plans["tables"]
 
@@ -145,14 +163,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         plan: EmbeddingPlan,
         optimizer: SparseOptimizer,
         normalize_by: str,
+        layout: TableMesh | None = None,
     ) -> None:
         super().__init__()
+        self.mesh = layout = layout or table_mesh(None, strategy)
         self.configs = ebc.configs
         self.seed = ebc.seed
         self.plan = plan
         self.strategy = strategy
         self.normalize_by = normalize_by
-        self.routing = Routing(ebc.configs, plan, strategy.rank)
+        self.routing = Routing(ebc.configs, plan, layout.shard_rank)
         self.feature_names = tuple(name for name, _ in self.routing.features)
         device = strategy.device
         self.tables = nn.ModuleDict()
@@ -181,12 +201,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             {c.name: c.num_embeddings for c in self.configs},
             device,
             self._full_tensor,
+            primary_replica=layout.primary,
         )
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.lookup_context = LookupContext(
-            self.routing, self.tables, self.fused_optimizer, strategy, normalize_by, device
+            self.routing, self.tables, self.fused_optimizer, strategy, normalize_by, device, layout
         )
 
     def extra_repr(self) -> str:
@@ -211,11 +232,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _refuse_step(self) -> None:
         """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
         ranks stop at this step with an error instead of waiting for the collective timeout."""
-        world = self.strategy.world_size
-        if world > 1:
+        if self.strategy.world_size > 1:
             width = header_width(len(self.configs))
-            refused = torch.full((width * world,), REFUSED, device=self.strategy.device)
-            self.lookup_context.exchange(refused, [width] * world, [width] * world, "ids").wait()
+            group = self.mesh.shard_size
+            refused = torch.full((width * group,), REFUSED, device=self.strategy.device)
+            self.lookup_context.exchange_headers(refused, width)
 
     def checkpoint_entries(self) -> dict[str, Any]:
         """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
@@ -236,7 +257,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         shape = (config.num_embeddings, config.embedding_dim)
         if shard is None:
             return LocalShards(shape, [], table.weight.dtype)
-        primary = not shard.replicated or shard.rank == 0
+        primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
         return LocalShards(
             shape,
             [Block((shard.row_start, shard.col_start), table.weight.data, primary)],
@@ -321,8 +342,9 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         plan: EmbeddingPlan,
         optimizer: SparseOptimizer,
         normalize_by: str,
+        layout: TableMesh | None = None,
     ) -> None:
-        super().__init__(ec, strategy, plan, optimizer, "world_size")  # see sample_share
+        super().__init__(ec, strategy, plan, optimizer, "world_size", layout)  # see sample_share
         self.normalize_by = normalize_by
 
     @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")

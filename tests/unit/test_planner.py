@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from manualpar.embeddings import SGD, Adam, EmbeddingBagConfig, RowWiseAdagrad
+from manualpar.embeddings import SGD, Adam, EmbeddingBagConfig, RowWiseAdagrad, table_row_wise
 from manualpar.embeddings.config import block_bytes
 from manualpar.embeddings.plan import TablePlacement
 from manualpar.embeddings.planner import plan_tables, plan_uniform, table_bytes
@@ -87,3 +87,18 @@ def test_uniform_plan_over_the_budget_names_the_rank() -> None:
         plan_uniform("table_wise", tables, 2, memory_budget_bytes=size - 1)
     with pytest.raises(PlanError, match=r"sharding must be one of .*got 'diagonal'"):
         plan_uniform("diagonal", tables, 2)
+
+
+def test_table_row_wise_defaults_to_the_launchers_processes_per_node(monkeypatch):
+    for key, value in {
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
+        monkeypatch.setenv(key, value)
+    assert table_row_wise(1).ranks == (2, 3)
+    assert table_row_wise(1, 3).ranks == (3, 4, 5)
