@@ -51,12 +51,14 @@ def refuse_taken(module: nn.Module, builder: str, mesh: DeviceMesh | None, world
         return
     before = mesh_label(mesh_of(module), world_size)
     now = mesh_label(mesh, world_size)
-    where = f"on {before}" + (f", now {builder}() on {now}" if before != now else "")
+    where = f"{previous}() ran on {before}" + (
+        f", this {builder}() call on {now}" if before != now else ""
+    )
     raise BuilderError(
-        f"{builder}(): module {type(module).__name__} was already set up by {previous}() "
-        f"({where}); a parameter is sharded or replicated over one mesh only: call one builder "
-        "per module (for HSDP pass the 2-D mesh to one fsdp() call; for tensor parallel call "
-        "tp() first, then fsdp() on another dim of the same mesh)"
+        f"{builder}(): module {type(module).__name__} was already set up by {previous}(); call "
+        f"each builder once per module, on disjoint submodules ({where}; for HSDP pass the 2-D "
+        "mesh to one fsdp() call; for tensor parallel call tp() first, then fsdp() on another "
+        "dim of the same mesh)"
     )
 
 
