@@ -72,7 +72,8 @@ def refuse_tp_params(
     for name, param in named:
         if owner_of(param) == TP:
             raise BuilderError(
-                f"{builder}(): parameter {name!r} {tuple(param.shape)} is sharded by tp() over "
+                f"{builder}(): parameter {name if name.isdigit() else repr(name)} "
+                f"{tuple(param.shape)} is sharded by tp() over "
                 f"{mesh_label(mesh_of(param), world_size)}, but {builder}() would replicate it "
                 f"over {mesh_label(mesh, world_size)}; shard the data-parallel dim of tp's "
                 "parameters with fsdp(module, strategy, mesh=mesh['dp']) (another dim of the "

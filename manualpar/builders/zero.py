@@ -52,7 +52,10 @@ def zero_optimizer(
     items, tensors = _normalize(params)
     name = f"zero_optimizer({optimizer_class.__name__})"
     refuse_tp_params(
-        ((f"{index}", t) for index, t in enumerate(tensors)), name, over, strategy.world_size
+        ((f"{index}", t) for index, t in enumerate(tensors)),
+        "zero_optimizer",
+        over,
+        strategy.world_size,
     )
     _check_params(tensors, name)
     if not strategy.is_distributed:
