@@ -61,7 +61,11 @@ def tp(
     sharded: the module is moved to (or materialized on) the strategy's device.
     """
     over = builder_mesh(mesh, strategy, TP, (1,))
-    assert over is not None
+    if over is None:
+        raise BuilderError(
+            "tp(): mesh= is required: the tp dim of a strategy mesh, e.g. "
+            "mesh = strategy.mesh(dp=2, tp=2); tp(module, strategy, mesh=mesh['tp'], plan=...)"
+        )
     styles = _resolve(module, plan)
     _check_free(module, styles, over, strategy.world_size)
     old = [p for path in styles for p in module.get_submodule(path).parameters()]

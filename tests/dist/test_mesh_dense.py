@@ -50,6 +50,7 @@ def test_fsdp_times_tp_matches_one_process() -> None:
         assert got["placements"]["head.weight"] == "(Shard(dim=0),)"
         _same_state(got["initial"], eager)  # meta init with tp + fsdp == eager init
         _same_state(got["tp_alone"], eager)  # and with tp alone
+        _same_state(got["tp_eager"], eager)  # tp of a module built eagerly keeps its values
         assert got["tp_alone_local"] == (4, 6)
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)  # clip_grad_norm_ on 2-D
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)

@@ -200,7 +200,9 @@ def fsdp_tp() -> dict[str, Any]:
         with mp.empty_init():
             alone = MLP()
         mp.tp(alone, strategy, mesh=mesh["tp"], plan=TP_PLAN)
+        eager = mp.tp(make_mlp(), strategy, mesh=mesh["tp"], plan=TP_PLAN)  # tp rank 0's values
         return {
+            "tp_eager": _full(eager),
             "placements": placements,
             "initial": initial,
             "errors": errors,

@@ -49,6 +49,8 @@ def test_bad_meshes(strategy: mp.ManualParallelStrategy) -> None:
         mp.ddp(make_mlp(), strategy, mesh=two)
     with pytest.raises(mp.BuilderError, match=r"zero_optimizer\(\): takes a 1-D mesh"):
         mp.zero_optimizer(make_mlp().parameters(), torch.optim.SGD, strategy, mesh=two, lr=0.1)
+    with pytest.raises(mp.BuilderError, match=r"tp\(\): mesh= is required"):
+        mp.tp(make_mlp(), strategy, mesh=None, plan=TP_PLAN)  # type: ignore[arg-type]
     with pytest.raises(mp.BuilderError, match="expected a DeviceMesh"):
         mp.tp(make_mlp(), strategy, mesh="tp", plan=TP_PLAN)  # type: ignore[arg-type]
 
