@@ -1,7 +1,7 @@
 """manualpar: manual-parallelism research framework for PyTorch.
 
-The strategy owns ranks, collectives and checkpoint IO; your module composes DDP, FSDP and
-sharded embedding tables itself in `setup(strategy)`.
+The strategy owns ranks, collectives and checkpoint IO; your module composes DDP, FSDP, tensor
+parallel and sharded embedding tables itself in `setup(strategy)`.
 """
 
 from manualpar.builders import (
@@ -11,6 +11,7 @@ from manualpar.builders import (
     set_batch_size,
     sharded_grad_scaler,
     total_grad_norm,
+    tp,
     zero_optimizer,
 )
 from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
@@ -86,5 +87,6 @@ __all__ = [
     "shard_embeddings",
     "sharded_grad_scaler",
     "total_grad_norm",
+    "tp",
     "zero_optimizer",
 ]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from manualpar.errors import BuilderError
 
@@ -346,20 +346,20 @@ def _set_slot(module: nn.Module, kind: str, key: str, value: torch.Tensor, grad:
 
 
 def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of `full` under FSDP2's dim-0 sharding (torch.chunk sizes); the whole
-    tensor for a plain one."""
+    """This rank's part of `full` under the placements of the DTensor `param` (FSDP's dim-0
+    shards, HSDP's (Replicate, Shard(0)), tensor parallel's row or column shards, and their 2-D
+    compositions), cut locally with torch's own chunking (no collective; one full parameter at a
+    time visits the mesh's device); the whole tensor for a plain one."""
     if not isinstance(param, DTensor):
         return full
-    mesh = param.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
-    rows = full.shape[0]
-    per_rank = -(-rows // world)
-    start = min(rank * per_rank, rows)
-    local = full[start : start + per_rank]
+    local = distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
     if tuple(local.shape) != tuple(param.to_local().shape):
         raise BuilderError(
-            f"fsdp(): cannot place the initialized {tuple(full.shape)} parameter: expected a "
-            f"local shard of {tuple(local.shape)}, FSDP holds {tuple(param.to_local().shape)}"
+            f"materialize: cannot place the initialized {tuple(full.shape)} parameter: its "
+            f"placements {param.placements} give a local shard of {tuple(local.shape)}, but "
+            f"the module holds {tuple(param.to_local().shape)}"
         )
     return local
 

@@ -5,7 +5,9 @@ parameter belongs to exactly one builder; claiming a module twice raises Builder
 skip parameters and submodules that others own (DDP ignores them, FSDP leaves them unsharded).
 A builder that updates its parameters itself (a fused optimizer inside backward) claims them
 with `trains_itself=True`, so `ParallelModule.dense_parameters()` leaves them out of the dense
-optimizer without knowing any builder by name.
+optimizer without knowing any builder by name. A builder that runs over a device mesh records it
+with the claim (`mesh_of`), so a later builder over the same parameters can check that the two
+meshes compose and name both when they do not.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from manualpar.errors import BuilderError
 
@@ -22,6 +25,7 @@ __all__ = [
     "claim",
     "claimed_submodules",
     "mark_replaced",
+    "mesh_of",
     "owned_by_others",
     "owner_of",
     "replaced_by",
@@ -34,6 +38,7 @@ _OWNER = "_manualpar_owner"  # on a parameter: the builder that owns it
 _TRAINS_ITSELF = "_manualpar_trained_by_owner"  # on a parameter: its owner updates it
 _BUILDER = "_manualpar_builder"  # on a module: the builder that took it over
 _REPLACED = "_manualpar_replaced_by"  # on a parameter: the builder that swapped it out
+_MESH = "_manualpar_mesh"  # on a module or parameter: the device mesh its builder ran over
 
 
 def owner_of(param: torch.Tensor) -> str | None:
@@ -44,6 +49,11 @@ def owner_of(param: torch.Tensor) -> str | None:
 def trained_by_owner(param: torch.Tensor) -> bool:
     """True if the owning builder updates `param` itself (no dense optimizer may hold it)."""
     return bool(getattr(param, _TRAINS_ITSELF, False))
+
+
+def mesh_of(obj: nn.Module | torch.Tensor) -> DeviceMesh | None:
+    """The mesh the builder that claimed `obj` ran over (None: the strategy's whole group)."""
+    return getattr(obj, _MESH, None)
 
 
 def builder_of(module: nn.Module) -> str | None:
@@ -57,8 +67,12 @@ def claim(
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
     *,
     trains_itself: bool = False,
+    mesh: DeviceMesh | None = None,
+    take_module: bool = True,
 ) -> None:
-    """Record `builder` as the owner of the given (default: all unowned) parameters of `module`.
+    """Record `builder` as the owner of the given (default: all unowned) parameters of `module`,
+    with the mesh it ran over. `take_module=False` claims only the parameters (a builder such as
+    tp that leaves the module itself to another builder).
 
     Raises BuilderError if the module itself was already taken over by a builder.
     """
@@ -68,9 +82,12 @@ def claim(
             f"{builder}(): module {type(module).__name__} was already set up by {previous}(); "
             "call each builder once per module, on disjoint submodules"
         )
-    object.__setattr__(module, _BUILDER, builder)
+    if take_module:
+        object.__setattr__(module, _BUILDER, builder)
+        object.__setattr__(module, _MESH, mesh)
     for _, param in params if params is not None else unowned_parameters(module):
         setattr(param, _OWNER, builder)
+        setattr(param, _MESH, mesh)
         if trains_itself:
             setattr(param, _TRAINS_ITSELF, True)
 

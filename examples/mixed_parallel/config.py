@@ -24,6 +24,7 @@ class RunConfig:
     batch_size: int = 48  # global: all ranks together
     eval_batch_size: int = 96  # global, fixed: the evaluation batch
     seed: int = 0
+    mesh: str = "flat"  # how the blocks are laid out over ranks; a resumed run may change it
 
     def model(self) -> TinyLM:
         """The model (call under mp.empty_init() to declare it on meta)."""
@@ -35,6 +36,7 @@ class RunConfig:
             max_len=self.seq_len,
             lr=self.lr,
             seed=self.seed,
+            mesh=self.mesh,
         )
 
     def data(self) -> MarkovText:

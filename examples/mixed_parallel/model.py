@@ -6,9 +6,17 @@ initializes only its shards, with the values the unsharded blocks would have), m
 allocates the token/position embedding and the final norm + head, and ddp() wraps those two. The
 blocks hold almost all parameters, so they are what is worth sharding; the embedding and head
 are small and replicated, with their gradients all-reduced by DDP.
+
+`mesh="hsdp"` shards the blocks over pairs of ranks and replicates them across the pairs (HSDP on
+`strategy.mesh(replicate=W/2, shard=2)`). `mesh="fsdp-tp"` adds tensor parallel: each block's MLP
+is split over pairs of ranks (colwise then rowwise, one all-reduce per MLP) and fsdp shards the
+blocks over the other dim of `strategy.mesh(dp=W/2, tp=2)`; the two ranks of a tp pair read the
+same batch (`data_ranks`), and the embedding and head are averaged by DDP over the dp dim only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,16 @@ from einops import rearrange
 from torch import nn
 
 import manualpar as mp
+
+MESHES = ("flat", "hsdp", "fsdp-tp")
+
+
+@dataclass(frozen=True)
+class DataRanks:
+    """Which share of each global batch a rank reads: its data-parallel index and count."""
+
+    rank: int
+    world_size: int
 
 
 class Attention(nn.Module):
@@ -78,18 +96,38 @@ class TinyLM(mp.ParallelModule):
         max_len: int = 64,
         lr: float = 3e-3,
         seed: int = 0,
+        mesh: str = "flat",
     ) -> None:
         super().__init__()
-        self.lr, self.seed = lr, seed
+        if mesh not in MESHES:
+            raise ValueError(f"mesh must be one of {MESHES}, got {mesh!r}")
+        self.lr, self.seed, self.mesh = lr, seed, mesh
+        self.data_ranks = DataRanks(0, 1)
         self.embed = Embedding(vocab, width, max_len)
         self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
         self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,))  # only this rank's shards
+        self.data_ranks = DataRanks(strategy.rank, strategy.world_size)
+        pairs = 2 if strategy.world_size % 2 == 0 else 1
+        dp = None
+        if self.mesh == "flat":
+            self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,))  # only this rank's shards
+        elif self.mesh == "hsdp":
+            hsdp = strategy.mesh(replicate=strategy.world_size // pairs, shard=pairs)
+            self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,), mesh=hsdp)
+        else:
+            mesh = strategy.mesh(dp=strategy.world_size // pairs, tp=pairs)
+            plan = {}
+            for i in range(len(self.blocks)):
+                plan |= {f"{i}.mlp.0": "colwise", f"{i}.mlp.2": "rowwise"}
+            mp.tp(self.blocks, strategy, mesh=mesh["tp"], plan=plan)  # type: ignore[arg-type]
+            self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,), mesh=mesh["dp"])
+            dp = mesh["dp"]
+            self.data_ranks = DataRanks(strategy.group_rank(dp), strategy.group_size(dp))
         mp.materialize(self, strategy, seed=self.seed)  # embed + head, equal on every rank
-        self.embed = mp.ddp(self.embed, strategy)
-        self.head = mp.ddp(self.head, strategy)
+        self.embed = mp.ddp(self.embed, strategy, mesh=dp)
+        self.head = mp.ddp(self.head, strategy, mesh=dp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, time, vocab) for the next token at every position."""
@@ -107,7 +145,8 @@ class TinyLM(mp.ParallelModule):
     @torch.no_grad()
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
         """Mean loss over the whole global batch: every rank's token losses summed, so the value
-        does not depend on how the batch was split over ranks."""
+        does not depend on how the batch was split over ranks (tp pairs count theirs twice, in
+        the sum and in the count alike)."""
         assert self.strategy is not None
         losses = self.losses(batch).double()
         totals = self.strategy.all_reduce(

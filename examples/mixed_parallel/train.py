@@ -3,6 +3,13 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
         examples/mixed_parallel/train.py --out runs/mixed
 
+`--mesh hsdp` shards the blocks over pairs of ranks and replicates them across pairs (HSDP);
+`--mesh fsdp-tp` splits each block's MLP over pairs of ranks (tensor parallel) and shards the
+blocks over the other dim (FSDP x TP), e.g. on 4 processes:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        examples/mixed_parallel/train.py --out runs/mixed-tp --mesh fsdp-tp
+
 Runs as one process too (`python examples/mixed_parallel/train.py`). The text is synthetic: a
 fixed random second-order Markov chain (data.py), so the best possible loss is known. The
 Trainer checkpoints to OUT/checkpoints, appends metrics to OUT/metrics.jsonl (with the loss on
@@ -18,6 +25,7 @@ import time
 
 import torch
 from config import RunConfig
+from model import MESHES
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
@@ -49,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--heads", type=int, default=defaults.heads, help="attention heads")
     add("--lr", type=float, default=defaults.lr, help="Adam learning rate")
     add("--seed", type=int, default=defaults.seed, help="seeds the chain, the data and the init")
+    add("--mesh", choices=MESHES, default="flat", help="flat fsdp, hsdp, or fsdp-tp (see above)")
     add("--val-every", type=int, default=50, help="evaluation loss every N steps")
     add("--checkpoint-every", type=int, default=100)
     add("--log-every", type=int, default=10)
@@ -84,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         eval_batch_size=args.eval_batch_size,
         seed=args.seed,
+        mesh=args.mesh,
     )
     if RunConfig.exists(args.out) and mp.latest_checkpoint(f"{args.out}/checkpoints"):
         changed = config.shape_changes(RunConfig.load(args.out))
@@ -125,10 +135,15 @@ def main(argv: list[str] | None = None) -> None:
             f"process(es))"
         )
     started = time.perf_counter()
-    trainer.fit(model, data.train, val_data=data.validation)
+    ranks = model.data_ranks  # tp pairs read the same share of each batch
+    trainer.fit(
+        model,
+        lambda step, _: data.train(step, ranks),
+        val_data=lambda index, _: data.validation(index, ranks),
+    )
     seconds = time.perf_counter() - started
     model.eval()
-    final = model.validation_step(data.validation(0, strategy))
+    final = model.validation_step(data.validation(0, ranks))
     steps = trainer.step - first
     if steps:
         say(

@@ -16,6 +16,10 @@ samples of the accumulated forwards are added up, and the rank's accumulated gra
 the gradient of the mean over all of them (equal micro-batches with the loss divided by their
 number, as with plain DDP). DDP's `join()` for uneven inputs is not supported in this mode: a rank
 without data forwards an empty batch instead (its gradient then counts with weight 0).
+
+`mesh=` (a 1-D DeviceMesh, e.g. `strategy.mesh(replicate=2, shard=2)["replicate"]`) runs DDP over
+that dim's ranks only: gradients are averaged (or sample-weighted) inside each row of the dim, and
+the sample count of "global_samples" is counted over the same ranks.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from manualpar.builders.meshes import builder_mesh, refuse_taken, refuse_tp_params
 from manualpar.errors import BuilderError
-from manualpar.ownership import builder_of, claim, claimed_submodules, owner_of
+from manualpar.ownership import claim, claimed_submodules, owner_of
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -47,9 +53,11 @@ def ddp(
     strategy: ManualParallelStrategy,
     *,
     normalize_by: NormalizeBy = "world_size",
+    mesh: DeviceMesh | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
-    """Wrap `module` in DistributedDataParallel on the strategy's group and device.
+    """Wrap `module` in DistributedDataParallel on the strategy's group (or the 1-D `mesh`'s
+    ranks) and device.
 
     Parameters other builders own (and buffers of submodules they took) are left out of DDP. With
     world size 1 the module is returned unwrapped (there is no process group), but still claimed.
@@ -64,10 +72,15 @@ def ddp(
             f"ddp(): the module is already a DistributedDataParallel (around "
             f"{type(module.module).__name__}); call ddp() once per module"
         )
-    if builder_of(module) is not None:
-        claim(module, "ddp")  # raises ownership's "already set up by <builder>()" error
+    over = builder_mesh(mesh, strategy, "ddp", (1,))
+    refuse_taken(module, "ddp", over, strategy.world_size)
     if "process_group" in ddp_kwargs:
-        raise BuilderError("ddp(): process_group comes from the strategy; do not pass it")
+        raise BuilderError(
+            "ddp(): process_group comes from the strategy (or mesh=); do not pass it"
+        )
+    refuse_tp_params(
+        module.named_parameters(remove_duplicate=False), "ddp", over, strategy.world_size
+    )
     taken, ignored = _split(module)
     left_on_meta = [n for n, p in taken if p.is_meta] + [
         n for n, b in module.named_buffers() if b.is_meta and n not in ignored
@@ -97,7 +110,7 @@ def ddp(
             f"rank's device is {strategy.device}; move them there first, or pass device_ids= "
             "for a module that spans devices"
         )
-    claim(module, "ddp", params=taken)  # last check passed: nothing below refuses the module
+    claim(module, "ddp", params=taken, mesh=over)  # nothing below refuses the module
     object.__setattr__(module, _NORMALIZE_MARK, normalize_by)
     if not strategy.is_distributed:
         return module
@@ -109,8 +122,9 @@ def ddp(
     if strategy.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [strategy.device.index])
     if normalize_by == "global_samples":
-        return GlobalSamplesDDP(module, strategy, **ddp_kwargs)
-    return DistributedDataParallel(module, process_group=strategy.group, **ddp_kwargs)
+        return GlobalSamplesDDP(module, strategy, mesh=over, **ddp_kwargs)
+    group = strategy.group if over is None else over.get_group()
+    return DistributedDataParallel(module, process_group=group, **ddp_kwargs)
 
 
 def _split(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], set[str]]:
@@ -149,6 +163,7 @@ class _SampleCount:
     """Per-step sample counts shared by a GlobalSamplesDDP forward and its comm hook."""
 
     strategy: ManualParallelStrategy
+    mesh: DeviceMesh | None = None  # the ranks samples are counted over (None: all)
     explicit: int | None = None  # from set_batch_size, for the next forward only
     pending: int = 0  # samples of no_sync forwards since the last synchronizing one
     local: int = 0  # this rank's samples in the step being synchronized
@@ -162,7 +177,7 @@ class _SampleCount:
             return
         self.local, self.pending = self.pending, 0
         count = torch.tensor(self.local, dtype=torch.int64, device=self.strategy.device)
-        total = self.strategy.all_reduce(count, op="sum")  # the one extra tiny collective
+        total = self.strategy.all_reduce(count, op="sum", group=self.mesh)  # one tiny collective
         self.scale = self.local / total.clamp(min=1)
 
 
@@ -180,7 +195,9 @@ def _global_samples_hook(
         buffer.zero_()  # an empty batch's mean loss is NaN; it contributes nothing
     else:
         buffer.mul_(state.scale)
-    return state.strategy.all_reduce_async(buffer, name="ddp: gradient bucket all_reduce").future()
+    return state.strategy.all_reduce_async(
+        buffer, name="ddp: gradient bucket all_reduce", group=state.mesh
+    ).future()
 
 
 # DDP compares the hook's annotations with the real types; `from __future__ import annotations`
@@ -193,9 +210,16 @@ _global_samples_hook.__annotations__.update(
 class GlobalSamplesDDP(DistributedDataParallel):
     """DistributedDataParallel whose gradient is the mean over all ranks' samples, not ranks."""
 
-    def __init__(self, module: nn.Module, strategy: ManualParallelStrategy, **kwargs: Any) -> None:
-        super().__init__(module, process_group=strategy.group, **kwargs)
-        self._samples = _SampleCount(strategy)
+    def __init__(
+        self,
+        module: nn.Module,
+        strategy: ManualParallelStrategy,
+        mesh: DeviceMesh | None = None,
+        **kwargs: Any,
+    ) -> None:
+        group = strategy.group if mesh is None else mesh.get_group()
+        super().__init__(module, process_group=group, **kwargs)
+        self._samples = _SampleCount(strategy, mesh)
         self.register_comm_hook(self._samples, _global_samples_hook)
 
     def set_batch_size(self, n: int) -> None:

@@ -7,13 +7,20 @@ A plain torch optimizer created after setup then updates only the local shards.
 Built on meta: the module is sharded first, then only the local shards are allocated and
 initialized. Initialization runs each submodule's `reset_parameters()` on a temporary full CPU
 copy of that submodule's own parameters (one submodule at a time) and keeps this rank's slice,
-so the result equals eager construction under the same `torch.manual_seed`, for any world size
-and device. (DTensor random ops are not used: on CPU they draw every shard from the start of the
-generator, and on CUDA they follow another RNG, so neither matches eager init.) Submodules are
+so the result equals eager construction under the same `torch.manual_seed`, for any world size,
+mesh (FSDP, HSDP, FSDP over tp's shards) and device. (DTensor random ops are not used: on CPU
+they draw every shard from the start of the generator, and on CUDA they follow another RNG, so
+neither matches eager init.) Submodules are
 initialized in registration order (`module.modules()`, parents before children), which is the
 order their `__init__`s ran for the usual containers of leaf layers; only submodules that hold
 parameters or buffers themselves are reset (a parent's reset_parameters that re-initializes its
 children is not called).
+
+Meshes: `mesh=None` shards over the strategy's whole group; a 1-D mesh (a dim of
+`strategy.mesh(...)`) shards over that dim; a 2-D mesh (replicate, shard) is HSDP: parameters are
+sharded over the inner dim and replicated over the outer one; gradients are reduce-scattered
+inside each shard group, then all-reduced across the replicas (FSDP2 does both). Parameters tp()
+sharded can be sharded further over another dim of the same mesh (2-D DTensors).
 """
 
 from __future__ import annotations
@@ -33,9 +40,17 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from manualpar.builders.meshes import TP, builder_mesh, composes_with_tp, mesh_label, refuse_taken
 from manualpar.errors import BuilderError
 from manualpar.meta import materialize_placed, require_reset_parameters
-from manualpar.ownership import builder_of, claim, mark_replaced, owned_by_others, owner_of
+from manualpar.ownership import (
+    builder_of,
+    claim,
+    mark_replaced,
+    mesh_of,
+    owned_by_others,
+    owner_of,
+)
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["fsdp"]
@@ -54,6 +69,7 @@ def fsdp(
     reduce_dtype: torch.dtype | None = None,
     min_num_params: int | None = None,
     wrap: tuple[type[nn.Module], ...] | type[nn.Module] | Sequence[nn.Module] | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard `module` over the strategy's ranks (FSDP2) and return it (the same object).
 
@@ -67,13 +83,17 @@ def fsdp(
             subtree holds at least this many parameters is sharded as its own block.
         wrap: module classes (each instance is a block) or a list of submodules to shard as
             blocks; blocks gather their parameters one at a time, which bounds peak memory.
+        mesh: None (the strategy's whole group), a 1-D mesh (shard over that dim) or a 2-D
+            mesh (replicate, shard): HSDP. tp()'d parameters need another dim of tp's mesh.
 
     Parameters another builder already owns are passed to `fully_shard` as ignored and keep
     their values. With no process group (world size 1) nothing is sharded: the module is moved
     to (or materialized on) `strategy.device` and returned; mixed precision and CPU offload are
     then not applied (a warning says so) - use `torch.autocast` for single-process runs.
     """
-    _check_not_wrapped(module)
+    over = builder_mesh(mesh, strategy, BUILDER, (1, 2))
+    _check_not_wrapped(module, over, strategy.world_size)
+    _check_tp_parts(module, over, strategy.world_size)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # fully_shard needs a forward
         raise BuilderError(
             f"{BUILDER}(): a {type(module).__name__} has no forward to shard around; shard each "
@@ -94,10 +114,10 @@ def fsdp(
             _materialize(module, strategy.device, strategy.device, ignored)
         else:
             _move(module, strategy.device, ignored)
-        _claim(module)
+        _claim(module, over)
         return module
     assert strategy.group is not None  # is_distributed
-    mesh = DeviceMesh.from_group(strategy.group, strategy.device.type)
+    shard_mesh = over or DeviceMesh.from_group(strategy.group, strategy.device.type)
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
         if cpu_offload
@@ -105,30 +125,30 @@ def fsdp(
     )
     shard = functools.partial(
         fully_shard,
-        mesh=mesh,
+        mesh=shard_mesh,
         reshard_after_forward=reshard_after_forward,
         offload_policy=offload,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         ignored_params=set(ignored.values()) or None,
     )
-    mark_replaced([p for p in module.parameters() if owner_of(p) is None], BUILDER)
+    mark_replaced([p for p in module.parameters() if owner_of(p) in (None, TP)], BUILDER)
     for block in blocks:
         shard(block)
     shard(module)
     if from_meta:
         param_device = torch.device("cpu") if cpu_offload else strategy.device
         _materialize(module, param_device, strategy.device, ignored)
-    _claim(module)
+    _claim(module, over)
     return module
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
-    builder = builder_of(module)
-    if builder is not None or isinstance(module, FSDPModule):
+def _check_not_wrapped(module: nn.Module, mesh: DeviceMesh | None, world_size: int) -> None:
+    refuse_taken(module, BUILDER, mesh, world_size)
+    if isinstance(module, FSDPModule):
         raise BuilderError(
-            f"fsdp(): module {type(module).__name__} was already set up by "
-            f"{builder or 'fully_shard'}(); call fsdp once per module (to shard blocks "
-            "separately, pass wrap=... or min_num_params=... to a single call)"
+            f"fsdp(): module {type(module).__name__} was already set up by fully_shard(); call "
+            "fsdp once per module (to shard blocks separately, pass wrap=... or "
+            "min_num_params=... to a single call)"
         )
     taken = [
         n
@@ -143,11 +163,25 @@ def _check_not_wrapped(module: nn.Module) -> None:
         )
 
 
-def _claim(module: nn.Module) -> None:
+def _check_tp_parts(module: nn.Module, mesh: DeviceMesh | None, world_size: int) -> None:
+    """tp()'s parameters may be sharded further only over another dim of tp's mesh."""
+    for name, param in module.named_parameters():
+        if owner_of(param) == TP and not composes_with_tp(mesh_of(param), mesh):
+            raise BuilderError(
+                f"fsdp(): parameter {name!r} {tuple(param.shape)} is sharded by tp() over "
+                f"{mesh_label(mesh_of(param), world_size)}; fsdp() over "
+                f"{mesh_label(mesh, world_size)} cannot shard it further. Pass another dim of "
+                "the same mesh, e.g. mesh = strategy.mesh(dp=2, tp=2); tp(..., mesh=mesh['tp']); "
+                "fsdp(..., mesh=mesh['dp'])"
+            )
+
+
+def _claim(module: nn.Module, mesh: DeviceMesh | None) -> None:
     claim(
         module,
         BUILDER,
-        params=[(n, p) for n, p in module.named_parameters() if owner_of(p) is None],
+        params=[(n, p) for n, p in module.named_parameters() if owner_of(p) in (None, TP)],
+        mesh=mesh,
     )
 
 
@@ -159,7 +193,7 @@ def _own_params(root: nn.Module) -> list[nn.Parameter]:
 def _ignored(root: nn.Module) -> dict[int, nn.Parameter]:
     """Parameters other builders own, plus any inside a subtree another builder took over
     (except an earlier fsdp call's: fully_shard already skips FSDP submodules)."""
-    ignored = {id(p): p for _, p in owned_by_others(root, BUILDER)}
+    ignored = {id(p): p for _, p in owned_by_others(root, BUILDER) if owner_of(p) != TP}
     own = {id(p) for p in _own_params(root)}
     for param in root.parameters():
         if id(param) not in own and owner_of(param) is None:

@@ -11,6 +11,9 @@ state lives on several ranks and torch refuses `state_dict()` until it is consol
 torch way works: `optimizer.consolidate_state_dict(to=0)` on every rank, then rank 0 saves
 `optimizer.state_dict()` (e.g. with torch.save); to resume, every rank calls
 `optimizer.load_state_dict(full_state)` and keeps its own partition (any world size).
+
+`mesh=` (a 1-D DeviceMesh dim) shards the state over that dim's ranks only, e.g. next to
+`ddp(..., mesh=mesh["replicate"])`: every rank of a row then holds identical gradients.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from manualpar.builders.meshes import builder_mesh, refuse_tp_params
 from manualpar.errors import BuilderError
 from manualpar.ownership import stale_reason
 from manualpar.strategy import ManualParallelStrategy
@@ -32,22 +37,34 @@ def zero_optimizer(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     optimizer_class: type[torch.optim.Optimizer],
     strategy: ManualParallelStrategy,
+    *,
+    mesh: DeviceMesh | None = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
-    """An `optimizer_class(params, **kwargs)` whose state is sharded over the strategy's ranks.
+    """An `optimizer_class(params, **kwargs)` whose state is sharded over the strategy's ranks
+    (or over the ranks of the 1-D `mesh`).
 
     With no process group (world size 1) this is the plain optimizer. Create it after
     `model.setup(strategy)`: parameters still on meta, or replaced by a builder, raise
     BuilderError here instead of silently training tensors the model no longer uses.
     """
+    over = builder_mesh(mesh, strategy, "zero_optimizer", (1,))
     items, tensors = _normalize(params)
-    _check_params(tensors, f"zero_optimizer({optimizer_class.__name__})")
+    name = f"zero_optimizer({optimizer_class.__name__})"
+    refuse_tp_params(
+        ((f"{index}", t) for index, t in enumerate(tensors)),
+        "zero_optimizer",
+        over,
+        strategy.world_size,
+    )
+    _check_params(tensors, name)
     if not strategy.is_distributed:
         return optimizer_class(items, **kwargs)
     # Imported here: torch.distributed.optim scripts its functional optimizers on import.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(items, optimizer_class, process_group=strategy.group, **kwargs)
+    group = strategy.group if over is None else over.get_group()
+    return ZeroRedundancyOptimizer(items, optimizer_class, process_group=group, **kwargs)
 
 
 def _normalize(params: Iterable[Any]) -> tuple[list[Any], list[torch.Tensor]]:
@@ -90,7 +107,11 @@ def _check_params(tensors: list[torch.Tensor], name: str) -> None:
 
 
 def sharded_grad_scaler(
-    strategy: ManualParallelStrategy, *, sharded: bool = True, **kwargs: Any
+    strategy: ManualParallelStrategy,
+    *,
+    sharded: bool = True,
+    mesh: DeviceMesh | None = None,
+    **kwargs: Any,
 ) -> torch.amp.GradScaler:
     """Loss scaling for fp16 training on CUDA (kwargs go to the scaler: init_scale, ...).
 
@@ -99,8 +120,10 @@ def sharded_grad_scaler(
     flag over the strategy's group. `sharded=False` (or one process) gives torch.amp.GradScaler,
     enough when every rank holds the full, identical gradients (DDP).
     On CPU this raises: fp16 loss scaling needs CUDA; train in bfloat16 there, which has fp32's
-    exponent range and needs no scaler.
+    exponent range and needs no scaler. `mesh=` (1-D) agrees on the flag over that dim only;
+    pass the mesh the parameters are sharded over (for HSDP the whole job: leave it None).
     """
+    over = builder_mesh(mesh, strategy, "sharded_grad_scaler", (1,))
     if strategy.device.type != "cuda":
         raise BuilderError(
             f"sharded_grad_scaler(): fp16 loss scaling needs CUDA, but this rank runs on "
@@ -112,6 +135,8 @@ def sharded_grad_scaler(
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(
-            device=strategy.device.type, process_group=strategy.group, **kwargs
+            device=strategy.device.type,
+            process_group=strategy.group if over is None else over.get_group(),
+            **kwargs,
         )
     return torch.amp.GradScaler(strategy.device.type, **kwargs)

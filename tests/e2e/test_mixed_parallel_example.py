@@ -131,3 +131,24 @@ def test_resuming_with_another_model_shape_is_refused(run: tuple[Path, str]) -> 
     )
     assert outcome.error_type == "SystemExit" and "--depth 2 -> 3" in str(outcome.error)
     assert (out / "config.json").read_text() == before
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_times_tp_on_four_ranks_trains_as_the_flat_run(
+    run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """--mesh fsdp-tp (dp=2 x tp=2: each block's MLP split over a pair of ranks) reaches the
+    eval loss of the 2-rank flat run: the layout changes where the math runs, not the math."""
+    printed = _run(
+        "train.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        *SMALL,
+        "--mesh",
+        "fsdp-tp",
+        ranks=4,
+    )
+    assert "blocks FSDPSequential" in printed
+    assert math.isclose(_eval_loss(printed), _eval_loss(run[1]), rel_tol=1e-5)
