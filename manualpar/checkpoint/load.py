@@ -177,12 +177,15 @@ def _open(path: Path) -> bool:
 def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
     shared, _ = state_dicts(state, full=False)
     tensors, _objects = split_leaves(shared)
-    saved_shapes, saved_objects = agree(strategy, f"reading {path}", lambda: _saved_leaves(path))
-    keep = agree(
-        strategy,
-        f"checking {path}",
-        lambda: _check_match(path, state, shared, {**saved_shapes, **saved_objects}, strict),
-    )
+
+    def inspect() -> tuple[dict[str, Any], set[str]]:
+        saved_shapes, saved_objects = _saved_leaves(path)
+        saved = {**saved_shapes, **saved_objects}
+        return saved_objects, _check_match(path, state, shared, saved, strict)
+
+    # Local steps share one agreement each: every agreement is a collective, and on a fast
+    # (cached) read a handful of them is a measurable part of a load.
+    saved_objects, keep = agree(strategy, f"checking {path}", inspect)
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
     dcp_call(
         strategy,
@@ -192,17 +195,13 @@ def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bo
         ),
     )
     rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
-    per_rank = agree(
-        strategy,
-        f"reading {rank_file}",
-        lambda: torch.load(rank_file, weights_only=True) if rank_file.exists() else None,
-    )
     leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
-    agree(
-        strategy,
-        f"load_checkpoint({path}): applying",
-        lambda: _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path),
-    )
+
+    def apply() -> None:
+        per_rank = torch.load(rank_file, weights_only=True) if rank_file.exists() else None
+        _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path)
+
+    agree(strategy, f"load_checkpoint({path}): applying", apply)
 
 
 def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
