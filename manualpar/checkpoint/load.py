@@ -159,11 +159,22 @@ def load_checkpoint(
     """
     path = resolve(Path(path).absolute())
     validate_state(state)
-    is_full = agree(strategy, f"opening checkpoint {path}", lambda: _open(path))
-    if is_full:
+    shared, _ = state_dicts(state, full=False)
+
+    def open_and_check() -> tuple[dict[str, Any], set[str]] | None:
+        """None for a full export; for a sharded checkpoint, its object leaves and the keys to
+        load (one agreement for both: each is a collective, a measurable part of a fast load)."""
+        if _open(path):
+            return None
+        saved_shapes, saved_objects = _saved_leaves(path)
+        saved = {**saved_shapes, **saved_objects}
+        return saved_objects, _check_match(path, state, shared, saved, strict)
+
+    checked = agree(strategy, f"opening checkpoint {path}", open_and_check)
+    if checked is None:
         _load_full(strategy, path, state, strict)
     else:
-        _load_sharded(strategy, path, state, strict)
+        _load_sharded(strategy, path, state, shared, strict, *checked)
     return state
 
 
@@ -174,18 +185,16 @@ def _open(path: Path) -> bool:
     return False
 
 
-def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
-    shared, _ = state_dicts(state, full=False)
+def _load_sharded(
+    strategy: Ranks,
+    path: Path,
+    state: dict[str, Any],
+    shared: dict[str, Any],
+    strict: bool,
+    saved_objects: dict[str, Any],
+    keep: set[str],
+) -> None:
     tensors, _objects = split_leaves(shared)
-
-    def inspect() -> tuple[dict[str, Any], set[str]]:
-        saved_shapes, saved_objects = _saved_leaves(path)
-        saved = {**saved_shapes, **saved_objects}
-        return saved_objects, _check_match(path, state, shared, saved, strict)
-
-    # Local steps share one agreement each: every agreement is a collective, and on a fast
-    # (cached) read a handful of them is a measurable part of a load.
-    saved_objects, keep = agree(strategy, f"checking {path}", inspect)
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
     dcp_call(
         strategy,
