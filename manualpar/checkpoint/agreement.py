@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from manualpar.errors import CheckpointError, CollectiveError
 
-__all__ = ["Ranks", "agree", "dcp_call"]
+__all__ = ["OnGroup", "Ranks", "agree", "dcp_call"]
 
 T = TypeVar("T")
 
@@ -40,9 +40,40 @@ class Ranks(Protocol):
 
     group: dist.ProcessGroup | None
 
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any, *, group: Any = None) -> list[Any]: ...
 
     def collective_guard(self, operation: str) -> AbstractContextManager[None]: ...
+
+
+class OnGroup:
+    """The strategy's ranks, with every collective over `group` instead of its main group: a
+    background save talks over a group of its own, so its collectives never interleave with
+    the training's on the main group."""
+
+    def __init__(self, strategy: Ranks, group: dist.ProcessGroup | None) -> None:
+        self.strategy, self.group = strategy, group
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.strategy.is_distributed and self.group is not None
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    def all_gather_object(self, obj: Any, *, group: Any = None) -> list[Any]:
+        return self.strategy.all_gather_object(obj, group=group or self.group)
+
+    def collective_guard(self, operation: str) -> AbstractContextManager[None]:
+        return self.strategy.collective_guard(operation)
 
 
 def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:

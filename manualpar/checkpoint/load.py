@@ -159,11 +159,22 @@ def load_checkpoint(
     """
     path = resolve(Path(path).absolute())
     validate_state(state)
-    is_full = agree(strategy, f"opening checkpoint {path}", lambda: _open(path))
-    if is_full:
+    shared, _ = state_dicts(state, full=False)
+
+    def open_and_check() -> tuple[dict[str, Any], set[str]] | None:
+        """None for a full export; for a sharded checkpoint, its object leaves and the keys to
+        load (one agreement for both: each is a collective, a measurable part of a fast load)."""
+        if _open(path):
+            return None
+        saved_shapes, saved_objects = _saved_leaves(path)
+        saved = {**saved_shapes, **saved_objects}
+        return saved_objects, _check_match(path, state, shared, saved, strict)
+
+    checked = agree(strategy, f"opening checkpoint {path}", open_and_check)
+    if checked is None:
         _load_full(strategy, path, state, strict)
     else:
-        _load_sharded(strategy, path, state, strict)
+        _load_sharded(strategy, path, state, shared, strict, *checked)
     return state
 
 
@@ -174,15 +185,16 @@ def _open(path: Path) -> bool:
     return False
 
 
-def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
-    shared, _ = state_dicts(state, full=False)
+def _load_sharded(
+    strategy: Ranks,
+    path: Path,
+    state: dict[str, Any],
+    shared: dict[str, Any],
+    strict: bool,
+    saved_objects: dict[str, Any],
+    keep: set[str],
+) -> None:
     tensors, _objects = split_leaves(shared)
-    saved_shapes, saved_objects = agree(strategy, f"reading {path}", lambda: _saved_leaves(path))
-    keep = agree(
-        strategy,
-        f"checking {path}",
-        lambda: _check_match(path, state, shared, {**saved_shapes, **saved_objects}, strict),
-    )
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
     dcp_call(
         strategy,
@@ -192,17 +204,13 @@ def _load_sharded(strategy: Ranks, path: Path, state: dict[str, Any], strict: bo
         ),
     )
     rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
-    per_rank = agree(
-        strategy,
-        f"reading {rank_file}",
-        lambda: torch.load(rank_file, weights_only=True) if rank_file.exists() else None,
-    )
     leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
-    agree(
-        strategy,
-        f"load_checkpoint({path}): applying",
-        lambda: _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path),
-    )
+
+    def apply() -> None:
+        per_rank = torch.load(rank_file, weights_only=True) if rank_file.exists() else None
+        _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path)
+
+    agree(strategy, f"load_checkpoint({path}): applying", apply)
 
 
 def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:

@@ -47,7 +47,14 @@ from manualpar.checkpoint.state import (
     validate_state,
 )
 
-__all__ = ["save_checkpoint", "state_dicts"]
+__all__ = [
+    "commit",
+    "make_manifest",
+    "save_checkpoint",
+    "serialize_objects",
+    "state_dicts",
+    "write_blobs",
+]
 
 log = logging.getLogger("manualpar.checkpoint")
 
@@ -62,7 +69,7 @@ def state_dicts(state: Mapping[str, Any], *, full: bool) -> tuple[dict[str, Any]
     return shared, per_rank
 
 
-def _manifest(strategy: Ranks, state: Mapping[str, Any], kind: str) -> dict:
+def make_manifest(strategy: Ranks, state: Mapping[str, Any], kind: str) -> dict:
     step = state.get("step")
     return {
         "format": FORMAT,
@@ -124,24 +131,46 @@ def _save_sharded(strategy: Ranks, path: Path, state: Mapping[str, Any], overwri
         ),
     )
 
-    def write_objects() -> None:
-        if per_rank:
-            blob = to_safe_bytes(per_rank, f"per-rank entries on rank {strategy.rank}")
-            write_file(staging / "objects" / f"rank_{strategy.rank}.pt", blob)
-        if strategy.is_global_zero:
-            write_file(
-                staging / "objects" / "replicated.pt", to_safe_bytes(objects, "checkpoint state")
-            )
+    agree(
+        strategy,
+        f"save_checkpoint({path}): writing objects",
+        lambda: write_blobs(staging, serialize_objects(strategy, objects, per_rank)),
+    )
+    commit(strategy, path, staging, make_manifest(strategy, state, "sharded"))
 
-    agree(strategy, f"save_checkpoint({path}): writing objects", write_objects)
 
-    def commit() -> None:
+def serialize_objects(
+    strategy: Ranks, objects: Mapping[str, Any], per_rank: Mapping[str, Any]
+) -> dict[str, bytes]:
+    """The object files' bytes by name under `objects/` (this rank's entries; rank 0 also the
+    replicated ones). A background save makes them when it starts: a snapshot of the values."""
+    blobs = {}
+    if per_rank:
+        blobs[f"rank_{strategy.rank}.pt"] = to_safe_bytes(
+            per_rank, f"per-rank entries on rank {strategy.rank}"
+        )
+    if strategy.is_global_zero:
+        blobs["replicated.pt"] = to_safe_bytes(objects, "checkpoint state")
+    return blobs
+
+
+def write_blobs(staging: Path, blobs: Mapping[str, bytes]) -> None:
+    for name, blob in blobs.items():
+        write_file(staging / "objects" / name, blob)
+
+
+def commit(strategy: Ranks, path: Path, staging: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0 writes the manifest and renames the staging copy into place; called once every
+    rank reported its files written (the agreement before it), so only a complete copy is
+    ever renamed in."""
+
+    def swap() -> None:
         if strategy.is_global_zero:
-            manifest = json.dumps(_manifest(strategy, state, "sharded"), indent=2).encode()
-            write_file(staging / MANIFEST, manifest)
+            manifest["committed_at"] = time.time()
+            write_file(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
             swap_in(staging, path)
 
-    agree(strategy, f"save_checkpoint({path}): commit", commit)
+    agree(strategy, f"save_checkpoint({path}): commit", swap)
 
 
 def _save_full(strategy: Ranks, path: Path, state: Mapping[str, Any], overwrite: bool) -> None:
@@ -160,7 +189,7 @@ def _save_full(strategy: Ranks, path: Path, state: Mapping[str, Any], overwrite:
             gathered = strategy.all_gather_object(local)
             local = {f"rank_{rank}": item for rank, item in enumerate(gathered)}
         blob[key] = local
-    blob[FULL_KEY] = _manifest(strategy, state, "full")
+    blob[FULL_KEY] = make_manifest(strategy, state, "full")
 
     def write() -> None:
         if strategy.is_global_zero:

@@ -9,7 +9,8 @@ steps and at the end, and automatic resume from the latest complete checkpoint (
 torchelastic restart or a rerun). Data is addressed by step: `data(step, strategy)` returns this
 rank's batch for that step (`dataset_batches(dataset, global_batch_size)` builds one for a
 map-style dataset), so a resumed run sees exactly the batches the uninterrupted run would have
-seen and, on CPU, reproduces it bit for bit.
+seen and, on CPU, reproduces it bit for bit. `data` raises StopIteration when this rank has no
+batch for a step: every rank then stops at that step (see `_fetch`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class Trainer:
         clip_grad_norm: clip the dense gradients (the optimizer's parameters: DDP, FSDP, any
             mix) to this global norm before each optimizer step; logs `grad_norm` (before
             clipping). Sharded tables clip inside their fused update (see their optimizers).
+        async_checkpoint: write checkpoints in the background (`strategy.save_checkpoint_async`):
+            training waits only for a CPU copy of the state; the checkpoint commits when every
+            rank finished writing, and fit() returns only after the last one committed.
         resume_lr: on resume, "checkpoint" keeps the learning rates saved with the optimizers
             (an interrupted run continues as it was); "configured" puts back the ones the
             optimizers were created with (to change the learning rate of a run). Either way
@@ -119,6 +123,7 @@ class Trainer:
         progress: bool = True,
         clip_grad_norm: float | None = None,
         resume_lr: str = "checkpoint",
+        async_checkpoint: bool = False,
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -141,7 +146,10 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
+        self.async_checkpoint = async_checkpoint
         self.step = 0
+        self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
+        self._saved_at: int | None = None  # the step of the checkpoint last saved or resumed
         self._extra: dict[str, Any] = {}
         self._schedulers: list[Scheduler] = []
 
@@ -204,13 +212,42 @@ class Trainer:
         }
         self._resume(state)
         self.step = state["step"]
+        try:
+            last = self._loop(model, optimizer, data, val_data, state)
+        except BaseException:
+            self._abandon_pending_save()
+            raise
+        self.strategy.wait_for_checkpoint()  # the last checkpoint is committed when fit returns
+        self._prune()
+        return last
+
+    def _loop(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Data,
+        val_data: Data | None,
+        state: dict[str, Any],
+    ) -> dict[str, float]:
         model.train()
         bar = self._progress_bar()
         window: dict[str, list[float]] = {}
         last = self._recorded_at(self.step) if self.step >= self.max_steps else {}
         started, steps_in_window = time.perf_counter(), 0
         while self.step < self.max_steps:
-            for name, value in self._train_step(model, optimizer, data).items():
+            batches = self._fetch(data)
+            if batches is None:  # a rank's data ran out: every rank ends the run at this step
+                if steps_in_window:
+                    rate = steps_in_window / (time.perf_counter() - started)
+                    last = self._record(window, rate, optimizer)
+                self._append(
+                    {"step": self.step, "event": "data_ran_out", "ranks": sorted(self.data_ran_out)}
+                )
+                if self._saved_at != self.step:
+                    state["step"] = self.step
+                    self._save(state)
+                break
+            for name, value in self._train_step(model, optimizer, batches).items():
                 window.setdefault(name, []).append(value)
             self.step += 1
             steps_in_window += 1
@@ -233,14 +270,55 @@ class Trainer:
             bar.close()
         return last
 
+    def _fetch(self, data: Data) -> list[Any] | None:
+        """This step's micro-batches, or None on every rank if any rank's data ran out.
+
+        All of a step's batches are fetched before any is trained on, so no rank starts a
+        forward or backward (and their collectives) that another rank cannot join, and a step
+        is taken whole or not at all (a partial last step is dropped, like drop_last).
+        The agreement costs one all-reduce of one number per optimizer step, a CPU tensor so
+        that it runs on gloo even in a CUDA job (no device sync); about 0.1 ms on 2 CPU
+        processes, nothing at world size 1. It cannot ride on a collective the step runs
+        anyway: the first of those (DDP's, FSDP's, the tables') happen inside the forward or
+        backward, too late. Only when a rank ran out, a second (object) gather names the ranks.
+        """
+        batches: list[Any] = []
+        missing: int | None = None
+        for micro in range(self.accumulate):
+            index = self.step * self.accumulate + micro
+            try:
+                batches.append(data(index, self.strategy))
+            except StopIteration:
+                missing = index
+                break
+        if not self.strategy.is_distributed:
+            ran_out = missing is not None
+        else:
+            flag = torch.tensor([float(missing is not None)], dtype=torch.float32)
+            ran_out = float(self.strategy.all_reduce(flag, op="max")[0]) > 0
+        if not ran_out:
+            return batches
+        reports = self.strategy.all_gather_object(missing)
+        self.data_ran_out = {rank: index for rank, index in enumerate(reports) if index is not None}
+        where = ", ".join(f"rank {r} (batch {i})" for r, i in self.data_ran_out.items())
+        log.warning(
+            "training data ran out on %s at step %d; every rank stops at step %d (of "
+            "max_steps=%d) and saves a checkpoint there",
+            where,
+            self.step,
+            self.step,
+            self.max_steps,
+        )
+        return None
+
     def _train_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Data
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
     ) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for micro in range(self.accumulate):
+        for micro, batch in enumerate(batches):
             index = self.step * self.accumulate + micro
-            out = _user(model).training_step(data(index, self.strategy), index)
+            out = _user(model).training_step(batch, index)
             metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
             if "loss" not in metrics:
                 raise ValueError(
@@ -315,6 +393,7 @@ class Trainer:
             return
         configured = learning_rates(state)
         self.strategy.load_checkpoint(latest, state)
+        self._saved_at = state["step"]
         log.info(
             "resumed from %s at step %d: restored %s",
             latest,
@@ -339,15 +418,26 @@ class Trainer:
         if self.strategy.is_global_zero and self.metrics_path.exists():
             for line in self.metrics_path.read_text().splitlines():
                 record = json.loads(line) if line else {}
-                if record.get("step") == step:
+                if record.get("step") == step and "event" not in record:
                     found.update(record)
         found = self.strategy.broadcast(found)  # rank 0 holds the file
         skipped = {"step", "lr", "steps_per_s"}
         return {k: v for k, v in found.items() if k not in skipped and not k.endswith("/lr")}
 
     def _save(self, state: dict[str, Any]) -> None:
-        self.strategy.save_checkpoint(self.checkpoint_dir / f"step_{self.step:08d}", state)
-        if self.strategy.is_global_zero:
+        path = self.checkpoint_dir / f"step_{self.step:08d}"
+        if self.async_checkpoint:
+            self.strategy.wait_for_checkpoint()  # the previous one commits first
+            self._prune()
+            self.strategy.save_checkpoint_async(path, state)
+        else:
+            self.strategy.save_checkpoint(path, state)
+            self._prune()
+        self._saved_at = self.step
+
+    def _prune(self) -> None:
+        """Keep the `keep_last` newest committed checkpoints (rank 0 deletes the others)."""
+        if self.strategy.is_global_zero and self.checkpoint_dir.is_dir():
             committed = sorted(
                 (read_manifest(p)["step"], p)
                 for p in self.checkpoint_dir.iterdir()
@@ -355,6 +445,19 @@ class Trainer:
             )
             for _, old in committed[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _abandon_pending_save(self) -> None:
+        """fit() failed: let a background save finish or fail (bounded by the collective
+        timeout), never replacing the error that stopped fit. A save that cannot finish is
+        never committed, so the previous checkpoint stays the latest."""
+        try:
+            self.strategy.wait_for_checkpoint()
+        except Exception as error:
+            log.warning(
+                "the checkpoint being written when fit() failed was not committed (%s); "
+                "the previous one is still the latest",
+                error,
+            )
 
 
 def _optimizer_and_schedulers(configured: Any, model_name: str) -> tuple[Any, list[Scheduler]]:

@@ -23,8 +23,10 @@ from manualpar.errors import CollectiveError
 __all__ = [
     "adopted_environment",
     "destroy_group",
+    "destroy_subgroup",
     "init_process_group",
     "init_single_rank_group",
+    "new_gloo_group",
     "pick_device",
     "tear_down_at_exit",
 ]
@@ -200,3 +202,21 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
         _RETIRED_GROUPS.append(group)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def new_gloo_group(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group over the members of `group`, for collectives run from a background thread
+    (checkpoint writes): a group of their own never interleaves them with the main thread's.
+    Only the members call this (local synchronization), so it also works for an adopted subgroup.
+    """
+    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    made = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+    assert made is not None  # this rank is a member
+    return made
+
+
+def destroy_subgroup(group: dist.ProcessGroup) -> None:
+    """Destroy a group other than the default one (kept referenced until exit, see above)."""
+    _RETIRED_GROUPS.append(group)
+    if dist.is_initialized():
+        dist.destroy_process_group(group)

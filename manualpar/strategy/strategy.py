@@ -10,6 +10,7 @@ runs as a single process on a laptop.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -19,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from manualpar.checkpoint.background import PendingSave, save_checkpoint_async
 from manualpar.checkpoint.load import load_checkpoint
 from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
@@ -29,8 +31,10 @@ from manualpar.strategy.mesh import build_mesh, check_node_layout, mesh_shape, r
 from manualpar.strategy.process_group import (
     adopted_environment,
     destroy_group,
+    destroy_subgroup,
     init_process_group,
     init_single_rank_group,
+    new_gloo_group,
     pick_device,
     tear_down_at_exit,
 )
@@ -43,6 +47,8 @@ __all__ = [
     "PendingCollective",
     "ReduceOp",
 ]
+
+log = logging.getLogger("manualpar.checkpoint")
 
 
 class ManualParallelStrategy(Collectives):
@@ -83,6 +89,8 @@ class ManualParallelStrategy(Collectives):
         self.group: dist.ProcessGroup | None = process_group
         self._meshes: dict[tuple[tuple[str, int], ...], DeviceMesh] = {}
         self._mesh_only_group = False  # a 1-rank default group made for mesh() at world size 1
+        self._checkpoint_group: dist.ProcessGroup | None = None  # background saves' own group
+        self._pending_save: PendingSave | None = None
         if self.group is None and self.world_size > 1:
             self.group = init_process_group(self.environment, self.backend, self.timeout)
             self._owns_group = True
@@ -182,7 +190,11 @@ class ManualParallelStrategy(Collectives):
         After a collective failed on this rank, peers are not waited for: the group is broken,
         and a teardown in a `finally:` must not replace that error with its own barrier's.
         """
+        save_error = self._finish_pending_save()
         wait_for_peers = wait_for_peers and self.failed_collective is None
+        if self._checkpoint_group is not None:
+            destroy_subgroup(self._checkpoint_group)
+            self._checkpoint_group = None
         if self._owns_group and dist.is_initialized():
             # Let every rank finish its last collective first: destroying the group under a
             # peer still inside one (e.g. a DDP reducer's) can hang it.
@@ -198,6 +210,8 @@ class ManualParallelStrategy(Collectives):
             destroy_group(dist.group.WORLD)
         self._mesh_only_group = False
         self._torn_down = self.world_size > 1
+        if save_error is not None and wait_for_peers:
+            raise save_error
 
     def __enter__(self) -> ManualParallelStrategy:
         return self
@@ -215,10 +229,46 @@ class ManualParallelStrategy(Collectives):
         overwrite: bool = True,
     ) -> Path:
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
+        self.wait_for_checkpoint()
         return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
         self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
     ) -> dict[str, Any]:
         """Load into `state` on all ranks (collective). See manualpar.checkpoint."""
+        self.wait_for_checkpoint()
         return load_checkpoint(self, path, state, strict=strict)
+
+    def save_checkpoint_async(
+        self, path: str | os.PathLike, state: Mapping[str, Any], *, overwrite: bool = True
+    ) -> PendingSave:
+        """Start a sharded save that is written while training goes on (collective); returns
+        once `state` is copied to CPU memory. It commits atomically, like `save_checkpoint`,
+        when every rank finished writing. A save still in flight is waited for first, and so
+        it is by `save_checkpoint`, `load_checkpoint`, `wait_for_checkpoint` and `teardown`.
+        See manualpar.checkpoint.background for what it costs."""
+        self._check_open("save_checkpoint_async")
+        self.wait_for_checkpoint()
+        if self._checkpoint_group is None and self.group is not None:
+            with self.collective_guard("new_group(checkpoint writes)"):
+                self._checkpoint_group = new_gloo_group(self.group, self.timeout)
+        self._pending_save = save_checkpoint_async(
+            self, path, state, group=self._checkpoint_group, overwrite=overwrite
+        )
+        return self._pending_save
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for the background save in flight, if any: its path once committed, or its
+        CheckpointError/CollectiveError (then nothing was committed); None if there was none."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.wait()
+
+    def _finish_pending_save(self) -> Exception | None:
+        """At teardown: let a background save finish (its collectives are bounded by the
+        timeout), so the process never exits under a half-written checkpoint it could commit."""
+        try:
+            self.wait_for_checkpoint()
+        except Exception as error:
+            log.warning("the checkpoint being saved in the background was not committed: %s", error)
+            return error
+        return None

@@ -1,5 +1,6 @@
-"""Trainer on real ranks: resume reproduces the uninterrupted run bit for bit, checkpoint
-cadence, metrics, the recorded loss is the mean over ranks."""
+"""Trainer on real ranks: resume reproduces the uninterrupted run bit for bit (synchronous or
+background saves), checkpoint cadence, metrics, the recorded loss is the mean over ranks, one
+rank's data running out stops every rank at the same step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from trainer_cases import uneven_data
 
 import manualpar as mp
 from manualpar.testing import run_distributed
@@ -44,7 +46,9 @@ def data(step: int, strategy: mp.ManualParallelStrategy) -> tuple:
     return x, x.sum(-1).sin()
 
 
-def _fit(out_dir: str, max_steps: int, crash_at: int | None = None) -> dict:
+def _fit(
+    out_dir: str, max_steps: int, crash_at: int | None = None, asynchronous: bool = False
+) -> dict:
     if crash_at is not None:
         os.environ["CRASH_AT_STEP"] = str(crash_at)
     strategy = mp.ManualParallelStrategy()
@@ -60,6 +64,7 @@ def _fit(out_dir: str, max_steps: int, crash_at: int | None = None) -> dict:
         val_every=5,
         val_steps=2,
         progress=False,
+        async_checkpoint=asynchronous,
     )
     last = trainer.fit(model, data, val_data=data)
     params = {k: v.detach().clone() for k, v in model.net.module.state_dict().items()}
@@ -74,14 +79,18 @@ def _losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_resumed_run_equals_uninterrupted_run(tmp_path: Path, asynchronous: bool) -> None:
     straight = run_distributed(_fit, world_size=2, args=(str(tmp_path / "a"), 10))
     crashed = run_distributed(
-        _fit, world_size=2, args=(str(tmp_path / "b"), 10, 7), allow_failure=True
+        _fit, world_size=2, args=(str(tmp_path / "b"), 10, 7, asynchronous), allow_failure=True
     )
     assert any(o.error and "injected crash at step 7" in o.error for o in crashed)
     assert mp.read_manifest(mp.latest_checkpoint(tmp_path / "b" / "checkpoints"))["step"] == 4
-    resumed = run_distributed(_fit, world_size=2, args=(str(tmp_path / "b"), 10))
+    # the crashed run's background save of step 4 committed before fit() re-raised
+    resumed = run_distributed(
+        _fit, world_size=2, args=(str(tmp_path / "b"), 10, None, asynchronous)
+    )
     for rank in range(2):
         for key, value in straight[rank]["params"].items():
             assert torch.equal(value, resumed[rank]["params"][key]), key
@@ -123,3 +132,38 @@ def test_recorded_loss_is_the_mean_over_ranks(tmp_path: Path) -> None:
     recorded = _losses(tmp_path)[1]
     expected = run_distributed(_loss_of, world_size=1, args=(0,))[0]
     assert recorded == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("counts", "accumulate", "asynchronous", "stop", "message"),
+    [
+        ([100, 5], 1, False, 5, "rank 1 (batch 5) at step 5"),
+        # 7 micro-batches on rank 2: step 3 would need batches 6 and 7, so it is dropped whole
+        ([100, 100, 7], 2, True, 3, "rank 2 (batch 7) at step 3"),
+    ],
+    ids=["2_ranks", "3_ranks_accumulate_async"],
+)
+def test_data_running_out_on_one_rank_stops_every_rank_at_the_same_step(
+    tmp_path: Path,
+    counts: list[int],
+    accumulate: int,
+    asynchronous: bool,
+    stop: int,
+    message: str,
+) -> None:
+    results = run_distributed(
+        uneven_data,
+        world_size=len(counts),
+        args=(str(tmp_path), counts, accumulate, asynchronous),
+        collective_timeout=30,  # a hang would fail with the timeout, far slower than the run
+    )
+    short = len(counts) - 1
+    for result in results:
+        assert result["step"] == stop and result["checkpoint_step"] == stop
+        assert result["ran_out"] == {short: counts[short]}
+        assert len(result["messages"]) == 1 and message in result["messages"][0]
+        assert f"every rank stops at step {stop} (of max_steps=20)" in result["messages"][0]
+        assert result["same_as_reference"]  # weights of a run of exactly `stop` steps
+    records = results[0]["records"]
+    assert records[-1] == {"step": stop, "event": "data_ran_out", "ranks": [short]}
+    assert [r["step"] for r in records if "loss" in r][-1] == stop  # the last window recorded

@@ -2,6 +2,7 @@
 
 Each trial saves a committed checkpoint (step 1), trains one more step, then saves step 2 (a new
 directory or an overwrite of the first) while one rank or both are SIGKILLed at a random point.
+The background-save test kills a rank at each point of a save written while training goes on.
 CI runs a few seeded trials; a soak run uses more:
 
     MANUALPAR_FAULT_TRIALS=200 MANUALPAR_FAULT_SEED=$RANDOM pytest tests/e2e/test_save_faults.py
@@ -14,7 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
-from faults import assert_first_checkpoint_intact, save_twice
+from faults import POINTS, assert_first_checkpoint_intact, save_twice
 
 import manualpar as mp
 from manualpar.testing import run_distributed
@@ -37,10 +38,25 @@ def _trial_plan(index: int) -> tuple[tuple[int, ...], str, bool]:
 @pytest.mark.parametrize("index", range(TRIALS))
 def test_kill_during_save_keeps_the_previous_checkpoint(index: int, tmp_path: Path) -> None:
     victims, point, overwrite = _trial_plan(index)
+    _check_trial(tmp_path, victims, point, overwrite, asynchronous=False)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_during_background_save_keeps_the_previous_checkpoint(
+    point: str, tmp_path: Path
+) -> None:
+    """The same kills while the save is written in the background and the next step trains."""
+    victims = (0,) if point in ("before_commit", "mid_overwrite") else (1,)
+    _check_trial(tmp_path, victims, point, point == "mid_overwrite", asynchronous=True)
+
+
+def _check_trial(
+    tmp_path: Path, victims: tuple[int, ...], point: str, overwrite: bool, *, asynchronous: bool
+) -> None:
     outcomes = run_distributed(
         save_twice,
         world_size=2,
-        args=(str(tmp_path), victims, point, overwrite),
+        args=(str(tmp_path), victims, point, overwrite, asynchronous),
         collective_timeout=15,
         timeout=60,
         allow_failure=True,

@@ -67,8 +67,17 @@ def die_at(point: str) -> None:
         files.os.replace = replace  # type: ignore[assignment]
 
 
-def save_twice(directory: str, victims: tuple[int, ...], point: str, overwrite: bool) -> None:
-    """Commit step 1 as ckpt_a, train a step, then save step 2 while `victims` die at `point`."""
+def save_twice(
+    directory: str,
+    victims: tuple[int, ...],
+    point: str,
+    overwrite: bool,
+    asynchronous: bool = False,
+) -> None:
+    """Commit step 1 as ckpt_a, train a step, then save step 2 while `victims` die at `point`.
+
+    `asynchronous`: the second save runs in the background (the points are then reached in
+    its writer threads) while the main thread trains on, then waits for it."""
     strategy = mp.ManualParallelStrategy()
     model = make_model(seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -79,7 +88,13 @@ def save_twice(directory: str, victims: tuple[int, ...], point: str, overwrite: 
     state["step"] = 2
     if strategy.rank in victims:
         die_at(point)
-    strategy.save_checkpoint(Path(directory) / ("ckpt_a" if overwrite else "ckpt_b"), state)
+    target = Path(directory) / ("ckpt_a" if overwrite else "ckpt_b")
+    if not asynchronous:
+        strategy.save_checkpoint(target, state)
+        return
+    strategy.save_checkpoint_async(target, state)
+    train(model, optimizer, steps=1)  # the next step runs while the files are written
+    strategy.wait_for_checkpoint()
 
 
 def reference_after_one_step() -> torch.nn.Module:

@@ -1,0 +1,103 @@
+"""Rank functions for the Trainer tests: one rank's data running out, background saves."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import manualpar as mp
+
+
+class Regression(mp.ParallelModule):
+    """A DDP model without dropout: every rank's weights follow from the batches alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        self.net = mp.ddp(self.net, strategy)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=0.01)
+
+    def training_step(self, batch: tuple, step: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+
+class RankData:
+    """Batches keyed by index; rank r has `counts[r]` of them, then raises StopIteration."""
+
+    def __init__(self, counts: list[int] | None = None) -> None:
+        self.counts = counts
+
+    def __call__(self, index: int, strategy: mp.ManualParallelStrategy) -> tuple:
+        if self.counts is not None and index >= self.counts[strategy.rank]:
+            raise StopIteration
+        generator = torch.Generator().manual_seed(index * 97 + strategy.rank)
+        x = torch.randn(8, 6, generator=generator)
+        return x, x.sum(-1).sin()
+
+
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _train(
+    strategy: mp.ManualParallelStrategy,
+    out_dir: Path,
+    max_steps: int,
+    counts: list[int] | None,
+    accumulate: int,
+    asynchronous: bool,
+) -> tuple[mp.Trainer, dict[str, torch.Tensor]]:
+    strategy.seed_everything(0)
+    model = Regression()
+    trainer = mp.Trainer(
+        strategy,
+        out_dir,
+        max_steps=max_steps,
+        accumulate=accumulate,
+        checkpoint_every=3,
+        log_every=2,
+        progress=False,
+        async_checkpoint=asynchronous,
+    )
+    trainer.fit(model, RankData(counts))
+    params = {k: v.detach().clone() for k, v in model.net.module.state_dict().items()}
+    del model  # DDP before the group
+    return trainer, params
+
+
+def uneven_data(out_dir: str, counts: list[int], accumulate: int, asynchronous: bool) -> dict:
+    """Train with `counts[r]` micro-batches on rank r (max_steps well beyond), then a reference
+    run of exactly the steps the first one took, on data that never runs out."""
+    captured = _Captured()
+    logging.getLogger("manualpar").addHandler(captured)
+    strategy = mp.ManualParallelStrategy()
+    trainer, params = _train(
+        strategy, Path(out_dir) / "uneven", 20, counts, accumulate, asynchronous
+    )
+    stopped = trainer.step
+    _, reference = _train(strategy, Path(out_dir) / "reference", stopped, None, accumulate, False)
+    checkpoints = Path(out_dir) / "uneven" / "checkpoints"
+    metrics = (Path(out_dir) / "uneven" / "metrics.jsonl").read_text().splitlines()
+    strategy.teardown()
+    return {
+        "step": stopped,
+        "ran_out": trainer.data_ran_out,
+        "messages": [m for m in captured.messages if "ran out" in m],
+        "same_as_reference": all(torch.equal(params[k], reference[k]) for k in reference),
+        "checkpoint_step": mp.read_manifest(mp.latest_checkpoint(checkpoints))["step"],
+        "records": [json.loads(line) for line in metrics],
+    }
