@@ -34,6 +34,7 @@ from manualpar.strategy.process_group import (
     pick_device,
     tear_down_at_exit,
 )
+from manualpar.strategy.roll_call import ROLL_CALL_S, roll_call
 from manualpar.strategy.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 
 __all__ = [
@@ -81,10 +82,13 @@ class ManualParallelStrategy(Collectives):
         self._torn_down = False
         self.failed_collective: str | None = None  # the first collective that failed here
         self.group: dist.ProcessGroup | None = process_group
+        self.store: dist.Store | None = None  # the store the ranks met through (if we made it)
         self._meshes: dict[tuple[tuple[str, int], ...], DeviceMesh] = {}
         self._mesh_only_group = False  # a 1-rank default group made for mesh() at world size 1
         if self.group is None and self.world_size > 1:
-            self.group = init_process_group(self.environment, self.backend, self.timeout)
+            self.group, self.store = init_process_group(
+                self.environment, self.backend, self.timeout
+            )
             self._owns_group = True
             tear_down_at_exit(self)  # a script that ends without teardown() still exits cleanly
 
@@ -163,6 +167,22 @@ class ManualParallelStrategy(Collectives):
                 f"(rank {self.rank} is node {env.node_rank}, local rank {env.local_rank} here, "
                 "or on another rank); name the dims otherwise and lay them out yourself"
             )
+
+    def _lost_ranks_note(self) -> str | None:
+        """After this rank's first failed collective: which ranks are gone, found by a roll
+        call through the job's store (bounded by ROLL_CALL_S and the timeout; never raises)."""
+        if self.store is None or self.failed_collective is not None:
+            return None
+        found = roll_call(
+            self.store,
+            self.rank,
+            self.world_size,
+            key="manualpar/roll_call",
+            local_world_size=self.environment.local_world_size,
+            wait_s=min(ROLL_CALL_S, self.timeout.total_seconds()),
+        )
+        env = self.environment
+        return found.describe(f"{env.master_addr}:{env.master_port}")
 
     def __repr__(self) -> str:
         return (
