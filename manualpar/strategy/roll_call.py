@@ -1,15 +1,17 @@
 """Which ranks are gone after a collective failed: a roll call through the job's store.
 
 gloo reports a dead peer as "Connection closed by peer [addr]:port" and a stalled one as a
-timeout; neither names the rank, let alone its node. After a failure each rank that sees it
-writes its own key under one prefix in the store the job rendezvoused through (it outlives the
-process group) and waits a few seconds for the others' keys. The ranks whose keys never came are
-the lost ones: killed, exited, or still stuck in the collective.
+timeout; neither names the rank, let alone its node. Every rank of a job runs a `RollCallAnswerer`:
+a daemon thread that polls the store the job rendezvoused through (it outlives the process group)
+once a second and, once a roll call is open, writes this rank's key. A rank whose collective
+fails opens the call and waits a few seconds: every process still alive answers, even one whose
+main thread is stuck in a collective (waiting on a peer that failed first), so the ranks whose
+keys never come are the dead ones (killed, exited, or their machine lost).
 
 Every wait is bounded: the store is polled with non-blocking calls until a deadline, and the whole
-roll call runs in a daemon thread that is abandoned after the deadline, so a store whose host is
-unreachable cannot hang the failing rank. A store that fails is reported as such (its host is
-probably the lost node).
+roll call runs in a daemon thread that is abandoned past it, so a store whose host is unreachable
+cannot hang the failing rank. A store that fails is reported as such (its host is probably the
+lost node).
 """
 
 from __future__ import annotations
@@ -21,10 +23,47 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["ROLL_CALL_S", "RollCall", "describe_ranks", "roll_call"]
+__all__ = [
+    "ANSWER_POLL_S",
+    "ROLL_CALL_S",
+    "RollCall",
+    "RollCallAnswerer",
+    "describe_ranks",
+    "roll_call",
+]
 
-ROLL_CALL_S = 5.0  # how long a failing rank waits for the others to answer
-_POLL_S = 0.05
+ROLL_CALL_S = 3.0  # how long a failing rank waits for the others to answer
+ANSWER_POLL_S = 1.0  # how often each rank's answerer looks for an open roll call
+_POLL_S = 0.02
+
+
+class RollCallAnswerer:
+    """Answers the roll call `key` for `rank` from a daemon thread, whatever the main thread is
+    doing. `stop()` ends it (the strategy's teardown does, before interpreter exit: a thread
+    still inside a store call then would abort the process)."""
+
+    def __init__(self, store: dist.Store, rank: int, key: str, poll_s: float = ANSWER_POLL_S):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(store, rank, key, poll_s),
+            name="manualpar-roll-call-answerer",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(self, store: dist.Store, rank: int, key: str, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            try:
+                if store.check([f"{key}/open"]):
+                    store.set(f"{key}/{rank}", "here")
+                    return
+            except Exception:  # the store is gone: nobody can call the roll any more
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
 
 
 @dataclass(frozen=True)
@@ -52,7 +91,7 @@ class RollCall:
         lost = describe_ranks(self.missing, self.local_world_size)
         return (
             f"Lost: {lost} did not answer a roll call within {self.waited_s:g}s "
-            "(killed, exited, or stuck)"
+            "(their processes are gone)"
         )
 
 
@@ -80,8 +119,8 @@ def roll_call(
     local_world_size: int = 1,
     wait_s: float = ROLL_CALL_S,
 ) -> RollCall:
-    """Answer the roll call `key` as `rank` and wait at most about `wait_s` seconds for the
-    other ranks of `world_size` to answer it too. Never raises and never hangs."""
+    """Open the roll call `key`, answer it as `rank`, and wait at most about `wait_s` seconds
+    for the other ranks of `world_size` (their answerers) to answer. Never raises or hangs."""
     found: list[RollCall] = []
 
     def call() -> None:
@@ -102,15 +141,15 @@ def _call(
     store: dist.Store, rank: int, world_size: int, key: str, local_world_size: int, wait_s: float
 ) -> RollCall:
     store.set(f"{key}/{rank}", "here")
-    answered = store.add(f"{key}/count", 1)  # one counter to poll instead of a key per rank
+    store.set(f"{key}/open", "1")
+    everyone = [f"{key}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + wait_s
-    while answered < world_size and time.monotonic() < deadline:
+    while not store.check(everyone):  # one request for all the keys
+        if time.monotonic() > deadline:
+            missing = tuple(r for r in range(world_size) if not store.check([everyone[r]]))
+            return RollCall(missing, world_size, local_world_size, wait_s)
         time.sleep(_POLL_S)
-        answered = store.add(f"{key}/count", 0)
-    missing: tuple[int, ...] = ()
-    if answered < world_size:
-        missing = tuple(r for r in range(world_size) if not store.check([f"{key}/{r}"]))
-    return RollCall(missing, world_size, local_world_size, wait_s)
+    return RollCall((), world_size, local_world_size, wait_s)
 
 
 def _short(error: BaseException) -> str:

@@ -16,8 +16,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
-import manualpar as mp  # noqa: E402
-from node_cases import CASES  # noqa: E402
+from node_cases import CASES
+
+import manualpar as mp
 
 
 @record

@@ -249,8 +249,10 @@ class NodeJob:
     def __init__(self, commands: Sequence[Sequence[str]], env: dict[str, str], port: int) -> None:
         self.commands = [list(c) for c in commands]
         self.processes: list[subprocess.Popen[str]] = []
-        self._files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
-        self.started = time.monotonic()
+        self._files = [  # closed by __exit__
+            (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))  # noqa: SIM115
+            for _ in commands
+        ]
         for node, command in enumerate(self.commands):
             out, err = self._files[node]
             self.processes.append(
@@ -284,7 +286,8 @@ class NodeJob:
     def outputs(self) -> str:
         """Every node's output, for a failure message."""
         return "\n".join(
-            f"===== node {n} =====\n{output_tail(self.result(n))}" for n in range(len(self.processes))
+            f"===== node {n} =====\n{output_tail(self.result(n))}"
+            for n in range(len(self.processes))
         )
 
     def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -338,10 +341,8 @@ class NodeJob:
         for process in running:
             process.terminate()
         for process in running:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
         for root, children in trees.items():
             for pid in (root, *children):
                 with contextlib.suppress(ProcessLookupError, PermissionError):

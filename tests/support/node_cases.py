@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,7 @@ def ranks(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict
         "num_nodes": strategy.num_nodes,
         "local_world_size": env.local_world_size,
         "source": env.source,
+        "agent_pid": os.getppid(),  # which agent (node) started this rank
         "mesh": mesh.mesh.tolist(),
         "mesh_dims": list(mesh.mesh_dim_names or ()),
         "local_members": strategy.all_gather(me, group=mesh["local"]).flatten().tolist(),
