@@ -16,8 +16,10 @@ lost node).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +53,7 @@ class RollCallAnswerer:
             daemon=True,
         )
         self._thread.start()
+        _stop_at_exit(self)
 
     def _run(self, store: dist.Store, rank: int, key: str, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
@@ -108,6 +111,24 @@ def describe_ranks(ranks: Sequence[int], local_world_size: int) -> str:
         noun = "ranks" if len(members) > 1 else "rank"
         parts.append(f"{noun} {', '.join(map(str, members))} (node {node})")
     return "; ".join(parts)
+
+
+_ANSWERERS: weakref.WeakSet[RollCallAnswerer] = weakref.WeakSet()
+_exit_hook = False
+
+
+def _stop_at_exit(answerer: RollCallAnswerer) -> None:
+    """Stop answerers that no teardown stopped, before the interpreter finalizes."""
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_stop_all)
+        _exit_hook = True
+    _ANSWERERS.add(answerer)
+
+
+def _stop_all() -> None:
+    for answerer in list(_ANSWERERS):
+        answerer.stop()
 
 
 def roll_call(

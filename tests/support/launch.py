@@ -213,9 +213,12 @@ def c10d_command(
     """Node `node`'s torchrun command in a c10d rendezvous at 127.0.0.1:port.
 
     c10d ignores --node-rank (static rendezvous only) and numbers the nodes by their sorted
-    (address, pid). Each node gets its own loopback address 127.0.0.<node + 1> (--local-addr),
-    so the agent started as node k is GROUP_RANK k, and node 0 hosts both stores: the
-    rendezvous store (is_host) and the workers' store (the rank-0 agent's)."""
+    (address, pid), the address as a string. Each node gets its own loopback address
+    127.0.0.<100 + node> (--local-addr; same length, so string order is node order), so the
+    agent started as node k is GROUP_RANK k, and node 0 hosts both stores: the rendezvous store
+    (is_host) and the workers' store (the rank-0 agent's)."""
+    if not 0 <= node < nnodes <= 100:
+        raise ValueError(f"node {node} of {nnodes}: at most 100 nodes on one machine")
     return [
         sys.executable,
         "-m",
@@ -233,7 +236,7 @@ def c10d_command(
         "--rdzv-conf",
         f"is_host={str(node == 0).lower()},join_timeout=120",
         "--local-addr",
-        f"127.0.0.{node + 1}",
+        f"127.0.0.{100 + node}",
         "--max-restarts",
         str(max_restarts),
         str(script),
