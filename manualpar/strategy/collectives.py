@@ -98,14 +98,24 @@ class Collectives:
         except CollectiveError:
             raise
         except RuntimeError as error:
+            lost = self._lost_ranks_note()
             if self.failed_collective is None:
                 self.failed_collective = operation
+            cause = (
+                f"{lost}; check the other ranks' logs."
+                if lost
+                else "Another rank probably exited, stalled, or called a different collective; "
+                "check the other ranks' logs."
+            )
             raise CollectiveError(
                 f"{operation} failed on rank {self.rank} of {self.world_size} "
-                f"(backend {self.backend}, timeout {self.timeout.total_seconds():g}s): {error}. "
-                "Another rank probably exited, stalled, or called a different collective; "
-                "check the other ranks' logs."
+                f"(backend {self.backend}, timeout {self.timeout.total_seconds():g}s): "
+                f"{error}. {cause}"
             ) from error
+
+    def _lost_ranks_note(self) -> str | None:
+        """A sentence naming the ranks lost at this rank's first failure (None: unknown)."""
+        return None
 
     def group_size(self, group: Group = None) -> int:
         """Ranks in `group` (default: the strategy's group; 1 without a process group)."""

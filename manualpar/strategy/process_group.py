@@ -152,8 +152,11 @@ def adopted_environment(
 
 def init_process_group(
     env: ClusterEnvironment, backend: str, timeout: timedelta
-) -> dist.ProcessGroup:
-    """Join the default group with a finite timeout; CollectiveError says what to check."""
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """Join the default group with a finite timeout; CollectiveError says what to check.
+
+    Returns the group and the store the ranks met through: it outlives a broken group, so after
+    a failure the ranks can still find out through it which of them are gone (roll_call.py)."""
     try:
         # Under torchrun the agent already serves the store: join it. Its keys survive a
         # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
@@ -182,7 +185,7 @@ def init_process_group(
     group = dist.group.WORLD
     assert group is not None  # set by init_process_group
     _CREATED_GROUPS.add(group)
-    return group
+    return group, store
 
 
 def init_single_rank_group(backend: str, timeout: timedelta) -> None:

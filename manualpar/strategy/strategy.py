@@ -38,6 +38,7 @@ from manualpar.strategy.process_group import (
     pick_device,
     tear_down_at_exit,
 )
+from manualpar.strategy.roll_call import RollCallAnswerer, roll_call
 from manualpar.strategy.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 
 __all__ = [
@@ -49,6 +50,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("manualpar.checkpoint")
+
+
+_ROLL_CALL_KEY = "manualpar/roll_call"  # in the job's store (per attempt under torchrun)
 
 
 class ManualParallelStrategy(Collectives):
@@ -87,12 +91,17 @@ class ManualParallelStrategy(Collectives):
         self._torn_down = False
         self.failed_collective: str | None = None  # the first collective that failed here
         self.group: dist.ProcessGroup | None = process_group
+        self.store: dist.Store | None = None  # the store the ranks met through (if we made it)
+        self._answerer: RollCallAnswerer | None = None  # answers roll calls after a failure
         self._meshes: dict[tuple[tuple[str, int], ...], DeviceMesh] = {}
         self._mesh_only_group = False  # a 1-rank default group made for mesh() at world size 1
         self._checkpoint_group: dist.ProcessGroup | None = None  # background saves' own group
         self._pending_save: PendingSave | None = None
         if self.group is None and self.world_size > 1:
-            self.group = init_process_group(self.environment, self.backend, self.timeout)
+            self.group, self.store = init_process_group(
+                self.environment, self.backend, self.timeout
+            )
+            self._answerer = RollCallAnswerer(self.store, self.rank, _ROLL_CALL_KEY)
             self._owns_group = True
             tear_down_at_exit(self)  # a script that ends without teardown() still exits cleanly
 
@@ -172,6 +181,21 @@ class ManualParallelStrategy(Collectives):
                 "or on another rank); name the dims otherwise and lay them out yourself"
             )
 
+    def _lost_ranks_note(self) -> str | None:
+        """After this rank's first failed collective: which ranks are gone, found by a roll
+        call through the job's store (a few seconds at most; never raises)."""
+        if self.store is None or self.failed_collective is not None:
+            return None
+        found = roll_call(
+            self.store,
+            self.rank,
+            self.world_size,
+            key=_ROLL_CALL_KEY,
+            local_world_size=self.environment.local_world_size,
+        )
+        env = self.environment
+        return found.describe(f"{env.master_addr}:{env.master_port}")
+
     def __repr__(self) -> str:
         return (
             f"ManualParallelStrategy(rank={self.rank}, world_size={self.world_size}, "
@@ -195,6 +219,9 @@ class ManualParallelStrategy(Collectives):
         if self._checkpoint_group is not None:
             destroy_subgroup(self._checkpoint_group)
             self._checkpoint_group = None
+        if self._answerer is not None:  # before exit: a thread in a store call would abort it
+            self._answerer.stop()
+            self._answerer = None
         if self._owns_group and dist.is_initialized():
             # Let every rank finish its last collective first: destroying the group under a
             # peer still inside one (e.g. a DDP reducer's) can hang it.

@@ -1,6 +1,11 @@
 """Start a script the way a user does, from a test: under torchrun, or as one plain process.
 
     result = run_torchrun(SCRIPT, "--out", str(tmp_path), nproc=2, check=True)
+    node0, node1 = run_nodes(SCRIPT, "--out", str(tmp_path), nnodes=2, nproc=2, check=True)
+
+`run_nodes` (and `start_nodes`, for a test that acts on a running job, e.g. kills a node) start
+one torchrun agent per node on this machine, meeting through a c10d rendezvous on 127.0.0.1, as
+the agents of a real multi-node job do.
 
 The child gets `clean_env()`: the caller's environment without any launcher's variables (so a
 pytest started by torchrun, srun or mpirun does not leak its ranks into the job), a collective
@@ -11,19 +16,28 @@ workers), and the test fails with the output so far.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 __all__ = [
     "TIMEOUT_S",
+    "NodeJob",
+    "c10d_command",
     "clean_env",
     "is_launcher_variable",
     "output_tail",
+    "run_nodes",
     "run_python",
     "run_torchrun",
+    "start_nodes",
     "torchrun_command",
 ]
 
@@ -181,3 +195,239 @@ def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         return process.communicate()
+
+
+# ---- several nodes on one machine ---------------------------------------------------------------
+
+
+def c10d_command(
+    script: str | os.PathLike,
+    *args: str,
+    nnodes: int,
+    nproc: int,
+    node: int,
+    port: int,
+    run_id: str,
+    max_restarts: int = 0,
+) -> list[str]:
+    """Node `node`'s torchrun command in a c10d rendezvous at 127.0.0.1:port.
+
+    c10d ignores --node-rank (static rendezvous only) and numbers the nodes by their sorted
+    (address, pid), the address as a string. Each node gets its own loopback address
+    127.0.0.<100 + node> (--local-addr; same length, so string order is node order), so the
+    agent started as node k is GROUP_RANK k, and node 0 hosts both stores: the rendezvous store
+    (is_host) and the workers' store (the rank-0 agent's)."""
+    if not 0 <= node < nnodes <= 100:
+        raise ValueError(f"node {node} of {nnodes}: at most 100 nodes on one machine")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"is_host={str(node == 0).lower()},join_timeout=120",
+        "--local-addr",
+        f"127.0.0.{100 + node}",
+        "--max-restarts",
+        str(max_restarts),
+        str(script),
+        *args,
+    ]
+
+
+class NodeJob:
+    """A job of `nnodes` torchrun agents on this machine, one per node, each in its own process
+    group; their output goes to files so it can be read while they run. Use as a context
+    manager: leaving it stops whatever still runs."""
+
+    def __init__(self, commands: Sequence[Sequence[str]], env: dict[str, str], port: int) -> None:
+        self.commands = [list(c) for c in commands]
+        self.processes: list[subprocess.Popen[str]] = []
+        self._files = [  # closed by __exit__
+            (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))  # noqa: SIM115
+            for _ in commands
+        ]
+        for node, command in enumerate(self.commands):
+            out, err = self._files[node]
+            self.processes.append(
+                subprocess.Popen(
+                    command, stdout=out, stderr=err, text=True, env=env, start_new_session=True
+                )
+            )
+            if node == 0:  # the store's host listens before anyone connects to it
+                self.wait_for(lambda: _listening(port), 60, "node 0 to host the rendezvous store")
+
+    def __enter__(self) -> NodeJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        for out, err in self._files:
+            out.close()
+            err.close()
+
+    def result(self, node: int) -> subprocess.CompletedProcess[str]:
+        """Node `node`'s command, exit code (None while it runs) and output so far."""
+        out, err = self._files[node]
+        texts = []
+        for file in (out, err):
+            file.flush()
+            file.seek(0)
+            texts.append(file.read())
+        code = self.processes[node].poll()
+        return subprocess.CompletedProcess(self.commands[node], code, *texts)  # type: ignore[arg-type]
+
+    def outputs(self) -> str:
+        """Every node's output, for a failure message."""
+        return "\n".join(
+            f"===== node {n} =====\n{output_tail(self.result(n))}"
+            for n in range(len(self.processes))
+        )
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll `condition` until it holds; fail with every node's output if `timeout` passes
+        first or a node exits meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            exited = [n for n, p in enumerate(self.processes) if p.poll() is not None]
+            if exited or time.monotonic() > deadline:
+                reason = f"node(s) {exited} exited" if exited else f"{timeout:g}s passed"
+                self.stop()
+                raise AssertionError(f"waiting for {what}: {reason}\n{self.outputs()}")
+            time.sleep(0.1)
+
+    def wait(
+        self, timeout: float, *, nodes: Sequence[int] | None = None, check: bool = False
+    ) -> list[subprocess.CompletedProcess[str]]:
+        """Wait for `nodes` (default: all) to exit, all within `timeout` seconds; past it every
+        node is stopped and the test fails with their output. check=True: so does any non-zero
+        exit."""
+        nodes = list(range(len(self.processes))) if nodes is None else list(nodes)
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            try:
+                self.processes[node].wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(
+                    f"node {node} did not finish in {timeout:g}s; every node was stopped\n"
+                    f"{self.outputs()}"
+                ) from None
+        results = [self.result(n) for n in nodes]
+        if check and any(r.returncode != 0 for r in results):
+            raise AssertionError(f"a node failed\n{self.outputs()}")
+        return results
+
+    def kill_node(self, node: int) -> None:
+        """Lose node `node` at once, as a machine that dies: SIGKILL to its agent's process
+        group and to every worker's (torchrun starts each worker in a session of its own)."""
+        root = self.processes[node].pid
+        groups = {root} | {_process_group(pid) for pid in _descendants(root)}
+        for group in groups - {None}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)  # type: ignore[arg-type]
+        self.processes[node].wait()
+
+    def stop(self) -> None:
+        """SIGTERM every running agent (it stops its workers), then SIGKILL what is left."""
+        running = [p for p in self.processes if p.poll() is None]
+        trees = {p.pid: _descendants(p.pid) for p in running}
+        for process in running:
+            process.terminate()
+        for process in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=15)
+        for root, children in trees.items():
+            for pid in (root, *children):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        for process in running:
+            process.wait()
+
+
+def start_nodes(
+    script: str | os.PathLike,
+    *args: str,
+    nnodes: int = 2,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: Mapping[str, str | None] | None = None,
+) -> NodeJob:
+    """Start `script *args` as a job of `nnodes` nodes x `nproc` processes: one torchrun agent
+    per node, node 0 first (it hosts the stores), then the others once it listens."""
+    port = _free_port()
+    commands = [
+        c10d_command(
+            script,
+            *args,
+            nnodes=nnodes,
+            nproc=nproc,
+            node=node,
+            port=port,
+            run_id=f"test-{port}",
+            max_restarts=max_restarts,
+        )
+        for node in range(nnodes)
+    ]
+    return NodeJob(commands, clean_env(env), port)
+
+
+def run_nodes(
+    script: str | os.PathLike,
+    *args: str,
+    nnodes: int = 2,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 180,
+    check: bool = False,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `script *args` on `nnodes` nodes x `nproc` processes and wait for every node; one
+    result per node. Past `timeout` every agent is stopped and the test fails with all outputs."""
+    with start_nodes(
+        script, *args, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts, env=env
+    ) as job:
+        return job.wait(timeout, check=check)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (Linux /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        children = parents.get(todo.pop(0), [])
+        found += children
+        todo += children
+    return found
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

@@ -1,0 +1,94 @@
+"""Two nodes on one machine: two torchrun agents of 2 processes each, meeting through a c10d
+rendezvous on 127.0.0.1 as the agents of a real 2-node job do (tests/support/launch.py,
+`start_nodes`). The ranks run the cases of tests/support/node_cases.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from launch import start_nodes
+from node_cases import reference_losses, reports
+from torchx.components.dist import ddp as torchx_ddp
+from torchx.runner import get_runner
+
+from manualpar.cli.torchx_component import run_script
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "two_nodes.py"
+LOST_NODE_EXIT_S = 30  # every survivor of a lost node exits within this, naming the lost ranks
+
+
+def test_ranks_mesh_and_ddp_across_two_nodes(tmp_path: Path) -> None:
+    with start_nodes(SCRIPT, "--cases", "ranks,ddp", "--out", str(tmp_path)) as job:
+        job.wait(150, check=True)
+        agents = [process.pid for process in job.processes]
+    seen = reports(tmp_path, "ranks")
+    assert [r["rank"] for r in seen] == [0, 1, 2, 3]
+    assert [(r["node_rank"], r["local_rank"]) for r in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["agent_pid"] for r in seen] == [agents[0], agents[0], agents[1], agents[1]]
+    for r in seen:
+        assert (r["world_size"], r["num_nodes"], r["local_world_size"]) == (4, 2, 2)
+        assert r["source"] == "torchelastic"
+        # strategy.mesh(node=2, local=2): a row per node, a column per local rank
+        assert r["mesh"] == [[0, 1], [2, 3]] and r["mesh_dims"] == ["node", "local"]
+        node, local = r["node_rank"], r["local_rank"]
+        assert r["local_members"] == [2 * node, 2 * node + 1]  # the ranks of this node
+        assert r["node_members"] == [local, 2 + local]  # this local rank on every node
+        assert r["local_sum"] == sum(r["local_members"])
+        assert r["node_sum"] == sum(r["node_members"])
+    # DDP over 4 ranks on 2 nodes, each on a quarter of the batch == one process on all of it
+    expected = reference_losses()
+    for r in reports(tmp_path, "ddp"):
+        assert r["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:
+    folder = tmp_path / "lose_node"
+
+    def training_everywhere() -> bool:
+        return all((folder / f"training_{rank}").exists() for rank in range(4))
+
+    env = {"MANUALPAR_TIMEOUT_S": "20"}  # a collective timeout well inside the bound below
+    with start_nodes(SCRIPT, "--cases", "lose_node", "--out", str(tmp_path), env=env) as job:
+        job.wait_for(training_everywhere, 120, "training on both nodes")
+        killed = time.time()
+        job.kill_node(1)  # node 0 hosts the stores; node 1 is lost as a machine is
+        (node0,) = job.wait(LOST_NODE_EXIT_S, nodes=[0])  # fails the test if a survivor hangs
+    print(f"\nMEASURED node 0 exited {time.time() - killed:.1f}s after node 1 was killed")
+    assert node0.returncode != 0
+    for rank in (0, 1):
+        failure = json.loads((folder / f"error_{rank}.json").read_text())
+        assert failure["error"].startswith(
+            f"gradient all_reduce (op=mean, shape=(57,)) failed on rank {rank} of 4"
+        )
+        assert "Lost: ranks 2, 3 (node 1) did not answer a roll call within 3s" in failure["error"]
+        print(f"MEASURED rank {rank} raised {failure['time'] - killed:.1f}s after the kill")
+    assert not list(folder.glob("error_[23].json"))  # the lost ranks said nothing
+    assert "Lost: ranks 2, 3 (node 1)" in node0.stderr  # what the user sees in node 0's log
+
+
+def test_torchx_two_by_two_runs_torchrun_on_two_nodes_with_c10d() -> None:
+    manualpar = run_script("--steps", "3", script="train.py", j="2x2")
+    builtin = torchx_ddp("--steps", "3", script="train.py", j="2x2")
+    with get_runner() as runner:
+        commands = {
+            name: [
+                " ".join(params.args)
+                for params in runner.dryrun(app, "local_cwd", cfg={}).request.role_params[
+                    app.roles[0].name
+                ]
+            ]
+            for name, app in (("manualpar", manualpar), ("dist.ddp", builtin))
+        }
+    for name, nodes in commands.items():
+        assert len(nodes) == 2, name  # one torchrun agent per node
+        for command in nodes:
+            flags = command.replace("_", "-")  # dist.ddp spells --nproc_per_node
+            assert "--nnodes 2" in flags and "--nproc-per-node 2" in flags, command
+            assert "--rdzv-backend c10d" in flags, command
+            assert "--rdzv-endpoint ${TORCHX-RANK0-HOST:=localhost}:29500" in flags, command
+            assert command.endswith("train.py --steps 3"), command
