@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import start_nodes
-from node_cases import reference_losses, reports
+import torch
+from launch import run_nodes, run_python, run_torchrun, start_nodes
+from node_cases import _model, reference_losses, reports
+from node_compositions import mixed_reference, plain_losses
 from torchx.components.dist import ddp as torchx_ddp
 from torchx.runner import get_runner
 
@@ -44,6 +46,74 @@ def test_ranks_mesh_and_ddp_across_two_nodes(tmp_path: Path) -> None:
     expected = reference_losses()
     for r in reports(tmp_path, "ddp"):
         assert r["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def _close(actual: object, expected: object, what: str) -> None:
+    """Nested reports (dicts and lists of numbers) equal within float32 training noise."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and sorted(actual) == sorted(expected), what
+        for key in expected:
+            _close(actual[key], expected[key], f"{what}[{key!r}]")
+    elif (
+        isinstance(expected, list)
+        and any(isinstance(e, (list, dict)) for e in expected)
+        and (
+            len({len(e) if isinstance(e, list) else -1 for e in expected}) > 1
+            or any(isinstance(e, dict) for e in expected)
+        )
+    ):  # parameters of different shapes, or per-parameter state: one by one
+        assert isinstance(actual, list) and len(actual) == len(expected), what
+        for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+            _close(got, want, f"{what}[{index}]")
+    else:
+        got, want = torch.tensor(actual), torch.tensor(expected)
+        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"{what}: {got} != {want}"
+
+
+def test_compositions_across_two_nodes_and_their_checkpoint_in_other_shapes(
+    tmp_path: Path,
+) -> None:
+    """HSDP, FSDP x TP and a mixed model (2-D tables + HSDP top) on 2 nodes x 2, each against
+    one process; the mixed model's checkpoint then loads into 1, 2 and 3 processes and into a
+    4 x 1 job, tables, table optimizer state, dense weights and Adam state included."""
+    shared = tmp_path / "shared"
+    out = tmp_path / "2x2"
+    run_nodes(
+        SCRIPT,
+        "--cases",
+        "hsdp,fsdp_tp,mixed",
+        "--out",
+        str(out),
+        "--dir",
+        str(shared),
+        timeout=150,
+        check=True,
+    )
+    expected_losses = plain_losses(_model())
+    for name in ("hsdp", "fsdp_tp"):
+        for r in reports(out, name):
+            _close(r["losses"], expected_losses, name)
+    reference = mixed_reference()
+    saved = reports(out, "mixed")
+    for r in saved:
+        _close(r["losses"], reference["losses"], "mixed model losses")
+        for key in ("tables", "table_state", "top", "top_state"):
+            _close(r[key], reference[key], f"mixed model {key}")
+    loaders = {
+        "1 process": lambda o: run_python(SCRIPT, *o, timeout=120, check=True),
+        "2 processes": lambda o: run_torchrun(SCRIPT, *o, nproc=2, timeout=120, check=True),
+        "3 processes": lambda o: run_torchrun(SCRIPT, *o, nproc=3, timeout=120, check=True),
+        "4 x 1": lambda o: run_nodes(SCRIPT, *o, nnodes=4, nproc=1, timeout=150, check=True),
+    }
+    for shape, launch in loaders.items():
+        where = tmp_path / shape.replace(" ", "_")
+        launch(("--cases", "load_mixed", "--out", str(where), "--dir", str(shared)))
+        loaded = reports(where, "load_mixed")
+        assert loaded, shape
+        for r in loaded:
+            for key in ("tables", "table_state", "top", "top_state"):
+                assert r[key] == saved[0][key], f"{key} loaded by {shape}"
 
 
 def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
+import node_compositions  # noqa: F401  (registers the composition cases)
 from node_cases import CASES
 
 import manualpar as mp
