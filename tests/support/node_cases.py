@@ -78,12 +78,12 @@ def ranks(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict
 # ---- data-parallel training against a single-process reference ---------------------------------
 
 
-def _model() -> nn.Module:
+def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
     x = torch.randn(BATCH, 5, generator=generator)
     return x, x.sum(-1, keepdim=True).sin()
@@ -91,11 +91,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_losses(steps: int = STEPS) -> list[float]:
     """The same training on one process with the whole batch: plain torch."""
-    model = _model()
+    model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = batch_at(step)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -107,13 +107,13 @@ def reference_losses(steps: int = STEPS) -> list[float]:
 @case
 def ddp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[str, Any]:
     """DDP over every rank of every node; each rank trains on its slice of the global batch."""
-    model = mp.ddp(_model(), strategy)
+    model = mp.ddp(tiny_model(), strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     share = BATCH // strategy.world_size
     mine = slice(strategy.rank * share, (strategy.rank + 1) * share)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = batch_at(step)
         loss = nn.functional.mse_loss(model(x[mine]), y[mine])
         optimizer.zero_grad()
         loss.backward()
@@ -133,13 +133,13 @@ def lose_node(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> 
     fails writes OUT/lose_node/error_<rank>.json (message and wall-clock time) and re-raises."""
     folder = Path(args.out, "lose_node")
     folder.mkdir(parents=True, exist_ok=True)
-    model = _model()
+    model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     deadline = time.monotonic() + 90
     step = 0
     try:
         while time.monotonic() < deadline:
-            x, y = _batch(step)
+            x, y = batch_at(step)
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

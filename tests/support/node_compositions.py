@@ -15,7 +15,7 @@ from typing import Any
 import embedding_cases as bags
 import torch
 from embedding_cases import SEED, TABLES, ReferenceUpdates, make_batch, optimizer
-from node_cases import BATCH, STEPS, _batch, _model, case
+from node_cases import BATCH, STEPS, batch_at, case, tiny_model
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -50,7 +50,7 @@ def _train_plain(
     mine = slice(dp_rank * share, (dp_rank + 1) * share)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = batch_at(step)
         loss = nn.functional.mse_loss(model(x[mine]), y[mine])
         optimizer.zero_grad()
         loss.backward()
@@ -64,7 +64,7 @@ def plain_losses(model: nn.Module) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = batch_at(step)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -78,7 +78,7 @@ def hsdp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[
     """fsdp over (replicate = nodes, shard = processes per node)."""
     nodes, per_node = _layout(strategy)
     mesh = strategy.mesh(replicate=nodes, shard=per_node)
-    model = mp.fsdp(_model(), strategy, mesh=mesh)
+    model = mp.fsdp(tiny_model(), strategy, mesh=mesh)
     losses = _train_plain(strategy, model, strategy.rank, strategy.world_size)
     return {"losses": losses, "weights": [_full(p) for p in model.parameters()]}
 
@@ -89,7 +89,7 @@ def fsdp_tp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> di
     batch slice."""
     nodes, per_node = _layout(strategy)
     mesh = strategy.mesh(dp=nodes, tp=per_node)
-    model = mp.tp(_model(), strategy, mesh=mesh["tp"], plan={"0": "colwise", "2": "rowwise"})
+    model = mp.tp(tiny_model(), strategy, mesh=mesh["tp"], plan={"0": "colwise", "2": "rowwise"})
     model = mp.fsdp(model, strategy, mesh=mesh["dp"])
     losses = _train_plain(strategy, model, strategy.group_rank(mesh["dp"]), nodes)
     return {"losses": losses, "weights": [_full(p) for p in model.parameters()]}
