@@ -37,6 +37,52 @@ def time_steps(
     return times
 
 
+def compare_builders(
+    strategy: mp.ManualParallelStrategy,
+    family: str,
+    build: dict[str, Callable[[], torch.nn.Module]],
+    x: torch.Tensor,
+    *,
+    steps: int,
+    warmup: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Adam training steps of `build["baseline"]()` against `build["manualpar"]()` (each built
+    fresh per repeat), interleaved in alternating order; per-repeat times, ratios and their
+    median, printed on rank 0."""
+    per_repeat: dict[str, list[float]] = {"baseline": [], "manualpar": []}
+    for repeat in range(repeats):
+        order = list(per_repeat) if repeat % 2 == 0 else list(reversed(per_repeat))
+        for name in order:
+            model = build[name]()
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+            def step(
+                model: torch.nn.Module = model, optimizer: torch.optim.Optimizer = optimizer
+            ) -> None:
+                optimizer.zero_grad(set_to_none=True)
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+
+            per_repeat[name].append(median(time_steps(strategy, step, steps, warmup)))
+    ratios = [m / b for m, b in zip(per_repeat["manualpar"], per_repeat["baseline"], strict=True)]
+    if strategy.is_global_zero:
+        print(
+            f"{family:8s} baseline {median(per_repeat['baseline']) * 1e3:8.2f} ms/step  "
+            f"manualpar {median(per_repeat['manualpar']) * 1e3:8.2f} ms/step  "
+            f"ratio {median(ratios):.3f}x  (per repeat: "
+            + ", ".join(f"{r:.3f}" for r in ratios)
+            + ")",
+            flush=True,
+        )
+    return {
+        "baseline_ms": [t * 1e3 for t in per_repeat["baseline"]],
+        "manualpar_ms": [t * 1e3 for t in per_repeat["manualpar"]],
+        "ratios": ratios,
+        "median_ratio": median(ratios),
+    }
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from bench_common import environment_info, median, time_steps, write_json
+from bench_common import compare_builders, environment_info, write_json
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -67,40 +67,13 @@ def main() -> None:
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(1))
     results: dict[str, dict] = {}
     for family, pair in VARIANTS.items():
-        per_repeat: dict[str, list[float]] = {"baseline": [], "manualpar": []}
-        for repeat in range(args.repeats):
-            order = list(pair) if repeat % 2 == 0 else list(reversed(pair))
-            for name in order:
-                model = pair[name](make_model(args.hidden, args.layers), strategy)
-                optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-                def step(
-                    model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer
-                ) -> None:
-                    optimizer.zero_grad(set_to_none=True)
-                    model(x).pow(2).mean().backward()
-                    optimizer.step()
-
-                times = time_steps(strategy, step, args.steps, args.warmup)
-                per_repeat[name].append(median(times))
-        ratios = [
-            m / b for m, b in zip(per_repeat["manualpar"], per_repeat["baseline"], strict=True)
-        ]
-        results[family] = {
-            "baseline_ms": [t * 1e3 for t in per_repeat["baseline"]],
-            "manualpar_ms": [t * 1e3 for t in per_repeat["manualpar"]],
-            "ratios": ratios,
-            "median_ratio": median(ratios),
+        build = {
+            name: (lambda wrap=wrap: wrap(make_model(args.hidden, args.layers), strategy))
+            for name, wrap in pair.items()
         }
-        if strategy.is_global_zero:
-            print(
-                f"{family:5s} baseline {median(per_repeat['baseline']) * 1e3:8.2f} ms/step  "
-                f"manualpar {median(per_repeat['manualpar']) * 1e3:8.2f} ms/step  "
-                f"ratio {median(ratios):.3f}x  (per repeat: "
-                + ", ".join(f"{r:.3f}" for r in ratios)
-                + ")",
-                flush=True,
-            )
+        results[family] = compare_builders(
+            strategy, family, build, x, steps=args.steps, warmup=args.warmup, repeats=args.repeats
+        )
     if strategy.is_global_zero:
         write_json(
             args.json,

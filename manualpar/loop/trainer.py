@@ -20,7 +20,7 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,57 +30,17 @@ from torch import nn
 from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
+from manualpar.loop.data import Data, dataset_batches, step_batches
 from manualpar.loop.logs import log_with_rank
 from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["Trainer", "dataset_batches"]
+__all__ = ["Trainer", "dataset_batches"]  # dataset_batches: re-exported from loop.data
 
 log = logging.getLogger("manualpar.trainer")
-Data = Callable[[int, ManualParallelStrategy], Any]
 Scheduler = Any  # a torch lr_scheduler (LRScheduler or ReduceLROnPlateau-free: step() alone)
-
-
-def dataset_batches(
-    dataset: Any,
-    global_batch_size: int,
-    *,
-    seed: int = 0,
-    collate: Callable[[list], Any] | None = None,
-) -> Data:
-    """Step-addressed batches from a map-style dataset: reshuffled each epoch from `seed`, each
-    rank taking every world_size-th sample of the global batch (a partial last batch is dropped).
-    """
-    from torch.utils.data import default_collate
-
-    collate = collate or default_collate
-    size = len(dataset)
-    if global_batch_size < 1 or size < global_batch_size:
-        raise ValueError(
-            f"dataset_batches: global_batch_size {global_batch_size} must be in "
-            f"[1, len(dataset)={size}]"
-        )
-    per_epoch = size // global_batch_size
-    orders: dict[int, torch.Tensor] = {}
-
-    def data(index: int, strategy: ManualParallelStrategy) -> Any:
-        if global_batch_size % strategy.world_size:
-            raise ValueError(
-                f"dataset_batches: global_batch_size {global_batch_size} is not a "
-                f"multiple of the world size {strategy.world_size}"
-            )
-        epoch, position = divmod(index, per_epoch)
-        if epoch not in orders:
-            orders.clear()  # one epoch's permutation at a time
-            orders[epoch] = torch.randperm(
-                size, generator=torch.Generator().manual_seed(seed + epoch)
-            )
-        chunk = orders[epoch][position * global_batch_size : (position + 1) * global_batch_size]
-        return collate([dataset[i] for i in chunk[strategy.rank :: strategy.world_size].tolist()])
-
-    return data
 
 
 class Trainer:
@@ -271,45 +231,21 @@ class Trainer:
         return last
 
     def _fetch(self, data: Data) -> list[Any] | None:
-        """This step's micro-batches, or None on every rank if any rank's data ran out.
-
-        All of a step's batches are fetched before any is trained on, so no rank starts a
-        forward or backward (and their collectives) that another rank cannot join, and a step
-        is taken whole or not at all (a partial last step is dropped, like drop_last).
-        The agreement costs one all-reduce of one number per optimizer step, a CPU tensor so
-        that it runs on gloo even in a CUDA job (no device sync); about 0.1 ms on 2 CPU
-        processes, nothing at world size 1. It cannot ride on a collective the step runs
-        anyway: the first of those (DDP's, FSDP's, the tables') happen inside the forward or
-        backward, too late. Only when a rank ran out, a second (object) gather names the ranks.
-        """
-        batches: list[Any] = []
-        missing: int | None = None
-        for micro in range(self.accumulate):
-            index = self.step * self.accumulate + micro
-            try:
-                batches.append(data(index, self.strategy))
-            except StopIteration:
-                missing = index
-                break
-        if not self.strategy.is_distributed:
-            ran_out = missing is not None
-        else:
-            flag = torch.tensor([float(missing is not None)], dtype=torch.float32)
-            ran_out = float(self.strategy.all_reduce(flag, op="max")[0]) > 0
-        if not ran_out:
-            return batches
-        reports = self.strategy.all_gather_object(missing)
-        self.data_ran_out = {rank: index for rank, index in enumerate(reports) if index is not None}
-        where = ", ".join(f"rank {r} (batch {i})" for r, i in self.data_ran_out.items())
-        log.warning(
-            "training data ran out on %s at step %d; every rank stops at step %d (of "
-            "max_steps=%d) and saves a checkpoint there",
-            where,
-            self.step,
-            self.step,
-            self.max_steps,
-        )
-        return None
+        """This step's micro-batches, or None on every rank if any rank's data ran out (then
+        `data_ran_out` names the ranks); see `step_batches`."""
+        batches, ran_out = step_batches(self.strategy, data, self.step, self.accumulate)
+        if batches is None:
+            self.data_ran_out = ran_out
+            where = ", ".join(f"rank {r} (batch {i})" for r, i in ran_out.items())
+            log.warning(
+                "training data ran out on %s at step %d; every rank stops at step %d (of "
+                "max_steps=%d) and saves a checkpoint there",
+                where,
+                self.step,
+                self.step,
+                self.max_steps,
+            )
+        return batches
 
     def _train_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from launch import run_nodes, run_python, run_torchrun, start_nodes
-from node_cases import reference_losses, reports, tiny_model
-from node_compositions import mixed_reference, plain_losses
+from node_cases import reference_losses, reports
+from node_compositions import mixed_reference
 from torchx.components.dist import ddp as torchx_ddp
 from torchx.runner import get_runner
 
@@ -90,7 +90,7 @@ def test_compositions_across_two_nodes_and_their_checkpoint_in_other_shapes(
         timeout=150,
         check=True,
     )
-    expected_losses = plain_losses(tiny_model())
+    expected_losses = reference_losses()
     for name in ("hsdp", "fsdp_tp"):
         for r in reports(out, name):
             _close(r["losses"], expected_losses, name)

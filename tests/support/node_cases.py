@@ -28,7 +28,7 @@ from torch import nn
 
 import manualpar as mp
 
-__all__ = ["CASES", "STEPS", "case", "reference_losses", "reports"]
+__all__ = ["CASES", "STEPS", "case", "reference_losses", "reports", "train_slices"]
 
 Case = Callable[[mp.ManualParallelStrategy, argparse.Namespace], dict[str, Any]]
 CASES: dict[str, Case] = {}
@@ -104,13 +104,14 @@ def reference_losses(steps: int = STEPS) -> list[float]:
     return losses
 
 
-@case
-def ddp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[str, Any]:
-    """DDP over every rank of every node; each rank trains on its slice of the global batch."""
-    model = mp.ddp(tiny_model(), strategy)
+def train_slices(
+    strategy: mp.ManualParallelStrategy, model: nn.Module, dp_rank: int, dp_size: int
+) -> list[float]:
+    """STEPS of SGD on data-parallel rank `dp_rank`'s slice of each global batch (of
+    `dp_size`); the loss averaged over every rank, per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    share = BATCH // strategy.world_size
-    mine = slice(strategy.rank * share, (strategy.rank + 1) * share)
+    share = BATCH // dp_size
+    mine = slice(dp_rank * share, (dp_rank + 1) * share)
     losses = []
     for step in range(STEPS):
         x, y = batch_at(step)
@@ -119,7 +120,14 @@ def ddp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[s
         loss.backward()
         optimizer.step()
         losses.append(strategy.all_reduce(loss.detach(), op="mean").item())
-    return {"losses": losses}
+    return losses
+
+
+@case
+def ddp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[str, Any]:
+    """DDP over every rank of every node; each rank trains on its slice of the global batch."""
+    model = mp.ddp(tiny_model(), strategy)
+    return {"losses": train_slices(strategy, model, strategy.rank, strategy.world_size)}
 
 
 # ---- a node lost mid-training -----------------------------------------------------------------

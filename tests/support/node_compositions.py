@@ -3,7 +3,8 @@ mixed model (2-D tables + HSDP dense part) whose checkpoint other job shapes loa
 
 Each case lays its mesh out from the launcher (replicate/dp = nodes, shard/tp = processes per
 node), so the same case runs as 2 x 2, 4 x 1, or one node of 1, 2 or 3 processes. The
-single-process references are plain torch, computed by the test.
+single-process references are plain torch, computed by the test (`reference_losses` in
+node_cases.py for HSDP and FSDP x TP, `mixed_reference` here).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import embedding_cases as bags
 import torch
 from embedding_cases import SEED, TABLES, ReferenceUpdates, make_batch, optimizer
-from node_cases import BATCH, STEPS, batch_at, case, tiny_model
+from node_cases import case, tiny_model, train_slices
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,7 +24,7 @@ import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, shard_embeddings
 
-__all__ = ["MIXED_BATCH", "MIXED_STEPS", "mixed_reference", "plain_losses"]
+__all__ = ["MIXED_BATCH", "MIXED_STEPS", "mixed_reference"]
 
 MIXED_STEPS = 3
 MIXED_BATCH = 4  # per virtual rank; the saving job has 4 ranks
@@ -41,45 +42,13 @@ def _full(tensor: torch.Tensor) -> list:
     return value.detach().cpu().tolist()
 
 
-def _train_plain(
-    strategy: mp.ManualParallelStrategy, model: nn.Module, dp_rank: int, dp_size: int
-) -> list[float]:
-    """STEPS of SGD on this data-parallel rank's slice of each global batch; the mean loss."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    share = BATCH // dp_size
-    mine = slice(dp_rank * share, (dp_rank + 1) * share)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch_at(step)
-        loss = nn.functional.mse_loss(model(x[mine]), y[mine])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(strategy.all_reduce(loss.detach(), op="mean").item())
-    return losses
-
-
-def plain_losses(model: nn.Module) -> list[float]:
-    """The reference of `hsdp` and `fsdp_tp`: one process, the whole batch."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch_at(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 @case
 def hsdp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> dict[str, Any]:
     """fsdp over (replicate = nodes, shard = processes per node)."""
     nodes, per_node = _layout(strategy)
     mesh = strategy.mesh(replicate=nodes, shard=per_node)
     model = mp.fsdp(tiny_model(), strategy, mesh=mesh)
-    losses = _train_plain(strategy, model, strategy.rank, strategy.world_size)
+    losses = train_slices(strategy, model, strategy.rank, strategy.world_size)
     return {"losses": losses, "weights": [_full(p) for p in model.parameters()]}
 
 
@@ -91,7 +60,7 @@ def fsdp_tp(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> di
     mesh = strategy.mesh(dp=nodes, tp=per_node)
     model = mp.tp(tiny_model(), strategy, mesh=mesh["tp"], plan={"0": "colwise", "2": "rowwise"})
     model = mp.fsdp(model, strategy, mesh=mesh["dp"])
-    losses = _train_plain(strategy, model, strategy.group_rank(mesh["dp"]), nodes)
+    losses = train_slices(strategy, model, strategy.group_rank(mesh["dp"]), nodes)
     return {"losses": losses, "weights": [_full(p) for p in model.parameters()]}
 
 
