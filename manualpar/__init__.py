@@ -21,6 +21,8 @@ from manualpar.embeddings import (
     EmbeddingCollection,
     EmbeddingConfig,
     EmbeddingPlan,
+    HashIds,
+    ManagedCollisions,
     SparseFeatures,
     shard_embeddings,
 )
@@ -58,6 +60,8 @@ __all__ = [
     "EmbeddingConfig",
     "EmbeddingInputError",
     "EmbeddingPlan",
+    "HashIds",
+    "ManagedCollisions",
     "ManualParError",
     "ManualParallelStrategy",
     "NonFiniteError",

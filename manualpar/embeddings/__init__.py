@@ -8,6 +8,7 @@ from manualpar.embeddings.collection import (
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import JaggedFeature, SparseFeatures
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     Shard,
@@ -43,8 +44,10 @@ __all__ = [
     "EmbeddingPlan",
     "EmbeddingTable",
     "FusedOptimizer",
+    "HashIds",
     "JaggedEmbeddings",
     "JaggedFeature",
+    "ManagedCollisions",
     "PooledEmbeddings",
     "RowWiseAdagrad",
     "SequenceEmbeddings",

@@ -6,22 +6,40 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions, RawIds
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["ROW_WISE_STATE", "EmbeddingBagConfig", "block_bytes", "check_tables"]
+__all__ = [
+    "ROW_WISE_STATE",
+    "TABLE_DTYPES",
+    "EmbeddingBagConfig",
+    "block_bytes",
+    "check_tables",
+]
 
 POOLINGS = ("sum", "mean")
-FLOAT_BYTES = 4  # rows and optimizer state are fp32
+# Rows are stored in one of these; lookups accumulate and updates compute in float32.
+TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+STATE_BYTES = 4  # optimizer state is float32 whatever the rows' dtype
 # An update rule's state: name -> per-row (one float per row) or per-element. Row-wise Adagrad's
 # single per-row float is what plans count when no rule is named (it is the planner's default).
 ROW_WISE_STATE: Mapping[str, bool] = {"sum": True}
 
 
-def block_bytes(rows: int, cols: int, state: Mapping[str, bool] = ROW_WISE_STATE) -> int:
-    """Bytes of a block of `rows` x `cols` weights plus its optimizer `state` (one float per row
-    for a per-row entry, one per element otherwise). The one place table memory is counted."""
-    per_row = cols + sum(1 if per_row else cols for per_row in state.values())
-    return rows * per_row * FLOAT_BYTES
+def block_bytes(
+    rows: int,
+    cols: int,
+    state: Mapping[str, bool] = ROW_WISE_STATE,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes of a block of `rows` x `cols` weights in `dtype` plus its float32 optimizer `state`
+    (one float per row for a per-row entry, one per element otherwise). The one place table
+    memory is counted."""
+    weight = cols * dtype.itemsize
+    per_row_state = sum(1 if per_row else cols for per_row in state.values()) * STATE_BYTES
+    return rows * (weight + per_row_state)
 
 
 @dataclass(frozen=True)
@@ -31,6 +49,11 @@ class EmbeddingBagConfig:
     Each feature in `feature_names` (default: the table's own name) is looked up in this table and
     pooled into one vector per sample (`pooling` "sum" or "mean"; weighted ids scale their rows).
     Rows start uniform in [-init_bound, init_bound] (default 1/sqrt(num_embeddings), as TorchRec).
+
+    `dtype` is how rows are stored (float32, float16 or bfloat16); lookups sum in float32 and
+    the fused update computes in float32 and rounds back (docs/embeddings.md, "Precision").
+    `raw_ids`: None (ids are rows in [0, num_embeddings)), `HashIds(salt)` or
+    `ManagedCollisions(...)` for raw int64 ids from an unbounded space (id_spaces.py).
     """
 
     name: str
@@ -39,6 +62,8 @@ class EmbeddingBagConfig:
     feature_names: tuple[str, ...] = field(default=())
     pooling: str = "sum"
     init_bound: float | None = None
+    dtype: torch.dtype = torch.float32
+    raw_ids: RawIds | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.feature_names, str):  # tuple("abc") would be three features
@@ -63,6 +88,16 @@ class EmbeddingBagConfig:
             raise EmbeddingInputError(
                 f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}"
             )
+        if self.dtype not in TABLE_DTYPES:
+            raise EmbeddingInputError(
+                f"table {self.name!r}: dtype {self.dtype} is not supported; use one of "
+                f"{', '.join(str(d) for d in TABLE_DTYPES)}"
+            )
+        if self.raw_ids is not None and not isinstance(self.raw_ids, HashIds | ManagedCollisions):
+            raise EmbeddingInputError(
+                f"table {self.name!r}: raw_ids must be None, HashIds(...) or "
+                f"ManagedCollisions(...), got {self.raw_ids!r}"
+            )
 
     @property
     def bound(self) -> float:
@@ -72,8 +107,8 @@ class EmbeddingBagConfig:
 
     @property
     def num_bytes(self) -> int:
-        """Weight bytes (no optimizer state)."""
-        return block_bytes(self.num_embeddings, self.embedding_dim, state={})
+        """Weight bytes in the table's dtype (no optimizer state)."""
+        return block_bytes(self.num_embeddings, self.embedding_dim, state={}, dtype=self.dtype)
 
 
 def check_tables(tables: Sequence[EmbeddingBagConfig]) -> None:
