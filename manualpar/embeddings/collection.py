@@ -18,6 +18,7 @@ from torch import nn
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.memory import empty_rows
+from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.embeddings.shard_compute import bag_offsets
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import EmbeddingInputError
@@ -122,7 +123,7 @@ class EmbeddingBagCollection(nn.Module):
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
-        features = check_features(features, self.configs)
+        features = hash_raw_ids(check_features(features, self.configs), self.configs)
         outputs = []
         for config in self.configs:
             weight = table_of(self.tables, config.name).weight
@@ -154,7 +155,8 @@ def check_features(
     features: SparseFeatures,
     tables: Sequence[EmbeddingBagConfig],
 ) -> SparseFeatures:
-    """The batch with keys in the tables' feature order; every id a valid row of its table.
+    """The batch with keys in the tables' feature order; every id a valid row of its table
+    (tables with `raw_ids` take any int64 id: the collection maps them to rows next).
     Eager under torch.compile, as SparseFeatures' own validation."""
     if not isinstance(features, SparseFeatures):
         raise EmbeddingInputError(
@@ -183,7 +185,7 @@ def check_features(
             size = next(sizes)
             ids = features.values[start : start + size]
             start += size
-            if size:
+            if size and config.raw_ids is None:
                 _check_ids(ids, features.lengths[index * batch : (index + 1) * batch], name, config)
             index += 1
     return features
@@ -202,5 +204,7 @@ def _check_ids(
         f"feature {feature!r} (table {config.name!r}, {config.num_embeddings} rows): id "
         f"{bad_value} at position {position} of the feature's ids (sample {sample}) is "
         + ("negative" if bad_value < 0 else "out of range")
-        + f"; ids must be in [0, {config.num_embeddings}) (hash or clamp them first)"
+        + f"; ids must be in [0, {config.num_embeddings}). If these are raw ids, set "
+        "EmbeddingBagConfig(raw_ids=HashIds(...)) or raw_ids=ManagedCollisions(...) on the "
+        "table; otherwise hash or clamp them first"
     )

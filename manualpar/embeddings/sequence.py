@@ -19,6 +19,7 @@ from torch import nn
 from manualpar.embeddings.collection import check_features, make_tables, table_of
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -127,7 +128,7 @@ class EmbeddingCollection(nn.Module):
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> SequenceEmbeddings:
-        features = check_sequence_features(features, self.configs)
+        features = hash_raw_ids(check_sequence_features(features, self.configs), self.configs)
         out = {}
         for config in self.configs:
             weight = table_of(self.tables, config.name).weight

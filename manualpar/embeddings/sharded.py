@@ -35,6 +35,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
+from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.embeddings.routing import Routing
 from manualpar.embeddings.sequence import (
     EmbeddingCollection,
@@ -225,7 +226,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         except EmbeddingInputError:
             self._refuse_step()
             raise
-        features = features.to(self.strategy.device)
+        features = hash_raw_ids(features.to(self.strategy.device), self.configs)
         values = _EmbeddingLookup.apply(self._anchor, self, features)
         return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
 

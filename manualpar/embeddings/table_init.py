@@ -16,7 +16,7 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.native import loaded_kernels, supports
 
-__all__ = ["init_rows", "table_key"]
+__all__ = ["init_rows", "mix64", "mix64_int", "table_key"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -42,6 +42,18 @@ def _signed(value: int) -> int:
 def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical shift of int64 bit patterns (torch's >> on int64 is arithmetic)."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors holding uint64 bit patterns (any device)."""
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+def mix64_int(z: int) -> int:
+    """splitmix64's finalizer on a Python int (taken mod 2**64), unsigned."""
+    return _mix(z & _MASK64)
 
 
 def _torch_uniform(key: int, counters: torch.Tensor) -> torch.Tensor:

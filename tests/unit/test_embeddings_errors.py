@@ -52,7 +52,8 @@ def test_id_out_of_range_names_feature_table_rows_value_and_sample() -> None:
         EmbeddingInputError,
         "feature 'last_item' (table 'item', 5 rows): id 5 at "
         "position 1 of the feature's ids (sample 1) is out of range; ids must be in "
-        "[0, 5) (hash or clamp them first)",
+        "[0, 5). If these are raw ids, set EmbeddingBagConfig(raw_ids=HashIds(...)) or "
+        "raw_ids=ManagedCollisions(...) on the table; otherwise hash or clamp them first",
     ):
         ebc(_batch(last_item=[[2], [5]]))
 

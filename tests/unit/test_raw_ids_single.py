@@ -1,0 +1,88 @@
+"""Raw int64 ids on one process: the documented hash (pinned rows), HashIds tables in the
+unsharded collections and in the sharded one at world size 1 (2 and 3 ranks:
+tests/dist/test_raw_ids_sharded.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from raw_id_cases import HASHED_TABLES, RAW_POOL, check_against_reference, train_sharded
+
+import manualpar as mp
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    SparseFeatures,
+)
+from manualpar.embeddings.raw_ids import hashed_rows
+from manualpar.errors import EmbeddingInputError
+
+IDS = [0, 1, 2, -1, -(2**63), 2**63 - 1, 123456789012345, 42]
+# rows of IDS in a 1000-row table, pinned: a change of the hash would remap every trained table
+PINNED = {
+    0: [871, 807, 745, 904, 87, 760, 330, 910],
+    7: [625, 367, 918, 445, 157, 44, 926, 453],
+    2**64 - 1: [104, 333, 382, 771, 332, 993, 163, 462],
+}
+MASK = 2**64 - 1
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finalizer, written out from its definition."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def _documented_row(raw_id: int, salt: int, rows: int) -> int:
+    """The hash as docs/embeddings.md defines it, in plain Python integers."""
+    key = _mix((salt + 0x9E3779B97F4A7C15) & MASK)
+    return _mix((raw_id & MASK) ^ key) % rows
+
+
+def test_hash_rows_are_pinned_for_some_ids_and_salts() -> None:
+    for salt, rows in PINNED.items():
+        assert hashed_rows(torch.tensor(IDS), salt, 1000).tolist() == rows, f"salt {salt}"
+
+
+def test_hash_is_the_documented_formula_for_any_int64() -> None:
+    ids = torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(3))
+    for salt, rows in ((0, 1), (1, 13), (2**63 + 5, 10**6 + 3), (12345, 2**40 + 1)):
+        got = hashed_rows(ids, salt, rows).tolist()
+        assert got == [_documented_row(i, salt, rows) for i in ids.tolist()], (salt, rows)
+
+
+def test_hashed_table_equals_a_plain_table_fed_the_hashed_rows() -> None:
+    hashed = EmbeddingBagConfig("t", 13, 4, raw_ids=mp.HashIds(salt=9))
+    plain = EmbeddingBagConfig("t", 13, 4)
+    bags = [[-5, 2**62, 7], [], [RAW_POOL[0].item(), 7]]
+    rows = [[_documented_row(i, 9, 13) for i in bag] for bag in bags]
+    got = EmbeddingBagCollection([hashed], seed=1)(SparseFeatures.from_dict({"t": bags}))
+    expected = EmbeddingBagCollection([plain], seed=1)(SparseFeatures.from_dict({"t": rows}))
+    assert torch.equal(got.values, expected.values)
+    seq_got = EmbeddingCollection([EmbeddingConfig("t", 13, 4, raw_ids=mp.HashIds(salt=9))])(
+        SparseFeatures.from_dict({"t": bags})
+    )
+    seq_expected = EmbeddingCollection([EmbeddingConfig("t", 13, 4)])(
+        SparseFeatures.from_dict({"t": rows})
+    )
+    assert torch.equal(seq_got["t"].values, seq_expected["t"].values)
+
+
+def test_raw_ids_on_a_table_without_raw_ids_say_how_to_map_them() -> None:
+    ebc = EmbeddingBagCollection(HASHED_TABLES)
+    batch = {f: [[]] for t in HASHED_TABLES for f in t.feature_names}
+    with pytest.raises(EmbeddingInputError) as error:
+        ebc(SparseFeatures.from_dict({**batch, "plain": [[10**12]]}))
+    assert str(error.value) == (
+        "feature 'plain' (table 'plain', 11 rows): id 1000000000000 at position 0 of the "
+        "feature's ids (sample 0) is out of range; ids must be in [0, 11). If these are raw "
+        "ids, set EmbeddingBagConfig(raw_ids=HashIds(...)) or raw_ids=ManagedCollisions(...) "
+        "on the table; otherwise hash or clamp them first"
+    )
+
+
+def test_sharded_world_size_1_trains_like_the_reference() -> None:
+    check_against_reference([train_sharded(HASHED_TABLES, [6])], HASHED_TABLES, [6])
