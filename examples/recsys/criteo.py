@@ -18,6 +18,7 @@ with a few array operations per digit position.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from typing import BinaryIO
 
 import numpy as np
 from data import NUM_DENSE, NUM_SPARSE, Batch, SyntheticCriteo, log_counts, make_batch, table_rows
+
+from manualpar import HashIds
+from manualpar.embeddings import EmbeddingBagConfig
 
 FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 FIELD_NAMES = ("label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27)))
@@ -344,6 +348,15 @@ def head(files: Sequence[str | Path], lines: int, rank: int, world: int) -> Batc
     )
 
 
+def hashed_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """The tables reading raw ids (hex values, MISSING_ID) through HashIds, salt = the table's
+    position: each feature's ids land on rows independently of the others'."""
+    return [
+        dataclasses.replace(table, raw_ids=HashIds(salt=index))
+        for index, table in enumerate(tables)
+    ]
+
+
 class CriteoStream:
     """Criteo files as the Trainer's step-addressed data: `train(step, strategy)` is this rank's
     next batch of `batch_size // world` lines of its share (rank_share), `validation` the held-out
@@ -429,3 +442,22 @@ def write_synthetic_criteo(
                 )
                 out.write("\t".join((str(labels[row]), *dense, *hexes)) + "\n")
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Write synthetic samples (SyntheticCriteo's signal) as a Criteo-format file."
+    )
+    parser.add_argument("path", help="the file to write; gzip if it ends in .gz")
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--start", type=int, default=0, help="index of the first sample")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-rows", type=int, default=100_000, help="distinct ids per feature")
+    args = parser.parse_args()
+    print(
+        write_synthetic_criteo(
+            args.path, args.samples, start=args.start, seed=args.seed, max_rows=args.max_rows
+        )
+    )

@@ -1,6 +1,7 @@
-"""Criteo-shaped click data: a synthetic generator with a learnable signal, and a TSV reader.
+"""Criteo-shaped click data: a synthetic generator with a learnable signal (criteo.py streams
+the real format).
 
-Both give `Batch`es addressed by step, the Trainer's data contract: `train(step, strategy)` is
+It gives `Batch`es addressed by step, the Trainer's data contract: `train(step, strategy)` is
 this rank's share of global batch `step`, the same on every run, so a resumed run sees exactly
 the batches the uninterrupted one would have seen.
 
@@ -13,9 +14,8 @@ model that learns those ids' embeddings and the dense response reaches an AUC we
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -226,127 +226,3 @@ class SyntheticCriteo:
         """This rank's share of the whole validation set (one batch; `index` is always 0)."""
         offset, size = rank_slice(self.val_samples, strategy)
         return self.samples(VALIDATION_OFFSET + index * self.val_samples + offset, size)
-
-
-# ---- the public Criteo TSV format -----------------------------------------------------------
-def parse_line(line: str, rows: Sequence[int]) -> tuple[int, list[int], list[int]]:
-    """label, 13 counts (-1 if missing) and 26 ids from `label \\t 13 ints \\t 26 hex strings`.
-
-    A hex string maps to 1 + int(hex, 16) % (rows - 1); a missing one to row 0 (its own row, as
-    DLRM's preprocessing gives missing values one).
-    """
-    fields = line.rstrip("\r\n").split("\t")
-    if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-        raise ValueError(
-            f"expected {1 + NUM_DENSE + NUM_SPARSE} tab-separated fields, got {len(fields)}"
-        )
-    counts = [int(v) if v else -1 for v in fields[1 : 1 + NUM_DENSE]]
-    ids = [
-        1 + int(v, 16) % (r - 1) if v and r > 1 else 0
-        for v, r in zip(fields[1 + NUM_DENSE :], rows, strict=True)
-    ]
-    return int(fields[0]), counts, ids
-
-
-def write_criteo_tsv(
-    path: str | Path, records: Iterable[tuple[int, Sequence[int | None], Sequence[str | None]]]
-) -> None:
-    """Write (label, 13 counts or None, 26 hex strings or None) records in Criteo's format."""
-    with open(path, "w") as handle:
-        for label, counts, cats in records:
-            fields = [
-                str(label),
-                *("" if c is None else str(c) for c in counts),
-                *("" if c is None else c for c in cats),
-            ]
-            handle.write("\t".join(fields) + "\n")
-
-
-def synthetic_records(
-    source: SyntheticCriteo, start: int, count: int
-) -> Iterable[tuple[int, list[int], list[str]]]:
-    """Synthetic samples as Criteo TSV records (ids as 8-digit hex), to try the TSV path."""
-    labels, counts, ids = source.raw(start, count)
-    for label, row_counts, row_ids in zip(labels, counts, ids, strict=True):
-        yield int(label), row_counts.tolist(), [f"{i:08x}" for i in row_ids]
-
-
-class CriteoTSV:
-    """A Criteo TSV file in memory, step-addressed like SyntheticCriteo.
-
-    Each rank reads the file but parses and keeps only its lines (line k * world_size + rank),
-    so a global batch of consecutive lines is split over the ranks and memory is divided by the
-    world size (157 bytes per kept line: log counts as float32, ids as int32). The last
-    `val_samples` lines are the validation set; training wraps around (epochs).
-    """
-
-    CHUNK = 1 << 16  # lines parsed into Python lists before they become compact arrays
-
-    def __init__(
-        self,
-        path: str | Path,
-        rows: Sequence[int],
-        strategy: ManualParallelStrategy,
-        *,
-        batch_size: int = 512,
-        val_samples: int = 8192,
-        limit: int | None = None,
-    ) -> None:
-        world, rank = strategy.world_size, strategy.rank
-        chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        pending: list[tuple[int, list[int], list[int]]] = []
-        lines = 0
-        with open(path) as handle:
-            for line in handle:
-                if limit is not None and lines >= limit:
-                    break
-                if lines % world == rank:
-                    pending.append(parse_line(line, rows))
-                    if len(pending) == self.CHUNK:
-                        chunks.append(_columns(pending))
-                        pending = []
-                lines += 1
-        chunks.append(_columns(pending))
-        local = lines // world  # the same on every rank: equal batches, equal validation sets
-        val_local = val_samples // world
-        if local - val_local < batch_size // world:
-            raise ValueError(
-                f"{path}: {local * world} usable lines, fewer than the validation "
-                f"set ({val_samples}) plus one global batch ({batch_size})"
-            )
-        columns = zip(*chunks, strict=True)  # (labels chunks, dense chunks, ids chunks)
-        self.labels, self.dense, self.ids = (np.concatenate(c)[:local] for c in columns)
-        self.train_local = local - val_local
-        self.batch_size, self.val_samples = batch_size, val_samples
-
-    def _rows(self, positions: np.ndarray) -> Batch:
-        return make_batch(self.labels[positions], self.dense[positions], self.ids[positions])
-
-    def train(self, step: int, strategy: ManualParallelStrategy) -> Batch:
-        _, size = rank_slice(self.batch_size, strategy)
-        return self._rows((step * size + np.arange(size)) % self.train_local)
-
-    def validation(self, index: int, strategy: ManualParallelStrategy) -> Batch:
-        return self._rows(np.arange(self.train_local, len(self.labels)))
-
-
-def _columns(
-    parsed: Sequence[tuple[int, list[int], list[int]]],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    labels = np.fromiter((p[0] for p in parsed), dtype=np.int8, count=len(parsed))
-    counts = np.array([p[1] for p in parsed], dtype=np.float64).reshape(-1, NUM_DENSE)
-    ids = np.array([p[2] for p in parsed], dtype=np.int32).reshape(-1, NUM_SPARSE)
-    return labels, log_counts(counts), ids
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write synthetic samples as a Criteo TSV file.")
-    parser.add_argument("path")
-    parser.add_argument("--samples", type=int, default=200_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-rows", type=int, default=100_000)
-    args = parser.parse_args()
-    generator = SyntheticCriteo(table_rows(max_rows=args.max_rows), seed=args.seed)
-    write_criteo_tsv(args.path, synthetic_records(generator, 0, args.samples))

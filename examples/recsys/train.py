@@ -4,7 +4,7 @@
 
 Runs as one process too (`python examples/recsys/train.py`). By default the data is synthetic
 (Criteo's 13 dense and 26 categorical features, with a hidden signal to learn); `--criteo FILE`
-trains on the public Criteo TSV format instead. The Trainer checkpoints to OUT/checkpoints,
+streams Criteo logs (criteo.py) into raw-id tables. The Trainer checkpoints to OUT/checkpoints,
 appends metrics to OUT/metrics.jsonl (validation AUC every --val-every steps) and resumes from
 the latest checkpoint when run again; at the end the metrics are drawn to OUT/metrics.png.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from data import CriteoTSV, SyntheticCriteo, make_tables, table_rows
+from criteo import CriteoStream, hashed_tables
+from data import SyntheticCriteo, make_tables, table_rows
 from model import DLRM, make_plan
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -85,8 +86,21 @@ def parse_args() -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=500)
     add("--log-every", type=int, default=20)
     add("--seed", type=int, default=0)
-    add("--criteo", default=None, help="a Criteo TSV file (label, 13 ints, 26 hex strings)")
-    add("--criteo-limit", type=int, default=None, help="read at most this many lines")
+    add(
+        "--criteo",
+        nargs="+",
+        metavar="FILE",
+        help="train on Criteo-format files (plain or .gz), streamed; tables hash the raw ids",
+    )
+    add(
+        "--criteo-val",
+        nargs="+",
+        metavar="FILE",
+        help="validation: the first --val-samples lines of these files (default: of the first "
+        "--criteo file, which training then skips)",
+    )
+    add("--criteo-epochs", type=int, default=1, help="passes over the --criteo files")
+    add("--rows-per-table", type=int, default=None, help="every table gets this many rows")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--no-plot", action="store_true", help="do not write metrics.png")
     add(
@@ -115,7 +129,7 @@ def save_plan(plan: EmbeddingPlan, tables: list, out: str) -> Path:
     path = Path(out) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")
-    configs = (json.dumps(dataclasses.asdict(table)) for table in tables)
+    configs = (json.dumps(dataclasses.asdict(table), default=str) for table in tables)
     (path.parent / "tables.json").write_text("[\n" + ",\n".join(configs) + "\n]\n")
     return path
 
@@ -142,7 +156,11 @@ def peak_rss_gib() -> float:
 def main() -> None:
     args = parse_args()
     rows = table_rows(args.cardinalities, None if args.huge else args.max_rows)
+    if args.rows_per_table is not None:
+        rows = [args.rows_per_table] * len(rows)
     tables = make_tables(rows, args.dim)
+    if args.criteo:
+        tables = hashed_tables(tables)
     unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
     if args.plan_only is not None:
         plan = make_plan(args.plan, tables, args.plan_only)
@@ -183,13 +201,14 @@ def main() -> None:
         f"rank 0 holds {local_gib:.3f} GiB of them"
     )
     if args.criteo:
-        data = CriteoTSV(
+        data = CriteoStream(
             args.criteo,
-            rows,
-            strategy,
+            rank=strategy.rank,
+            world=strategy.world_size,
             batch_size=args.batch,
             val_samples=args.val_samples,
-            limit=args.criteo_limit,
+            val_files=args.criteo_val or (),
+            epochs=args.criteo_epochs,
         )
     else:
         data = SyntheticCriteo(

@@ -1,5 +1,5 @@
 """The recommender example as a user runs it: it learns on 2 ranks under torchrun (checkpoints,
-metrics, plot) and on a Criteo TSV file in one process."""
+metrics, plot) and on Criteo-format files streamed into raw-id tables."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import manualpar as mp
 
 RECSYS = EXAMPLES / "recsys"
 data = load_example(Path("recsys/data.py"), "recsys_data")
+criteo = load_example(Path("recsys/criteo.py"), "recsys_criteo", siblings={"data": data})
 
 
 def _train(*args: str, ranks: int = 2) -> str:
@@ -60,27 +61,43 @@ def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
     assert_plots_every_metric(tmp_path / "metrics.png", tmp_path / "metrics.jsonl")
 
 
-def test_trains_on_a_criteo_tsv_file_in_one_process(tmp_path: Path) -> None:
-    source = data.SyntheticCriteo(data.table_rows(max_rows=20000), seed=0)
-    data.write_criteo_tsv(tmp_path / "day.tsv", data.synthetic_records(source, 0, 4000))
+def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path) -> None:
+    """Streamed from a gzip and a plain file (one per rank) into raw-id tables, validated on a
+    third file; the shares are whole files of equal length, so training ends with the data."""
+    files = [
+        criteo.write_synthetic_criteo(tmp_path / name, lines, start=start, max_rows=2000)
+        for name, lines, start in (
+            ("day_0.gz", 5120, 0),
+            ("day_1", 5120, 5120),
+            ("val", 2048, 10240),
+        )
+    ]
     out = _train(
         "--criteo",
-        str(tmp_path / "day.tsv"),
+        str(files[0]),
+        str(files[1]),
+        "--criteo-val",
+        str(files[2]),
+        "--rows-per-table",
+        "4096",
         "--out",
         str(tmp_path / "run"),
         "--steps",
-        "12",
+        "100",
         "--batch",
         "256",
-        "--max-rows",
-        "20000",
         "--val-samples",
-        "1024",
+        "2048",
         "--val-every",
-        "6",
+        "20",
+        "--log-every",
+        "10",
         "--no-progress",
         "--no-plot",
-        ranks=1,
     )
-    assert "embedding plan for 1 ranks" in out
-    assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.55
+    assert "embedding plan for 2 ranks" in out
+    tables = json.loads((tmp_path / "run/tables.json").read_text())
+    assert [t["raw_ids"] for t in tables] == [{"salt": i} for i in range(26)]
+    assert {t["num_embeddings"] for t in tables} == {4096}
+    assert "trained steps 0-40" in out  # 5120 lines per rank, 128 per rank and step
+    assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.65

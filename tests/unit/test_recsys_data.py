@@ -1,5 +1,5 @@
-"""The recommender example's data and metric: samples depend only on seed and index, the
-Criteo TSV reader parses exact values, and its AUC equals the brute-force pair count."""
+"""The recommender example's data and metric: samples depend only on seed and index, and its AUC
+equals the brute-force pair count (criteo.py's reader: test_recsys_criteo_reader.py)."""
 
 from __future__ import annotations
 
@@ -28,43 +28,6 @@ def test_synthetic_samples_depend_only_on_seed_and_index() -> None:
     assert bool((ids < torch.tensor(data.table_rows(max_rows=1000)).unsqueeze(1)).all())
     other = data.SyntheticCriteo(data.table_rows(max_rows=1000), seed=4).samples(96, 8)
     assert not torch.equal(other.dense, whole.dense)
-
-
-def test_criteo_tsv_reader_parses_exact_values(tmp_path: Path) -> None:
-    rows = [10] * data.NUM_SPARSE
-    rows[1] = 1  # a one-row table: every value, present or not, is row 0
-    counts = [[5, None, -2, 0, *range(9)], [None] * data.NUM_DENSE, [7] * data.NUM_DENSE]
-    cats = [
-        ["68fd1e64", "80e26c9b", None, *["0000000a"] * 23],
-        [None] * data.NUM_SPARSE,
-        ["ffffffff"] * data.NUM_SPARSE,
-    ]
-    path = tmp_path / "day.tsv"
-    data.write_criteo_tsv(path, zip([1, 0, 1], counts, cats, strict=True))
-    assert path.read_text().splitlines()[1] == "0" + "\t" * 39
-    single = SimpleNamespace(rank=0, world_size=1)
-    source = data.CriteoTSV(path, rows, single, batch_size=1, val_samples=1)
-    batch = source.train(0, single)
-    assert batch.labels.tolist() == [1.0]
-    expected = torch.tensor([math.log(6), 0, 0, 0, *(math.log1p(i) for i in range(9))])
-    torch.testing.assert_close(batch.dense[0], expected.float())
-    ids = batch.sparse.values.tolist()  # one id per feature: feature-major is sample order
-    assert ids[:3] == [1 + 0x68FD1E64 % 9, 0, 0] and ids[3:] == [1 + 10 % 9] * 23
-    assert batch.sparse.lengths.tolist() == [1] * data.NUM_SPARSE
-    second = source.train(1, single)
-    assert second.labels.tolist() == [0.0] and second.dense.abs().sum() == 0
-    assert second.sparse.values.tolist() == [0] * data.NUM_SPARSE
-    validation = source.validation(0, single)  # the last line
-    assert validation.sparse.values.tolist() == [1 + 0xFFFFFFFF % 9, 0, *[1 + 0xFFFFFFFF % 9] * 24]
-    assert source.train(2, single).labels.tolist() == [1.0]  # wraps around: an epoch is 2 lines
-    ranks = [
-        data.CriteoTSV(
-            path, rows, SimpleNamespace(rank=r, world_size=2), batch_size=2, val_samples=0
-        )
-        for r in range(2)
-    ]  # rank r keeps lines r, r + 2, ...
-    assert [len(r.labels) for r in ranks] == [1, 1]  # the odd last line is dropped on all ranks
-    assert ranks[1].dense[0].tolist() == [0.0] * data.NUM_DENSE
 
 
 @pytest.mark.parametrize("seed", range(5))
