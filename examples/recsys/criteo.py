@@ -12,14 +12,15 @@ log(1 + max(count, 0)) with missing counts as 0 (DLRM's transform), the 26 categ
 raw int64 ids (the hex value; a missing value is MISSING_ID) and the labels.
 
 Lines are parsed a block at a time with numpy (no Python loop over lines or fields): the block's
-tabs and newlines give every field's start and length, and each column's digits are combined
-with a few array operations per digit position.
+tabs and newlines give every field's start and length, and each field's last 8 bytes, loaded as
+one uint64, are decoded with bit arithmetic for all fields at once (`_numbers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ MISSING_ID = 1 << 32  # one past the largest 8-digit hex value: never a real val
 MAX_HEX_DIGITS = 8
 MAX_INT_DIGITS = 18  # any 18-digit integer fits in int64
 READ_BYTES = 1 << 22  # bytes read (after decompression) per block: about 17k Kaggle lines
+MAX_LINE_BYTES = 1 << 20  # Criteo lines are a few hundred bytes: longer is not this format
 
 TAB, NEWLINE, CR, MINUS, ZERO = 9, 10, 13, ord("-"), ord("0")
 _DIGIT = np.full(256, -1, dtype=np.int64)
@@ -67,6 +69,9 @@ class Columns:
 
 
 def concat(parts: Sequence[Columns]) -> Columns:
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Columns(empty, np.zeros((0, NUM_DENSE), np.float32), empty.reshape(0, NUM_SPARSE))
     if len(parts) == 1:
         return parts[0]
     return Columns(
@@ -79,10 +84,11 @@ def concat(parts: Sequence[Columns]) -> Columns:
 # ---- parsing -------------------------------------------------------------------------------
 def open_log(path: str | Path) -> BinaryIO:
     """A binary stream of the file's lines, gunzipped when it starts with gzip's magic bytes."""
-    raw = open(path, "rb")  # noqa: SIM115 - returned open
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    return raw
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
 
 
 def line_blocks(path: str | Path, read_bytes: int = READ_BYTES) -> Iterator[tuple[np.ndarray, int]]:
@@ -91,12 +97,22 @@ def line_blocks(path: str | Path, read_bytes: int = READ_BYTES) -> Iterator[tupl
     first, tail = 0, b""
     with open_log(path) as handle:
         while True:
-            chunk = handle.read(read_bytes)
+            try:
+                chunk = handle.read(read_bytes)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+                raise CriteoFormatError(
+                    f"{path}, after line {first}: cannot decompress: {error}"
+                ) from None
             if not chunk:
                 break
             end = chunk.rfind(b"\n")
             if end < 0:
                 tail += chunk
+                if len(tail) > MAX_LINE_BYTES:
+                    raise CriteoFormatError(
+                        f"{path}, line {first + 1}: longer than {MAX_LINE_BYTES} bytes without a "
+                        "newline: not a Criteo-format text file"
+                    )
                 continue
             block = np.frombuffer(tail + chunk[: end + 1], dtype=np.uint8)
             tail = chunk[end + 1 :]
@@ -344,7 +360,7 @@ def head(files: Sequence[str | Path], lines: int, rank: int, world: int) -> Batc
                 return concat(parts).batch()
     raise ValueError(
         f"the validation files ({', '.join(str(f) for f in files)}) hold {seen} lines, fewer "
-        f"than the {lines} asked for: pass fewer validation samples or more files"
+        f"than the {lines} asked for: pass fewer validation samples or other validation files"
     )
 
 
@@ -424,7 +440,8 @@ def write_synthetic_criteo(
     """Write samples [start, start + samples) of SyntheticCriteo (its learnable signal) in
     Criteo's format, gzip when `path` ends in .gz. Each table's ids are scattered over 32-bit
     raw values (a bijection per feature, so the per-id signal survives), a `missing` fraction of
-    the values is left empty, and every 7th I2 is negative, as in Kaggle's data."""
+    the values is left empty (the same ones for the same arguments), and every 7th sample's I2
+    is -1, as Kaggle's data has negative I2s."""
     path = Path(path)
     source = SyntheticCriteo(table_rows(max_rows=max_rows), seed=seed)
     offsets = np.arange(NUM_SPARSE, dtype=np.uint64) * np.uint64(7919)

@@ -204,3 +204,16 @@ def test_stream_resumes_stops_and_holds_out_validation(tmp_path: Path) -> None:
     assert separate.train(0).sparse.values.view(26, 100).T.tolist() == ids[:100].tolist()
     with pytest.raises(ValueError, match=r"hold 2000 lines, fewer than the 2001 asked for"):
         criteo.head(paths, 2001, 0, 1)
+
+
+def test_truncated_gzip_and_text_without_newlines_are_named(tmp_path: Path) -> None:
+    good = criteo.write_synthetic_criteo(tmp_path / "day.gz", 2000, max_rows=100)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(criteo.CriteoFormatError, match=rf"{re.escape(str(cut))}, after line \d+: "
+                       "cannot decompress: Compressed file ended"):  # fmt: skip
+        read_all([cut], read_bytes=4096)
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x" * (criteo.MAX_LINE_BYTES + 2))
+    with pytest.raises(criteo.CriteoFormatError, match=re.escape(f"{blob}, line 1: longer than")):
+        read_all([blob])
