@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw_id_cases import HASHED_TABLES, RAW_POOL, check_against_reference, train_sharded
+from raw_id_cases import (
+    HASHED_TABLES,
+    MANAGED_TABLES,
+    RAW_POOL,
+    check_against_reference,
+    train_sharded,
+)
 
 import manualpar as mp
 from manualpar.embeddings import (
@@ -84,5 +90,6 @@ def test_raw_ids_on_a_table_without_raw_ids_say_how_to_map_them() -> None:
     )
 
 
-def test_sharded_world_size_1_trains_like_the_reference() -> None:
-    check_against_reference([train_sharded(HASHED_TABLES, [6])], HASHED_TABLES, [6])
+@pytest.mark.parametrize("tables", [HASHED_TABLES, MANAGED_TABLES], ids=["hashed", "managed"])
+def test_sharded_world_size_1_trains_like_the_reference(tables: tuple) -> None:
+    check_against_reference([train_sharded(tables, [6])], tables, [6])
