@@ -244,7 +244,8 @@ class ManagedCollisionRemapper(nn.Module):
     def forward(self, features: SparseFeatures) -> SparseFeatures:
         """`features` (the collection's features in its order) with managed ids as rows."""
         rows = {}
-        for name, ids in table_ids(features, managed_tables(self.configs)).items():
+        managed = managed_tables(self.configs)
+        for name, ids in table_ids(features, self.configs, managed).items():
             distinct, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             rows[name] = self.table(name).remap(distinct, counts)[inverse]
         return with_table_ids(features, self.configs, rows)

@@ -13,6 +13,7 @@ from raw_id_cases import (
     check_state,
     checkpoint_job,
     reference,
+    refusal_job,
     train_sharded,
 )
 
@@ -45,3 +46,16 @@ def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path) -> None:
     expected = reference(MANAGED_TABLES, [[5, 3], [5, 3], [4, 0, 6]])
     for rank, result in enumerate(three):
         check_state(result["end"], expected, f"after step 3, rank {rank}")
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_batch_stops_every_rank_at_the_remap() -> None:
+    """The managed-collision exchange runs first: the refusal travels there, nothing hangs."""
+    messages = run_distributed(refusal_job, 2, timeout=30)
+    assert messages[0] == (
+        "EmbeddingInputError: rank 1 refused its batch (the error is in that rank's log); "
+        "every rank stops at this step. Fix the input on that rank"
+    )
+    assert messages[1].startswith(
+        "EmbeddingInputError: feature 'plain' (table 'plain', 11 rows): id 11 at position 0"
+    )

@@ -37,7 +37,8 @@ HASHED_TABLES = (
 )
 # 12 raw ids for 12 and 10 rows: with 2 to 3 bags per feature and rank, buckets fill up, ids
 # collide and rows are evicted
-MANAGED_TABLES = (
+MANAGED_TABLES = (  # managed tables after another: their features are not the first ones
+    HASHED_TABLES[1],
     EmbeddingBagConfig("m0", 12, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
     EmbeddingBagConfig(
         "m1",
@@ -46,7 +47,7 @@ MANAGED_TABLES = (
         feature_names=("m1a", "m1b"),
         raw_ids=ManagedCollisions(policy="lfu", salt=3, bucket_rows=3),
     ),
-    *HASHED_TABLES[1:],
+    HASHED_TABLES[2],
 )
 # raw ids drawn from this pool (negative, huge and small), so bags repeat ids across ranks
 RAW_POOL = torch.tensor(
@@ -210,3 +211,21 @@ def checkpoint_job(
     if strategy.world_size > 1:
         strategy.teardown()
     return result
+
+
+def refusal_job() -> str:
+    """Rank 1's batch has a row out of range in the plain table: the error each rank raises."""
+    strategy = mp.ManualParallelStrategy()
+    emb = sharded(MANAGED_TABLES, strategy)
+    batch = raw_batch(strategy.rank, 0, 3, MANAGED_TABLES)
+    if strategy.rank == 1:
+        bags = {key: batch[key].to_lists() for key in batch.keys}
+        batch = SparseFeatures.from_dict({**bags, "plain": [[11], [], []]})
+    try:
+        emb(batch)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = "no error"
+    strategy.teardown()
+    return message
