@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
 from manualpar.embeddings.managed_collisions import ManagedCollisionRemapper
 from manualpar.errors import EmbeddingInputError
@@ -152,3 +153,22 @@ def test_bad_settings_raise_naming_the_value(make: object, message: str) -> None
     with pytest.raises(EmbeddingInputError) as error:
         make()  # type: ignore[operator]
     assert str(error.value) == message
+
+
+def test_sharding_a_trained_collection_and_loading_its_state_keep_the_mapping() -> None:
+    tables = [EmbeddingBagConfig("t", 10, 2, raw_ids=mp.ManagedCollisions(bucket_rows=3))]
+    ebc = EmbeddingBagCollection(tables)
+    for step in range(3):
+        ebc(SparseFeatures.from_dict({"t": [[step * 7 + i for i in range(6)], [-step]]}))
+    state = {k: v.clone() for k, v in ebc.state_dict().items() if k.startswith("raw_id_remap.")}
+    strategy = mp.ManualParallelStrategy()
+    from_trained = mp.shard_embeddings(ebc, strategy, optimizer=mp.embeddings.SGD(lr=0.1))
+    fresh = mp.shard_embeddings(
+        EmbeddingBagCollection(tables), strategy, optimizer=mp.embeddings.SGD(lr=0.1)
+    )
+    fresh.load_state_dict(ebc.state_dict())  # plain (full) tensors into the sharded module
+    for emb in (from_trained, fresh):
+        with full_tensors():
+            got = emb.state_dict()
+        for key, tensor in state.items():
+            assert torch.equal(got[key], tensor), key
