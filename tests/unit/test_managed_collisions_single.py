@@ -10,7 +10,7 @@ import torch
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
-from manualpar.embeddings.managed_collisions import ManagedCollisionRemapper
+from manualpar.embeddings.managed_collisions import ManagedCollisionRemapper, buckets_of
 from manualpar.errors import EmbeddingInputError
 
 MASK = 2**64 - 1
@@ -172,3 +172,24 @@ def test_sharding_a_trained_collection_and_loading_its_state_keep_the_mapping() 
             got = emb.state_dict()
         for key, tensor in state.items():
             assert torch.equal(got[key], tensor), key
+
+
+def test_both_ways_of_finding_held_ids_agree() -> None:
+    """Sorting the held ids or comparing with the bucket's rows (chosen by size) find the
+    same rows, held or not, in a full table with a short last bucket."""
+    setting = mp.ManagedCollisions(bucket_rows=8)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 60, 2, raw_ids=setting)])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        _remap(ebc, (torch.randint(-(2**62), 2**62, (40,), generator=generator)).tolist())
+    assert ebc.raw_id_remap is not None
+    table = ebc.raw_id_remap.table("t")
+    held = table.ids[table.last_seen != 0]
+    ids = torch.unique(torch.cat([held, torch.tensor([-3, 5, 2**40])]))
+    bucket = buckets_of(ids, table.config)
+    by_sort = table._held_by_sort(ids, torch.nonzero(table.last_seen).flatten())
+    in_buckets = table._held_in_buckets(ids, bucket)
+    assert torch.equal(by_sort, in_buckets)
+    assert (by_sort >= 0).sum() == held.numel() and torch.equal(
+        table.ids[by_sort[by_sort >= 0]], held.sort().values
+    )
