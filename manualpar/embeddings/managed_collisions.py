@@ -51,6 +51,8 @@ __all__ = [
 
 STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
 STATS = ("ids", "new", "collisions", "evictions")
+_BELOW_62 = (1 << 62) - 1
+_BELOW_32 = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -206,22 +208,26 @@ class ManagedCollisionTable(nn.Module):
         last, seen = self.last_seen[rows], self.counts[rows]
         unusable = ~exists | (last == step)
         # each bucket's rows: usable ones by the policy (free rows first: their last step and
-        # count are 0), then the others; stable sorts keep ties in row order
-        order = torch.argsort(last, dim=1, stable=True)
+        # count are 0), then the others; stable sorts keep ties in row order. Keys pack the
+        # criteria into one int64 (steps and counts below 2**62), one sort per criterion less.
+        blocked = unusable.to(torch.int64) << 62
         if _setting(self.config).policy == "lfu":
-            order = order.gather(1, torch.argsort(seen.gather(1, order), dim=1, stable=True))
-        blocked = unusable.gather(1, order).to(torch.int8)
-        order = order.gather(1, torch.argsort(blocked, dim=1, stable=True))
+            order = torch.argsort(last, dim=1, stable=True)
+            key = (blocked + seen.clamp(max=_BELOW_62)).gather(1, order)
+            order = order.gather(1, torch.argsort(key, dim=1, stable=True))
+        else:
+            order = torch.argsort(blocked + last, dim=1, stable=True)
         candidates = rows.gather(1, order)
         usable = (~unusable).sum(1)
         free = (exists & (last == 0)).sum(1)
-        # new ids by bucket, most frequent first, then by id (they are ascending already)
-        by = torch.argsort(-counts, stable=True)
-        by = by[torch.argsort(slot[by], stable=True)]
+        # new ids by bucket, most frequent first (counts saturate at 2**32 - 1), then by id
+        # (they are ascending already): one packed key
+        key = (slot << 32) + (_BELOW_32 - counts.clamp(max=_BELOW_32))
+        by = torch.argsort(key, stable=True)
         sorted_slot = slot[by]
-        rank = torch.arange(by.numel(), device=ids.device) - torch.searchsorted(
-            sorted_slot, sorted_slot
-        )
+        per_slot = torch.bincount(slot, minlength=touched.numel())
+        starts = torch.cumsum(per_slot, 0) - per_slot
+        rank = torch.arange(by.numel(), device=ids.device) - starts[sorted_slot]
         placed = rank < usable[sorted_slot]
         target = candidates[sorted_slot[placed], rank[placed]]
         self.stats["collisions"] += int((rank >= free[sorted_slot]).sum())
