@@ -68,11 +68,11 @@ def hash_raw_ids(features: SparseFeatures, tables: Sequence[EmbeddingBagConfig])
     hashed = [t for t in tables if isinstance(t.raw_ids, HashIds)]
     if not hashed:
         return features
+    ids = table_ids(features, tables, hashed)
     rows = {}
     for table in hashed:
         assert isinstance(table.raw_ids, HashIds)
-        ids = table_ids(features, tables, [table])[table.name]
-        rows[table.name] = hashed_rows(ids, table.raw_ids.salt, table.num_embeddings)
+        rows[table.name] = hashed_rows(ids[table.name], table.raw_ids.salt, table.num_embeddings)
     return with_table_ids(features, tables, rows)
 
 
