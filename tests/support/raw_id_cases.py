@@ -47,6 +47,8 @@ MANAGED_TABLES = (  # managed tables after another: their features are not the f
         feature_names=("m1a", "m1b"),
         raw_ids=ManagedCollisions(policy="lfu", salt=3, bucket_rows=3),
     ),
+    # 2 buckets: on 3 ranks, rank 0 remaps none of them
+    EmbeddingBagConfig("m2", 4, 2, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=2)),
     HASHED_TABLES[2],
 )
 # raw ids drawn from this pool (negative, huge and small), so bags repeat ids across ranks
