@@ -59,3 +59,13 @@ def test_a_refused_batch_stops_every_rank_at_the_remap() -> None:
     assert messages[1].startswith(
         "EmbeddingInputError: feature 'plain' (table 'plain', 11 rows): id 11 at position 0"
     )
+
+
+@pytest.mark.timeout(120)
+def test_managed_tables_on_a_2d_mesh_match_the_reference() -> None:
+    """2 replicas x 2 shards: the remapper spans the job, so both replicas use one mapping."""
+    batch_sizes = [3, 2, 4, 1]
+    per_rank = run_distributed(
+        train_sharded, 4, args=(MANAGED_TABLES, batch_sizes, 2), timeout=90, local_world_size=2
+    )
+    check_against_reference(per_rank, MANAGED_TABLES, batch_sizes)

@@ -130,11 +130,18 @@ def plan_for(tables: Sequence[EmbeddingBagConfig], world: int) -> EmbeddingPlan:
 
 
 def sharded(
-    tables: Sequence[EmbeddingBagConfig], strategy: mp.ManualParallelStrategy, seed: int = SEED
+    tables: Sequence[EmbeddingBagConfig],
+    strategy: mp.ManualParallelStrategy,
+    seed: int = SEED,
+    replicas: int = 1,
 ) -> torch.nn.Module:
+    """The sharded collection; with `replicas` > 1 on a 2-D (replicate, shard) mesh."""
     with mp.empty_init():
         ebc = EmbeddingBagCollection(tables, seed=seed)
-    return shard_embeddings(ebc, strategy, plan_for(tables, strategy.world_size), optimizer("sgd"))
+    shards = strategy.world_size // replicas
+    mesh = strategy.mesh(replicate=replicas, shard=shards) if replicas > 1 else None
+    plan = plan_for(tables, shards)
+    return shard_embeddings(ebc, strategy, plan, optimizer("sgd"), mesh=mesh)
 
 
 def train_steps(emb: torch.nn.Module, steps: range, batch_sizes: Sequence[int]) -> list:
@@ -155,10 +162,12 @@ def full_state(emb: torch.nn.Module) -> dict:
     return {"tables": weights, "remap": remap_state(state), "stats": stats}
 
 
-def train_sharded(tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int]) -> dict:
+def train_sharded(
+    tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int], replicas: int = 1
+) -> dict:
     """On each rank: STEPS steps of the sharded collection; outputs per step, full state."""
     strategy = mp.ManualParallelStrategy()
-    emb = sharded(tables, strategy)
+    emb = sharded(tables, strategy, replicas=replicas)
     outputs = train_steps(emb, range(STEPS), batch_sizes)
     result = {"outputs": outputs, **full_state(emb)}
     if strategy.world_size > 1:
