@@ -17,6 +17,7 @@ from torch import nn
 
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.managed_collisions import managed_remapper
 from manualpar.embeddings.memory import empty_rows
 from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.embeddings.shard_compute import bag_offsets
@@ -120,10 +121,13 @@ class EmbeddingBagCollection(nn.Module):
         super().__init__()
         self.configs, self.seed = tuple(tables), seed
         self.tables = make_tables(self.configs, seed, device)
+        self.raw_id_remap = managed_remapper(self.configs, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         features = hash_raw_ids(check_features(features, self.configs), self.configs)
+        if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+            features = self.raw_id_remap(features)
         outputs = []
         for config in self.configs:
             weight = table_of(self.tables, config.name).weight

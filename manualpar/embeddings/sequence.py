@@ -19,6 +19,7 @@ from torch import nn
 from manualpar.embeddings.collection import check_features, make_tables, table_of
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.managed_collisions import managed_remapper
 from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.errors import EmbeddingInputError
 
@@ -125,10 +126,13 @@ class EmbeddingCollection(nn.Module):
                 )
         self.configs, self.seed = tuple(tables), seed
         self.tables = make_tables(self.configs, seed, device)
+        self.raw_id_remap = managed_remapper(self.configs, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
 
     def forward(self, features: SparseFeatures) -> SequenceEmbeddings:
         features = hash_raw_ids(check_sequence_features(features, self.configs), self.configs)
+        if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+            features = self.raw_id_remap(features)
         out = {}
         for config in self.configs:
             weight = table_of(self.tables, config.name).weight

@@ -34,6 +34,7 @@ from manualpar.embeddings.exchange import REFUSED, header_width
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.managed_collisions_sharded import sharded_remapper
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.raw_ids import hash_raw_ids
 from manualpar.embeddings.routing import Routing
@@ -192,6 +193,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
+        self.raw_id_remap = sharded_remapper(self.configs, strategy, ebc.raw_id_remap)
         claim(self, BUILDER, trains_itself=True)
         self._shards = shards
         self.fused_optimizer = FusedOptimizer(
@@ -227,12 +229,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._refuse_step()
             raise
         features = hash_raw_ids(features.to(self.strategy.device), self.configs)
+        if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+            features = self.raw_id_remap(features)
         values = _EmbeddingLookup.apply(self._anchor, self, features)
         return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
 
     def _refuse_step(self) -> None:
         """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
         ranks stop at this step with an error instead of waiting for the collective timeout."""
+        if self.raw_id_remap is not None:  # its exchange runs first: the others stop there
+            self.raw_id_remap.refuse()
+            return
         if self.strategy.world_size > 1:
             width = header_width(len(self.configs))
             group = self.mesh.shard_size

@@ -32,6 +32,7 @@ from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
 from manualpar.loop.data import Data, dataset_batches, step_batches
 from manualpar.loop.logs import log_with_rank
+from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
@@ -111,6 +112,7 @@ class Trainer:
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
         self._saved_at: int | None = None  # the step of the checkpoint last saved or resumed
         self._extra: dict[str, Any] = {}
+        self._remappers: dict[str, Any] = {}
         self._schedulers: list[Scheduler] = []
 
     @property
@@ -162,6 +164,7 @@ class Trainer:
             schedulers = [schedulers]
         self._schedulers = list(schedulers)
         self._extra = extra_checkpoint_entries(model)
+        self._remappers = raw_id_remappers(model)  # managed-collision tables: rates logged
         state = {
             "model": model,
             "optim": optimizer,
@@ -216,7 +219,8 @@ class Trainer:
                 last = self._record(window, rate, optimizer)
                 window, started, steps_in_window = {}, time.perf_counter(), 0
                 if bar is not None:
-                    bar.set_postfix(loss=f"{last['loss']:.4f}", steps_per_s=f"{rate:.1f}")
+                    rates = {k: f"{last[m]:.1%}" for k, m in POSTFIX.items() if m in last}
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", steps_per_s=f"{rate:.1f}", **rates)
             if val_data is not None and self.val_every and self.step % self.val_every == 0:
                 last.update(self._validate(model, val_data))
             if bar is not None:
@@ -297,6 +301,7 @@ class Trainer:
         self, window: Mapping[str, list[float]], rate: float, optimizer: torch.optim.Optimizer
     ) -> dict[str, float]:
         reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
+        reduced.update(raw_id_rates(self._remappers, self.strategy))
         lr = float(optimizer.param_groups[0].get("lr", 0.0))
         # extra entries with a learning rate (fused optimizers of sharded tables): log it too
         extra_lr = {

@@ -3,16 +3,69 @@ the single-process reference (world size 1: tests/unit/test_raw_ids_single.py)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from raw_id_cases import HASHED_TABLES, check_against_reference, train_sharded
+from raw_id_cases import (
+    HASHED_TABLES,
+    MANAGED_TABLES,
+    check_against_reference,
+    check_state,
+    checkpoint_job,
+    reference,
+    refusal_job,
+    train_sharded,
+)
 
 from manualpar.testing import run_distributed
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("batch_sizes", [[5, 3], [4, 0, 6]], ids=["2_ranks", "3_ranks"])
-def test_hashed_tables_match_the_reference(batch_sizes: list[int]) -> None:
+@pytest.mark.parametrize("tables", [HASHED_TABLES, MANAGED_TABLES], ids=["hashed", "managed"])
+def test_raw_id_tables_match_the_reference(tables: tuple, batch_sizes: list[int]) -> None:
+    """Managed tables: the same rows, remapper state and summed stats as one remapper."""
     per_rank = run_distributed(
-        train_sharded, len(batch_sizes), args=(HASHED_TABLES, batch_sizes), timeout=60
+        train_sharded, len(batch_sizes), args=(tables, batch_sizes), timeout=60
     )
-    check_against_reference(per_rank, HASHED_TABLES, batch_sizes)
+    check_against_reference(per_rank, tables, batch_sizes)
+
+
+@pytest.mark.timeout(120)
+def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path) -> None:
+    """2 ranks train 2 steps and save; 1 rank loads and saves again; 3 ranks load, train a
+    third step: every load holds the saved mapping, and the end is the reference's."""
+    first, second = str(tmp_path / "two"), str(tmp_path / "one")
+    two = run_distributed(checkpoint_job, 2, args=(None, first, range(2), [5, 3]), timeout=60)
+    one = run_distributed(checkpoint_job, 1, args=(first, second, range(0), [0]), timeout=60)
+    three = run_distributed(checkpoint_job, 3, args=(second, None, range(2, 3), [4, 0, 6]))
+    saved = two[0]["end"]
+    check_state(one[0]["loaded"], saved, "loaded on 1 rank")
+    for rank, result in enumerate(three):
+        check_state(result["loaded"], saved, f"loaded on 3 ranks, rank {rank}")
+    expected = reference(MANAGED_TABLES, [[5, 3], [5, 3], [4, 0, 6]])
+    for rank, result in enumerate(three):
+        check_state(result["end"], expected, f"after step 3, rank {rank}")
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_batch_stops_every_rank_at_the_remap() -> None:
+    """The managed-collision exchange runs first: the refusal travels there, nothing hangs."""
+    messages = run_distributed(refusal_job, 2, timeout=30)
+    assert messages[0] == (
+        "EmbeddingInputError: rank 1 refused its batch (the error is in that rank's log); "
+        "every rank stops at this step. Fix the input on that rank"
+    )
+    assert messages[1].startswith(
+        "EmbeddingInputError: feature 'plain' (table 'plain', 11 rows): id 11 at position 0"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_managed_tables_on_a_2d_mesh_match_the_reference() -> None:
+    """2 replicas x 2 shards: the remapper spans the job, so both replicas use one mapping."""
+    batch_sizes = [3, 2, 4, 1]
+    per_rank = run_distributed(
+        train_sharded, 4, args=(MANAGED_TABLES, batch_sizes, 2), timeout=90, local_world_size=2
+    )
+    check_against_reference(per_rank, MANAGED_TABLES, batch_sizes)

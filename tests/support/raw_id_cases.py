@@ -21,6 +21,7 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     HashIds,
+    ManagedCollisions,
     SparseFeatures,
     row_wise,
     shard_embeddings,
@@ -33,6 +34,22 @@ HASHED_TABLES = (
     EmbeddingBagConfig("h0", 13, 4, raw_ids=HashIds()),
     EmbeddingBagConfig("h1", 7, 3, feature_names=("h1a", "h1b"), raw_ids=HashIds(salt=99)),
     EmbeddingBagConfig("plain", 11, 2, pooling="mean"),
+)
+# 12 raw ids for 12 and 10 rows: with 2 to 3 bags per feature and rank, buckets fill up, ids
+# collide and rows are evicted
+MANAGED_TABLES = (  # managed tables after another: their features are not the first ones
+    HASHED_TABLES[1],
+    EmbeddingBagConfig("m0", 12, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
+    EmbeddingBagConfig(
+        "m1",
+        10,
+        3,
+        feature_names=("m1a", "m1b"),
+        raw_ids=ManagedCollisions(policy="lfu", salt=3, bucket_rows=3),
+    ),
+    # 2 buckets: on 3 ranks, rank 0 remaps none of them
+    EmbeddingBagConfig("m2", 4, 2, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=2)),
+    HASHED_TABLES[2],
 )
 # raw ids drawn from this pool (negative, huge and small), so bags repeat ids across ranks
 RAW_POOL = torch.tensor(
@@ -72,25 +89,36 @@ def global_batch(batches: Sequence[SparseFeatures]) -> SparseFeatures:
 
 
 def reference(
-    tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int], opt_name: str = "sgd"
-) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
-    """Per step, each rank's pooled output; then the tables after STEPS steps."""
+    tables: Sequence[EmbeddingBagConfig],
+    batch_sizes: Sequence[Sequence[int]],
+    opt_name: str = "sgd",
+) -> dict:
+    """One step per entry of `batch_sizes` (the ranks' batch sizes at that step): each rank's
+    pooled output per step; then the tables, the remapper's state and its stats."""
     ebc = EmbeddingBagCollection(tables, seed=SEED)
     params = {name: table.weight for name, table in ebc.tables.items()}
     updates = ReferenceUpdates(opt_name, params)
-    world = len(batch_sizes)
     outputs = []
-    for step in range(STEPS):
-        batches = [raw_batch(r, step, b, tables) for r, b in enumerate(batch_sizes)]
+    for step, sizes in enumerate(batch_sizes):
+        batches = [raw_batch(r, step, b, tables) for r, b in enumerate(sizes)]
         pooled = ebc(global_batch(batches)).values
-        per_rank = list(pooled.split(list(batch_sizes)))
+        per_rank = list(pooled.split(list(sizes)))
         outputs.append([p.detach().clone() for p in per_rank])
-        loss = sum(local_loss(p, r, step) for r, p in enumerate(per_rank)) / world
+        loss = sum(local_loss(p, r, step) for r, p in enumerate(per_rank)) / len(sizes)
         for p in params.values():
             p.grad = None
         loss.backward()
         updates.step()
-    return outputs, {name: p.detach().clone() for name, p in params.items()}
+    return {
+        "outputs": outputs,
+        "tables": {name: p.detach().clone() for name, p in params.items()},
+        "remap": remap_state(ebc.state_dict()),
+        "stats": ebc.raw_id_remap.raw_id_stats() if ebc.raw_id_remap is not None else {},
+    }
+
+
+def remap_state(state_dict: dict) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state_dict.items() if k.startswith("raw_id_remap.")}
 
 
 def plan_for(tables: Sequence[EmbeddingBagConfig], world: int) -> EmbeddingPlan:
@@ -101,35 +129,114 @@ def plan_for(tables: Sequence[EmbeddingBagConfig], world: int) -> EmbeddingPlan:
     )
 
 
-def train_sharded(
-    tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int], opt_name: str = "sgd"
-) -> dict:
-    """On each rank: STEPS steps of the sharded collection; outputs per step, full tables."""
-    strategy = mp.ManualParallelStrategy()
-    rank, world = strategy.rank, strategy.world_size
+def sharded(
+    tables: Sequence[EmbeddingBagConfig],
+    strategy: mp.ManualParallelStrategy,
+    seed: int = SEED,
+    replicas: int = 1,
+) -> torch.nn.Module:
+    """The sharded collection; with `replicas` > 1 on a 2-D (replicate, shard) mesh."""
     with mp.empty_init():
-        ebc = EmbeddingBagCollection(tables, seed=SEED)
-    emb = shard_embeddings(ebc, strategy, plan_for(tables, world), optimizer(opt_name))
-    outputs = []
-    for step in range(STEPS):
-        pooled = emb(raw_batch(rank, step, batch_sizes[rank], tables)).values
+        ebc = EmbeddingBagCollection(tables, seed=seed)
+    shards = strategy.world_size // replicas
+    mesh = strategy.mesh(replicate=replicas, shard=shards) if replicas > 1 else None
+    plan = plan_for(tables, shards)
+    return shard_embeddings(ebc, strategy, plan, optimizer("sgd"), mesh=mesh)
+
+
+def train_steps(emb: torch.nn.Module, steps: range, batch_sizes: Sequence[int]) -> list:
+    rank, outputs = emb.strategy.rank, []
+    for step in steps:
+        pooled = emb(raw_batch(rank, step, batch_sizes[rank], emb.configs)).values
         outputs.append(pooled.detach().clone())
         local_loss(pooled, rank, step).backward()
+    return outputs
+
+
+def full_state(emb: torch.nn.Module) -> dict:
+    """Full tables, remapper state and this rank's stats (a collective per tensor)."""
     with full_tensors():
-        weights = {k.split(".")[1]: v for k, v in emb.state_dict().items() if k.endswith("weight")}
-    if world > 1:
+        state = emb.state_dict()
+    weights = {k.split(".")[1]: v for k, v in state.items() if k.endswith("weight")}
+    stats = emb.raw_id_remap.raw_id_stats() if emb.raw_id_remap is not None else {}
+    return {"tables": weights, "remap": remap_state(state), "stats": stats}
+
+
+def train_sharded(
+    tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int], replicas: int = 1
+) -> dict:
+    """On each rank: STEPS steps of the sharded collection; outputs per step, full state."""
+    strategy = mp.ManualParallelStrategy()
+    emb = sharded(tables, strategy, replicas=replicas)
+    outputs = train_steps(emb, range(STEPS), batch_sizes)
+    result = {"outputs": outputs, **full_state(emb)}
+    if strategy.world_size > 1:
         strategy.teardown()
-    return {"outputs": outputs, "tables": weights}
+    return result
+
+
+def summed_stats(per_rank: Sequence[dict]) -> dict:
+    tables = per_rank[0]["stats"]
+    return {
+        name: {key: sum(r["stats"][name][key] for r in per_rank) for key in counts}
+        for name, counts in tables.items()
+    }
 
 
 def check_against_reference(
     per_rank: Sequence[dict], tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int]
 ) -> None:
-    ref_outputs, ref_tables = reference(tables, batch_sizes)
+    ref = reference(tables, [batch_sizes] * STEPS)
     for rank, got in enumerate(per_rank):
         for step in range(STEPS):
             torch.testing.assert_close(
-                got["outputs"][step], ref_outputs[step][rank], msg=f"rank {rank}, step {step}"
+                got["outputs"][step], ref["outputs"][step][rank], msg=f"rank {rank}, step {step}"
             )
-        for name, expected in ref_tables.items():
-            torch.testing.assert_close(got["tables"][name], expected, msg=f"table {name}")
+        check_state(got, ref, f"rank {rank}")
+    assert summed_stats(per_rank) == ref["stats"]
+
+
+def check_state(got: dict, expected: dict, what: str) -> None:
+    for name, tensor in expected["tables"].items():
+        torch.testing.assert_close(got["tables"][name], tensor, msg=f"{what}: table {name}")
+    assert got["remap"].keys() == expected["remap"].keys(), what
+    for key, tensor in expected["remap"].items():
+        assert torch.equal(got["remap"][key], tensor), f"{what}: {key}"
+
+
+def checkpoint_job(
+    load: str | None, save: str | None, steps: range, batch_sizes: Sequence[int]
+) -> dict:
+    """Load (if given), train `steps`, save (if given); the full state after loading and at
+    the end. A loading job starts from other table values: loading must replace them."""
+    strategy = mp.ManualParallelStrategy()
+    emb = sharded(MANAGED_TABLES, strategy, seed=SEED + 1 if load else SEED)
+    state = {"model": emb}
+    if load:
+        strategy.load_checkpoint(load, state)
+    loaded = full_state(emb)
+    train_steps(emb, steps, batch_sizes)
+    if save:
+        strategy.save_checkpoint(save, state)
+    result = {"loaded": loaded, "end": full_state(emb)}
+    if strategy.world_size > 1:
+        strategy.teardown()
+    return result
+
+
+def refusal_job() -> str:
+    """Rank 1's batch has a row out of range in the plain table: the error each rank raises."""
+    strategy = mp.ManualParallelStrategy()
+    emb = sharded(MANAGED_TABLES, strategy)
+    batch = raw_batch(strategy.rank, 0, 3, MANAGED_TABLES)
+    if strategy.rank == 1:
+        bags = {key: batch[key].to_lists() for key in batch.keys}
+        batch = SparseFeatures.from_dict({**bags, "plain": [[11], [], []]})
+    try:
+        emb(batch)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = "no error"
+    strategy.teardown()
+    return message

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from raw_id_cases import HASHED_TABLES, RAW_POOL, check_against_reference, train_sharded
+from raw_id_cases import (
+    HASHED_TABLES,
+    MANAGED_TABLES,
+    RAW_POOL,
+    check_against_reference,
+    train_sharded,
+)
 
 import manualpar as mp
 from manualpar.embeddings import (
+    SGD,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
@@ -84,5 +91,24 @@ def test_raw_ids_on_a_table_without_raw_ids_say_how_to_map_them() -> None:
     )
 
 
-def test_sharded_world_size_1_trains_like_the_reference() -> None:
-    check_against_reference([train_sharded(HASHED_TABLES, [6])], HASHED_TABLES, [6])
+@pytest.mark.parametrize("tables", [HASHED_TABLES, MANAGED_TABLES], ids=["hashed", "managed"])
+def test_sharded_world_size_1_trains_like_the_reference(tables: tuple) -> None:
+    check_against_reference([train_sharded(tables, [6])], tables, [6])
+
+
+def test_sharded_sequence_collection_maps_raw_ids_like_the_unsharded_one() -> None:
+    tables = [
+        EmbeddingConfig("h", 7, 3, raw_ids=mp.HashIds(salt=4)),
+        EmbeddingConfig("m", 6, 2, raw_ids=mp.ManagedCollisions(bucket_rows=2)),
+    ]
+    batches = [
+        SparseFeatures.from_dict({"h": [[-1, 2**40], []], "m": [[5, -5, 5], [2**62]]}),
+        SparseFeatures.from_dict({"h": [[3]], "m": [[7, 8, 9, 10]]}),
+    ]
+    unsharded = EmbeddingCollection(tables, seed=2)
+    strategy = mp.ManualParallelStrategy()
+    emb = mp.shard_embeddings(EmbeddingCollection(tables, seed=2), strategy, optimizer=SGD(lr=0.1))
+    for batch in batches:
+        got, expected = emb(batch), unsharded(batch)
+        for key in ("h", "m"):
+            assert torch.equal(got[key].values, expected[key].values), key

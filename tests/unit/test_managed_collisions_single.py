@@ -1,0 +1,195 @@
+"""ManagedCollisions on one process: exact mappings under lru and lfu, hot ids kept and cold
+ones evicted, eval mode, buckets, stats and bad settings (sharded:
+tests/dist/test_raw_ids_sharded.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
+from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
+from manualpar.embeddings.managed_collisions import ManagedCollisionRemapper, buckets_of
+from manualpar.errors import EmbeddingInputError
+
+MASK = 2**64 - 1
+
+
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def _hash(raw_id: int, salt: int = 0) -> int:
+    return _mix((raw_id & MASK) ^ _mix((salt + 0x9E3779B97F4A7C15) & MASK))
+
+
+def _shared_row(raw_id: int, bucket_rows: int) -> int:
+    """The documented row of an id that holds none (one bucket starting at row 0)."""
+    return _mix(_hash(raw_id)) % bucket_rows
+
+
+def _one_bucket(policy: str, rows: int = 4) -> EmbeddingBagCollection:
+    setting = mp.ManagedCollisions(policy=policy, bucket_rows=rows)
+    return EmbeddingBagCollection([EmbeddingBagConfig("t", rows, 2, raw_ids=setting)])
+
+
+def _remap(ebc: EmbeddingBagCollection, ids: list[int]) -> list[int]:
+    """One step of the collection's remapper: the rows of `ids`."""
+    assert isinstance(ebc.raw_id_remap, ManagedCollisionRemapper)
+    return ebc.raw_id_remap(SparseFeatures.from_dict({"t": [ids]})).values.tolist()
+
+
+STEPS = ([10, 10, 10, 11, 12, 13], [10, 11, 12], [14], [15, 10], [16, 17, 18, 19, 20])
+# per policy, each step's rows (20 finds every row of the bucket taken this step: it shares one)
+EXPECTED = {
+    "lru": [[0, 0, 0, 1, 2, 3], [0, 1, 2], [3], [1, 0], [2, 3, 0, 1, _shared_row(20, 4)]],
+    "lfu": [[0, 0, 0, 1, 2, 3], [0, 1, 2], [3], [3, 0], [3, 1, 2, 0, _shared_row(20, 4)]],
+}
+STATS = [  # ids, new, collisions, evictions per step (the same under both policies here)
+    (4, 4, 0, 0),
+    (3, 0, 0, 0),
+    (1, 1, 1, 1),
+    (2, 1, 1, 1),
+    (5, 5, 5, 4),
+]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_exact_mapping_and_stats_per_step(policy: str) -> None:
+    """lru step 4: 11 and 12 were seen at step 2, 14 at step 3: 15 takes 11's row (the lower
+    one). lfu step 4: 14 was seen once, 11 and 12 twice: 15 takes 14's row."""
+    ebc = _one_bucket(policy)
+    assert ebc.raw_id_remap is not None
+    for step, ids in enumerate(STEPS):
+        assert _remap(ebc, ids) == EXPECTED[policy][step], f"step {step + 1}"
+        stats = ebc.raw_id_remap.raw_id_stats(reset=True)["t"]
+        assert tuple(stats.values()) == STATS[step], f"step {step + 1}"
+    table = ebc.raw_id_remap.table("t")
+    assert table.step.item() == 5
+    assert table.ids.tolist() == ([18, 19, 16, 17] if policy == "lru" else [19, 17, 18, 16])
+
+
+def test_lru_keeps_the_id_seen_every_step_and_cycles_the_cold_ones() -> None:
+    ebc = _one_bucket("lru")
+    for step in range(8):
+        cold = 100 + step
+        rows = _remap(ebc, [7, cold])
+        assert rows == [0, 1 + step % 3], f"step {step + 1}"  # 7 holds row 0 throughout
+
+
+def test_lfu_keeps_the_frequent_id_while_it_is_absent() -> None:
+    ebc = _one_bucket("lfu")
+    assert _remap(ebc, [7] * 5 + [1, 2, 3]) == [0] * 5 + [1, 2, 3]
+    # two cold ids a step take the rows seen least often (once), the least recent of them
+    # first: never 7's, seen 5 times
+    expected = [[1, 2], [3, 1], [2, 1], [3, 1], [2, 1], [3, 1]]
+    for step, rows in enumerate(expected):
+        assert _remap(ebc, [100 + 2 * step, 101 + 2 * step]) == rows, f"step {step + 2}"
+    assert _remap(ebc, [7]) == [0]
+    assert ebc.raw_id_remap is not None and ebc.raw_id_remap.table("t").counts[0].item() == 6
+
+
+def test_eval_mode_maps_held_ids_and_shares_rows_for_new_ones_without_changing_state() -> None:
+    ebc = _one_bucket("lru")
+    _remap(ebc, [10, 11])
+    assert ebc.raw_id_remap is not None
+    before = {k: v.clone() for k, v in ebc.raw_id_remap.state_dict().items()}
+    ebc.eval()
+    assert _remap(ebc, [11, 10, 99]) == [1, 0, _shared_row(99, 4)]
+    after = ebc.raw_id_remap.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert ebc.raw_id_remap.raw_id_stats()["t"]["ids"] == 2  # the training step only
+
+
+def test_ids_fill_only_their_own_bucket() -> None:
+    """Two buckets of 2 rows: three ids of bucket 0 evict among themselves; bucket 1's id
+    keeps its row."""
+    setting = mp.ManagedCollisions(bucket_rows=2)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 4, 2, raw_ids=setting)])
+    zero = [i for i in range(100) if _hash(i) % 2 == 0][:3]
+    one = next(i for i in range(100) if _hash(i) % 2 == 1)
+    assert _remap(ebc, [one, zero[0], zero[1]]) == [2, 0, 1]
+    assert _remap(ebc, [zero[2]]) == [0]  # evicts zero[0] (row 0, as old as row 1)
+    assert _remap(ebc, [one]) == [2]
+
+
+def test_pooled_lookup_reads_the_remapped_rows() -> None:
+    ebc = _one_bucket("lru")
+    pooled = ebc(SparseFeatures.from_dict({"t": [[-5, 2**63 - 1], [-5]]})).values
+    weight = ebc.tables["t"].weight
+    torch.testing.assert_close(pooled, torch.stack([weight[0] + weight[1], weight[0]]))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: mp.ManagedCollisions(policy="fifo"),
+            "ManagedCollisions: policy must be one of ('lru', 'lfu'), got 'fifo'",
+        ),
+        (
+            lambda: mp.ManagedCollisions(bucket_rows=0),
+            "ManagedCollisions: bucket_rows must be a positive int, got 0",
+        ),
+        (
+            lambda: mp.ManagedCollisions(salt=-1),
+            "ManagedCollisions: salt must be an int in [0, 2**64), got -1",
+        ),
+        (
+            lambda: mp.HashIds(salt=2**64),
+            "HashIds: salt must be an int in [0, 2**64), got 18446744073709551616",
+        ),
+        (
+            lambda: EmbeddingBagConfig("t", 4, 2, raw_ids="hash"),  # type: ignore[arg-type]
+            "table 't': raw_ids must be None, HashIds(...) or ManagedCollisions(...), got 'hash'",
+        ),
+    ],
+    ids=["policy", "bucket_rows", "salt", "hash_salt", "raw_ids"],
+)
+def test_bad_settings_raise_naming_the_value(make: object, message: str) -> None:
+    with pytest.raises(EmbeddingInputError) as error:
+        make()  # type: ignore[operator]
+    assert str(error.value) == message
+
+
+def test_sharding_a_trained_collection_and_loading_its_state_keep_the_mapping() -> None:
+    tables = [EmbeddingBagConfig("t", 10, 2, raw_ids=mp.ManagedCollisions(bucket_rows=3))]
+    ebc = EmbeddingBagCollection(tables)
+    for step in range(3):
+        ebc(SparseFeatures.from_dict({"t": [[step * 7 + i for i in range(6)], [-step]]}))
+    state = {k: v.clone() for k, v in ebc.state_dict().items() if k.startswith("raw_id_remap.")}
+    strategy = mp.ManualParallelStrategy()
+    from_trained = mp.shard_embeddings(ebc, strategy, optimizer=mp.embeddings.SGD(lr=0.1))
+    fresh = mp.shard_embeddings(
+        EmbeddingBagCollection(tables), strategy, optimizer=mp.embeddings.SGD(lr=0.1)
+    )
+    fresh.load_state_dict(ebc.state_dict())  # plain (full) tensors into the sharded module
+    for emb in (from_trained, fresh):
+        with full_tensors():
+            got = emb.state_dict()
+        for key, tensor in state.items():
+            assert torch.equal(got[key], tensor), key
+
+
+def test_both_ways_of_finding_held_ids_agree() -> None:
+    """Sorting the held ids or comparing with the bucket's rows (chosen by size) find the
+    same rows, held or not, in a full table with a short last bucket."""
+    setting = mp.ManagedCollisions(bucket_rows=8)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 60, 2, raw_ids=setting)])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        _remap(ebc, (torch.randint(-(2**62), 2**62, (40,), generator=generator)).tolist())
+    assert ebc.raw_id_remap is not None
+    table = ebc.raw_id_remap.table("t")
+    held = table.ids[table.last_seen != 0]
+    ids = torch.unique(torch.cat([held, torch.tensor([-3, 5, 2**40])]))
+    bucket = buckets_of(ids, table.config)
+    by_sort = table._held_by_sort(ids, torch.nonzero(table.last_seen).flatten())
+    in_buckets = table._held_in_buckets(ids, bucket)
+    assert torch.equal(by_sort, in_buckets)
+    assert (by_sort >= 0).sum() == held.numel() and torch.equal(
+        table.ids[by_sort[by_sort >= 0]], held.sort().values
+    )
