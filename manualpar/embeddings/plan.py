@@ -249,7 +249,7 @@ class EmbeddingPlan:
         total = [0] * self.world_size
         for config in configs:
             for shard in self.shards(config):
-                total[shard.rank] += block_bytes(shard.rows, shard.cols, state)
+                total[shard.rank] += block_bytes(shard.rows, shard.cols, state, config.dtype)
         return total
 
     # presentation -----------------------------------------------------------------------------

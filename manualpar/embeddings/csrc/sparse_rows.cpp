@@ -1,5 +1,5 @@
 // CPU kernels for the backward of sharded embedding tables: the gradient of each distinct row
-// (duplicate ids summed), and in-place updates of only those rows. The pure-torch path in
+// (duplicate ids summed), and in-place updates of only those rows; lookups of half rows. The pure-torch path in
 // kernels.py / optimizers.py computes the same numbers; these exist because on CPU the torch ops
 // make several passes over randomly addressed rows (gather, update, scatter) where one suffices.
 #include <torch/extension.h>
@@ -13,6 +13,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -173,9 +174,9 @@ BagRows<scalar_t> bag_rows(const std::vector<torch::Tensor>& blocks,
 }
 
 // Rows to be written are prefetched ahead of their visit (none if `rows` is null).
-template <typename scalar_t>
+template <typename scalar_t, typename row_t = scalar_t>
 struct Written {
-  scalar_t* rows = nullptr;
+  row_t* rows = nullptr;
   int64_t stride = 0, cols = 0;
   scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
 };
@@ -183,11 +184,11 @@ struct Written {
 // For each distinct id of runs [run_begin, run_end): `visit(u, row, g, g_scale)`, where g * g_scale is the row's
 // summed gradient. A row looked up once (the common case for large tables) is visited with its
 // bag's gradient row itself, not a copy.
-template <typename scalar_t, typename Visit>
+template <typename scalar_t, typename Visit, typename WrittenRows = Written<scalar_t>>
 void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t run_end,
                            const c10::optional<torch::Tensor>& weights,
                            const BagRows<scalar_t>& bags, Visit visit,
-                           Written<scalar_t> written = {}) {
+                           WrittenRows written = {}) {
   const int64_t cols = bags.cols;
   const scalar_t* weight = weights ? weights->data_ptr<scalar_t>() : nullptr;
   const int64_t* order = groups.order;
@@ -529,7 +530,8 @@ void uniform_rows(torch::Tensor out, int64_t key, int64_t row0, int64_t col0, in
   check_cpu_contiguous(out, "out");
   const int64_t rows = out.size(0), cols = out.size(1);
   const float width = static_cast<float>(2 * bound), half = static_cast<float>(bound);
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "uniform_rows", [&] {
+  // half rows: the float32 value rounded to nearest, as torch's copy_ does
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows", [&] {
     scalar_t* data = out.data_ptr<scalar_t>();
     const uint64_t k = static_cast<uint64_t>(key);
     at::parallel_for(0, rows, 1024, [&](int64_t begin, int64_t end) {
@@ -595,6 +597,225 @@ std::vector<double> sum_squares_versions(torch::Tensor row) {
   return {portable, sum_squares(g, row.numel())};
 }
 
+// Half-precision rows (float16, bfloat16): lookups sum in float32 and updates compute in float32,
+// then round back to the rows' dtype, to nearest or (bfloat16 by default) stochastically: 16
+// random bits, a splitmix64 hash of (key, global row * dim + global column), are added below the
+// kept bits before truncation, as FBGEMM does. The bits do not depend on the plan, and the torch
+// path (rounding.py) gives the same ones.
+namespace {
+
+struct Rounding {
+  bool stochastic = false;
+  uint64_t key = 0;
+  int64_t row_start = 0, col_start = 0, dim = 0;
+};
+
+template <typename weight_t>
+inline weight_t round_value(float x, const Rounding& r, int64_t row, int64_t col) {
+  if constexpr (std::is_same_v<weight_t, at::BFloat16>) {
+    if (r.stochastic) {
+      const uint64_t counter =
+          static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start + col);
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      bits = (bits + static_cast<uint32_t>(splitmix(r.key, counter) >> 48)) & 0xFFFF0000u;
+      float kept;
+      std::memcpy(&kept, &bits, sizeof kept);
+      return weight_t(kept);  // exact: the low 16 bits are zero
+    }
+  }
+  return static_cast<weight_t>(x);  // round to nearest even, as torch's .to()
+}
+
+// out[b] = sum over bag b's ids of weight[id] (times its per-id weight), in float32, in id order.
+template <typename weight_t>
+torch::Tensor pooled_sum_half_impl(const torch::Tensor& weight, const torch::Tensor& ids,
+                                   const torch::Tensor& lengths,
+                                   const c10::optional<torch::Tensor>& weights) {
+  const int64_t bags = lengths.numel(), cols = weight.size(1), num_rows = weight.size(0);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  std::vector<int64_t> start(bags + 1, 0);
+  for (int64_t b = 0; b < bags; ++b) {
+    TORCH_CHECK(len[b] >= 0, "negative bag length");
+    start[b + 1] = start[b] + len[b];
+  }
+  TORCH_CHECK(start[bags] == n, "lengths sum to ", start[bags], " but there are ", n, " ids");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
+  }
+  auto out = torch::zeros({bags, cols}, weight.options().dtype(torch::kFloat));
+  const weight_t* w = weight.data_ptr<weight_t>();
+  const float* per_id = weights ? weights->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, bags, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* __restrict__ acc = o + b * cols;
+      for (int64_t k = start[b]; k < start[b + 1]; ++k) {
+        if (k + kPrefetchNear < n) {
+          __builtin_prefetch(w + id[k + kPrefetchNear] * cols, 0, 3);
+        }
+        const weight_t* __restrict__ row = w + id[k] * cols;
+        if (per_id != nullptr) {
+          const float s = per_id[k];
+          for (int64_t c = 0; c < cols; ++c) acc[c] += s * static_cast<float>(row[c]);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) acc[c] += static_cast<float>(row[c]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+template <typename weight_t>
+void add_to_rows_rounded_impl(torch::Tensor& tensor, const torch::Tensor& rows,
+                              const torch::Tensor& delta, double alpha, const Rounding& r) {
+  const int64_t unique = rows.numel();
+  const int64_t cols = tensor.numel() / std::max<int64_t>(tensor.size(0), 1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const float* src = delta.data_ptr<float>();
+  weight_t* dst = tensor.data_ptr<weight_t>();
+  const float a = static_cast<float>(alpha);
+  at::parallel_for(0, unique, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetchFar < end) prefetch_row<1>(dst + row[u + kPrefetchFar] * cols, cols);
+      if (u + kPrefetchNear < end) prefetch_row<3>(dst + row[u + kPrefetchNear] * cols, cols);
+      weight_t* d = dst + row[u] * cols;
+      const float* s = src + u * cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        d[c] = round_value<weight_t>(static_cast<float>(d[c]) + a * s[c], r, row[u], c);
+      }
+    }
+  });
+}
+
+// rowwise_adagrad_row on half rows: the same float32 arithmetic, each result rounded back.
+template <typename weight_t>
+inline void rowwise_adagrad_row_rounded(weight_t* __restrict__ w, float* sum, const float* g,
+                                        float g_scale, int64_t full, int64_t col_start,
+                                        int64_t cols, float lr, float eps, const Rounding& r,
+                                        int64_t row) {
+  const double squares = sum_squares(g, full);
+  const double scaled = static_cast<double>(g_scale);
+  const float total =
+      *sum + static_cast<float>(squares * scaled * scaled / static_cast<double>(full));
+  *sum = total;
+  const float step = lr * g_scale / (std::sqrt(total) + eps);
+  const float* __restrict__ src = g + col_start;
+  for (int64_t k = 0; k < cols; ++k) {
+    w[k] = round_value<weight_t>(static_cast<float>(w[k]) - step * src[k], r, row, k);
+  }
+}
+
+template <typename weight_t>
+void rowwise_adagrad_rounded_impl(torch::Tensor& weight, torch::Tensor& state,
+                                  const c10::optional<torch::Tensor>& weights,
+                                  const Groups& grouped, const std::vector<torch::Tensor>& blocks,
+                                  const std::vector<double>& scales, int64_t run_begin,
+                                  int64_t run_end, int64_t first_bag, int64_t end_bag,
+                                  int64_t col_start, double lr, double eps, const Rounding& r) {
+  const GroupsView groups(grouped);
+  const auto bags = bag_rows<float>(blocks, scales, first_bag);
+  TORCH_CHECK(static_cast<int64_t>(bags.row.size()) == end_bag - first_bag, "gradients given for ",
+              bags.row.size(), " bags, but these rows occur in bags ", first_bag, "..",
+              end_bag - 1);
+  const int64_t full = bags.cols, cols = weight.size(1), stride = weight.stride(0);
+  TORCH_CHECK(run_begin == run_end || col_start + cols <= full, "column block outside gradient");
+  weight_t* w = weight.data_ptr<weight_t>();
+  float* sum = state.data_ptr<float>();
+  const float lr_ = static_cast<float>(lr), eps_ = static_cast<float>(eps);
+  for_each_row_gradient<float>(
+      groups, run_begin, run_end, weights, bags,
+      [&](int64_t, int64_t row, const float* g, float g_scale) {
+        rowwise_adagrad_row_rounded<weight_t>(w + row * stride, sum + row, g, g_scale, full,
+                                              col_start, cols, lr_, eps_, r, row);
+      },
+      Written<float, weight_t>{w, stride, cols, sum});
+}
+
+void check_half_rows(const torch::Tensor& weight) {
+  check_cpu_contiguous(weight, "rows");
+  TORCH_CHECK(weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16,
+              "rows must be float16 or bfloat16");
+}
+
+void check_float(const torch::Tensor& t, const char* what) {
+  check_cpu_contiguous(t, what);
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, what, " must be float32");
+}
+
+}  // namespace
+
+// (bags, cols) float32 sums of half rows: see pooled_sum_half_impl.
+torch::Tensor pooled_sum_half(torch::Tensor weight, torch::Tensor ids, torch::Tensor lengths,
+                              c10::optional<torch::Tensor> weights) {
+  check_half_rows(weight);
+  check_cpu_contiguous(ids, "ids");
+  check_cpu_contiguous(lengths, "lengths");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "ids and lengths must be int64");
+  if (weights) {
+    check_float(*weights, "weights");
+    TORCH_CHECK(weights->numel() == ids.numel(), "one weight per id");
+  }
+  torch::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "pooled_sum_half", [&] {
+    out = pooled_sum_half_impl<scalar_t>(weight, ids, lengths, weights);
+  });
+  return out;
+}
+
+// tensor[rows] = round(tensor[rows] + alpha * delta) for distinct rows of half `tensor`, float32
+// `delta`; `row_start`, `col_start` place the block in its table of width `dim`.
+void add_to_rows_rounded(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta,
+                         double alpha, bool stochastic, int64_t key, int64_t row_start,
+                         int64_t col_start, int64_t dim) {
+  check_half_rows(tensor);
+  check_cpu_contiguous(rows, "rows");
+  check_float(delta, "delta");
+  TORCH_CHECK(delta.numel() == rows.numel() * tensor.size(1), "one delta row per row");
+  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(tensor.scalar_type(), "add_to_rows_rounded", [&] {
+    add_to_rows_rounded_impl<scalar_t>(tensor, rows, delta, alpha, r);
+  });
+}
+
+// rowwise_adagrad_update on half rows (float32 state and gradients), rounded as above.
+void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
+                                    c10::optional<torch::Tensor> weights, torch::Tensor order,
+                                    torch::Tensor starts, torch::Tensor bags, torch::Tensor rows,
+                                    torch::Tensor runs, int64_t run_begin, int64_t run_end,
+                                    std::vector<torch::Tensor> blocks, std::vector<double> scales,
+                                    int64_t first_bag, int64_t end_bag, int64_t col_start,
+                                    double lr, double eps, bool stochastic, int64_t key,
+                                    int64_t row_start, int64_t dim) {
+  check_half_rows(weight);
+  check_float(state, "state");
+  for (const auto* t : {&order, &starts, &bags, &rows, &runs}) {
+    check_cpu_contiguous(*t, "groups");
+  }
+  TORCH_CHECK(order.numel() == bags.numel() && starts.numel() == rows.numel() + 1 &&
+                  runs.numel() == rows.numel(), "inconsistent groups");
+  TORCH_CHECK(0 <= run_begin && run_begin <= run_end && run_end <= runs.numel(),
+              "runs outside the groups");
+  if (weights) {
+    check_float(*weights, "weights");
+    TORCH_CHECK(weights->numel() == order.numel(), "one weight per id");
+  }
+  for (const auto& block : blocks) {
+    TORCH_CHECK(block.scalar_type() == torch::kFloat, "gradients must be float32");
+  }
+  Groups groups{order, starts, bags, rows, runs};
+  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update_rounded", [&] {
+    rowwise_adagrad_rounded_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
+                                           run_begin, run_end, first_bag, end_bag, col_start, lr,
+                                           eps, r);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segment_sum", &segment_sum);
   m.def("group_rows", &group_rows);
@@ -603,4 +824,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_rows", &uniform_rows);
   m.def("split_by_rows", &split_by_rows);
   m.def("sum_squares_versions", &sum_squares_versions);
+  m.def("pooled_sum_half", &pooled_sum_half);
+  m.def("add_to_rows_rounded", &add_to_rows_rounded);
+  m.def("rowwise_adagrad_update_rounded", &rowwise_adagrad_update_rounded);
 }
