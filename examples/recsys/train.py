@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import manualpar as mp
 from manualpar.cli.plot import plot_metrics
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
+from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
 from manualpar.embeddings.planner import plan_tables
 
 
@@ -41,6 +42,13 @@ def parse_args() -> argparse.Namespace:
     add("--lr", type=float, default=3e-3, help="Adam learning rate of the MLPs")
     add("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the tables")
     add("--dim", type=int, default=16, help="embedding dimension")
+    add(
+        "--table-dtype",
+        choices=tuple(DTYPE_NAMES),
+        default="fp32",
+        help="how the tables store rows; fp16/bf16 halve their memory (lookups and updates "
+        "still compute in float32; bf16 rounds updates stochastically)",
+    )
     add("--bottom", default="64", help="bottom MLP hidden sizes, comma-separated")
     add("--top", default="128,64", help="top MLP hidden sizes, comma-separated")
     add("--interaction", choices=("dot", "cat"), default="dot")
@@ -115,7 +123,10 @@ def save_plan(plan: EmbeddingPlan, tables: list, out: str) -> Path:
     path = Path(out) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")
-    configs = (json.dumps(dataclasses.asdict(table)) for table in tables)
+    configs = (
+        json.dumps({**dataclasses.asdict(table), "dtype": dtype_name(table.dtype)})
+        for table in tables
+    )
     (path.parent / "tables.json").write_text("[\n" + ",\n".join(configs) + "\n]\n")
     return path
 
@@ -142,7 +153,7 @@ def peak_rss_gib() -> float:
 def main() -> None:
     args = parse_args()
     rows = table_rows(args.cardinalities, None if args.huge else args.max_rows)
-    tables = make_tables(rows, args.dim)
+    tables = make_tables(rows, args.dim, DTYPE_NAMES[args.table_dtype])
     unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
     if args.plan_only is not None:
         plan = make_plan(args.plan, tables, args.plan_only)
@@ -154,7 +165,10 @@ def main() -> None:
                 optimizer=RowWiseAdagrad(lr=args.emb_lr),
             )
         print(plan.describe(tables))
-        print(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of fp32 weights unsharded")
+        print(
+            f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of {args.table_dtype} "
+            "weights unsharded"
+        )
         print(f"plan {save_plan(plan, tables, args.out)}")
         return
     strategy = mp.ManualParallelStrategy()
