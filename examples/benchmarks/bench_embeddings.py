@@ -51,11 +51,13 @@ def worker_manualpar(args: argparse.Namespace) -> None:
         shard_embeddings,
         table_wise,
     )
+    from manualpar.embeddings.dtype_names import table_dtype
 
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
+    dtype = table_dtype(args.dtype)
     tables = [
-        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",))
+        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",), dtype=dtype)
         for i in range(args.tables)
     ]
     placement = {
