@@ -133,11 +133,7 @@ def write_result(
                     "lookups_per_s": lookups / (median_ms / 1000),
                     "init_s": init_s,
                     "peak_rss_gb_per_rank": peaks,
-                    "table_gb": args.tables
-                    * args.rows
-                    * args.dim
-                    * DTYPE_BYTES[args.dtype]
-                    / 2**30,
+                    "table_gb": args.tables * args.rows * args.dim * row_bytes / 2**30,
                     **extra,
                 },
                 indent=2,
