@@ -19,6 +19,7 @@ from torch import nn
 from manualpar.embeddings.collection import check_features, make_tables, table_of
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.rounding import accumulation_dtype
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -134,6 +135,8 @@ class EmbeddingCollection(nn.Module):
             for name in config.feature_names:
                 ids = features[name]
                 rows = F.embedding(ids.values, weight, sparse=True)
+                # half rows come out float32, as the sharded collection's (rounding.py)
+                rows = rows.to(accumulation_dtype(weight.dtype))
                 out[name] = JaggedEmbeddings(rows, ids.lengths)
         return SequenceEmbeddings(out)
 
