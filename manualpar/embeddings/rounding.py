@@ -4,10 +4,11 @@ Updates compute in float32 and round once per element: float16 to nearest (its 1
 keeps small updates well enough), bfloat16 stochastically by default, as FBGEMM does. bfloat16
 keeps 8 bits of mantissa, so an update below half a unit in the last place would be lost every
 time by rounding to nearest; rounding up with probability equal to the dropped fraction keeps
-its expected value. The 16 random bits added below the kept ones are a splitmix64 hash
-(table_init.py's) of (collection seed, table, update step, global row, global column): the
-result is the same for every plan and world size, and the C++ kernel and the torch ops below
-give the same bits.
+its expected value. The 16 random bits added below the kept ones come from a splitmix64 hash
+(table_init.py's) of (collection seed, table, update step) and the element's global index
+row * dim + column (one hash per 4 consecutive indices, a 16-bit word each: hashing was most of
+a bfloat16 update's extra cost): the result is the same for every plan and world size, and the
+C++ kernel and the torch ops below give the same bits.
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ class RowRounding:
 
 
 def random_bits(rounding: RowRounding, rows: torch.Tensor, cols: int) -> torch.Tensor:
-    """(rows, cols) int32 in [0, 2^16): the hash of each element's global position."""
+    """(rows, cols) int32 in [0, 2^16): of each element's global index i (row * dim + column),
+    16-bit word i % 4 of the hash of i / 4 (one 64-bit hash serves 4 elements)."""
     columns = torch.arange(rounding.col_start, rounding.col_start + cols, device=rows.device)
-    counters = (rows + rounding.row_start).unsqueeze(1) * rounding.dim + columns
-    return (torch_mix(rounding.key, counters) >> 48 & 0xFFFF).to(torch.int32)
+    index = (rows + rounding.row_start).unsqueeze(1) * rounding.dim + columns
+    hashes = torch_mix(rounding.key, index >> 2)
+    return ((hashes >> (index & 3) * 16) & 0xFFFF).to(torch.int32)
 
 
 def round_rows(values: torch.Tensor, rows: torch.Tensor, rounding: RowRounding) -> torch.Tensor:

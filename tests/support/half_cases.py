@@ -33,6 +33,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # significant bits, 2^-8 for bfloat16's 8). An update rounded to nearest is off by at most
 # u * |w|; stochastically, by less than one unit in the last place, 2u * |w|.
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+ELEMENTWISE = ("adagrad", "adam")  # rules that divide each element by its gradient's size
 
 
 def half_tables(dtype: torch.dtype) -> tuple:
@@ -106,10 +107,12 @@ def check_against_float64(
     Tolerance, per table: each element takes at most STEPS updates and each rounds once, off by
     less than 2u|w| (one unit in the last place, stochastic) or u|w| (to nearest), so the mean
     absolute deviation is at most STEPS * 2u * mean|w| (measured: 0.7u for float16, 1.3u for
-    bfloat16, after 3 steps). The rules divide by the gradient's size (Adagrad, Adam), so an
-    element whose gradient nearly cancels follows its sign and a perturbation of u moves it
-    further: the largest single deviation is held to 16u * max|w| (measured: 10u, bfloat16
-    Adagrad). Optimizer state is float32 and sees only the gradients' perturbation: within
+    bfloat16, after 3 steps). Each element is held to 16u * max|w| (measured: 2.7u) under SGD
+    and row-wise Adagrad. Adagrad and Adam divide each element by its own gradient's size, so an
+    element whose gradient nearly cancels steps by about lr with the gradient's sign, which a
+    perturbation of u can flip: there at most 2% of elements go beyond 16u * max|w| (measured:
+    1 element of 964), none beyond 2 * lr per step. Optimizer state is float32 and sees only
+    the gradients' perturbation: within
     STEPS * 2u of its largest value (measured 2.4u). The step-0 output is summed in float32 from
     the same values: 1e-6.
     """
@@ -131,9 +134,16 @@ def check_against_float64(
                 deviation = (table.double() - expected).abs()
                 mean_bound = STEPS * 2 * u * expected.abs().mean()
                 assert deviation.mean() <= mean_bound, f"{where}: table {name} mean deviation"
-                assert deviation.max() <= 16 * u * expected.abs().max(), (
-                    f"{where}: table {name} largest deviation {deviation.max():.3g}"
-                )
+                rounding_bound = 16 * u * expected.abs().max()
+                beyond = deviation > rounding_bound
+                if opt_name in ELEMENTWISE:  # a near-cancelling gradient's sign decides
+                    assert beyond.float().mean() <= 0.02, f"{where}: table {name}: {beyond.sum()}"
+                    bound = 2 * optimizer(opt_name).lr * STEPS
+                    assert deviation.max() <= bound, f"{where}: table {name}: {deviation.max()}"
+                else:
+                    assert not beyond.any(), (
+                        f"{where}: table {name} largest deviation {deviation.max():.3g}"
+                    )
                 for key_name, value in ref_state[name].items():
                     state = got["state"][name][key_name]
                     assert state.dtype == torch.float32, f"{where}: state {name}/{key_name}"

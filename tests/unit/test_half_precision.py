@@ -35,8 +35,9 @@ needs_kernels = pytest.mark.skipif(
 
 
 def _rounding(dtype: torch.dtype, step: int = 1, stochastic: bool = True) -> RowRounding:
-    rounding = RowRounding.for_block(dtype, 5, "user", step, (100, 8), 64)
-    return RowRounding(dtype, rounding.key, 100, 8, 64, stochastic=stochastic)
+    # a block at row 100, column 7 of a table 61 wide: element indices not aligned to 4
+    rounding = RowRounding.for_block(dtype, 5, "user", step, (100, 7), 61)
+    return RowRounding(dtype, rounding.key, 100, 7, 61, stochastic=stochastic)
 
 
 def _round_both_paths(

@@ -599,8 +599,9 @@ std::vector<double> sum_squares_versions(torch::Tensor row) {
 
 // Half-precision rows (float16, bfloat16): lookups sum in float32 and updates compute in float32,
 // then round back to the rows' dtype, to nearest or (bfloat16 by default) stochastically: 16
-// random bits, a splitmix64 hash of (key, global row * dim + global column), are added below the
-// kept bits before truncation, as FBGEMM does. The bits do not depend on the plan, and the torch
+// random bits, from a splitmix64 hash of (key, global index / 4), the global index being
+// row * dim + column, are added below the kept bits before truncation, as FBGEMM does. One hash
+// serves 4 elements (a 16-bit word each): hashing was most of a bfloat16 update's extra cost. The bits do not depend on the plan, and the torch
 // path (rounding.py) gives the same ones.
 namespace {
 
@@ -614,11 +615,13 @@ template <typename weight_t>
 inline weight_t round_value(float x, const Rounding& r, int64_t row, int64_t col) {
   if constexpr (std::is_same_v<weight_t, at::BFloat16>) {
     if (r.stochastic) {
-      const uint64_t counter =
-          static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start + col);
+      // one hash per 4 elements: element i takes 16-bit word i % 4 of the hash of i / 4
+      const uint64_t index = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start + col);
+      const uint32_t noise =
+          static_cast<uint32_t>(splitmix(r.key, index >> 2) >> (16 * (index & 3))) & 0xFFFFu;
       uint32_t bits;
       std::memcpy(&bits, &x, sizeof bits);
-      bits = (bits + static_cast<uint32_t>(splitmix(r.key, counter) >> 48)) & 0xFFFF0000u;
+      bits = (bits + noise) & 0xFFFF0000u;
       float kept;
       std::memcpy(&kept, &bits, sizeof kept);
       return weight_t(kept);  // exact: the low 16 bits are zero
@@ -657,30 +660,6 @@ inline bool has_f16c() {
   return found;
 }
 
-// Stochastic rounding to bfloat16 sixteen at a time with AVX-512 (the hash is most of the cost:
-// scalar, it made a bfloat16 update 4.5x slower than rounding to nearest). The same integer
-// steps as round_value, so the same bits (for every finite value, infinities included).
-__attribute__((target("avx512f,avx512dq,avx512bw"))) int64_t store_bf16_stochastic_avx512(
-    const float* src, at::BFloat16* dst, int64_t n, uint64_t key, uint64_t base) {
-  const __m512i keys = _mm512_set1_epi64(static_cast<int64_t>(key));
-  const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i kept = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    const __m512i first =
-        _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(base + c)), lanes);
-    const __m512i second = _mm512_add_epi64(first, _mm512_set1_epi64(8));
-    const __m256i low = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix16(keys, first), 48));
-    const __m256i high = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix16(keys, second), 48));
-    const __m512i noise = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-    const __m512i bits = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_castps_si512(_mm512_loadu_ps(src + c)), noise), kept);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-  return c;
-}
-
 inline bool has_avx512_bf16_rounding() {
   static const bool found = __builtin_cpu_supports("avx512f") &&
                             __builtin_cpu_supports("avx512dq") &&
@@ -693,6 +672,22 @@ inline bool has_avx512_bf16_rounding() {
 // leading elements it did (a multiple of 16); the caller's portable loop does the rest. Widening
 // in registers instead of through a scratch row halved the fused update's time on bfloat16 rows.
 #define MANUALPAR_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw")))
+
+// round_value's 16 random bits of elements index .. index + 15: the 16-bit words of the
+// hashes of index / 4 .. index / 4 + 7 (8 lanes; 4 or 5 of them used), picked in order.
+MANUALPAR_AVX512 inline __m512i noise16(__m512i keys, uint64_t index) {
+  alignas(64) static constexpr uint16_t kWords[32] = {0,  1,  2,  3,  4,  5,  6,  7,
+                                                      8,  9,  10, 11, 12, 13, 14, 15,
+                                                      16, 17, 18, 19, 20, 21, 22, 23,
+                                                      24, 25, 26, 27, 28, 29, 30, 31};
+  const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i groups =
+      _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(index >> 2)), lanes);
+  const __m512i pick = _mm512_add_epi16(_mm512_load_si512(kWords),
+                                        _mm512_set1_epi16(static_cast<int16_t>(index & 3)));
+  const __m512i words = _mm512_permutexvar_epi16(pick, splitmix16(keys, groups));
+  return _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+}
 
 MANUALPAR_AVX512 inline __m512 widen16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -736,19 +731,13 @@ MANUALPAR_AVX512 int64_t axpy_round_avx512(at::BFloat16* w, const float* src, fl
                                            uint64_t key, uint64_t base) {
   const __m512 alpha = _mm512_set1_ps(a);
   const __m512i keys = _mm512_set1_epi64(static_cast<int64_t>(key));
-  const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i kept = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
     const __m512 v =
         _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
-    const __m512i first =
-        _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(base + c)), lanes);
-    const __m512i second = _mm512_add_epi64(first, _mm512_set1_epi64(8));
-    const __m256i low = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix16(keys, first), 48));
-    const __m256i high = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix16(keys, second), 48));
-    const __m512i noise = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-    const __m512i bits = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), noise), kept);
+    const __m512i bits =
+        _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), noise16(keys, base + c)), kept);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
   }
@@ -811,16 +800,7 @@ inline void store_row(const float* __restrict__ src, weight_t* __restrict__ dst,
     if (has_f16c()) return float_to_half_f16c(src, dst, n);
   }
 #endif
-  int64_t c = 0;
-#if defined(__x86_64__) && defined(__GNUC__)
-  if constexpr (std::is_same_v<weight_t, at::BFloat16>) {
-    if (r.stochastic && has_avx512_bf16_rounding()) {
-      const uint64_t base = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start);
-      c = store_bf16_stochastic_avx512(src, dst, n, r.key, base);
-    }
-  }
-#endif
-  for (; c < n; ++c) dst[c] = round_value<weight_t>(src[c], r, row, c);
+  for (int64_t c = 0; c < n; ++c) dst[c] = round_value<weight_t>(src[c], r, row, c);
 }
 
 // A float32 scratch row per thread (the kernels' rows are at most a few thousand wide).
