@@ -40,3 +40,14 @@ def test_uneven_splits_on_3_ranks_same_bits_as_table_wise():
     per_rank = run_distributed(train_half, 3, args=(cases, batch_sizes))
     check_against_float64(per_rank, cases, batch_sizes)
     assert_same_bits_across_plans(per_rank[0], cases)
+
+
+@pytest.mark.timeout(120)
+def test_torch_path_without_the_kernels_within_rounding_of_float64_on_2_ranks():
+    # what CUDA tensors and hosts without a compiler run: the same rounding bits, drawn by torch
+    cases = [("row_wise", o, "bf16") for o in OPTIMIZERS] + [("column_wise", "rowwise", "fp16")]
+    batch_sizes = [5, 3]
+    per_rank = run_distributed(
+        train_half, 2, args=(cases, batch_sizes), env={"MANUALPAR_NATIVE_KERNELS": "0"}
+    )
+    check_against_float64(per_rank, cases, batch_sizes)
