@@ -5,6 +5,9 @@
     python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json \
         [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
     ... --floor     # also manualpar's step with no exchanges: the floor its kernels set
+    python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
+        --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
+                    # half tables: manualpar fp16 vs TorchRec FP16, manualpar bf16 vs FP32
 
 Each measurement is a fresh 2-process torchrun job (init time and peak RSS are per process);
 variants alternate in a rotating order and repeat, and the report gives the median over repeats
@@ -51,11 +54,13 @@ def worker_manualpar(args: argparse.Namespace) -> None:
         shard_embeddings,
         table_wise,
     )
+    from manualpar.embeddings.dtype_names import table_dtype
 
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
+    dtype = table_dtype(args.dtype)
     tables = [
-        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",))
+        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",), dtype=dtype)
         for i in range(args.tables)
     ]
     placement = {
@@ -331,6 +336,70 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
     return found
 
 
+# --precision: (variant, manualpar or the peer, --dtype); the ratios it reports (mine, theirs)
+PRECISION_VARIANTS = (
+    ("manualpar fp16", "manualpar", "fp16"),
+    ("torchrec fp16", "torchrec", "fp16"),
+    ("manualpar bf16", "manualpar", "bf16"),
+    ("torchrec fp32", "torchrec", "fp32"),
+    ("manualpar fp32", "manualpar", "fp32"),
+)
+PRECISION_RATIOS = (
+    ("manualpar fp16", "torchrec fp16"),
+    ("manualpar bf16", "torchrec fp32"),
+    ("manualpar fp16", "torchrec fp32"),
+    ("manualpar fp32", "torchrec fp32"),
+    ("manualpar bf16", "manualpar fp32"),
+)
+
+
+def precision(args: argparse.Namespace) -> dict:
+    """Half tables against TorchRec's: every (variant, dtype) job of PRECISION_VARIANTS in a
+    rotating order per repeat; per plan, the median over repeats of each pair's ratio of step
+    time and of peak RSS per process."""
+    if not args.peer_python:
+        raise SystemExit("--precision compares with TorchRec: pass --peer-python")
+    found = variants(args)
+    jobs = [(plan, name) for plan in args.plans for name, _, _ in PRECISION_VARIANTS]
+    runs: dict[str, dict[str, list[dict]]] = {plan: {} for plan in args.plans}
+    for repeat in range(args.repeats):
+        shift = repeat % len(jobs)
+        for plan, name in jobs[shift:] + jobs[:shift]:
+            _, kind, dtype = next(v for v in PRECISION_VARIANTS if v[0] == name)
+            python, script, extra = found[kind]
+            result = launch(python, script, [*extra, "--dtype", dtype], args, plan, args.rows)
+            runs[plan].setdefault(name, []).append(result)
+            print(
+                f"repeat {repeat} {plan:<10} {name:<15} {result['ms_per_step']:7.1f} ms/step  "
+                f"peak RSS {max(result['peak_rss_gb_per_rank']):.2f} GiB",
+                flush=True,
+            )
+    summary: dict[str, dict] = {}
+    for plan, by_name in runs.items():
+        summary[plan] = {
+            f"{mine} / {theirs}": {
+                key: statistics.median(
+                    value(a) / value(b) for a, b in zip(by_name[mine], by_name[theirs], strict=True)
+                )
+                for key, value in (
+                    ("ms_per_step", lambda r: r["ms_per_step"]),
+                    ("peak_rss", lambda r: max(r["peak_rss_gb_per_rank"])),
+                )
+            }
+            for mine, theirs in PRECISION_RATIOS
+        }
+        summary[plan]["median_ms_per_step"] = {
+            name: statistics.median(r["ms_per_step"] for r in results)
+            for name, results in by_name.items()
+        }
+        summary[plan]["max_peak_rss_gb"] = {
+            name: max(max(r["peak_rss_gb_per_rank"]) for r in results)
+            for name, results in by_name.items()
+        }
+    print(json.dumps(summary, indent=2))
+    return {"summary": summary, "runs": runs}
+
+
 def compare(args: argparse.Namespace) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {}
     names = list(variants(args))
@@ -455,6 +524,11 @@ def main() -> None:
         help="also run manualpar's step with no exchanges (worker_local)",
     )
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
+    parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="half tables: manualpar fp16/bf16/fp32 against TorchRec FP16/FP32 (PRECISION_RATIOS)",
+    )
     parser.add_argument("--scale-gib", type=float, nargs="+", default=[1, 4, 16])
     parser.add_argument("--json")
     for flag, default in (
@@ -469,7 +543,7 @@ def main() -> None:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
-    payload = scale(args) if args.scale else compare(args)
+    payload = scale(args) if args.scale else precision(args) if args.precision else compare(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), **payload}, indent=2))

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", choices=("table_wise", "row_wise"), default="table_wise")
@@ -32,6 +34,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="how the tables store rows"
+    )
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
 
 
@@ -115,18 +120,20 @@ def write_result(
     dist.all_gather_object(peaks, peak_rss_gb())
     if dist.get_rank() == 0:
         median_ms = statistics.median(step_ms)
+        row_bytes = DTYPE_BYTES[args.dtype]
         lookups = args.batch * args.tables * args.ids_per_bag
         Path(args.result).write_text(
             json.dumps(
                 {
                     "variant": variant,
                     "plan": args.plan,
+                    "dtype": args.dtype,
                     "ms_per_step": median_ms,
                     "step_ms": step_ms,
                     "lookups_per_s": lookups / (median_ms / 1000),
                     "init_s": init_s,
                     "peak_rss_gb_per_rank": peaks,
-                    "table_gb": args.tables * args.rows * args.dim * 4 / 2**30,
+                    "table_gb": args.tables * args.rows * args.dim * row_bytes / 2**30,
                     **extra,
                 },
                 indent=2,

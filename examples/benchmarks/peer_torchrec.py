@@ -44,8 +44,11 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.optim import RowWiseAdagrad
+
+# FBGEMM's CPU kernels take float32 and float16 rows (bf16 compares against float32)
+DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
 def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedModelParallel:
@@ -57,6 +60,7 @@ def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedM
                 num_embeddings=args.rows,
                 feature_names=[f"f{i}"],
                 pooling=PoolingType.SUM,
+                data_type=DATA_TYPES[args.dtype],
             )
             for i in range(args.tables)
         ],
@@ -97,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
     args = parser.parse_args()
+    if args.dtype not in DATA_TYPES:
+        raise SystemExit(f"--dtype {args.dtype}: the peer runs {', '.join(DATA_TYPES)}")
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)

@@ -102,10 +102,13 @@ def table_rows(cardinalities: str = "kaggle", max_rows: int | None = 100_000) ->
     return [r if max_rows is None else min(r, max_rows) for r in rows]
 
 
-def make_tables(rows: Sequence[int], dim: int) -> list[EmbeddingBagConfig]:
-    """One table per categorical feature (the feature takes the table's name)."""
+def make_tables(
+    rows: Sequence[int], dim: int, dtype: torch.dtype = torch.float32
+) -> list[EmbeddingBagConfig]:
+    """One table per categorical feature (the feature takes the table's name), rows stored in
+    `dtype` (float32, float16 or bfloat16; lookups return float32 either way)."""
     return [
-        EmbeddingBagConfig(name, num_embeddings=r, embedding_dim=dim)
+        EmbeddingBagConfig(name, num_embeddings=r, embedding_dim=dim, dtype=dtype)
         for name, r in zip(FEATURES, rows, strict=True)
     ]
 

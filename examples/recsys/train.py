@@ -30,6 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import manualpar as mp
 from manualpar.cli.plot import plot_metrics
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
+from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
+from manualpar.embeddings.id_spaces import raw_ids_to_json
 from manualpar.embeddings.planner import plan_tables
 
 
@@ -42,6 +44,13 @@ def parse_args() -> argparse.Namespace:
     add("--lr", type=float, default=3e-3, help="Adam learning rate of the MLPs")
     add("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the tables")
     add("--dim", type=int, default=16, help="embedding dimension")
+    add(
+        "--table-dtype",
+        choices=tuple(DTYPE_NAMES),
+        default="fp32",
+        help="how the tables store rows; fp16/bf16 halve their memory (lookups and updates "
+        "still compute in float32; bf16 rounds updates stochastically)",
+    )
     add("--bottom", default="64", help="bottom MLP hidden sizes, comma-separated")
     add("--top", default="128,64", help="top MLP hidden sizes, comma-separated")
     add("--interaction", choices=("dot", "cat"), default="dot")
@@ -129,7 +138,16 @@ def save_plan(plan: EmbeddingPlan, tables: list, out: str) -> Path:
     path = Path(out) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")
-    configs = (json.dumps(dataclasses.asdict(table), default=str) for table in tables)
+    configs = (
+        json.dumps(
+            {
+                **dataclasses.asdict(table),
+                "dtype": dtype_name(table.dtype),
+                "raw_ids": raw_ids_to_json(table.raw_ids),
+            }
+        )
+        for table in tables
+    )
     (path.parent / "tables.json").write_text("[\n" + ",\n".join(configs) + "\n]\n")
     return path
 
@@ -158,7 +176,7 @@ def main() -> None:
     rows = table_rows(args.cardinalities, None if args.huge else args.max_rows)
     if args.rows_per_table is not None:
         rows = [args.rows_per_table] * len(rows)
-    tables = make_tables(rows, args.dim)
+    tables = make_tables(rows, args.dim, DTYPE_NAMES[args.table_dtype])
     if args.criteo:
         tables = hashed_tables(tables)
     unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
@@ -172,7 +190,10 @@ def main() -> None:
                 optimizer=RowWiseAdagrad(lr=args.emb_lr),
             )
         print(plan.describe(tables))
-        print(f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of fp32 weights unsharded")
+        print(
+            f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB of {args.table_dtype} "
+            "weights unsharded"
+        )
         print(f"plan {save_plan(plan, tables, args.out)}")
         return
     strategy = mp.ManualParallelStrategy()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
+from manualpar.checkpoint.dtypes import log_conversions, saved_dtypes
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest, resolve
 from manualpar.checkpoint.save import state_dicts
 from manualpar.checkpoint.state import (
@@ -93,8 +94,10 @@ def _clip(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _saved_leaves(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Tensor shapes from DCP metadata, and the replicated non-tensor leaves."""
+def _saved_leaves(
+    path: Path,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
+    """Tensor shapes from DCP metadata, the replicated non-tensor leaves, tensor dtypes."""
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         objects = torch.load(path / "objects" / "replicated.pt", weights_only=True)
@@ -105,7 +108,7 @@ def _saved_leaves(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         for key, meta in metadata.state_dict_metadata.items()
         if hasattr(meta, "size")
     }
-    return shapes, objects
+    return shapes, objects, saved_dtypes(metadata)
 
 
 def _apply(
@@ -159,6 +162,7 @@ def load_checkpoint(
     """
     path = resolve(Path(path).absolute())
     validate_state(state)
+    rank = strategy.rank
     shared, _ = state_dicts(state, full=False)
 
     def open_and_check() -> tuple[dict[str, Any], set[str]] | None:
@@ -166,9 +170,11 @@ def load_checkpoint(
         load (one agreement for both: each is a collective, a measurable part of a fast load)."""
         if _open(path):
             return None
-        saved_shapes, saved_objects = _saved_leaves(path)
+        saved_shapes, saved_objects, dtypes = _saved_leaves(path)
         saved = {**saved_shapes, **saved_objects}
-        return saved_objects, _check_match(path, state, shared, saved, strict)
+        keep = _check_match(path, state, shared, saved, strict)
+        log_conversions(path, {k: v for k, v in shared.items() if k in keep}, dtypes, rank)
+        return saved_objects, keep
 
     checked = agree(strategy, f"opening checkpoint {path}", open_and_check)
     if checked is None:
@@ -233,6 +239,8 @@ def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool)
         for k, v in flatten(value, key).items()
         if k in keep
     }
+    dtypes = {k: v.dtype for k, v in leaves.items() if isinstance(v, torch.Tensor)}
+    log_conversions(path, {k: v for k, v in shared.items() if k in keep}, dtypes, strategy.rank)
     mine = f"rank_{strategy.rank}"
     per_rank = {}
     for key in per_rank_keys:

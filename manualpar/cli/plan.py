@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 from manualpar.embeddings import (
     SGD,
     Adagrad,
@@ -24,9 +26,11 @@ from manualpar.embeddings import (
     SparseOptimizer,
 )
 from manualpar.embeddings.config import check_tables
+from manualpar.embeddings.dtype_names import DTYPE_NAMES, table_dtype
+from manualpar.embeddings.id_spaces import raw_ids_from_json
 from manualpar.embeddings.plan import format_bytes
 from manualpar.embeddings.planner import UNIFORM_PLANS, plan_tables, plan_uniform
-from manualpar.errors import ManualParError
+from manualpar.errors import EmbeddingInputError, ManualParError
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
@@ -71,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.json",
         help="a JSON list of objects with EmbeddingBagConfig's fields",
     )
+    add(
+        "--table-dtype",
+        default="fp32",
+        help=f"how the --table tables store rows: {', '.join(DTYPE_NAMES)} (default fp32); "
+        "weights are counted in it, optimizer state as float32",
+    )
     add("--world-size", type=int, required=True, help="ranks of the job")
     add("--plan", default="auto", help=f"one of {', '.join(PLANS)} (default auto)")
     add(
@@ -93,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
-def parse_table(spec: str) -> EmbeddingBagConfig:
-    """NAME:ROWS:DIM[:FEATURE,...] -> EmbeddingBagConfig."""
+def parse_table(spec: str, dtype: torch.dtype = torch.float32) -> EmbeddingBagConfig:
+    """NAME:ROWS:DIM[:FEATURE,...] -> EmbeddingBagConfig (rows stored in `dtype`)."""
     parts = spec.split(":")
     if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[1:3]):
         raise UsageError(
@@ -102,7 +112,9 @@ def parse_table(spec: str) -> EmbeddingBagConfig:
             "e.g. user:1000000:64 or item:500000:64:item,last_item"
         )
     features = tuple(f for f in parts[3].split(",") if f) if len(parts) == 4 else ()
-    return EmbeddingBagConfig(parts[0], int(parts[1]), int(parts[2]), feature_names=features)
+    return EmbeddingBagConfig(
+        parts[0], int(parts[1]), int(parts[2]), feature_names=features, dtype=dtype
+    )
 
 
 def load_tables(path: str) -> list[EmbeddingBagConfig]:
@@ -124,7 +136,14 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
                 f"lacks {missing}; the fields are {fields}"
             )
         try:
+            if isinstance(entry.get("dtype"), str):  # "bf16", "bfloat16"
+                entry = {**entry, "dtype": table_dtype(entry["dtype"])}
+            if "raw_ids" in entry:  # {"kind": "hash", "salt": 0}
+                where = f"--tables {path}: entry {index}"
+                entry = {**entry, "raw_ids": raw_ids_from_json(entry["raw_ids"], where)}
             tables.append(EmbeddingBagConfig(**entry))
+        except EmbeddingInputError as error:
+            raise UsageError(f"--tables {path}: entry {index}: {error}") from None
         except TypeError as error:  # e.g. a number where a name belongs
             raise UsageError(f"--tables {path}: entry {index}: {error}") from None
     return tables
@@ -161,7 +180,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the plan (and write its JSON); errors are ManualParErrors (one line, exit 2)."""
     _check_arguments(args)
-    tables = [parse_table(spec) for spec in args.table]
+    try:
+        dtype = table_dtype(args.table_dtype)
+    except EmbeddingInputError as error:
+        raise UsageError(f"--table-dtype: {error}") from None
+    tables = [parse_table(spec, dtype) for spec in args.table]
     tables += load_tables(args.tables) if args.tables else []
     check_tables(tables)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None

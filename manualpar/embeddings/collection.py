@@ -17,9 +17,11 @@ from torch import nn
 
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.half_lookup import pooled_sum_half
 from manualpar.embeddings.managed_collisions import managed_remapper
 from manualpar.embeddings.memory import empty_rows
 from manualpar.embeddings.raw_ids import hash_raw_ids
+from manualpar.embeddings.rounding import HALF_DTYPES, accumulation_dtype
 from manualpar.embeddings.shard_compute import bag_offsets
 from manualpar.embeddings.table_init import init_rows
 from manualpar.errors import EmbeddingInputError
@@ -75,6 +77,7 @@ class EmbeddingTable(nn.Module):
                 config.num_embeddings if rows is None else rows,
                 config.embedding_dim if cols is None else cols,
                 device=device,
+                dtype=config.dtype,
             )
         )
 
@@ -134,16 +137,22 @@ class EmbeddingBagCollection(nn.Module):
             for name in config.feature_names:
                 bags = features[name]
                 if bags.lengths.numel() == 0:
-                    outputs.append(weight.new_zeros(0, config.embedding_dim))
+                    dtype = accumulation_dtype(weight.dtype)
+                    outputs.append(weight.new_zeros(0, config.embedding_dim, dtype=dtype))
                     continue
-                pooled = F.embedding_bag(
-                    bags.values,
-                    weight,
-                    bag_offsets(bags.lengths),
-                    mode="sum",
-                    per_sample_weights=bags.weights,
-                    sparse=True,
-                )
+                if weight.dtype in HALF_DTYPES:  # summed in float32 (half_lookup.py)
+                    pooled = pooled_sum_half(
+                        weight, bags.values, bags.lengths, bags.weights, sparse_grad=True
+                    )
+                else:
+                    pooled = F.embedding_bag(
+                        bags.values,
+                        weight,
+                        bag_offsets(bags.lengths),
+                        mode="sum",
+                        per_sample_weights=bags.weights,
+                        sparse=True,
+                    )
                 if config.pooling == "mean":
                     pooled = pooled / bags.lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
                 outputs.append(pooled)

@@ -38,6 +38,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.frozen import agreed_frozen, encode, frozen_tables
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.replica_combine import RowGradients, combine_replicas
+from manualpar.embeddings.rounding import accumulation_dtype
 from manualpar.embeddings.routing import LocalShard, Routing
 from manualpar.embeddings.shard_compute import (
     BagGradients,
@@ -80,7 +81,8 @@ class LookupContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weight(0).dtype
+        """The pooled output's dtype: float32 for half rows (rounding.accumulation_dtype)."""
+        return accumulation_dtype(self.weight(0).dtype)
 
     def table_names(self) -> list[str]:
         return [config.name for config in self.routing.tables]

@@ -32,6 +32,7 @@ from torch import nn
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.grad_clip import clip_coefficient, clip_rows
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.update_rules import SparseOptimizer, check_lr
 from manualpar.errors import BuilderError
@@ -64,6 +65,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         full_tensor: Callable[[LocalShards], torch.Tensor],
         *,
         primary_replica: bool = True,
+        seed: int = 0,
     ) -> None:
         super().__init__(list(weights.items()), {"lr": rule.lr})
         self.rule = rule
@@ -71,6 +73,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._shards, self._dims, self._rows = shards, dims, rows
         self._full_tensor = full_tensor
         self._primary_replica = primary_replica  # 2-D: the first replica's state is saved
+        self._seed = seed  # the collection's: half rows' stochastic rounding streams (rounding.py)
         self.table_state: dict[str, dict[str, torch.Tensor]] = {
             name: rule.init_state(shard.rows, shard.cols, device)
             for name, shard in shards.items()
@@ -161,7 +164,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if summed.shape[1] != shard.cols:  # full-width gradient of a column block
             summed = summed[:, shard.col_start : shard.col_end]
         self.rule.step_rows(
-            weight, self.table_state[table], rows, summed, self.num_updates, row_sq_mean
+            weight,
+            self.table_state[table],
+            rows,
+            summed,
+            self.num_updates,
+            row_sq_mean,
+            **self._rounding(table, weight),
         )
 
     @torch.no_grad()
@@ -179,8 +188,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not self.fuses_bags:
             return False
         return self.rule.step_bags(
-            weight, self.table_state[table], bags, grads, shard.col_start, self.num_updates, rows
+            weight,
+            self.table_state[table],
+            bags,
+            grads,
+            shard.col_start,
+            self.num_updates,
+            rows,
+            **self._rounding(table, weight),
         )
+
+    def _rounding(self, table: str, weight: torch.Tensor) -> dict[str, RowRounding]:
+        """The `rounding` argument of this update of half rows (none for float32 ones, so rules
+        written before half rows keep working)."""
+        if weight.dtype not in HALF_DTYPES:
+            return {}
+        shard = self._held(table)
+        offsets = (shard.row_start, shard.col_start)
+        return {
+            "rounding": RowRounding.for_block(
+                weight.dtype, self._seed, table, self.num_updates, offsets, self._dims[table]
+            )
+        }
 
     @torch.no_grad()
     def finish_update(

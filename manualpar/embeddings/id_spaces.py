@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["EVICTION_POLICIES", "HashIds", "ManagedCollisions", "RawIds"]
+__all__ = [
+    "EVICTION_POLICIES",
+    "HashIds",
+    "ManagedCollisions",
+    "RawIds",
+    "raw_ids_from_json",
+    "raw_ids_to_json",
+]
 
 EVICTION_POLICIES = ("lru", "lfu")
 _SALT_BITS = 64
@@ -59,3 +66,33 @@ class ManagedCollisions:
 
 
 RawIds = HashIds | ManagedCollisions
+
+
+_KINDS: dict[str, type[HashIds] | type[ManagedCollisions]] = {
+    "hash": HashIds,
+    "managed": ManagedCollisions,
+}
+
+
+def raw_ids_to_json(raw_ids: RawIds | None) -> dict[str, object] | None:
+    """A JSON-ready form of a table's `raw_ids`, with its kind ("hash" or "managed")."""
+    if raw_ids is None:
+        return None
+    kind = "hash" if isinstance(raw_ids, HashIds) else "managed"
+    return {"kind": kind, **vars(raw_ids)}
+
+
+def raw_ids_from_json(entry: object, where: str) -> RawIds | None:
+    """`raw_ids_to_json`'s inverse; errors name `where` (a file and entry)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or entry.get("kind") not in _KINDS:
+        raise EmbeddingInputError(
+            f"{where}: raw_ids must be null or an object with kind 'hash' or 'managed' and "
+            f'its settings, e.g. {{"kind": "hash", "salt": 0}}; got {entry!r}'
+        )
+    settings = {key: value for key, value in entry.items() if key != "kind"}
+    try:
+        return _KINDS[entry["kind"]](**settings)
+    except TypeError as error:
+        raise EmbeddingInputError(f"{where}: raw_ids {entry!r}: {error}") from None

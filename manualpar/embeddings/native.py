@@ -29,7 +29,8 @@ SOURCE = Path(__file__).parent / "csrc" / "sparse_rows.cpp"
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]
-_NATIVE_DTYPES = (torch.float32, torch.float64)
+# half rows (float16, bfloat16) have kernels of their own, which sum and update in float32
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # A build takes about 40 s; a lock older than this was left by a build that was killed, and
 # torch's loader would wait on it forever.
 STALE_LOCK_S = 600
@@ -125,7 +126,8 @@ def loaded_kernels() -> ModuleType:
 
 
 def supports(*tensors: torch.Tensor | None) -> bool:
-    """Whether the kernels handle these tensors (CPU, float32/float64 for floating ones)."""
+    """Whether the kernels handle these tensors (CPU; float32/float64, or float16/bfloat16
+    rows for the half-row kernels: callers check the dtypes a kernel takes)."""
     for tensor in tensors:
         if tensor is None:
             continue

@@ -22,7 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.dtype_names import dtype_name
 from manualpar.environment import detect_environment
 from manualpar.errors import PlanError
 
@@ -249,7 +252,7 @@ class EmbeddingPlan:
         total = [0] * self.world_size
         for config in configs:
             for shard in self.shards(config):
-                total[shard.rank] += block_bytes(shard.rows, shard.cols, state)
+                total[shard.rank] += block_bytes(shard.rows, shard.cols, state, config.dtype)
         return total
 
     # presentation -----------------------------------------------------------------------------
@@ -307,9 +310,10 @@ class EmbeddingPlan:
                 else "-"
             )
             note = f"  ({self.notes[config.name]})" if config.name in self.notes else ""
+            dtype = "" if config.dtype == torch.float32 else f"{dtype_name(config.dtype)} "
             lines.append(
                 f"  {config.name:<16} {config.num_embeddings:>12} x "
-                f"{config.embedding_dim:<4} {self.tables[config.name]!s:<22} "
+                f"{config.embedding_dim:<4} {dtype}{self.tables[config.name]!s:<22} "
                 f"{shards}{note}"
             )
         per_rank = self.bytes_per_rank(configs)

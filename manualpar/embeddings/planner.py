@@ -60,7 +60,7 @@ REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replica
 def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
     """A whole table's weights plus `optimizer`'s state (row-wise Adagrad's if none given)."""
     state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
-    return block_bytes(config.num_embeddings, config.embedding_dim, state)
+    return block_bytes(config.num_embeddings, config.embedding_dim, state, config.dtype)
 
 
 def plan_tables(

@@ -21,6 +21,7 @@ from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.managed_collisions import managed_remapper
 from manualpar.embeddings.raw_ids import hash_raw_ids
+from manualpar.embeddings.rounding import accumulation_dtype
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -139,6 +140,8 @@ class EmbeddingCollection(nn.Module):
             for name in config.feature_names:
                 ids = features[name]
                 rows = F.embedding(ids.values, weight, sparse=True)
+                # half rows come out float32, as the sharded collection's (rounding.py)
+                rows = rows.to(accumulation_dtype(weight.dtype))
                 out[name] = JaggedEmbeddings(rows, ids.lengths)
         return SequenceEmbeddings(out)
 

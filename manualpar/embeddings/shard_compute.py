@@ -14,7 +14,9 @@ from enum import IntEnum
 import torch
 import torch.nn.functional as F
 
+from manualpar.embeddings.half_lookup import pooled_sum_half
 from manualpar.embeddings.native import loaded_kernels, supports
+from manualpar.embeddings.rounding import HALF_DTYPES, RowRounding, add_rounded
 
 __all__ = [
     "BagGradients",
@@ -117,7 +119,10 @@ def bag_offsets(lengths: torch.Tensor) -> torch.Tensor:
 def pooled_sum(
     weight: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """(bags, cols): the sum of each bag's rows (scaled by per-id weights)."""
+    """(bags, cols): the sum of each bag's rows (scaled by per-id weights); float32 for half
+    rows (half_lookup.py)."""
+    if weight.dtype in HALF_DTYPES:
+        return pooled_sum_half(weight, ids, lengths, weights)
     if lengths.numel() == 0:
         return weight.new_zeros(0, weight.shape[1])
     return F.embedding_bag(
@@ -160,9 +165,19 @@ def row_gradients(
 
 
 def add_to_rows(
-    tensor: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, alpha: float = 1.0
+    tensor: torch.Tensor,
+    rows: torch.Tensor,
+    delta: torch.Tensor,
+    alpha: float = 1.0,
+    rounding: RowRounding | None = None,
 ) -> None:
-    """tensor[rows] += alpha * delta for distinct rows (gather, add, scatter: no index_add_)."""
+    """tensor[rows] += alpha * delta for distinct rows (gather, add, scatter: no index_add_);
+    half rows add in float32 and round by `rounding` (rounding.py)."""
+    if tensor.dtype in HALF_DTYPES:
+        if rounding is None:
+            raise ValueError(f"updating {tensor.dtype} rows needs a RowRounding")
+        add_rounded(tensor, rows, delta, alpha, rounding)
+        return
     if (
         supports(tensor, delta)
         and delta.dtype == tensor.dtype

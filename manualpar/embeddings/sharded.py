@@ -97,18 +97,19 @@ def shard_embeddings(
             f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
             " sharded tables are updated by a fused optimizer inside backward"
         )
-    wrong_dtype = {
-        name: table.weight.dtype
+    converted = {
+        name: (table.weight.dtype, table.config.dtype)
         for name, table in ebc.tables.items()
-        if table.weight.dtype != torch.float32
+        if table.weight.dtype != table.config.dtype
     }
-    if wrong_dtype:
-        name, dtype = next(iter(wrong_dtype.items()))
+    if converted:
+        name, (dtype, configured) = next(iter(converted.items()))
         raise BuilderError(
-            f"{BUILDER}(): table {name!r} is {dtype} (tables: {sorted(wrong_dtype)}); sharded "
-            "tables hold float32 rows, and converting silently would ignore your .to(). Keep "
-            "the collection float32 (undo the .to(dtype) on it, or convert only the dense parts) "
-            "and cast the pooled output if the dense parts compute in a lower precision"
+            f"{BUILDER}(): table {name!r} is {dtype} but its config says {configured} (tables: "
+            f"{sorted(converted)}); sharded tables hold rows in their config's dtype, and "
+            "converting silently would ignore your .to(). Undo the .to(dtype) on the collection "
+            "(convert only the dense parts) and set EmbeddingBagConfig(dtype=torch.float16 or "
+            "torch.bfloat16) for half-precision rows; lookups return float32 either way"
         )
     if normalize_by == "world":  # the spelling before 0.2
         normalize_by = "world_size"
@@ -205,6 +206,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             device,
             self._full_tensor,
             primary_replica=layout.primary,
+            seed=ebc.seed,
         )
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table

@@ -16,7 +16,7 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.native import loaded_kernels, supports
 
-__all__ = ["init_rows", "mix64", "mix64_int", "table_key"]
+__all__ = ["init_rows", "mix", "mix64", "mix64_int", "signed", "table_key", "torch_mix"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -24,7 +24,8 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
-def _mix(z: int) -> int:
+def mix(z: int) -> int:
+    """splitmix64's finalizer on a 64-bit unsigned int."""
     z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return z ^ (z >> 31)
@@ -32,10 +33,11 @@ def _mix(z: int) -> int:
 
 def table_key(seed: int, table: str) -> int:
     """The 64-bit stream key of one table (unsigned)."""
-    return _mix((seed * _GOLDEN + zlib.crc32(table.encode())) & _MASK64)
+    return mix((seed * _GOLDEN + zlib.crc32(table.encode())) & _MASK64)
 
 
-def _signed(value: int) -> int:
+def signed(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
@@ -46,22 +48,23 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer on int64 tensors holding uint64 bit patterns (any device)."""
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = (z ^ _shift_right(z, 30)) * signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * signed(_MIX2)
     return z ^ _shift_right(z, 31)
 
 
 def mix64_int(z: int) -> int:
     """splitmix64's finalizer on a Python int (taken mod 2**64), unsigned."""
-    return _mix(z & _MASK64)
+    return mix(z & _MASK64)
+
+
+def torch_mix(key: int, counters: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of (key, counter) for int64 `counters`: int64 bit patterns."""
+    return mix64(counters * signed(_GOLDEN) + signed(key))  # int64 arithmetic wraps like uint64
 
 
 def _torch_uniform(key: int, counters: torch.Tensor) -> torch.Tensor:
-    z = counters * _signed(_GOLDEN) + _signed(key)  # int64 arithmetic wraps like uint64
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
-    z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 40).to(torch.float32) * 2.0**-24
+    return _shift_right(torch_mix(key, counters), 40).to(torch.float32) * 2.0**-24
 
 
 @torch.no_grad()
@@ -72,13 +75,14 @@ def init_rows(
     columns: tuple[int, int],
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Values of rows [r0, r1) and columns [c0, c1) of the table, on CPU unless `out` is given."""
+    """Values of rows [r0, r1) and columns [c0, c1) of the table, on CPU unless `out` is given,
+    in `out`'s dtype (default the table's): half rows hold the float32 value rounded to nearest."""
     (r0, r1), (c0, c1) = rows, columns
     if out is None:
-        out = torch.empty(r1 - r0, c1 - c0)
+        out = torch.empty(r1 - r0, c1 - c0, dtype=config.dtype)
     key, bound, dim = table_key(seed, config.name), config.bound, config.embedding_dim
     if supports(out) and out.is_contiguous():
-        loaded_kernels().uniform_rows(out, _signed(key), r0, c0, dim, bound)
+        loaded_kernels().uniform_rows(out, signed(key), r0, c0, dim, bound)
         return out
     for start in range(r0, r1, 4096):  # bounded temporaries on the torch path
         stop = min(start + 4096, r1)

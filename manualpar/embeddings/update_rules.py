@@ -20,8 +20,10 @@ from typing import ClassVar
 import torch
 
 from manualpar.embeddings.grad_clip import check_max_norm
+from manualpar.embeddings.half_updates import rowwise_adagrad_rounded
 from manualpar.embeddings.memory import empty_rows, zeros_rows
 from manualpar.embeddings.native import loaded_kernels, supports
+from manualpar.embeddings.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.errors import BuilderError
 
@@ -94,11 +96,13 @@ class SparseOptimizer:
         grad: torch.Tensor,
         step: int,
         row_sq_mean: torch.Tensor | None,
+        rounding: RowRounding | None = None,
     ) -> None:
         """Update `weight[rows]` (and state) given each row's summed gradient `grad`.
 
         `rows` are distinct local row indices; `row_sq_mean` is the mean over the table's full
-        width of the squared gradient (only for optimizers with `needs_full_rows`).
+        width of the squared gradient (only for optimizers with `needs_full_rows`); half rows
+        compute in float32 and round back by `rounding` (rounding.py).
         """
         raise NotImplementedError
 
@@ -111,6 +115,7 @@ class SparseOptimizer:
         col_start: int,
         step: int,
         rows: RowPass,
+        rounding: RowRounding | None = None,
     ) -> bool:
         """Update the `rows` of this pass straight from the bags' gradients (full width if
         `needs_full_rows`) in one fused pass, if this rule has such a kernel for these tensors;
@@ -146,8 +151,9 @@ class SGD(SparseOptimizer):
         grad: torch.Tensor,
         step: int,
         row_sq_mean: torch.Tensor | None,
+        rounding: RowRounding | None = None,
     ) -> None:
-        add_to_rows(weight, rows, grad, -self.lr)
+        add_to_rows(weight, rows, grad, -self.lr, rounding)
 
 
 @dataclass
@@ -171,10 +177,11 @@ class Adagrad(SparseOptimizer):
         grad: torch.Tensor,
         step: int,
         row_sq_mean: torch.Tensor | None,
+        rounding: RowRounding | None = None,
     ) -> None:
         total = state["sum"].index_select(0, rows).addcmul_(grad, grad)
         state["sum"].index_copy_(0, rows, total)
-        add_to_rows(weight, rows, grad / total.sqrt_().add_(self.eps), -self.lr)
+        add_to_rows(weight, rows, grad / total.sqrt_().add_(self.eps), -self.lr, rounding)
 
 
 @dataclass
@@ -194,11 +201,13 @@ class RowWiseAdagrad(SparseOptimizer):
         grad: torch.Tensor,
         step: int,
         row_sq_mean: torch.Tensor | None,
+        rounding: RowRounding | None = None,
     ) -> None:
         assert row_sq_mean is not None  # needs_full_rows: the caller computes it
         total = state["sum"].index_select(0, rows).add_(row_sq_mean)
         state["sum"].index_copy_(0, rows, total)
-        add_to_rows(weight, rows, grad * (1 / total.sqrt_().add_(self.eps)).unsqueeze(1), -self.lr)
+        scale = (1 / total.sqrt_().add_(self.eps)).unsqueeze(1)
+        add_to_rows(weight, rows, grad * scale, -self.lr, rounding)
 
     def step_bags(
         self,
@@ -209,7 +218,12 @@ class RowWiseAdagrad(SparseOptimizer):
         col_start: int,
         step: int,
         rows: RowPass,
+        rounding: RowRounding | None = None,
     ) -> bool:
+        if weight.dtype in HALF_DTYPES:
+            return rounding is not None and rowwise_adagrad_rounded(
+                weight, state["sum"], bags, grads, col_start, rows, self.lr, self.eps, rounding
+            )
         if not (
             bags.groups is not None
             and supports(weight, bags.weights, *grads.blocks)
@@ -266,6 +280,7 @@ class Adam(SparseOptimizer):
         grad: torch.Tensor,
         step: int,
         row_sq_mean: torch.Tensor | None,
+        rounding: RowRounding | None = None,
     ) -> None:
         beta1, beta2 = self.betas
         exp_avg = state["exp_avg"].index_select(0, rows).lerp_(grad, 1 - beta1)
@@ -278,4 +293,4 @@ class Adam(SparseOptimizer):
         state["exp_avg"].index_copy_(0, rows, exp_avg)
         state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        add_to_rows(weight, rows, exp_avg / exp_avg_sq.sqrt_().add_(self.eps), -step_size)
+        add_to_rows(weight, rows, exp_avg / exp_avg_sq.sqrt_().add_(self.eps), -step_size, rounding)

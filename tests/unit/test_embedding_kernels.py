@@ -148,8 +148,10 @@ def test_kernels_refuse_ids_outside_the_table():
         native.native_kernels().segment_sum(ids, lengths, None, grads, 100, 1.0)
 
 
-def test_non_cpu_or_half_tensors_take_the_torch_path():
-    assert not native.supports(torch.zeros(2, dtype=torch.bfloat16))
+def test_non_cpu_or_other_float_dtypes_take_the_torch_path():
+    # half rows have kernels of their own (half_lookup.py, rounding.py); other floats do not
+    assert native.supports(torch.zeros(2, dtype=torch.bfloat16))
+    assert not native.supports(torch.zeros(2, dtype=torch.float8_e4m3fn))
     assert not native.supports(torch.zeros(2, device="meta"))
     assert native.supports(torch.zeros(2), None, torch.zeros(2, dtype=torch.int64))
 

@@ -337,7 +337,17 @@ def test_a_collection_converted_to_bfloat16_is_refused_not_silently_kept_float32
     ).to(torch.bfloat16)
     with pytest.raises(
         BuilderError,
-        match=r"shard_embeddings\(\): table 'user' is torch.bfloat16 \(tables: \['item', 'user'\]\)"
-        r"; sharded tables hold float32 rows",
+        match=r"shard_embeddings\(\): table 'user' is torch.bfloat16 but its config says "
+        r"torch.float32 \(tables: \['item', 'user'\]\); sharded tables hold rows in their "
+        r"config's dtype, .* set EmbeddingBagConfig\(dtype=torch.float16 or torch.bfloat16\)",
     ):
         shard_embeddings(ebc, mp.ManualParallelStrategy(), plan="auto", optimizer=SGD(lr=0.1))
+
+
+def test_an_unsupported_table_dtype_is_refused_with_the_supported_ones() -> None:
+    with _raises(
+        EmbeddingInputError,
+        "table 'user': dtype torch.float64 is not supported; use one of torch.float32, "
+        "torch.float16, torch.bfloat16",
+    ):
+        EmbeddingBagConfig("user", 8, 4, dtype=torch.float64)

@@ -1,5 +1,5 @@
 // CPU kernels for the backward of sharded embedding tables: the gradient of each distinct row
-// (duplicate ids summed), and in-place updates of only those rows. The pure-torch path in
+// (duplicate ids summed), and in-place updates of only those rows; lookups of half rows. The pure-torch path in
 // kernels.py / optimizers.py computes the same numbers; these exist because on CPU the torch ops
 // make several passes over randomly addressed rows (gather, update, scatter) where one suffices.
 #include <torch/extension.h>
@@ -13,6 +13,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -173,9 +174,9 @@ BagRows<scalar_t> bag_rows(const std::vector<torch::Tensor>& blocks,
 }
 
 // Rows to be written are prefetched ahead of their visit (none if `rows` is null).
-template <typename scalar_t>
+template <typename scalar_t, typename row_t = scalar_t>
 struct Written {
-  scalar_t* rows = nullptr;
+  row_t* rows = nullptr;
   int64_t stride = 0, cols = 0;
   scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
 };
@@ -183,11 +184,11 @@ struct Written {
 // For each distinct id of runs [run_begin, run_end): `visit(u, row, g, g_scale)`, where g * g_scale is the row's
 // summed gradient. A row looked up once (the common case for large tables) is visited with its
 // bag's gradient row itself, not a copy.
-template <typename scalar_t, typename Visit>
+template <typename scalar_t, typename Visit, typename WrittenRows = Written<scalar_t>>
 void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t run_end,
                            const c10::optional<torch::Tensor>& weights,
                            const BagRows<scalar_t>& bags, Visit visit,
-                           Written<scalar_t> written = {}) {
+                           WrittenRows written = {}) {
   const int64_t cols = bags.cols;
   const scalar_t* weight = weights ? weights->data_ptr<scalar_t>() : nullptr;
   const int64_t* order = groups.order;
@@ -529,7 +530,8 @@ void uniform_rows(torch::Tensor out, int64_t key, int64_t row0, int64_t col0, in
   check_cpu_contiguous(out, "out");
   const int64_t rows = out.size(0), cols = out.size(1);
   const float width = static_cast<float>(2 * bound), half = static_cast<float>(bound);
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "uniform_rows", [&] {
+  // half rows: the float32 value rounded to nearest, as torch's copy_ does
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows", [&] {
     scalar_t* data = out.data_ptr<scalar_t>();
     const uint64_t k = static_cast<uint64_t>(key);
     at::parallel_for(0, rows, 1024, [&](int64_t begin, int64_t end) {
@@ -595,6 +597,439 @@ std::vector<double> sum_squares_versions(torch::Tensor row) {
   return {portable, sum_squares(g, row.numel())};
 }
 
+// Half-precision rows (float16, bfloat16): lookups sum in float32 and updates compute in float32,
+// then round back to the rows' dtype, to nearest or (bfloat16 by default) stochastically: 16
+// random bits, from a splitmix64 hash of (key, global index / 4), the global index being
+// row * dim + column, are added below the kept bits before truncation, as FBGEMM does. One hash
+// serves 4 elements (a 16-bit word each): hashing was most of a bfloat16 update's extra cost. The bits do not depend on the plan, and the torch
+// path (rounding.py) gives the same ones.
+namespace {
+
+struct Rounding {
+  bool stochastic = false;
+  uint64_t key = 0;
+  int64_t row_start = 0, col_start = 0, dim = 0;
+};
+
+template <typename weight_t>
+inline weight_t round_value(float x, const Rounding& r, int64_t row, int64_t col) {
+  if constexpr (std::is_same_v<weight_t, at::BFloat16>) {
+    if (r.stochastic) {
+      // one hash per 4 elements: element i takes 16-bit word i % 4 of the hash of i / 4
+      const uint64_t index = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start + col);
+      const uint32_t noise =
+          static_cast<uint32_t>(splitmix(r.key, index >> 2) >> (16 * (index & 3))) & 0xFFFFu;
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      bits = (bits + noise) & 0xFFFF0000u;
+      float kept;
+      std::memcpy(&kept, &bits, sizeof kept);
+      return weight_t(kept);  // exact: the low 16 bits are zero
+    }
+  }
+  return static_cast<weight_t>(x);  // round to nearest even, as torch's .to()
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// float16 <-> float32 eight at a time where the CPU has F16C (chosen at run time, as the AVX
+// sums above): the portable conversion is a bit-by-bit routine, about 5x slower per step of a
+// float16 table. Both are IEEE conversions (exact one way, to nearest even the other).
+__attribute__((target("avx,f16c"))) void half_to_float_f16c(const at::Half* src, float* dst,
+                                                             int64_t n) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
+    _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(packed));
+  }
+  for (; c < n; ++c) dst[c] = static_cast<float>(src[c]);
+}
+
+__attribute__((target("avx,f16c"))) void float_to_half_f16c(const float* src, at::Half* dst,
+                                                             int64_t n) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m128i packed =
+        _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), packed);
+  }
+  for (; c < n; ++c) dst[c] = static_cast<at::Half>(src[c]);
+}
+
+inline bool has_f16c() {
+  static const bool found = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return found;
+}
+
+inline bool has_avx512_bf16_rounding() {
+  static const bool found = __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512dq") &&
+                            __builtin_cpu_supports("avx512bw");
+  return found;
+}
+
+// Whole rows sixteen elements at a time with AVX-512: widen, multiply, add (no fused
+// multiply-add: the same two roundings as the portable loops), narrow. Each returns how many
+// leading elements it did (a multiple of 16); the caller's portable loop does the rest. Widening
+// in registers instead of through a scratch row halved the fused update's time on bfloat16 rows.
+#define MANUALPAR_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw")))
+
+// round_value's 16 random bits of elements index .. index + 15: the 16-bit words of the
+// hashes of index / 4 .. index / 4 + 7 (8 lanes; 4 or 5 of them used), picked in order.
+MANUALPAR_AVX512 inline __m512i noise16(__m512i keys, uint64_t index) {
+  alignas(64) static constexpr uint16_t kWords[32] = {0,  1,  2,  3,  4,  5,  6,  7,
+                                                      8,  9,  10, 11, 12, 13, 14, 15,
+                                                      16, 17, 18, 19, 20, 21, 22, 23,
+                                                      24, 25, 26, 27, 28, 29, 30, 31};
+  const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i groups =
+      _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(index >> 2)), lanes);
+  const __m512i pick = _mm512_add_epi16(_mm512_load_si512(kWords),
+                                        _mm512_set1_epi16(static_cast<int16_t>(index & 3)));
+  const __m512i words = _mm512_permutexvar_epi16(pick, splitmix16(keys, groups));
+  return _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+}
+
+MANUALPAR_AVX512 inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+MANUALPAR_AVX512 inline __m512 widen16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[c] += row[c] (or scale * row[c] when `scaled`)
+template <typename weight_t>
+MANUALPAR_AVX512 int64_t accumulate_avx512(const weight_t* row, float* acc, int64_t n,
+                                           float scale, bool scaled) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    __m512 x = widen16(row + c);
+    if (scaled) x = _mm512_mul_ps(s, x);
+    _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), x));
+  }
+  return c;
+}
+
+// w[c] = round(w[c] + a * src[c]): float16 to nearest, bfloat16 stochastically (key, base as in
+// round_value: the element's counter is base + c).
+MANUALPAR_AVX512 int64_t axpy_round_avx512(at::Half* w, const float* src, float a, int64_t n,
+                                           uint64_t, uint64_t) {
+  const __m512 alpha = _mm512_set1_ps(a);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v =
+        _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return c;
+}
+
+MANUALPAR_AVX512 int64_t axpy_round_avx512(at::BFloat16* w, const float* src, float a, int64_t n,
+                                           uint64_t key, uint64_t base) {
+  const __m512 alpha = _mm512_set1_ps(a);
+  const __m512i keys = _mm512_set1_epi64(static_cast<int64_t>(key));
+  const __m512i kept = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v =
+        _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
+    const __m512i bits =
+        _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), noise16(keys, base + c)), kept);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+  return c;
+}
+// Bags [begin, end) summed into out (bags x cols), every id's row widened in registers; rows
+// prefetched (for reading) 16 ids ahead, as FBGEMM's lookup does. One call per chunk of bags:
+// per row, a call into a kernel of its own cost about as much as the row's arithmetic.
+template <typename weight_t>
+MANUALPAR_AVX512 void pool_bags_avx512(const weight_t* w, int64_t cols, const int64_t* id,
+                                       const int64_t* start, int64_t n, const float* per_id,
+                                       float* out, int64_t begin, int64_t end) {
+  const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(weight_t));
+  for (int64_t b = begin; b < end; ++b) {
+    float* acc = out + b * cols;
+    for (int64_t k = start[b]; k < start[b + 1]; ++k) {
+      if (k + kPrefetchFar < n) {
+        const char* ahead = reinterpret_cast<const char*>(w + id[k + kPrefetchFar] * cols);
+        for (int64_t offset = 0; offset < row_bytes; offset += kCacheLine) {
+          _mm_prefetch(ahead + offset, _MM_HINT_T0);
+        }
+      }
+      const weight_t* row = w + id[k] * cols;
+      const bool scaled = per_id != nullptr;
+      const float scale = scaled ? per_id[k] : 1.0f;
+      const __m512 s = _mm512_set1_ps(scale);
+      int64_t c = 0;
+      for (; c + 16 <= cols; c += 16) {
+        __m512 x = widen16(row + c);
+        if (scaled) x = _mm512_mul_ps(s, x);
+        _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), x));
+      }
+      for (; c < cols; ++c) {
+        const float x = static_cast<float>(row[c]);
+        acc[c] += scaled ? scale * x : x;
+      }
+    }
+  }
+}
+#undef MANUALPAR_AVX512
+#endif
+
+// A half row widened to float32.
+template <typename weight_t>
+inline void load_row(const weight_t* __restrict__ src, float* __restrict__ dst, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<weight_t, at::Half>) {
+    if (has_f16c()) return half_to_float_f16c(src, dst, n);
+  }
+#endif
+  for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<float>(src[c]);
+}
+
+// float32 results rounded into a half row (`row`: the local row, for the stochastic bits).
+template <typename weight_t>
+inline void store_row(const float* __restrict__ src, weight_t* __restrict__ dst, int64_t n,
+                      const Rounding& r, int64_t row) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<weight_t, at::Half>) {
+    if (has_f16c()) return float_to_half_f16c(src, dst, n);
+  }
+#endif
+  for (int64_t c = 0; c < n; ++c) dst[c] = round_value<weight_t>(src[c], r, row, c);
+}
+
+// A float32 scratch row per thread (the kernels' rows are at most a few thousand wide).
+inline float* scratch_row(int64_t cols) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < cols) buffer.resize(cols);
+  return buffer.data();
+}
+
+// acc += row (times scale if `scaled`), in float32.
+template <typename weight_t>
+inline void accumulate_row(const weight_t* __restrict__ row, float* __restrict__ acc, int64_t n,
+                           float scale, bool scaled) {
+  int64_t c = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx512_bf16_rounding()) c = accumulate_avx512(row, acc, n, scale, scaled);
+#endif
+  if (c == n) return;
+  float* __restrict__ widened = scratch_row(n);
+  load_row(row + c, widened, n - c);
+  if (scaled) {
+    for (int64_t k = 0; k < n - c; ++k) acc[c + k] += scale * widened[k];
+  } else {
+    for (int64_t k = 0; k < n - c; ++k) acc[c + k] += widened[k];
+  }
+}
+
+// w = round(w + a * src) on one half row (local `row`, for the stochastic bits).
+template <typename weight_t>
+inline void axpy_round_row(weight_t* __restrict__ w, const float* __restrict__ src, float a,
+                           int64_t n, const Rounding& r, int64_t row) {
+  int64_t c = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool draws = std::is_same_v<weight_t, at::BFloat16> && r.stochastic;
+  if (has_avx512_bf16_rounding() && (draws || std::is_same_v<weight_t, at::Half>)) {
+    const uint64_t base = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start);
+    c = axpy_round_avx512(w, src, a, n, r.key, base);
+  }
+#endif
+  if (c == n) return;
+  float* __restrict__ values = scratch_row(n);
+  load_row(w + c, values, n - c);
+  for (int64_t k = 0; k < n - c; ++k) values[k] = values[k] + a * src[c + k];
+  // store_row counts columns from its first element: shift the block's start by c
+  Rounding shifted = r;
+  shifted.col_start += c;
+  store_row(values, w + c, n - c, shifted, row);
+}
+
+// out[b] = sum over bag b's ids of weight[id] (times its per-id weight), in float32, in id order.
+template <typename weight_t>
+torch::Tensor pooled_sum_half_impl(const torch::Tensor& weight, const torch::Tensor& ids,
+                                   const torch::Tensor& lengths,
+                                   const c10::optional<torch::Tensor>& weights) {
+  const int64_t bags = lengths.numel(), cols = weight.size(1), num_rows = weight.size(0);
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  std::vector<int64_t> start(bags + 1, 0);
+  for (int64_t b = 0; b < bags; ++b) {
+    TORCH_CHECK(len[b] >= 0, "negative bag length");
+    start[b + 1] = start[b] + len[b];
+  }
+  TORCH_CHECK(start[bags] == n, "lengths sum to ", start[bags], " but there are ", n, " ids");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
+  }
+  auto out = torch::zeros({bags, cols}, weight.options().dtype(torch::kFloat));
+  const weight_t* w = weight.data_ptr<weight_t>();
+  const float* per_id = weights ? weights->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, bags, 64, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512_bf16_rounding()) {
+      return pool_bags_avx512(w, cols, id, start.data(), n, per_id, o, begin, end);
+    }
+#endif
+    for (int64_t b = begin; b < end; ++b) {
+      float* __restrict__ acc = o + b * cols;
+      for (int64_t k = start[b]; k < start[b + 1]; ++k) {
+        if (k + kPrefetchFar < n) prefetch_row<3>(w + id[k + kPrefetchFar] * cols, cols);
+        accumulate_row(w + id[k] * cols, acc, cols, per_id ? per_id[k] : 1.0f, per_id != nullptr);
+      }
+    }
+  });
+  return out;
+}
+
+template <typename weight_t>
+void add_to_rows_rounded_impl(torch::Tensor& tensor, const torch::Tensor& rows,
+                              const torch::Tensor& delta, double alpha, const Rounding& r) {
+  const int64_t unique = rows.numel();
+  const int64_t cols = tensor.numel() / std::max<int64_t>(tensor.size(0), 1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const float* src = delta.data_ptr<float>();
+  weight_t* dst = tensor.data_ptr<weight_t>();
+  const float a = static_cast<float>(alpha);
+  at::parallel_for(0, unique, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetchFar < end) prefetch_row<1>(dst + row[u + kPrefetchFar] * cols, cols);
+      if (u + kPrefetchNear < end) prefetch_row<3>(dst + row[u + kPrefetchNear] * cols, cols);
+      axpy_round_row(dst + row[u] * cols, src + u * cols, a, cols, r, row[u]);
+    }
+  });
+}
+
+// rowwise_adagrad_row on half rows: the same float32 arithmetic, each result rounded back.
+template <typename weight_t>
+inline void rowwise_adagrad_row_rounded(weight_t* __restrict__ w, float* sum, const float* g,
+                                        float g_scale, int64_t full, int64_t col_start,
+                                        int64_t cols, float lr, float eps, const Rounding& r,
+                                        int64_t row) {
+  const double squares = sum_squares(g, full);
+  const double scaled = static_cast<double>(g_scale);
+  const float total =
+      *sum + static_cast<float>(squares * scaled * scaled / static_cast<double>(full));
+  *sum = total;
+  const float step = lr * g_scale / (std::sqrt(total) + eps);
+  // w - step * g, as w + (-step) * g: the same bits (negation is exact)
+  axpy_round_row(w, g + col_start, -step, cols, r, row);
+}
+
+template <typename weight_t>
+void rowwise_adagrad_rounded_impl(torch::Tensor& weight, torch::Tensor& state,
+                                  const c10::optional<torch::Tensor>& weights,
+                                  const Groups& grouped, const std::vector<torch::Tensor>& blocks,
+                                  const std::vector<double>& scales, int64_t run_begin,
+                                  int64_t run_end, int64_t first_bag, int64_t end_bag,
+                                  int64_t col_start, double lr, double eps, const Rounding& r) {
+  const GroupsView groups(grouped);
+  const auto bags = bag_rows<float>(blocks, scales, first_bag);
+  TORCH_CHECK(static_cast<int64_t>(bags.row.size()) == end_bag - first_bag, "gradients given for ",
+              bags.row.size(), " bags, but these rows occur in bags ", first_bag, "..",
+              end_bag - 1);
+  const int64_t full = bags.cols, cols = weight.size(1), stride = weight.stride(0);
+  TORCH_CHECK(run_begin == run_end || col_start + cols <= full, "column block outside gradient");
+  weight_t* w = weight.data_ptr<weight_t>();
+  float* sum = state.data_ptr<float>();
+  const float lr_ = static_cast<float>(lr), eps_ = static_cast<float>(eps);
+  for_each_row_gradient<float>(
+      groups, run_begin, run_end, weights, bags,
+      [&](int64_t, int64_t row, const float* g, float g_scale) {
+        rowwise_adagrad_row_rounded<weight_t>(w + row * stride, sum + row, g, g_scale, full,
+                                              col_start, cols, lr_, eps_, r, row);
+      },
+      Written<float, weight_t>{w, stride, cols, sum});
+}
+
+void check_half_rows(const torch::Tensor& weight) {
+  check_cpu_contiguous(weight, "rows");
+  TORCH_CHECK(weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16,
+              "rows must be float16 or bfloat16");
+}
+
+void check_float(const torch::Tensor& t, const char* what) {
+  check_cpu_contiguous(t, what);
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, what, " must be float32");
+}
+
+}  // namespace
+
+// (bags, cols) float32 sums of half rows: see pooled_sum_half_impl.
+torch::Tensor pooled_sum_half(torch::Tensor weight, torch::Tensor ids, torch::Tensor lengths,
+                              c10::optional<torch::Tensor> weights) {
+  check_half_rows(weight);
+  check_cpu_contiguous(ids, "ids");
+  check_cpu_contiguous(lengths, "lengths");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "ids and lengths must be int64");
+  if (weights) {
+    check_float(*weights, "weights");
+    TORCH_CHECK(weights->numel() == ids.numel(), "one weight per id");
+  }
+  torch::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "pooled_sum_half", [&] {
+    out = pooled_sum_half_impl<scalar_t>(weight, ids, lengths, weights);
+  });
+  return out;
+}
+
+// tensor[rows] = round(tensor[rows] + alpha * delta) for distinct rows of half `tensor`, float32
+// `delta`; `row_start`, `col_start` place the block in its table of width `dim`.
+void add_to_rows_rounded(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta,
+                         double alpha, bool stochastic, int64_t key, int64_t row_start,
+                         int64_t col_start, int64_t dim) {
+  check_half_rows(tensor);
+  check_cpu_contiguous(rows, "rows");
+  check_float(delta, "delta");
+  TORCH_CHECK(delta.numel() == rows.numel() * tensor.size(1), "one delta row per row");
+  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(tensor.scalar_type(), "add_to_rows_rounded", [&] {
+    add_to_rows_rounded_impl<scalar_t>(tensor, rows, delta, alpha, r);
+  });
+}
+
+// rowwise_adagrad_update on half rows (float32 state and gradients), rounded as above.
+void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
+                                    c10::optional<torch::Tensor> weights, torch::Tensor order,
+                                    torch::Tensor starts, torch::Tensor bags, torch::Tensor rows,
+                                    torch::Tensor runs, int64_t run_begin, int64_t run_end,
+                                    std::vector<torch::Tensor> blocks, std::vector<double> scales,
+                                    int64_t first_bag, int64_t end_bag, int64_t col_start,
+                                    double lr, double eps, bool stochastic, int64_t key,
+                                    int64_t row_start, int64_t dim) {
+  check_half_rows(weight);
+  check_float(state, "state");
+  for (const auto* t : {&order, &starts, &bags, &rows, &runs}) {
+    check_cpu_contiguous(*t, "groups");
+  }
+  TORCH_CHECK(order.numel() == bags.numel() && starts.numel() == rows.numel() + 1 &&
+                  runs.numel() == rows.numel(), "inconsistent groups");
+  TORCH_CHECK(0 <= run_begin && run_begin <= run_end && run_end <= runs.numel(),
+              "runs outside the groups");
+  if (weights) {
+    check_float(*weights, "weights");
+    TORCH_CHECK(weights->numel() == order.numel(), "one weight per id");
+  }
+  for (const auto& block : blocks) {
+    TORCH_CHECK(block.scalar_type() == torch::kFloat, "gradients must be float32");
+  }
+  Groups groups{order, starts, bags, rows, runs};
+  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update_rounded", [&] {
+    rowwise_adagrad_rounded_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
+                                           run_begin, run_end, first_bag, end_bag, col_start, lr,
+                                           eps, r);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segment_sum", &segment_sum);
   m.def("group_rows", &group_rows);
@@ -603,4 +1038,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_rows", &uniform_rows);
   m.def("split_by_rows", &split_by_rows);
   m.def("sum_squares_versions", &sum_squares_versions);
+  m.def("pooled_sum_half", &pooled_sum_half);
+  m.def("add_to_rows_rounded", &add_to_rows_rounded);
+  m.def("rowwise_adagrad_update_rounded", &rowwise_adagrad_update_rounded);
 }
