@@ -139,8 +139,7 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
             if isinstance(entry.get("dtype"), str):  # "bf16", "bfloat16"
                 entry = {**entry, "dtype": table_dtype(entry["dtype"])}
             if "raw_ids" in entry:  # {"kind": "hash", "salt": 0}
-                where = f"--tables {path}: entry {index}"
-                entry = {**entry, "raw_ids": raw_ids_from_json(entry["raw_ids"], where)}
+                entry = {**entry, "raw_ids": raw_ids_from_json(entry["raw_ids"])}
             tables.append(EmbeddingBagConfig(**entry))
         except EmbeddingInputError as error:
             raise UsageError(f"--tables {path}: entry {index}: {error}") from None

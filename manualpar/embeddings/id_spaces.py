@@ -82,17 +82,17 @@ def raw_ids_to_json(raw_ids: RawIds | None) -> dict[str, object] | None:
     return {"kind": kind, **vars(raw_ids)}
 
 
-def raw_ids_from_json(entry: object, where: str) -> RawIds | None:
-    """`raw_ids_to_json`'s inverse; errors name `where` (a file and entry)."""
+def raw_ids_from_json(entry: object) -> RawIds | None:
+    """`raw_ids_to_json`'s inverse (callers name the file and entry around its errors)."""
     if entry is None:
         return None
     if not isinstance(entry, dict) or entry.get("kind") not in _KINDS:
         raise EmbeddingInputError(
-            f"{where}: raw_ids must be null or an object with kind 'hash' or 'managed' and "
+            "raw_ids must be null or an object with kind 'hash' or 'managed' and "
             f'its settings, e.g. {{"kind": "hash", "salt": 0}}; got {entry!r}'
         )
     settings = {key: value for key, value in entry.items() if key != "kind"}
     try:
         return _KINDS[entry["kind"]](**settings)
     except TypeError as error:
-        raise EmbeddingInputError(f"{where}: raw_ids {entry!r}: {error}") from None
+        raise EmbeddingInputError(f"raw_ids {entry!r}: {error}") from None

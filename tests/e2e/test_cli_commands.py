@@ -37,7 +37,7 @@ def test_plan_error_exits_2_without_a_traceback(tmp_path: Path) -> None:
     assert result.stderr == (
         f"error: --tables {tables}: entry 0 has unknown fields ['dim'] or "
         "lacks ['embedding_dim']; the fields are ['name', 'num_embeddings', "
-        "'embedding_dim', 'feature_names', 'pooling', 'init_bound']\n"
+        "'embedding_dim', 'feature_names', 'pooling', 'init_bound', 'dtype', 'raw_ids']\n"
     )
 
 
@@ -72,3 +72,23 @@ def test_plan_json_round_trips_through_the_recsys_example(
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     _recsys_plan_only(tmp_path / "reloaded", "--plan", str(row_wise))  # train.py --plan FILE
     assert EmbeddingPlan.from_json((tmp_path / "reloaded" / "plan.json").read_text()) == plan
+
+
+def test_plan_reads_raw_ids_and_dtype_from_tables_json(tmp_path: Path) -> None:
+    """tables.json as the recommender example writes it: dtype by name, raw_ids with its kind."""
+    tables = tmp_path / "tables.json"
+    entry = {"name": "user", "num_embeddings": 1000, "embedding_dim": 8, "dtype": "bf16"}
+    hashed = {**entry, "raw_ids": {"kind": "hash", "salt": 3}}
+    managed = {**entry, "name": "item", "raw_ids": {"kind": "managed", "policy": "lfu"}}
+    tables.write_text(json.dumps([hashed, managed]))
+    args = ("-m", "manualpar", "plan", "--world-size", "2", "--tables", str(tables))
+    result = run_python(*args, timeout=60)
+    assert result.returncode == 0, output_tail(result)
+    tables.write_text(json.dumps([{**entry, "raw_ids": {"kind": "modulo"}}]))
+    result = run_python(*args, timeout=60)
+    assert result.returncode == 2, output_tail(result)
+    assert result.stderr == (
+        f"error: --tables {tables}: entry 0: raw_ids must be null or an object with kind "
+        "'hash' or 'managed' and its settings, e.g. {\"kind\": \"hash\", \"salt\": 0}; got "
+        "{'kind': 'modulo'}\n"
+    )
