@@ -97,7 +97,7 @@ def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path) -> None:
     )
     assert "embedding plan for 2 ranks" in out
     tables = json.loads((tmp_path / "run/tables.json").read_text())
-    assert [t["raw_ids"] for t in tables] == [{"salt": i} for i in range(26)]
+    assert [t["raw_ids"] for t in tables] == [{"kind": "hash", "salt": i} for i in range(26)]
     assert {t["num_embeddings"] for t in tables} == {4096}
     assert "trained steps 0-40" in out  # 5120 lines per rank, 128 per rank and step
     assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.65
