@@ -254,7 +254,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._refuse_step()
             raise
         features = features.to(self.strategy.device)
-        values = _EmbeddingLookup.apply(self._anchor, self, features)
+        values = _EmbeddingLookup.apply(self._anchor, self, features, torch.is_grad_enabled())
         return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
 
     def _refuse_step(self) -> None:
@@ -332,20 +332,21 @@ class _EmbeddingLookup(torch.autograd.Function):
         anchor: torch.Tensor,
         module: ShardedEmbeddingBagCollection,
         features: SparseFeatures,
+        grad_enabled: bool,
     ) -> torch.Tensor:
         out, saved = lookup(module.lookup_context, features)
         ctx.lookup, ctx.saved = module.lookup_context, saved
-        if not (saved["trains"] and ctx.needs_input_grad[0]):  # no backward to unpin its rows
+        if not (saved["trains"] and grad_enabled):  # no backward will unpin its rows
             module.disk_tables.release(saved["pins"], updated=False)
         if not saved["trains"]:  # every table frozen: no backward, on every rank
             ctx.mark_non_differentiable(out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         apply_gradient(ctx.lookup, grad.contiguous(), ctx.saved)
         ctx.saved = None
-        return None, None, None
+        return None, None, None, None
 
 
 def _fill_block(
