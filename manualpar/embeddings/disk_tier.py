@@ -3,27 +3,23 @@
     emb = shard_embeddings(ebc, strategy, plan=plan, optimizer=Adam(lr=1e-3),
                            disk_tier=DiskTier("runs/tables", cache_bytes=2 * 2**30))
 
-A table placed `on_disk` (plan.py) keeps, on each rank, one file per tensor of its block (the
-weights in the table's dtype, each optimizer state in float32) under `directory`, and in memory
-a cache of slots: the module's weight and the fused optimizer's state *are* the cache tensors.
-Each step, once the ids reach their owner, the shard's local rows are mapped to slots (fetching
-missing rows, evicting unpinned ones, writing dirty victims back), so the lookup, the row
-grouping and the fused update run unchanged on the cache; the step's slots stay pinned from
-forward to backward, and the update writes through the cache (its rows are marked dirty).
+A table placed `on_disk` (plan.py) keeps, on each rank, one file of its block under `directory`
+(row_file.py: a record per row, the weights in the table's dtype and the optimizer state in
+float32), and in memory a cache of slots: the module's weight and the fused optimizer's state
+*are* the cache tensors. Each step, once the ids reach their owner, the shard's local rows are
+mapped to slots (fetching missing rows, evicting unpinned ones, writing dirty victims back), so
+the lookup, the row grouping and the fused update run unchanged on the cache; the step's slots
+stay pinned from forward to backward, and the update writes through the cache (its rows are
+marked dirty, written back when evicted and before a checkpoint).
 
-Files are reserved with fallocate (no bytes written: a 36 GB table costs no 36 GB of writes at
-start, and a full disk is reported before training instead of a SIGBUS later); rows never
-written are generated on first use by table_init with the optimizer's initial state. The files
-are memory-mapped and the mapped pages are released (madvise DONTNEED) after each step's IO, so
-resident memory stays about the cache: file pages mapped into a process count as its RSS.
+Rows never written are generated on first use by table_init with the optimizer's initial state,
+so the file starts reserved but unwritten. Rows move with pread/pwrite, so resident memory
+stays about the cache (no file pages are mapped during training).
 """
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +28,16 @@ from typing import Any
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.plan import Shard, format_bytes
+from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.row_cache import POLICIES, CacheFull, RowCache
+from manualpar.embeddings.row_file import RowFile
 from manualpar.embeddings.table_init import init_rows, init_rows_at
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import BuilderError, EmbeddingInputError
 
 __all__ = ["DiskTable", "DiskTables", "DiskTier"]
 
-CHUNK_ROWS = 1 << 16  # rows per pass when a whole file is written (bounded temporaries)
+CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file, and per checkpoint chunk
 
 
 @dataclass(frozen=True)
@@ -85,36 +82,8 @@ class DiskTier:
         }
 
 
-def _mapped(path: Path, nbytes: int, what: str) -> mmap.mmap:
-    """A new file of `nbytes` reserved on disk (fallocate: unwritten blocks read as zeros),
-    mapped shared. A directory that cannot be written or a full disk raise BuilderError."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    except OSError as error:
-        raise BuilderError(
-            f"disk tier: cannot write {what} file {str(path)!r}: {error.strerror}; give "
-            "DiskTier(directory=...) a directory this process can write"
-        ) from None
-    try:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as error:
-            free = shutil.disk_usage(path.parent).free
-            path.unlink(missing_ok=True)
-            reason = "the disk is full" if error.errno == errno.ENOSPC else error.strerror
-            raise BuilderError(
-                f"disk tier: cannot reserve {format_bytes(nbytes)} for {what} file "
-                f"{str(path)!r} ({reason}; {format_bytes(free)} free there); free disk space, "
-                "choose another DiskTier(directory=...), or keep fewer tables on disk"
-            ) from None
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)  # the mapping keeps the file open
-
-
 class DiskTable:
-    """One table's block on this rank: its files and the RowCache of its cache tensors."""
+    """One table's block on this rank: its RowFile and the RowCache of its cache tensors."""
 
     def __init__(
         self,
@@ -133,35 +102,20 @@ class DiskTable:
         self.cache = RowCache(shard.rows, weight.shape[0], policy)
         self.initial = {k: v[:1].clone() for k, v in rule.init_state(1, shard.cols).items()}
         stem = f"{config.name}.rows{shard.row_start}.cols{shard.col_start}.rank{rank}"
-        self._maps: list[mmap.mmap] = []
-        self.file_weight = self._file(directory / f"{stem}.weight", weight.dtype, shard.cols)
-        self.file_state = {
-            key: self._file(
-                directory / f"{stem}.{key}",
-                torch.float32,
-                shard.cols if tensor.dim() == 2 else 0,
-            )
-            for key, tensor in state.items()
-        }
-        self.paths = [directory / f"{stem}.{k}" for k in ("weight", *state)]
-
-    def _file(self, path: Path, dtype: torch.dtype, cols: int) -> torch.Tensor:
-        rows = self.shard.rows
-        nbytes = rows * max(cols, 1) * dtype.itemsize
-        mapped = _mapped(path, nbytes, f"table {self.config.name!r} (rank {self.rank})")
-        self._maps.append(mapped)
-        flat = torch.frombuffer(mapped, dtype=dtype)
-        return flat.view(rows, cols) if cols else flat
-
-    def release_pages(self) -> None:
-        """Unmap the file pages this process touched (their data stays in the page cache and
-        the file): mapped pages count as resident memory."""
-        for mapped in self._maps:
-            mapped.madvise(mmap.MADV_DONTNEED)
+        self.file = RowFile(
+            Path(directory) / f"{stem}.rows",
+            shard.rows,
+            shard.cols,
+            weight.dtype,
+            {key: tensor.dim() == 1 for key, tensor in state.items()},
+            f"table {config.name!r} (rank {rank})",
+        )
+        self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
 
     # a step -------------------------------------------------------------------------------------
     def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache slot of each local row id (same shape), and the distinct slots pinned."""
+        self.file.release_pages()  # a checkpoint's, if any
         rows, inverse = torch.unique(ids, return_inverse=True)
         try:
             assignment = self.cache.assign(rows.cpu())
@@ -172,29 +126,32 @@ class DiskTable:
                 f"cache holds {full.capacity} rows; raise DiskTier(cache_rows=...) to at least "
                 f"{full.needed} (or cache_bytes=...), or use smaller batches"
             ) from None
-        io = assignment.evict_rows.numel() + assignment.fetch_rows.numel()
         if assignment.evict_rows.numel():
             self._write_back(assignment.evict_rows, assignment.evict_slots)
         if assignment.fetch_rows.numel():
             self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.stored)
-        if io:
-            self.release_pages()
         slots = assignment.slots.to(ids.device)
         return slots[inverse], slots
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        device_slots = slots.to(self.weight.device)
-        self.file_weight.index_copy_(0, rows, self.weight.index_select(0, device_slots).cpu())
+        rows, order = torch.sort(rows)  # ascending offsets
+        device_slots = slots[order].to(self.weight.device)
+        records = self.file.empty(rows.numel())
+        self.file.weight_of(records).copy_(self.weight.index_select(0, device_slots))
         for key, tensor in self.state.items():
-            self.file_state[key].index_copy_(0, rows, tensor.index_select(0, device_slots).cpu())
+            self.file.state_of(records, key).copy_(tensor.index_select(0, device_slots))
+        self.file.write(rows, records)
 
     def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
         device = self.weight.device
         if bool(stored.any()):
             old, into = rows[stored], slots[stored].to(device)
-            self.weight.index_copy_(0, into, self.file_weight.index_select(0, old).to(device))
+            records = self.file.empty(old.numel())
+            self.file.read(old, records)
+            self.weight.index_copy_(0, into, self.file.weight_of(records).to(device))
             for key, tensor in self.state.items():
-                tensor.index_copy_(0, into, self.file_state[key].index_select(0, old).to(device))
+                values = self.file.state_of(records, key).to(device)
+                tensor.index_copy_(0, into, values)
         fresh = ~stored
         if bool(fresh.any()):
             new, into = rows[fresh], slots[fresh].to(device)
@@ -210,58 +167,67 @@ class DiskTable:
     # checkpoints --------------------------------------------------------------------------------
     @torch.no_grad()
     def flush(self) -> None:
-        """Make the files hold the whole block: dirty cached rows written back, rows never
-        written generated (before a checkpoint reads the files)."""
+        """Make the file hold the whole block: dirty cached rows written back, rows never
+        written generated (before a checkpoint reads the file)."""
         rows, slots = self.cache.dirty_entries()
         if rows.numel():
             self._write_back(rows, slots)
         shard = self.shard
-        for start in range(0, shard.rows, CHUNK_ROWS):
-            end = min(start + CHUNK_ROWS, shard.rows)
+        for start in range(0, shard.rows, self.chunk_rows):
+            end = min(start + self.chunk_rows, shard.rows)
             never = self.cache.never_written(start, end)
             if not never.numel():
                 continue
+            records = self.file.read_range(start, end)
             values = init_rows(
                 self.config,
                 self.seed,
                 (shard.row_start + start, shard.row_start + end),
                 (shard.col_start, shard.col_end),
             )
-            target = never + start
-            self.file_weight.index_copy_(0, target, values[never].to(self.weight.dtype))
-            for key, tensor in self.file_state.items():
-                initial = self.initial[key].cpu().expand(never.numel(), *tensor.shape[1:])
-                tensor.index_copy_(0, target, initial)
+            weights = self.file.weight_of(records)
+            weights[never] = values[never].to(weights.dtype)
+            for key in self.state:
+                state = self.file.state_of(records, key)
+                state[never] = self.initial[key].expand(never.numel(), *state.shape[1:])
+            self.file.write_range(start, records)
             self.cache.mark_stored(start, end)
-            self.release_pages()
 
-    def file_tensor(self, key: str | None) -> torch.Tensor:
-        """The file-backed block of the weight (None) or a state tensor, after `flush`."""
+    def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
+        """(first row, view) chunks of the weights (None) or a state tensor, views of the
+        file's map after `flush`: a checkpoint copies one chunk at a time (a view of a larger
+        storage is cloned before it is written), so memory stays about one chunk."""
         self.flush()
-        return self.file_weight if key is None else self.file_state[key]
+        records = self.file.mapped()
+        tensor = self.file.weight_of(records) if key is None else self.file.state_of(records, key)
+        return [
+            (start, tensor[start : start + self.chunk_rows])
+            for start in range(0, self.shard.rows, self.chunk_rows)
+        ]
 
     def loaded(self) -> None:
-        """The files were just written by a checkpoint load: drop the cache (a state_dict()
+        """The file was just written by a checkpoint load: drop the cache (a state_dict()
         before the load flushed it, so nothing is lost)."""
         self.cache.drop_all()
-        self.release_pages()
+        self.file.release_pages()
 
     @torch.no_grad()
     def fill_from(self, source: torch.Tensor) -> None:
-        """Start from a real (materialized) table's block, copied in chunks."""
+        """Start from a real (materialized) table's block, written in chunks."""
         shard = self.shard
-        for start in range(0, shard.rows, CHUNK_ROWS):
-            end = min(start + CHUNK_ROWS, shard.rows)
-            self.file_weight[start:end] = source[
-                shard.row_start + start : shard.row_start + end, shard.col_start : shard.col_end
-            ]
-            for key, tensor in self.file_state.items():
-                tensor[start:end] = self.initial[key].cpu().expand(end - start, *tensor.shape[1:])
-            self.release_pages()
+        for start in range(0, shard.rows, self.chunk_rows):
+            end = min(start + self.chunk_rows, shard.rows)
+            records = self.file.empty(end - start)
+            self.file.weight_of(records).copy_(
+                source[
+                    shard.row_start + start : shard.row_start + end, shard.col_start : shard.col_end
+                ]
+            )
+            for key in self.state:
+                state = self.file.state_of(records, key)
+                state.copy_(self.initial[key].expand(end - start, *state.shape[1:]))
+            self.file.write_range(start, records)
         self.cache.mark_stored()
-
-    def close(self) -> None:
-        self.release_pages()
 
 
 class DiskTables:

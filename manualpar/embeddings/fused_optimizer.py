@@ -229,15 +229,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         shard = self._shards.get(table)
         if shard is None:  # no block of this table here: an entry without blocks
             return LocalShards(shape, [], torch.float32)
-        disk = self.on_disk.get(table)
-        tensor = self.table_state[table][key] if disk is None else disk.file_tensor(key)
+        disk = self.on_disk.get(table)  # disk tables: chunks of the file, not the cache
+        chunks = [(0, self.table_state[table][key])]
+        if disk is not None:
+            chunks = disk.checkpoint_chunks(key)
         primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
         if per_row:  # column blocks all hold the same row statistics: one of them saves them
             primary = primary and shard.col_start == 0
-            offsets: tuple[int, ...] = (shard.row_start,)
-        else:
-            offsets = (shard.row_start, shard.col_start)
-        return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
+        blocks = [
+            Block((shard.row_start + r, shard.col_start)[: 1 if per_row else 2], t, primary)
+            for r, t in chunks
+        ]
+        return LocalShards(shape, blocks, torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
         shards = {

@@ -331,6 +331,13 @@ class EmbeddingPlan:
             "  bytes per rank (weights + row-wise state): "
             + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
         )
+        disk = [c for c in configs if c.name in self.tables and self.tables[c.name].on_disk]
+        if disk:  # those blocks are files; memory holds their caches (disk_tier.py)
+            on_disk = EmbeddingPlan(self.world_size, self.tables).bytes_per_rank(disk)
+            lines.append(
+                "  of which on disk: "
+                + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(on_disk))
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -287,9 +287,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return LocalShards(shape, [], table.weight.dtype)
         primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
         disk = self.disk_tables.by_name.get(config.name)
-        block = table.weight.data if disk is None else disk.file_tensor(None)
+        chunks = [(0, table.weight.data)] if disk is None else disk.checkpoint_chunks(None)
         return LocalShards(
-            shape, [Block((shard.row_start, shard.col_start), block, primary)], table.weight.dtype
+            shape,
+            [Block((shard.row_start + r, shard.col_start), t, primary) for r, t in chunks],
+            table.weight.dtype,
         )
 
     def _full_tensor(self, shards: LocalShards) -> torch.Tensor:
@@ -314,9 +316,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         table = table_of(self.tables, name)
         value, mine = state_dict[key], self._table_block(table)
         if isinstance(value, LocalShards):
-            held = mine.blocks[0].tensor.data_ptr() if mine.blocks else table.weight.data_ptr()
-            if value.blocks and value.blocks[0].tensor.data_ptr() != held:
-                mine.blocks[0].tensor.copy_(value.blocks[0].tensor)
+            for block, theirs in zip(mine.blocks, value.blocks, strict=False):
+                if theirs.tensor.data_ptr() != block.tensor.data_ptr():
+                    block.tensor.copy_(theirs.tensor)
         else:
             mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
         disk = self.disk_tables.by_name.get(name)

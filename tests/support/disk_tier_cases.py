@@ -27,6 +27,7 @@ from manualpar.embeddings import (
     table_wise,
 )
 from manualpar.embeddings import shard_embeddings as shard
+from manualpar.embeddings import disk_tier
 from manualpar.embeddings.disk_tier import DiskTable
 
 ROWS = 960
@@ -120,6 +121,7 @@ def resharded_phase(
     """One phase of a 2 -> 1 -> 3 chain: an in-memory and a disk collection, each loading the
     *other* tier's checkpoint of the previous phase (`load`: memory's, disk's), training
     `steps`, saving (`save`)."""
+    disk_tier.CHUNK_BYTES = 4096  # checkpoints of a disk table in many chunks (of 42 rows)
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
     memory = build(strategy, opt, None)

@@ -64,7 +64,7 @@ def test_a_directory_that_cannot_be_written(tmp_path: Path) -> None:
     (tmp_path / "blocker").write_text("a file, not a directory")
     with pytest.raises(BuilderError) as error:
         _shard(_meta(), DiskTier(tmp_path / "blocker" / "tables", cache_rows=8))
-    path = tmp_path / "blocker" / "tables" / "big.rows0.cols0.rank0.weight"
+    path = tmp_path / "blocker" / "tables" / "big.rows0.cols0.rank0.rows"
     assert str(error.value) == (
         f"disk tier: cannot write table 'big' (rank 0) file {str(path)!r}: Not a directory; "
         "give DiskTier(directory=...) a directory this process can write"
@@ -90,13 +90,13 @@ except Exception as error:
 
 def test_a_full_disk_is_reported_at_build_time(tmp_path: Path) -> None:
     """Simulated with RLIMIT_FSIZE (the file may not grow past 4 KiB): reserving the 64 KiB
-    weight file fails as on a full disk, before any training."""
+    file fails as on a full disk, before any training."""
     script = textwrap.dedent(FULL_DISK).replace("DIRECTORY", repr(str(tmp_path)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
     )
-    path = tmp_path / "big.rows0.cols0.rank0.weight"
+    path = tmp_path / "big.rows0.cols0.rank0.rows"
     message = run.stdout.strip()
     assert message.startswith(
         f"BuilderError: disk tier: cannot reserve 64.0 KiB for table 'big' (rank 0) file "
