@@ -22,12 +22,12 @@ from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseFeatures,
     SparseOptimizer,
+    disk_tier,
     on_disk,
     row_wise,
     table_wise,
 )
 from manualpar.embeddings import shard_embeddings as shard
-from manualpar.embeddings import disk_tier
 from manualpar.embeddings.disk_tier import DiskTable
 
 ROWS = 960
