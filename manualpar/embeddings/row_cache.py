@@ -61,7 +61,7 @@ class RowCache:
         self.uses = torch.zeros(capacity, dtype=torch.int64)
         self.free = torch.arange(capacity - 1, -1, -1)  # popped from the end: slot 0 first
         self.step = 0
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.evictions = 0
 
     def new_step(self) -> None:
         self.step += 1
@@ -109,6 +109,7 @@ class RowCache:
             raise CacheFull(pinned + missing, self.capacity)
         count = min(available, max(short, self.capacity // EVICT_FRACTION))
         victims = torch.topk(key, count, largest=False, sorted=False).indices
+        self.evictions += count
         rows = self.row_of[victims]
         self.slot_of[rows] = STORED  # generated rows are dirty, so written back below
         self.row_of[victims] = -1
