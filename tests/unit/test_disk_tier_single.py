@@ -157,3 +157,22 @@ def test_the_planner_puts_the_largest_tables_on_disk_and_says_so() -> None:
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     roomy = plan_tables(tables, 2, memory_budget_bytes=2**30, disk_tier=tier)
     assert not any(p.on_disk for p in roomy.tables.values())
+
+
+def test_plan_auto_with_a_budget_puts_the_table_on_disk_and_trains(tmp_path: Path) -> None:
+    """shard_embeddings(plan="auto") hands the disk tier to the planner; the cache_bytes split
+    gives the one disk table the slots that fit."""
+    tier = DiskTier(tmp_path, cache_bytes=24 * (4 * 4 + 4))  # 24 rows of 4 floats + 1 state
+    emb = shard_embeddings(
+        _meta(),
+        mp.ManualParallelStrategy(),
+        "auto",
+        RowWiseAdagrad(lr=0.1),
+        memory_budget_bytes=1024,
+        disk_tier=tier,
+    )
+    assert emb.plan.tables["big"] == on_disk(row_wise())
+    assert emb.tables["big"].weight.shape == (24, 4)
+    for step in range(4):
+        emb(_batch(step)).values.sum().backward()
+    assert emb.disk_tables.by_name["big"].cache.misses > 24
