@@ -1,5 +1,5 @@
 """The disk tier in one process: bad settings and paths, a materialized source, forward without
-backward, and the planner putting tables on disk (a tests/e2e/test_disk_tier_full.py: a full disk)."""
+backward, and the planner putting tables on disk (a full disk: tests/e2e/test_disk_tier_full.py)."""
 
 from __future__ import annotations
 
