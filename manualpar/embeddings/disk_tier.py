@@ -46,7 +46,8 @@ class DiskTier:
 
     `cache_rows`: slots per table block on each rank; or `cache_bytes`: the rank's cache for all
     its disk tables together (weights + optimizer state), split in proportion to their blocks.
-    `policy`: "lru" (default; measured ahead of LFU on Zipf ids, docs/embeddings.md) or "lfu".
+    `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
+    docs/embeddings.md) or "lfu".
     """
 
     directory: str | os.PathLike[str]
