@@ -255,7 +255,11 @@ class DiskTables:
         for shard, (ids, lengths, weights) in zip(local, bags, strict=True):
             table = self.tables.get(shard.table)
             if table is not None:
-                ids, pinned = table.to_slots(ids)
+                try:
+                    ids, pinned = table.to_slots(ids)
+                except Exception:  # the step fails: no backward will unpin its rows
+                    self.release(pins, updated=False)
+                    raise
                 pins.append((shard.table, pinned))
             mapped.append((ids, lengths, weights))
         return mapped
