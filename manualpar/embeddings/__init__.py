@@ -6,6 +6,7 @@ from manualpar.embeddings.collection import (
     PooledEmbeddings,
 )
 from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.disk_tier import DiskTier
 from manualpar.embeddings.features import JaggedFeature, SparseFeatures
 from manualpar.embeddings.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions
@@ -15,6 +16,7 @@ from manualpar.embeddings.plan import (
     TablePlacement,
     column_wise,
     data_parallel,
+    on_disk,
     row_wise,
     table_row_wise,
     table_wise,
@@ -37,6 +39,7 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "DiskTier",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
@@ -59,6 +62,7 @@ __all__ = [
     "TablePlacement",
     "column_wise",
     "data_parallel",
+    "on_disk",
     "plan_collections",
     "row_wise",
     "shard_embeddings",

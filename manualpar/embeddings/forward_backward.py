@@ -10,13 +10,14 @@ sequential step. Frozen tables (frozen.py) are left out of backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from manualpar.embeddings.collection import table_of
+from manualpar.embeddings.disk_tier import DiskTables
 from manualpar.embeddings.exchange import (
     SenderBags,
     add_block,
@@ -71,6 +72,7 @@ class LookupContext:
     normalize_by: str
     device: torch.device
     mesh: TableMesh  # the shard group the exchanges run in, and the replicas
+    disk: DiskTables = field(default_factory=DiskTables)  # tables on disk: ids become slots
 
     def name(self, table: int) -> str:
         return self.routing.tables[table].name
@@ -83,6 +85,10 @@ class LookupContext:
     def dtype(self) -> torch.dtype:
         """The pooled output's dtype: float32 for half rows (rounding.accumulation_dtype)."""
         return accumulation_dtype(self.weight(0).dtype)
+
+    def block_rows(self, shard: LocalShard) -> int:
+        """Rows of this rank's block of the shard's table (its cache's slots if on disk)."""
+        return self.weight(shard.table).shape[0]
 
     def table_names(self) -> list[str]:
         return [config.name for config in self.routing.tables]
@@ -134,16 +140,24 @@ def lookup(
     batch = features.batch_size
     lengths = features.lengths.view(len(routing.features), batch)
     sizes, parts, ids_in, frozen, job_batches = _send_ids(ctx, features, lengths)
+    local = routing.routed_local_shards()
+    pins: list[tuple[int, torch.Tensor]] = []  # disk tables' slots, pinned until backward
+    if ctx.disk:
+        ctx.disk.begin_step()
+        parts[rank] = ctx.disk.to_slots(local, parts[rank], pins)
     out = torch.zeros(batch, routing.total_dim, dtype=ctx.dtype, device=ctx.device)
     _add_own_pooled(ctx, parts[rank], out, batch)  # while the other ranks' ids travel
     _unpack_others(routing, ids_in.wait(), sizes, parts)
+    if ctx.disk:
+        for sender in range(world):
+            if sender != rank:
+                parts[sender] = ctx.disk.to_slots(local, parts[sender], pins)
     pooled_in = _send_pooled(ctx, parts, out) if world > 1 else None
-    local = routing.routed_local_shards()
     bags = [combine_senders([parts[s][k] for s in range(world)], rank) for k in range(len(local))]
     if ctx.fuses_bags:  # while the pooled rows travel
         for shard, shard_bags in zip(local, bags, strict=True):
             if shard.table not in frozen:
-                shard_bags.groups = group_rows(shard_bags, shard.shard.rows)
+                shard_bags.groups = group_rows(shard_bags, ctx.block_rows(shard))
     if pooled_in is not None:
         _add_received_pooled(routing, pooled_in.wait(), output_splits(routing, batch), out, batch)
     feature_ids = _lookup_data_parallel(ctx, features, out)
@@ -158,6 +172,7 @@ def lookup(
         "mean_scale": mean_scale,
         "frozen": frozen,
         "trains": len(frozen) < len(routing.tables),  # else no backward
+        "pins": pins,
     }
 
 
@@ -351,7 +366,7 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
         if not fused[k]:
             bag_grads, scale = grads.dense()
             rows, summed = row_gradients(
-                bags.ids, bags.lengths, bags.weights, bag_grads, shard.shard.rows, scale
+                bags.ids, bags.lengths, bags.weights, bag_grads, ctx.block_rows(shard), scale
             )
             summed_rows.append((shard, (rows, summed)))
         elif not alone:
@@ -360,6 +375,7 @@ def apply_gradient(ctx: LookupContext, grad: torch.Tensor, saved: dict[str, Any]
     if not set(routing.data_parallel) <= frozen:
         _update_data_parallel(ctx, grad, saved, own_scale, frozen)
     optimizer.finish_update(ctx.strategy, group=ctx.mesh.shard)
+    ctx.disk.release(saved["pins"], updated=True)  # written through the cache: dirty
 
 
 def _update_summed_rows(ctx: LookupContext, updates: list[tuple[LocalShard, RowGradients]]) -> None:

@@ -23,7 +23,7 @@ torch's per-parameter optimizer state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +66,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         *,
         primary_replica: bool = True,
         seed: int = 0,
+        block_rows: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__(list(weights.items()), {"lr": rule.lr})
         self.rule = rule
@@ -75,10 +76,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._primary_replica = primary_replica  # 2-D: the first replica's state is saved
         self._seed = seed  # the collection's: half rows' stochastic rounding streams (rounding.py)
         self.table_state: dict[str, dict[str, torch.Tensor]] = {
-            name: rule.init_state(shard.rows, shard.cols, device)
+            name: rule.init_state((block_rows or {}).get(name, shard.rows), shard.cols, device)
             for name, shard in shards.items()
             if shard is not None
         }
+        # disk tables (disk_tier.py): table_state holds their cache; checkpoints use the files
+        self.on_disk: dict[str, Any] = {}
         for name, state in self.table_state.items():  # torch's view: state by parameter
             self.state[weights[name]] = state
         self._deferred: list[_RowUpdate] | None = None
@@ -255,14 +258,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         shard = self._shards.get(table)
         if shard is None:  # no block of this table here: an entry without blocks
             return LocalShards(shape, [], torch.float32)
-        tensor = self.table_state[table][key]
+        disk = self.on_disk.get(table)  # disk tables: chunks of the file, not the cache
+        chunks = [(0, self.table_state[table][key])]
+        if disk is not None:
+            chunks = disk.checkpoint_chunks(key)
         primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
         if per_row:  # column blocks all hold the same row statistics: one of them saves them
             primary = primary and shard.col_start == 0
-            offsets: tuple[int, ...] = (shard.row_start,)
-        else:
-            offsets = (shard.row_start, shard.col_start)
-        return LocalShards(shape, [Block(offsets, tensor, primary)], tensor.dtype)
+        blocks = [
+            Block((shard.row_start + r, shard.col_start)[: 1 if per_row else 2], t, primary)
+            for r, t in chunks
+        ]
+        return LocalShards(shape, blocks, torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
         shards = {
@@ -292,6 +299,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     mine.copy_from_full(
                         value.to(mine.device), f"sparse optimizer state {table}/{key}"
                     )
+        for disk in self.on_disk.values():
+            disk.loaded()
 
 
 def _as_float(value: object) -> object:

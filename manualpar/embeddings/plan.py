@@ -37,6 +37,7 @@ __all__ = [
     "column_wise",
     "data_parallel",
     "format_bytes",
+    "on_disk",
     "row_wise",
     "split_evenly",
     "table_row_wise",
@@ -78,16 +79,20 @@ class Shard:
 class TablePlacement:
     """How one table is placed; build with table_wise(), row_wise(), ... rather than directly.
 
-    `ranks` is empty for data_parallel and for row_wise over all ranks.
+    `ranks` is empty for data_parallel and for row_wise over all ranks. `on_disk`: the block's
+    rows live in files with a cache in memory (disk_tier.py; `on_disk(row_wise())`).
     """
 
     sharding: str
     ranks: tuple[int, ...] = ()
+    on_disk: bool = False
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_TYPES:
             raise PlanError(f"sharding must be one of {SHARDING_TYPES}, got {self.sharding!r}")
         object.__setattr__(self, "ranks", _ranks(self.sharding, self.ranks))
+        if self.on_disk and self.sharding == "data_parallel":
+            raise PlanError("data_parallel tables are replicated in memory; they cannot be on_disk")
 
     def resolved_ranks(self, world_size: int) -> tuple[int, ...]:
         if self.sharding in ("row_wise", "data_parallel") and not self.ranks:
@@ -95,7 +100,8 @@ class TablePlacement:
         return self.ranks
 
     def __str__(self) -> str:
-        return f"{self.sharding}{list(self.ranks) if self.ranks else ''}"
+        disk = " on disk" if self.on_disk else ""
+        return f"{self.sharding}{list(self.ranks) if self.ranks else ''}{disk}"
 
 
 def _ranks(sharding: str, ranks: Sequence[int]) -> tuple[int, ...]:
@@ -131,6 +137,11 @@ def table_row_wise(node: int, ranks_per_node: int | None = None) -> TablePlaceme
         ranks_per_node = detect_environment().local_world_size
     start = node * ranks_per_node
     return TablePlacement("table_row_wise", tuple(range(start, start + ranks_per_node)))
+
+
+def on_disk(placement: TablePlacement) -> TablePlacement:
+    """`placement` with its rows on disk, cached in memory (shard_embeddings(disk_tier=...))."""
+    return TablePlacement(placement.sharding, placement.ranks, on_disk=True)
 
 
 def data_parallel() -> TablePlacement:
@@ -261,6 +272,7 @@ class EmbeddingPlan:
             "world_size": self.world_size,
             "tables": {
                 name: {"sharding": p.sharding, "ranks": list(p.ranks)}
+                | ({"on_disk": True} if p.on_disk else {})
                 for name, p in self.tables.items()
             },
             "notes": dict(self.notes),
@@ -272,7 +284,9 @@ class EmbeddingPlan:
             return cls(
                 int(data["world_size"]),
                 {
-                    name: TablePlacement(p["sharding"], tuple(p.get("ranks", ())))
+                    name: TablePlacement(
+                        p["sharding"], tuple(p.get("ranks", ())), bool(p.get("on_disk", False))
+                    )
                     for name, p in data["tables"].items()
                 },
                 dict(data.get("notes", {})),
@@ -321,6 +335,13 @@ class EmbeddingPlan:
             "  bytes per rank (weights + row-wise state): "
             + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
         )
+        disk = [c for c in configs if c.name in self.tables and self.tables[c.name].on_disk]
+        if disk:  # those blocks are files; memory holds their caches (disk_tier.py)
+            on_disk = EmbeddingPlan(self.world_size, self.tables).bytes_per_rank(disk)
+            lines.append(
+                "  of which on disk: "
+                + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(on_disk))
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

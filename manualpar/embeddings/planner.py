@@ -13,6 +13,8 @@ Rules, in order (each table's note says which applied):
    (it would leave one rank the straggler), is split by rows over every rank (row_wise), or
    over one node's ranks (table_row_wise) when that fits, keeping its traffic on the node.
 4. If even an even split cannot fit the budget, PlanError says how much memory is needed.
+0. Before these, with a `disk_tier`: when all tables do not fit the budget, the largest go on
+   disk (row-split, `on_disk`), until the others plus the caches fit (disk_planning.py).
 
 `plan_collections` applies these rules once to the tables of every collection of a model, so
 the ranks balance over all of them; collections planned one by one each start from empty ranks
@@ -33,6 +35,8 @@ from manualpar.embeddings.config import (
     block_bytes,
     check_tables,
 )
+from manualpar.embeddings.disk_planning import place_on_disk
+from manualpar.embeddings.disk_tier import DiskTier
 from manualpar.embeddings.memory import agreed_available_bytes
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -72,6 +76,7 @@ def plan_tables(
     optimizer: SparseOptimizer | None = None,
     pooling_factors: Mapping[str, float] | None = None,
     replicate_bytes: int = REPLICATE_BYTES,
+    disk_tier: DiskTier | None = None,
 ) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring for the rules."""
     placements, notes = _place(
@@ -82,6 +87,7 @@ def plan_tables(
         ranks_per_node or world_size,
         memory_budget_bytes,
         replicate_bytes,
+        disk_tier,
     )
     return EmbeddingPlan(world_size, placements, notes)
 
@@ -96,6 +102,7 @@ def plan_collections(
     pooling_factors: Mapping[str, Mapping[str, float]] | None = None,
     replicate_bytes: int = REPLICATE_BYTES,
     mesh: DeviceMesh | None = None,
+    disk_tier: DiskTier | None = None,
 ) -> dict[str, EmbeddingPlan]:
     """One plan per collection, made together: plan="auto"'s rules applied to the tables of all
     `collections` at once, so memory and lookups balance over every table of the model (planned
@@ -150,6 +157,7 @@ def plan_collections(
             ranks_per_node or world_size,
             budget,
             replicate_bytes,
+            disk_tier,
         )
     except PlanError as error:
         if not measured:
@@ -238,9 +246,15 @@ def _place(
     ranks_per_node: int,
     budget: int | None,
     replicate_bytes: int,
+    disk_tier: DiskTier | None = None,
 ) -> tuple[dict[str, TablePlacement], dict[str, str]]:
     """Placements and notes by the module docstring's rules, keyed (and named in errors) by the
     keys of `tables`, in their order."""
+    order = list(tables)
+    on_disk, disk_notes, budget = place_on_disk(tables, sizes, world_size, budget, disk_tier)
+    if on_disk:
+        tables = {k: c for k, c in tables.items() if k not in on_disk}
+        sizes = {k: b for k, b in sizes.items() if k not in on_disk}
     _check_fits(sizes, world_size, budget)
     memory = [0] * world_size
     work = [0.0] * world_size
@@ -305,7 +319,9 @@ def _place(
         )
         memory = [m + share for m in memory]
         work = [w + lookups / world_size for w in work]
-    return {k: placements[k] for k in tables}, {k: notes[k] for k in tables}
+    placements.update(on_disk)
+    notes.update(disk_notes)
+    return {k: placements[k] for k in order}, {k: notes[k] for k in order}
 
 
 def _check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:

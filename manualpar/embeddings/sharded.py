@@ -30,6 +30,8 @@ from manualpar.embeddings.collection import (
     check_features,
     table_of,
 )
+from manualpar.embeddings.disk_setup import cache_slots, check_disk_plan, disk_tables
+from manualpar.embeddings.disk_tier import DiskTier
 from manualpar.embeddings.exchange import REFUSED, header_width
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.forward_backward import BUILDER, LookupContext, apply_gradient, lookup
@@ -74,6 +76,7 @@ def shard_embeddings(
     memory_budget_bytes: int | None = None,
     normalize_by: str = "world_size",
     mesh: DeviceMesh | None = None,
+    disk_tier: DiskTier | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -86,6 +89,10 @@ def shard_embeddings(
     mesh holds a sharded copy, ids travel only within a row and the rows' table gradients are
     summed before the update (table_mesh.py). The tables train to the numbers of a 1-D
     collection over all R x S ranks.
+
+    `disk_tier`: DiskTier(directory, cache_rows= or cache_bytes=, policy=) for tables the plan
+    places `on_disk` (and, with plan="auto", for those the budget cannot hold): their rows live
+    in files, each rank caching the rows in use (disk_tier.py).
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -121,16 +128,19 @@ def shard_embeddings(
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
-        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout)
+        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout, disk_tier)
     elif not isinstance(plan, EmbeddingPlan):
         plan = EmbeddingPlan(layout.shard_size, dict(plan))
     layout.check_plan_size(plan.world_size)
     plan.validate(ebc.configs, layout.shard_size)
+    check_disk_plan(plan, disk_tier, layout.replicate is not None)
     claim(ebc, BUILDER)
     sharded = (
-        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
+        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier)
         if isinstance(ebc, EmbeddingCollection)
-        else ShardedEmbeddingBagCollection(ebc, strategy, plan, optimizer, normalize_by, layout)
+        else ShardedEmbeddingBagCollection(
+            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier
+        )
     )
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
@@ -142,6 +152,7 @@ def _auto_plan(
     optimizer: SparseOptimizer,
     budget: int | None,
     layout: TableMesh,
+    disk_tier: DiskTier | None = None,
 ) -> EmbeddingPlan:
     """The planner's plan for the shard group, within `budget` bytes per rank; by default the
     memory every rank can still allocate, so a table that cannot fit is named before anything
@@ -154,6 +165,7 @@ def _auto_plan(
         memory_budget_bytes=budget,
         optimizer=optimizer,
         mesh=layout.shard if layout.replicate is not None else None,
+        disk_tier=disk_tier,
     )
     return plans["tables"]
 
@@ -167,6 +179,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: SparseOptimizer,
         normalize_by: str,
         layout: TableMesh | None = None,
+        disk_tier: DiskTier | None = None,
     ) -> None:
         super().__init__()
         self.mesh = layout = layout or table_mesh(None, strategy)
@@ -183,14 +196,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for t, config in enumerate(self.configs):
             shard = next((s for s in self.routing.local_shards if s.table == t), None)
             shards[config.name] = shard.shard if shard else None
+        slots = cache_slots(self.configs, plan, shards, optimizer, disk_tier)
+        for config in self.configs:
+            shard_of = shards[config.name]
             rows, cols = (
-                (shard.shard.rows, shard.shard.cols) if shard else (0, config.embedding_dim)
+                (slots.get(config.name, shard_of.rows), shard_of.cols)
+                if shard_of
+                else (0, config.embedding_dim)
             )
             table = EmbeddingTable(config, ebc.seed, rows, cols, device=device)
             source = table_of(ebc.tables, config.name).weight
             table.weight.requires_grad_(source.requires_grad)  # frozen before sharding stays so
-            if shard is not None:
-                _fill_block(table.weight, source, config, ebc.seed, shard.shard)
+            if shard_of is not None and config.name not in slots:
+                _fill_block(table.weight, source, config, ebc.seed, shard_of)
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
@@ -207,12 +225,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._full_tensor,
             primary_replica=layout.primary,
             seed=ebc.seed,
+            block_rows=slots,
         )
+        self.disk_tables = disk_tables(self, ebc, shards, slots, disk_tier, optimizer)
+        self.fused_optimizer.on_disk = self.disk_tables.by_name
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.lookup_context = LookupContext(
-            self.routing, self.tables, self.fused_optimizer, strategy, normalize_by, device, layout
+            self.routing,
+            self.tables,
+            self.fused_optimizer,
+            strategy,
+            normalize_by,
+            device,
+            layout,
+            self.disk_tables,
         )
 
     def extra_repr(self) -> str:
@@ -233,7 +261,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         features = hash_raw_ids(features.to(self.strategy.device), self.configs)
         if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
             features = self.raw_id_remap(features)
-        values = _EmbeddingLookup.apply(self._anchor, self, features)
+        values = _EmbeddingLookup.apply(self._anchor, self, features, torch.is_grad_enabled())
         return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
 
     def _refuse_step(self) -> None:
@@ -268,9 +296,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if shard is None:
             return LocalShards(shape, [], table.weight.dtype)
         primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
+        disk = self.disk_tables.by_name.get(config.name)
+        chunks = [(0, table.weight.data)] if disk is None else disk.checkpoint_chunks(None)
         return LocalShards(
             shape,
-            [Block((shard.row_start, shard.col_start), table.weight.data, primary)],
+            [Block((shard.row_start + r, shard.col_start), t, primary) for r, t in chunks],
             table.weight.dtype,
         )
 
@@ -296,10 +326,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         table = table_of(self.tables, name)
         value, mine = state_dict[key], self._table_block(table)
         if isinstance(value, LocalShards):
-            if value.blocks and value.blocks[0].tensor.data_ptr() != table.weight.data_ptr():
-                mine.blocks[0].tensor.copy_(value.blocks[0].tensor)
+            for block, theirs in zip(mine.blocks, value.blocks, strict=False):
+                if theirs.tensor.data_ptr() != block.tensor.data_ptr():
+                    block.tensor.copy_(theirs.tensor)
         else:
             mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
+        disk = self.disk_tables.by_name.get(name)
+        if disk is not None:
+            disk.loaded()
         state_dict[key] = table.weight.detach()
 
 
@@ -310,18 +344,21 @@ class _EmbeddingLookup(torch.autograd.Function):
         anchor: torch.Tensor,
         module: ShardedEmbeddingBagCollection,
         features: SparseFeatures,
+        grad_enabled: bool,
     ) -> torch.Tensor:
         out, saved = lookup(module.lookup_context, features)
         ctx.lookup, ctx.saved = module.lookup_context, saved
+        if not (saved["trains"] and grad_enabled):  # no backward will unpin its rows
+            module.disk_tables.release(saved["pins"], updated=False)
         if not saved["trains"]:  # every table frozen: no backward, on every rank
             ctx.mark_non_differentiable(out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         apply_gradient(ctx.lookup, grad.contiguous(), ctx.saved)
         ctx.saved = None
-        return None, None, None
+        return None, None, None, None
 
 
 def _fill_block(
@@ -353,8 +390,9 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         optimizer: SparseOptimizer,
         normalize_by: str,
         layout: TableMesh | None = None,
+        disk_tier: DiskTier | None = None,
     ) -> None:
-        super().__init__(ec, strategy, plan, optimizer, "world_size", layout)  # see sample_share
+        super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier)
         self.normalize_by = normalize_by
 
     @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")

@@ -16,7 +16,16 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.native import loaded_kernels, supports
 
-__all__ = ["init_rows", "mix", "mix64", "mix64_int", "signed", "table_key", "torch_mix"]
+__all__ = [
+    "init_rows",
+    "init_rows_at",
+    "mix",
+    "mix64",
+    "mix64_int",
+    "signed",
+    "table_key",
+    "torch_mix",
+]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -92,3 +101,16 @@ def init_rows(
         values = _torch_uniform(key, counters).mul_(2 * bound).sub_(bound)
         out[start - r0 : stop - r0].copy_(values)
     return out
+
+
+@torch.no_grad()
+def init_rows_at(
+    config: EmbeddingBagConfig, seed: int, rows: torch.Tensor, columns: tuple[int, int]
+) -> torch.Tensor:
+    """Values (float32, on CPU) of the scattered table `rows` (int64) and columns [c0, c1): the
+    same bits as `init_rows` over any range holding them (the disk tier generates rows on first
+    use)."""
+    c0, c1 = columns
+    key, bound, dim = table_key(seed, config.name), config.bound, config.embedding_dim
+    counters = rows.cpu().unsqueeze(1) * dim + torch.arange(c0, c1)
+    return _torch_uniform(key, counters).mul_(2 * bound).sub_(bound)

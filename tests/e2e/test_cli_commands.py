@@ -89,6 +89,6 @@ def test_plan_reads_raw_ids_and_dtype_from_tables_json(tmp_path: Path) -> None:
     assert result.returncode == 2, output_tail(result)
     assert result.stderr == (
         f"error: --tables {tables}: entry 0: raw_ids must be null or an object with kind "
-        "'hash' or 'managed' and its settings, e.g. {\"kind\": \"hash\", \"salt\": 0}; got "
+        '\'hash\' or \'managed\' and its settings, e.g. {"kind": "hash", "salt": 0}; got '
         "{'kind': 'modulo'}\n"
     )

@@ -1,0 +1,266 @@
+"""Tables larger than memory: the disk tier's step against in-memory tables, LRU against LFU.
+
+    python examples/benchmarks/bench_disk_tier.py --disk-gb 36 --memory-gb 8 --cache-gb 2 \
+        --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
+
+Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
+`--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
+with an LRU cache; the same with LFU) alternate in a rotating order, `--repeats` times. Workload:
+`--tables` tables of 64 fp32 columns, rows split over both ranks, fused row-wise Adagrad, global
+batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the distribution scattered over the
+table by a fixed permutation). A step is forward + backward with the update, timed as the
+slowest rank's; the median (and mean: evictions come in batches) of `--steps` after a warm-up
+that, on disk, lasts until every cache has been full and evicted a quarter of its rows. Reported:
+step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS per
+process against cache + 1 GiB, the cache hit rate over the timed steps. Table files are created
+under `--dir` and deleted after each job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+PERMUTE = 2_654_435_761  # Knuth's multiplicative hash constant, a prime: a fixed permutation
+
+
+def zipf_ids(rows: int, count: int, seed: int, exponent: float) -> object:
+    """`count` ids in [0, rows): Zipf ranks (too-large draws redrawn), scattered by a permutation
+    so the hot rows are not neighbours."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    out = np.empty(0, dtype=np.int64)
+    while out.size < count:
+        draw = rng.zipf(exponent, size=2 * count)
+        out = np.concatenate([out, draw[draw <= rows][: count - out.size]])
+    ids = ((out - 1) * PERMUTE) % rows
+    return torch.from_numpy(ids)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import manualpar as mp
+    from manualpar.embeddings import (
+        DiskTier,
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingPlan,
+        RowWiseAdagrad,
+        SparseFeatures,
+        on_disk,
+        row_wise,
+        shard_embeddings,
+    )
+
+    torch.set_num_threads(1)
+    strategy = mp.ManualParallelStrategy()
+    rank, world = strategy.rank, strategy.world_size
+    disk = args.variant != "memory"
+    total = (args.disk_gb if disk else args.memory_gb) * GIB
+    row_bytes = args.dim * 4 + 4
+    rows = int(total // (args.tables * row_bytes))
+    tables = [
+        EmbeddingBagConfig(f"t{i}", rows, args.dim, feature_names=(f"f{i}",))
+        for i in range(args.tables)
+    ]
+    placement = on_disk(row_wise()) if disk else row_wise()
+    plan = EmbeddingPlan(world, {t.name: placement for t in tables})
+    tier = (
+        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=args.variant)
+        if disk
+        else None
+    )
+    start = time.perf_counter()
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(tables, seed=0)
+    emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.01), disk_tier=tier)
+    init_s = time.perf_counter() - start
+    batch = args.batch // world
+    lengths = torch.full((batch * args.tables,), args.ids_per_bag, dtype=torch.int64)
+
+    def features(step: int) -> SparseFeatures:
+        ids = [
+            zipf_ids(rows, batch * args.ids_per_bag, 7919 * step + 31 * rank + t, args.exponent)
+            for t in range(args.tables)
+        ]
+        return SparseFeatures([f"f{t}" for t in range(args.tables)], torch.cat(ids), lengths)
+
+    caches = [t.cache for t in emb.disk_tables.tables.values()] if disk else []
+
+    def warm(step: int) -> bool:
+        """Warm-up: at least --warmup steps and, on disk, until every cache has been full and
+        evicted a quarter of its rows (the steady state), at most --max-warmup steps."""
+        if step < args.warmup:
+            return True
+        full = all(c.evictions >= c.capacity // 4 for c in caches)
+        return not full and step < args.max_warmup
+
+    times, step, warmup = [], 0, None
+    while warmup is None or step < warmup + args.steps:
+        if warmup is None:
+            # every rank must agree when the warm-up ends
+            done = torch.tensor(0.0 if warm(step) else 1.0)
+            if float(strategy.all_reduce(done, op="min")) == 1.0:
+                warmup = step
+                for cache in caches:
+                    cache.hits = cache.misses = cache.evictions = 0
+        batch_features = features(step)
+        strategy.barrier()
+        begin = time.perf_counter()
+        emb(batch_features).values.square().mean().backward()
+        elapsed = torch.tensor(time.perf_counter() - begin)
+        times.append(float(strategy.all_reduce(elapsed, op="max")))
+        step += 1
+    timed = times[warmup:]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peaks = [float(p) for p in strategy.all_gather_object(peak)]
+    result = {
+        "variant": args.variant,
+        "rows_per_table": rows,
+        "total_gib": total / GIB,
+        "step_ms": statistics.median(timed) * 1e3,
+        "mean_step_ms": statistics.mean(timed) * 1e3,
+        "warmup_steps": warmup,
+        "warmup_ms": statistics.median(times[:warmup]) * 1e3,
+        "evicted_rows": sum(c.evictions for c in caches),
+        "init_s": init_s,
+        "peak_rss_gib": peaks,
+        "hit_rate": emb.disk_tables.hit_rate() if disk else None,
+    }
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(result))
+    strategy.teardown()
+
+
+def launch(args: argparse.Namespace, variant: str) -> dict:
+    directory = Path(args.dir) / f"{variant}-{os.getpid()}-{time.monotonic_ns()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__)),
+            "--worker",
+            "--variant",
+            variant,
+            "--dir",
+            str(directory),
+            "--result",
+            result,
+            *[
+                f"--{name.replace('_', '-')}={getattr(args, name)}"
+                for name in (
+                    "disk_gb",
+                    "memory_gb",
+                    "cache_gb",
+                    "tables",
+                    "dim",
+                    "batch",
+                    "ids_per_bag",
+                    "exponent",
+                    "steps",
+                    "warmup",
+                    "max_warmup",
+                )
+            ],
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+        try:
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)  # the table files: tens of GB
+        if not os.path.exists(result):
+            raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
+        return dict(json.loads(Path(result).read_text()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="lru", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--disk-gb", type=float, default=36.0, help="disk tables in total")
+    parser.add_argument("--memory-gb", type=float, default=8.0, help="in-memory tables in total")
+    parser.add_argument("--cache-gb", type=float, default=2.0, help="cache per process")
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048, help="global batch")
+    parser.add_argument("--ids-per-bag", type=int, default=20)
+    parser.add_argument("--exponent", type=float, default=1.05, help="Zipf exponent")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=20, help="at least these warm-up steps")
+    parser.add_argument(
+        "--max-warmup", type=int, default=4000, help="at most; disk variants warm until full"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=["memory", "lru", "lfu"])
+    parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for repeat in range(args.repeats):
+        order = (
+            args.variants[repeat % len(args.variants) :]
+            + args.variants[: repeat % len(args.variants)]
+        )
+        for variant in order:
+            result = launch(args, variant)
+            runs[variant].append(result)
+            print(
+                f"repeat {repeat} {variant}: {result['step_ms']:.1f} ms/step (mean "
+                f"{result['mean_step_ms']:.1f}, after {result['warmup_steps']} warm-up), peak RSS "
+                f"{max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}",
+                flush=True,
+            )
+    summary: dict[str, dict] = {}
+    for variant, results in runs.items():
+        summary[variant] = {
+            "step_ms": statistics.median(r["step_ms"] for r in results),
+            "mean_step_ms": statistics.median(r["mean_step_ms"] for r in results),
+            "peak_rss_gib": max(max(r["peak_rss_gib"]) for r in results),
+            "hit_rate": results[0]["hit_rate"]
+            and statistics.median(r["hit_rate"] for r in results),
+        }
+        if "memory" in runs and variant != "memory":
+            ratios = [
+                r["step_ms"] / m["step_ms"] for r, m in zip(results, runs["memory"], strict=False)
+            ]
+            summary[variant]["vs_memory"] = statistics.median(ratios)
+            means = [
+                r["mean_step_ms"] / m["mean_step_ms"]
+                for r, m in zip(results, runs["memory"], strict=False)
+            ]
+            summary[variant]["mean_vs_memory"] = statistics.median(means)
+            summary[variant]["rss_bound_gib"] = args.cache_gb + 1
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=2)
+        )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

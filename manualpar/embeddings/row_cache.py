@@ -1,0 +1,159 @@
+"""RowCache: which rows of a disk-tier block sit in which slot of its in-memory cache.
+
+Bookkeeping only (no row data): the disk tier (disk_tier.py) moves the rows. A step's rows are
+*pinned* from its forward to its backward, so nothing it looks up is evicted before its update.
+Victims are the unpinned slots with the smallest key:
+
+- "lru": the step the row was last used;
+- "lfu": how many steps used it while cached, ties broken by the last use.
+
+Victims are chosen in batches (at least 1/16 of the cache, once the free slots run out), so the
+selection over all slots (a top-k) runs every few steps, not every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NEVER", "POLICIES", "STORED", "CacheFull", "RowCache", "SlotAssignment"]
+
+POLICIES = ("lru", "lfu")
+NEVER = -1  # slot_of value: never written, its values are the table's initial ones
+STORED = -2  # slot_of value: not cached, its values are in the file
+_UNAVAILABLE = torch.iinfo(torch.int64).max
+EVICT_FRACTION = 16
+
+
+class CacheFull(Exception):
+    """The rows pinned at once would not fit the cache (`needed` slots of `capacity`)."""
+
+    def __init__(self, needed: int, capacity: int) -> None:
+        super().__init__(f"{needed} rows needed at once, cache of {capacity}")
+        self.needed, self.capacity = needed, capacity
+
+
+@dataclass
+class SlotAssignment:
+    """The slot of each requested row, and the IO to do first: write `evict_rows` back from
+    `evict_slots` (dirty rows only), then read `fetch_rows` into `fetch_slots` (`stored`: from
+    the file; the others are generated)."""
+
+    slots: torch.Tensor
+    evict_rows: torch.Tensor
+    evict_slots: torch.Tensor
+    fetch_rows: torch.Tensor
+    fetch_slots: torch.Tensor
+    stored: torch.Tensor
+
+
+class RowCache:
+    def __init__(self, num_rows: int, capacity: int, policy: str = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.num_rows, self.capacity, self.policy = num_rows, capacity, policy
+        self.slot_of = torch.full((num_rows,), NEVER, dtype=torch.int32)
+        self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
+        self.pins = torch.zeros(capacity, dtype=torch.int32)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.last_used = torch.zeros(capacity, dtype=torch.int64)
+        self.uses = torch.zeros(capacity, dtype=torch.int64)
+        self.free = torch.arange(capacity - 1, -1, -1)  # popped from the end: slot 0 first
+        self.step = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def new_step(self) -> None:
+        self.step += 1
+
+    def assign(self, rows: torch.Tensor) -> SlotAssignment:
+        """Pin distinct `rows` (int64) into slots, choosing victims if the free slots run out.
+        Raises CacheFull, leaving the cache as it was, if the pinned rows would not fit."""
+        slots = self.slot_of[rows].to(torch.int64)
+        missing = slots < 0
+        miss_rows = rows[missing]
+        hit_slots = slots[~missing]
+        self.pins[hit_slots] += 1
+        short = miss_rows.numel() - self.free.numel()
+        evict_rows = evict_slots = rows[:0]
+        if short > 0:
+            try:
+                evict_rows, evict_slots = self._evict(short, miss_rows.numel())
+            except CacheFull:
+                self.pins[hit_slots] -= 1
+                raise
+        count = miss_rows.numel()
+        new_slots = self.free[self.free.numel() - count :].flip(0)
+        self.free = self.free[: self.free.numel() - count]
+        stored = self.slot_of[miss_rows] == STORED
+        self.slot_of[miss_rows] = new_slots.to(torch.int32)
+        self.row_of[new_slots] = miss_rows
+        self.dirty[new_slots] = ~stored  # generated rows are not in the file yet
+        self.pins[new_slots] += 1
+        self.uses[new_slots] = 0
+        slots[missing] = new_slots
+        self._touch(slots)
+        self.hits += hit_slots.numel()
+        self.misses += count
+        return SlotAssignment(slots, evict_rows, evict_slots, miss_rows, new_slots, stored)
+
+    def _evict(self, short: int, missing: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Free at least `short` slots (a batch of 1/16 of the cache where possible); returns
+        the dirty victims (rows, slots) to write back."""
+        key = self.last_used.clone() if self.policy == "lru" else self.uses * 2**32 + self.last_used
+        unavailable = (self.pins > 0) | (self.row_of < 0)
+        key[unavailable] = _UNAVAILABLE
+        available = self.capacity - int(unavailable.sum())
+        if available < short:
+            pinned = int((self.pins > 0).sum())
+            raise CacheFull(pinned + missing, self.capacity)
+        count = min(available, max(short, self.capacity // EVICT_FRACTION))
+        victims = torch.topk(key, count, largest=False, sorted=False).indices
+        self.evictions += count
+        rows = self.row_of[victims]
+        self.slot_of[rows] = STORED  # generated rows are dirty, so written back below
+        self.row_of[victims] = -1
+        dirty = self.dirty[victims]
+        self.dirty[victims] = False
+        self.free = torch.cat([victims, self.free])
+        return rows[dirty], victims[dirty]
+
+    def _touch(self, slots: torch.Tensor) -> None:
+        fresh = slots[self.last_used[slots] != self.step]
+        self.uses[fresh] += 1
+        self.last_used[slots] = self.step
+
+    def release(self, slots: torch.Tensor, updated: bool) -> None:
+        """Unpin `slots` (one assign's); `updated`: their rows changed (write them back later)."""
+        self.pins[slots] -= 1
+        if updated:
+            self.dirty[slots] = True
+
+    def dirty_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) of the cached rows that differ from the file; marks them clean."""
+        slots = torch.nonzero(self.dirty).flatten()
+        self.dirty[slots] = False
+        return self.row_of[slots], slots
+
+    def never_written(self, start: int, end: int) -> torch.Tensor:
+        """Rows in [start, end) never written (not cached, not in the file), relative to start."""
+        return torch.nonzero(self.slot_of[start:end] == NEVER).flatten()
+
+    def mark_stored(self, start: int = 0, end: int | None = None) -> None:
+        """Rows in [start, end) not cached are now in the file."""
+        part = self.slot_of[start:end]
+        part[part == NEVER] = STORED
+
+    def drop_all(self) -> None:
+        """Forget every cached row without writing it back: the file was replaced (a loaded
+        checkpoint); every row is now in the file."""
+        self.slot_of.fill_(STORED)
+        self.row_of.fill_(-1)
+        self.pins.zero_()
+        self.dirty.zero_()
+        self.uses.zero_()
+        self.free = torch.arange(self.capacity - 1, -1, -1)
+
+    @property
+    def pinned(self) -> int:
+        return int((self.pins > 0).sum())

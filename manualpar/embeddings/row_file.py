@@ -1,0 +1,155 @@
+"""RowFile: one table block on disk, a fixed-size record per row (the weights in the table's
+dtype, then each optimizer state tensor in float32), read and written with pread/pwrite.
+
+One record per row means one system call per row moved, whatever the optimizer (separate files
+per tensor took one per tensor). pread/pwrite rather than stores into a memory map: the first
+write to a never-written page of the reserved file cost 35-84 us per row through the map
+against 7 us with pwrite (16,000 random 256-byte rows of a 1 GB file, this machine), and
+pages of a map count as the process's resident memory. The map is kept only for checkpoints,
+whose blocks are views of it (released after use).
+
+The file is reserved with fallocate: no bytes are written (a 36 GB table costs no 36 GB of
+writes at start) and a disk without room is reported at once instead of failing mid-training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from manualpar.embeddings.plan import format_bytes
+from manualpar.errors import BuilderError
+
+__all__ = ["RowFile"]
+
+STATE_DTYPE = torch.float32
+
+
+class RowFile:
+    """`rows` records at `path`: weights (`cols` of `dtype`) and `state` ({key: per-row})."""
+
+    def __init__(
+        self,
+        path: Path,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        state: Mapping[str, bool],
+        what: str,
+    ) -> None:
+        self.path, self.rows, self.cols, self.dtype = path, rows, cols, dtype
+        self.weight_bytes = -(-cols * dtype.itemsize // 4) * 4  # state stays 4-byte aligned
+        self.fields: dict[str, tuple[int, bool]] = {}  # key -> (byte offset, per row)
+        offset = self.weight_bytes
+        for key, per_row in state.items():
+            self.fields[key] = (offset, per_row)
+            offset += (1 if per_row else cols) * STATE_DTYPE.itemsize
+        self.record = offset
+        self.fd = _reserve(path, rows * self.record, what)
+        self._map: mmap.mmap | None = None
+
+    # records <-> tensors ------------------------------------------------------------------------
+    def empty(self, count: int) -> torch.Tensor:
+        return torch.empty(count, self.record, dtype=torch.uint8)
+
+    def weight_of(self, records: torch.Tensor) -> torch.Tensor:
+        """The weights of `records` (n, record bytes), a view."""
+        return records[:, : self.cols * self.dtype.itemsize].view(self.dtype)
+
+    def state_of(self, records: torch.Tensor, key: str) -> torch.Tensor:
+        """One state tensor of `records`: (n,) per row or (n, cols), a view."""
+        offset, per_row = self.fields[key]
+        width = 1 if per_row else self.cols
+        view = records[:, offset : offset + width * STATE_DTYPE.itemsize].view(STATE_DTYPE)
+        return view[:, 0] if per_row else view
+
+    # IO -------------------------------------------------------------------------------------------
+    def read(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Records of distinct `rows` (int64, any order) into `out` (n, record)."""
+        buffer, size = out.numpy(), self.record
+        for i, row in enumerate(rows.tolist()):
+            if os.preadv(self.fd, [buffer[i]], row * size) != size:
+                raise OSError(errno.EIO, f"short read of row {row} from {self.path}")
+
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Records `records` (n, record) to distinct `rows`."""
+        buffer, size = records.numpy(), self.record
+        for i, row in enumerate(rows.tolist()):
+            if os.pwrite(self.fd, buffer[i], row * size) != size:
+                raise OSError(errno.ENOSPC, f"short write of row {row} to {self.path}")
+
+    def read_range(self, start: int, end: int) -> torch.Tensor:
+        out = self.empty(end - start)
+        view = out.numpy().data.cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], start * self.record + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"short read of rows {start}-{end} from {self.path}")
+            done += got
+        return out
+
+    def write_range(self, start: int, records: torch.Tensor) -> None:
+        view = records.contiguous().numpy().data.cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], start * self.record + done)
+
+    # checkpoints ----------------------------------------------------------------------------------
+    def mapped(self) -> torch.Tensor:
+        """All records as a (rows, record) uint8 view of a shared map of the file (for
+        checkpoints: reading or writing it is reading or writing the file)."""
+        if self._map is None:
+            self._map = mmap.mmap(
+                self.fd, self.rows * self.record, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        return torch.frombuffer(self._map, dtype=torch.uint8).view(self.rows, self.record)
+
+    def release_pages(self) -> None:
+        """Unmap the map's pages (the data stays in the page cache and the file): mapped pages
+        count as resident memory."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown there is nothing to do
+            self.close()
+
+
+def _reserve(path: Path, nbytes: int, what: str) -> int:
+    """A new file of `nbytes` reserved on disk (fallocate: unwritten blocks read as zeros),
+    open for reading and writing. A directory that cannot be written or a full disk raise
+    BuilderError naming the file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as error:
+        raise BuilderError(
+            f"disk tier: cannot write {what} file {str(path)!r}: {error.strerror}; give "
+            "DiskTier(directory=...) a directory this process can write"
+        ) from None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as error:
+        os.close(fd)
+        free = shutil.disk_usage(path.parent).free
+        path.unlink(missing_ok=True)
+        reason = "the disk is full" if error.errno == errno.ENOSPC else error.strerror
+        raise BuilderError(
+            f"disk tier: cannot reserve {format_bytes(nbytes)} for {what} file "
+            f"{str(path)!r} ({reason}; {format_bytes(free)} free there); free disk space, "
+            "choose another DiskTier(directory=...), or keep fewer tables on disk"
+        ) from None
+    return fd

@@ -1,0 +1,136 @@
+"""The disk tier in one process: bad settings and paths, a materialized source, forward without
+backward, and the planner putting tables on disk (a full disk: tests/e2e/test_disk_tier_full.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
+from manualpar.embeddings import (
+    SGD,
+    DiskTier,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingPlan,
+    RowWiseAdagrad,
+    SparseFeatures,
+    on_disk,
+    row_wise,
+    shard_embeddings,
+)
+from manualpar.embeddings.planner import plan_tables
+from manualpar.errors import BuilderError, PlanError
+
+TABLES = (EmbeddingBagConfig("big", 64, 4),)
+ON_DISK = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+
+
+def _shard(ebc: EmbeddingBagCollection, tier: DiskTier | None) -> torch.nn.Module:
+    return shard_embeddings(
+        ebc, mp.ManualParallelStrategy(), ON_DISK, RowWiseAdagrad(lr=0.1), disk_tier=tier
+    )
+
+
+def _meta() -> EmbeddingBagCollection:
+    with mp.empty_init():
+        return EmbeddingBagCollection(TABLES, seed=1)
+
+
+def test_disk_tier_settings_are_checked() -> None:
+    with pytest.raises(BuilderError, match=re.escape("give exactly one of cache_rows=")):
+        DiskTier("x")
+    with pytest.raises(BuilderError, match=re.escape("cache_rows must be a positive int, got 0")):
+        DiskTier("x", cache_rows=0)
+    with pytest.raises(BuilderError, match=re.escape("policy must be one of ('lru', 'lfu')")):
+        DiskTier("x", cache_rows=8, policy="fifo")
+    with pytest.raises(BuilderError) as error:
+        _shard(_meta(), None)
+    assert str(error.value) == (
+        "the plan places tables ['big'] on disk, but no disk tier was given; pass "
+        "shard_embeddings(..., disk_tier=DiskTier(directory, cache_bytes=...))"
+    )
+
+
+def test_a_directory_that_cannot_be_written(tmp_path: Path) -> None:
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    with pytest.raises(BuilderError) as error:
+        _shard(_meta(), DiskTier(tmp_path / "blocker" / "tables", cache_rows=8))
+    path = tmp_path / "blocker" / "tables" / "big.rows0.cols0.rank0.rows"
+    assert str(error.value) == (
+        f"disk tier: cannot write table 'big' (rank 0) file {str(path)!r}: Not a directory; "
+        "give DiskTier(directory=...) a directory this process can write"
+    )
+
+
+def _batch(step: int) -> SparseFeatures:
+    ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(step))
+    return SparseFeatures(["big"], ids, torch.full((6,), 2, dtype=torch.int64))
+
+
+def test_a_real_source_and_a_forward_without_backward(tmp_path: Path) -> None:
+    """A materialized collection's values go to the file; no_grad forwards unpin their rows."""
+    ebc = EmbeddingBagCollection(TABLES, seed=1)
+    with torch.no_grad():
+        ebc.tables["big"].weight.mul_(3)
+    expected = ebc.tables["big"].weight.detach().clone()
+    emb = shard_embeddings(
+        ebc,
+        mp.ManualParallelStrategy(),
+        ON_DISK,
+        SGD(lr=0.1),
+        disk_tier=DiskTier(tmp_path, cache_rows=12),
+    )
+    with torch.no_grad():
+        for step in range(10):  # 12 ids a step into 12 slots: only works if rows are unpinned
+            pooled = emb(_batch(step)).values
+    ids = _batch(9).values.view(6, 2)
+    assert torch.equal(pooled, expected[ids].sum(1))
+    with full_tensors():
+        assert torch.equal(emb.state_dict()["tables.big.weight"], expected)
+
+
+def test_the_planner_puts_the_largest_tables_on_disk_and_says_so() -> None:
+    tables = [
+        EmbeddingBagConfig("huge", 1_000_000, 64),
+        EmbeddingBagConfig("large", 400_000, 64),
+        EmbeddingBagConfig("small", 50_000, 64),
+    ]
+    budget = 60 * 2**20  # per rank; the three need 180 MiB each on 2 ranks
+    with pytest.raises(PlanError, match="more than the budget"):
+        plan_tables(tables, 2, memory_budget_bytes=budget)
+    tier = DiskTier("unused", cache_bytes=16 * 2**20)
+    plan = plan_tables(tables, 2, memory_budget_bytes=budget, disk_tier=tier)
+    assert plan.tables["huge"] == on_disk(row_wise())
+    assert plan.tables["large"] == on_disk(row_wise())
+    assert not plan.tables["small"].on_disk
+    text = plan.describe(tables)
+    assert "row_wise on disk" in text
+    assert "of which on disk: r0: 173.6 MiB, r1: 173.6 MiB" in text
+    assert "on disk: 248." in text and "exceed the 60.0 MiB budget per rank" in text
+    assert EmbeddingPlan.from_json(plan.to_json()) == plan
+    roomy = plan_tables(tables, 2, memory_budget_bytes=2**30, disk_tier=tier)
+    assert not any(p.on_disk for p in roomy.tables.values())
+
+
+def test_plan_auto_with_a_budget_puts_the_table_on_disk_and_trains(tmp_path: Path) -> None:
+    """shard_embeddings(plan="auto") hands the disk tier to the planner; the cache_bytes split
+    gives the one disk table the slots that fit."""
+    tier = DiskTier(tmp_path, cache_bytes=24 * (4 * 4 + 4))  # 24 rows of 4 floats + 1 state
+    emb = shard_embeddings(
+        _meta(),
+        mp.ManualParallelStrategy(),
+        "auto",
+        RowWiseAdagrad(lr=0.1),
+        memory_budget_bytes=1024,
+        disk_tier=tier,
+    )
+    assert emb.plan.tables["big"] == on_disk(row_wise())
+    assert emb.tables["big"].weight.shape == (24, 4)
+    for step in range(4):
+        emb(_batch(step)).values.sum().backward()
+    assert emb.disk_tables.by_name["big"].cache.misses > 24

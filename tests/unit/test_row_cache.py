@@ -1,0 +1,94 @@
+"""RowCache alone: slots, pins, dirty rows and the LRU / LFU choice of victims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manualpar.embeddings.row_cache import NEVER, STORED, CacheFull, RowCache
+
+
+def rows(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def step(cache: RowCache, *ids: int, updated: bool = True) -> torch.Tensor:
+    """One step's rows: assigned (pinned), then released as backward does."""
+    cache.new_step()
+    assignment = cache.assign(rows(*ids))
+    cache.release(assignment.slots, updated)
+    return assignment.slots
+
+
+def cached(cache: RowCache) -> set[int]:
+    return {int(r) for r in cache.row_of if r >= 0}
+
+
+def test_misses_fetch_then_hits_reuse_slots() -> None:
+    cache = RowCache(100, 4)
+    cache.new_step()
+    first = cache.assign(rows(7, 3))
+    assert first.fetch_rows.tolist() == [7, 3] and not first.stored.any()  # generated
+    cache.release(first.slots, updated=False)
+    cache.new_step()
+    again = cache.assign(rows(3, 7))
+    assert again.slots.tolist() == first.slots.flip(0).tolist()
+    assert again.fetch_rows.numel() == 0 and (cache.hits, cache.misses) == (2, 2)
+
+
+def _fill_then_evict(policy: str) -> set[int]:
+    """Rows 0 and 1 used often long ago (1 once more since), rows 2 and 3 once recently;
+    then one new row."""
+    cache = RowCache(100, 4, policy)
+    for _ in range(3):
+        step(cache, 0, 1)
+    step(cache, 2)
+    step(cache, 1)
+    step(cache, 3)
+    cache.new_step()
+    cache.assign(rows(9))  # evicts a batch: at least one slot
+    return cached(cache)
+
+
+def test_lru_evicts_the_least_recently_used() -> None:
+    assert _fill_then_evict("lru") == {1, 2, 3, 9}  # row 0: its last use is the oldest
+
+
+def test_lfu_evicts_the_least_frequently_used() -> None:
+    assert _fill_then_evict("lfu") == {0, 1, 3, 9}  # row 2: used once, before row 3
+
+
+def test_evicted_dirty_rows_are_written_back_and_later_read_from_the_file() -> None:
+    cache = RowCache(100, 2)
+    step(cache, 5, updated=True)
+    step(cache, 6, updated=False)  # generated, so dirty too: not in the file yet
+    cache.new_step()
+    assignment = cache.assign(rows(7, 8))
+    assert sorted(assignment.evict_rows.tolist()) == [5, 6]
+    assert cache.slot_of[5] == STORED and cache.slot_of[7] >= 0 and cache.slot_of[9] == NEVER
+    cache.release(assignment.slots, updated=False)
+    cache.new_step()
+    back = cache.assign(rows(5))
+    assert back.fetch_rows.tolist() == [5] and back.stored.tolist() == [True]
+
+
+def test_pinned_rows_are_never_evicted_and_overflow_leaves_the_cache_as_it_was() -> None:
+    cache = RowCache(100, 3)
+    cache.new_step()
+    pinned = cache.assign(rows(1, 2))  # forward of a step whose backward has not run
+    with pytest.raises(CacheFull) as error:
+        cache.assign(rows(3, 4))
+    assert (error.value.needed, error.value.capacity) == (4, 3)
+    assert cached(cache) == {1, 2} and cache.pins[pinned.slots].tolist() == [1, 1]
+    cache.release(pinned.slots, updated=True)
+    assert sorted(cache.assign(rows(3, 4)).fetch_rows.tolist()) == [3, 4]
+
+
+def test_dirty_entries_and_drop_all() -> None:
+    cache = RowCache(10, 4)
+    step(cache, 1, 2)
+    dirty_rows, _ = cache.dirty_entries()
+    assert sorted(dirty_rows.tolist()) == [1, 2] and cache.dirty_entries()[0].numel() == 0
+    assert cache.never_written(0, 10).tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
+    cache.drop_all()
+    assert (cache.slot_of == STORED).all() and cached(cache) == set()
