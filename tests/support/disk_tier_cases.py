@@ -4,6 +4,7 @@ write-back. Every job returns full tables and optimizer state for exact comparis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -66,9 +67,12 @@ def plan(world: int, disk: bool) -> EmbeddingPlan:
     return EmbeddingPlan(world, {"big": big, "side": table_wise(world - 1)})
 
 
-def build(strategy: Any, opt: str, tier: DiskTier | None) -> Any:
+def build(
+    strategy: Any, opt: str, tier: DiskTier | None, dtype: torch.dtype = torch.float32
+) -> Any:
+    tables = [dataclasses.replace(table, dtype=dtype) for table in TABLES]
     with mp.empty_init():
-        ebc = EmbeddingBagCollection(TABLES, seed=SEED)
+        ebc = EmbeddingBagCollection(tables, seed=SEED)
     return shard(
         ebc, strategy, plan(strategy.world_size, tier is not None), rule(opt), disk_tier=tier
     )
@@ -95,13 +99,16 @@ def cache_rows(world: int) -> int:
     return -(-ROWS // world) // 8
 
 
-def train_pair(directory: str, opt: str, ids: str, steps: int) -> dict[str, Any]:
-    """The same steps on the big table in memory and on disk; both snapshots and hit counts."""
+def train_pair(
+    directory: str, opt: str, ids: str, steps: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """The same steps on the big table in memory and on disk (rows in `dtype`); both snapshots
+    and hit counts."""
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
-    memory = build(strategy, opt, None)
+    memory = build(strategy, opt, None, dtype)
     tier = DiskTier(directory, cache_rows=cache_rows(world), policy="lru")
-    disk = build(strategy, opt, tier)
+    disk = build(strategy, opt, tier, dtype)
     train(memory, rank, range(steps), ids)
     train(disk, rank, range(steps), ids)
     cache = disk.disk_tables.by_name["big"].cache
