@@ -208,9 +208,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             return {}
         shard = self._held(table)
         offsets = (shard.row_start, shard.col_start)
+        disk = self.on_disk.get(table)  # rows are cache slots: draw by the rows they hold
+        slot_rows = None if disk is None else disk.cache.row_of
         return {
             "rounding": RowRounding.for_block(
-                weight.dtype, self._seed, table, self.num_updates, offsets, self._dims[table]
+                weight.dtype,
+                self._seed,
+                table,
+                self.num_updates,
+                offsets,
+                self._dims[table],
+                slot_rows,
             )
         }
 

@@ -64,5 +64,6 @@ def rowwise_adagrad_rounded(
         rounding.key,
         rounding.row_start,
         rounding.dim,
+        rounding.slot_rows,
     )
     return True

@@ -59,6 +59,9 @@ class RowRounding:
     col_start: int
     dim: int
     stochastic: bool = True
+    # a disk tier's cache: the block row each cache slot holds (RowCache.row_of), so an element
+    # draws the bits of its table position, not of its slot; None: rows are the block's own
+    slot_rows: torch.Tensor | None = None
 
     @classmethod
     def for_block(
@@ -69,6 +72,7 @@ class RowRounding:
         step: int,
         offsets: tuple[int, int],
         dim: int,
+        slot_rows: torch.Tensor | None = None,
     ) -> RowRounding:
         return cls(
             dtype,
@@ -77,6 +81,7 @@ class RowRounding:
             offsets[1],
             dim,
             stochastic=dtype == torch.bfloat16,
+            slot_rows=slot_rows,
         )
 
     @property
@@ -89,7 +94,8 @@ def random_bits(rounding: RowRounding, rows: torch.Tensor, cols: int) -> torch.T
     """(rows, cols) int32 in [0, 2^16): of each element's global index i (row * dim + column),
     16-bit word i % 4 of the hash of i / 4 (one 64-bit hash serves 4 elements)."""
     columns = torch.arange(rounding.col_start, rounding.col_start + cols, device=rows.device)
-    index = (rows + rounding.row_start).unsqueeze(1) * rounding.dim + columns
+    block_rows = rows if rounding.slot_rows is None else rounding.slot_rows[rows]
+    index = (block_rows + rounding.row_start).unsqueeze(1) * rounding.dim + columns
     hashes = torch_mix(rounding.key, index >> 2)
     return ((hashes >> (index & 3) * 16) & 0xFFFF).to(torch.int32)
 
@@ -124,6 +130,7 @@ def add_rounded(
             rounding.row_start,
             rounding.col_start,
             rounding.dim,
+            rounding.slot_rows,
         )
         return
     values = tensor.index_select(0, rows).float().add_(delta * alpha)

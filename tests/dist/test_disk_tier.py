@@ -52,33 +52,17 @@ def test_disk_table_trains_to_the_in_memory_numbers(
 
 
 @pytest.mark.timeout(90)
-def test_half_rows_on_disk(tmp_path: Path) -> None:
-    """float16 rows on disk train to the in-memory bits (rounding to nearest has no position).
-    bfloat16 rounds stochastically with bits drawn from the element's position in its block,
-    which on disk is the row's cache slot: unbiased and reproducible, but other draws than in
-    memory, so the tables agree within the rounding (a unit of 2^-8 per update) only."""
-    fp16, bf16 = (
-        run_distributed(
-            train_pair,
-            2,
-            args=(str(tmp_path / str(dtype)), "rowwise", "zipf", 4, dtype),
-            timeout=60,
-        )
-        for dtype in (torch.float16, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_rows_on_disk(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Half rows on disk train to the in-memory bits: float16 rounds to nearest, bfloat16
+    stochastically with the bits of each element's table position (not of its cache slot)."""
+    results = run_distributed(
+        train_pair, 2, args=(str(tmp_path / "tier"), "rowwise", "zipf", 4, dtype), timeout=60
     )
-    for result in fp16:
-        assert result["disk"]["tables"]["big"].dtype == torch.float16
+    for result in results:
+        assert result["disk"]["tables"]["big"].dtype == dtype
         assert_same(result["disk"], result["memory"])
-    for result in bf16:
-        disk, memory = result["disk"]["tables"]["big"], result["memory"]["tables"]["big"]
-        assert disk.dtype == torch.bfloat16
-        # the half-precision tests' bounds (tests/support/half_cases.py): each update rounds
-        # up or down by less than a unit u = 2^-8 and a later gradient carries the difference
-        # on, so the mean deviation stays within 3 x 2u x mean|w|, each element 16u x max|w|
-        gap, unit = (disk.float() - memory.float()).abs(), 2.0**-8
-        assert gap.mean() <= 6 * unit * memory.float().abs().mean()
-        assert gap.max() <= 16 * unit * memory.float().abs().max()
-        assert not torch.equal(disk, memory)  # the draws differ: the docs say so
+        assert result["misses"] > result["capacity"]
 
 
 @pytest.mark.timeout(120)

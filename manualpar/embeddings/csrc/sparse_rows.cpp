@@ -609,14 +609,31 @@ struct Rounding {
   bool stochastic = false;
   uint64_t key = 0;
   int64_t row_start = 0, col_start = 0, dim = 0;
+  // the block row each row of the tensor holds (a disk tier's cache slots), or none: the same
+  const int64_t* row_of = nullptr;
+  int64_t table_row(int64_t row) const { return row_start + (row_of ? row_of[row] : row); }
 };
+
+// A Rounding for a tensor whose rows hold the block rows `row_of` (if given, one per row).
+Rounding make_rounding(bool stochastic, int64_t key, int64_t row_start, int64_t col_start,
+                       int64_t dim, const c10::optional<torch::Tensor>& row_of,
+                       int64_t tensor_rows) {
+  Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  if (row_of) {
+    TORCH_CHECK(row_of->device().is_cpu() && row_of->is_contiguous() &&
+                    row_of->scalar_type() == torch::kLong && row_of->numel() == tensor_rows,
+                "row_of must be a contiguous CPU int64 tensor with one entry per row");
+    r.row_of = row_of->data_ptr<int64_t>();
+  }
+  return r;
+}
 
 template <typename weight_t>
 inline weight_t round_value(float x, const Rounding& r, int64_t row, int64_t col) {
   if constexpr (std::is_same_v<weight_t, at::BFloat16>) {
     if (r.stochastic) {
       // one hash per 4 elements: element i takes 16-bit word i % 4 of the hash of i / 4
-      const uint64_t index = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start + col);
+      const uint64_t index = static_cast<uint64_t>(r.table_row(row) * r.dim + r.col_start + col);
       const uint32_t noise =
           static_cast<uint32_t>(splitmix(r.key, index >> 2) >> (16 * (index & 3))) & 0xFFFFu;
       uint32_t bits;
@@ -836,7 +853,7 @@ inline void axpy_round_row(weight_t* __restrict__ w, const float* __restrict__ s
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool draws = std::is_same_v<weight_t, at::BFloat16> && r.stochastic;
   if (has_avx512_bf16_rounding() && (draws || std::is_same_v<weight_t, at::Half>)) {
-    const uint64_t base = static_cast<uint64_t>((r.row_start + row) * r.dim + r.col_start);
+    const uint64_t base = static_cast<uint64_t>(r.table_row(row) * r.dim + r.col_start);
     c = axpy_round_avx512(w, src, a, n, r.key, base);
   }
 #endif
@@ -985,12 +1002,13 @@ torch::Tensor pooled_sum_half(torch::Tensor weight, torch::Tensor ids, torch::Te
 // `delta`; `row_start`, `col_start` place the block in its table of width `dim`.
 void add_to_rows_rounded(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta,
                          double alpha, bool stochastic, int64_t key, int64_t row_start,
-                         int64_t col_start, int64_t dim) {
+                         int64_t col_start, int64_t dim, c10::optional<torch::Tensor> row_of) {
   check_half_rows(tensor);
   check_cpu_contiguous(rows, "rows");
   check_float(delta, "delta");
   TORCH_CHECK(delta.numel() == rows.numel() * tensor.size(1), "one delta row per row");
-  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  const Rounding r = make_rounding(stochastic, key, row_start, col_start, dim, row_of,
+                                   tensor.size(0));
   AT_DISPATCH_REDUCED_FLOATING_TYPES(tensor.scalar_type(), "add_to_rows_rounded", [&] {
     add_to_rows_rounded_impl<scalar_t>(tensor, rows, delta, alpha, r);
   });
@@ -1004,7 +1022,8 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
                                     std::vector<torch::Tensor> blocks, std::vector<double> scales,
                                     int64_t first_bag, int64_t end_bag, int64_t col_start,
                                     double lr, double eps, bool stochastic, int64_t key,
-                                    int64_t row_start, int64_t dim) {
+                                    int64_t row_start, int64_t dim,
+                                    c10::optional<torch::Tensor> row_of) {
   check_half_rows(weight);
   check_float(state, "state");
   for (const auto* t : {&order, &starts, &bags, &rows, &runs}) {
@@ -1022,7 +1041,8 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
     TORCH_CHECK(block.scalar_type() == torch::kFloat, "gradients must be float32");
   }
   Groups groups{order, starts, bags, rows, runs};
-  const Rounding r{stochastic, static_cast<uint64_t>(key), row_start, col_start, dim};
+  const Rounding r = make_rounding(stochastic, key, row_start, col_start, dim, row_of,
+                                   weight.size(0));
   AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update_rounded", [&] {
     rowwise_adagrad_rounded_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
                                            run_begin, run_end, first_bag, end_bag, col_start, lr,
