@@ -150,7 +150,7 @@ def row_gradients(
         )
         return rows, summed
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-    sorted_ids, order = torch.sort(ids)
+    sorted_ids, order = torch.sort(ids, stable=True)  # each row sums its bags in order
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     if rows.numel() == 0:
         return rows, bag_grads.new_zeros(0, bag_grads.shape[1])

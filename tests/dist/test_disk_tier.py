@@ -52,12 +52,28 @@ def test_disk_table_trains_to_the_in_memory_numbers(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_rows_on_disk(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "opt", "native"),
+    [
+        (torch.float16, "rowwise", "1"),
+        (torch.bfloat16, "rowwise", "1"),
+        (torch.bfloat16, "adam", "1"),
+        (torch.float32, "rowwise", "0"),  # the torch path: a row sums its bags in order
+        (torch.bfloat16, "adam", "0"),
+    ],
+)
+def test_half_rows_and_torch_path_on_disk(
+    tmp_path: Path, dtype: torch.dtype, opt: str, native: str
+) -> None:
     """Half rows on disk train to the in-memory bits: float16 rounds to nearest, bfloat16
-    stochastically with the bits of each element's table position (not of its cache slot)."""
+    stochastically with the bits of each element's table position (not of its cache slot);
+    on the C++ kernels and on the torch path (CUDA, no compiler) alike."""
     results = run_distributed(
-        train_pair, 2, args=(str(tmp_path / "tier"), "rowwise", "zipf", 4, dtype), timeout=60
+        train_pair,
+        2,
+        args=(str(tmp_path / "tier"), opt, "zipf", 4, dtype),
+        timeout=60,
+        env={"MANUALPAR_NATIVE_KERNELS": native},
     )
     for result in results:
         assert result["disk"]["tables"]["big"].dtype == dtype
