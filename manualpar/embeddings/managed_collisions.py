@@ -28,7 +28,7 @@ Stats, per table, since the last reset: `ids` (distinct ids seen, summed over st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -100,6 +100,19 @@ def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
     return unsigned_mod(hash_ids(ids, _setting(config).salt), layout_of(config).num_buckets)
 
 
+@dataclass(frozen=True)
+class _HeldIndex:
+    """Candidate rows of held ids: `ids` ascending with their `rows` (as of the last rebuild),
+    `new_ids` ascending (stable: the newest entry of an id last) with `new_rows` (assigned
+    since). `key` names the state it describes (ManagedCollisionTable._state_key)."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    new_ids: torch.Tensor
+    new_rows: torch.Tensor
+    key: tuple[int, ...]
+
+
 class ManagedCollisionTable(nn.Module):
     """One managed table's remapper state for the rows of buckets [first, end) (the whole table
     unsharded). Buffers: `ids`, `last_seen`, `counts` per row of the block, `step` (scalar)."""
@@ -124,6 +137,7 @@ class ManagedCollisionTable(nn.Module):
             self.register_buffer(name, torch.zeros(rows, dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.stats = dict.fromkeys(STATS, 0)
+        self._index: _HeldIndex | None = None
 
     def reset_parameters(self) -> None:
         """Every row free, no step taken (materialize() calls it on meta-built tables)."""
@@ -145,7 +159,7 @@ class ManagedCollisionTable(nn.Module):
         taken: rows assigned, stats counted."""
         h = hash_ids(ids, _setting(self.config).salt)
         bucket = unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
-        local = self._held_rows(ids, bucket)
+        local = self._held_rows(ids)
         if self.training:
             step = int(self.step) + 1
             self.step.fill_(step)
@@ -157,6 +171,8 @@ class ManagedCollisionTable(nn.Module):
                 local[new] = self._assign(ids[new], counts[new], bucket[new], step)
             self.stats["ids"] += ids.numel()
             self.stats["new"] += new.numel()
+            if self._index is not None:  # our own writes keep the index valid
+                self._index = replace(self._index, key=self._state_key())
         shared = local < 0
         if bool(shared.any()):
             local[shared] = self._shared_rows(h[shared], bucket[shared])
@@ -170,18 +186,55 @@ class ManagedCollisionTable(nn.Module):
         exists = rows < self.row_end - self.row_start
         return rows.clamp_(max=max(self.row_end - self.row_start - 1, 0)), exists
 
-    def _held_rows(self, ids: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
-        """The block row holding each id, -1 if none does (an id is held at most once, in its
-        bucket). Either the held ids are sorted and searched, or each id is compared with the
-        rows of its bucket, whichever reads less: measured (one thread, 5k ids, 64-row
-        buckets) sorting 51k held rows 1.6 ms against comparing 7.7 ms, but 1M held rows
-        74 ms against 13 ms; they cross near held rows = ids x bucket_rows / 2."""
-        held_rows = torch.nonzero(self.last_seen).flatten()
-        if not held_rows.numel() or not ids.numel():
-            return torch.full_like(ids, -1)
-        if 2 * held_rows.numel() > ids.numel() * self.layout.bucket_rows:
-            return self._held_in_buckets(ids, bucket)
-        return self._held_by_sort(ids, held_rows)
+    def _held_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block row holding each id, -1 if none does (an id is held at most once).
+
+        Sorting the held ids every step was most of a remap (measured 1.3 ms of sort and copy
+        for 44k held rows, 5k ids, one thread), so they stay sorted across steps: `_index`
+        holds them as of its last rebuild plus the rows assigned since (sorted each step, a
+        few thousand). An entry is a candidate; the row's state says whether it still holds
+        the id. Any change to the state from outside remap (load, reset, copy) rebuilds it."""
+        index = self._index
+        if index is None or index.key != self._state_key():
+            held_rows = torch.nonzero(self.last_seen).flatten()
+            held, order = self.ids[held_rows].sort()
+            none = held[:0]
+            index = self._index = _HeldIndex(held, held_rows[order], none, none, ())
+        out = torch.full_like(ids, -1)
+        for held, rows, right in (
+            (index.ids, index.rows, False),
+            (index.new_ids, index.new_rows, True),
+        ):
+            if not held.numel() or not ids.numel():
+                continue
+            at = torch.searchsorted(held, ids, right=right)
+            at = (at - 1 if right else at).clamp_(0, held.numel() - 1)
+            row = rows[at]
+            holds = (held[at] == ids) & (self.ids[row] == ids) & (self.last_seen[row] != 0)
+            out = torch.where(holds, row, out)
+        return out
+
+    def _remember_assigned(self, target: torch.Tensor, new_ids: torch.Tensor) -> None:
+        """Rows `target` were just given `new_ids`: add them to the index (the newest entry of
+        an id is searched first); rebuild once they are a quarter of the block."""
+        index = self._index
+        assert index is not None  # _held_rows ran first
+        if index.new_ids.numel():
+            new_ids, target = (
+                torch.cat([index.new_ids, new_ids]),
+                torch.cat([index.new_rows, target]),
+            )
+        if 4 * new_ids.numel() > self.last_seen.numel():
+            self._index = None
+            return
+        added, order = new_ids.sort(stable=True)
+        self._index = replace(index, new_ids=added, new_rows=target[order])
+
+    def _state_key(self) -> tuple[int, ...]:
+        """Which tensors hold the ids and steps, and their in-place version counters."""
+        return tuple(
+            x for t in (self.ids, self.last_seen) for x in (id(t), t.data_ptr(), t._version)
+        )
 
     def _held_by_sort(self, ids: torch.Tensor, held_rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(ids, -1)
@@ -236,6 +289,7 @@ class ManagedCollisionTable(nn.Module):
         self.ids[target] = ids[chosen]
         self.last_seen[target] = step
         self.counts[target] = counts[chosen]
+        self._remember_assigned(target, ids[chosen])
         out = torch.full_like(ids, -1)
         out[chosen] = target
         return out
