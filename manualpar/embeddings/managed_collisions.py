@@ -192,14 +192,16 @@ class ManagedCollisionTable(nn.Module):
         Sorting the held ids every step was most of a remap (measured 1.3 ms of sort and copy
         for 44k held rows, 5k ids, one thread), so they stay sorted across steps: `_index`
         holds them as of its last rebuild plus the rows assigned since (sorted each step, a
-        few thousand). An entry is a candidate; the row's state says whether it still holds
-        the id. Any change to the state from outside remap (load, reset, copy) rebuilds it."""
+        few thousand). An entry is a candidate: its row holds the id if the row's id is still
+        that one (an indexed row is held until a reset or load, which rebuild the index: any
+        change to the state from outside remap does)."""
         index = self._index
         if index is None or index.key != self._state_key():
             held_rows = torch.nonzero(self.last_seen).flatten()
             held, order = self.ids[held_rows].sort()
             none = held[:0]
-            index = self._index = _HeldIndex(held, held_rows[order], none, none, ())
+            key = self._state_key()
+            index = self._index = _HeldIndex(held, held_rows[order], none, none, key)
         out = torch.full_like(ids, -1)
         for held, rows, right in (
             (index.ids, index.rows, False),
@@ -210,8 +212,7 @@ class ManagedCollisionTable(nn.Module):
             at = torch.searchsorted(held, ids, right=right)
             at = (at - 1 if right else at).clamp_(0, held.numel() - 1)
             row = rows[at]
-            holds = (held[at] == ids) & (self.ids[row] == ids) & (self.last_seen[row] != 0)
-            out = torch.where(holds, row, out)
+            out = torch.where(self.ids[row] == ids, row, out)
         return out
 
     def _remember_assigned(self, target: torch.Tensor, new_ids: torch.Tensor) -> None:
