@@ -157,26 +157,33 @@ class ManagedCollisionTable(nn.Module):
         """Table rows of distinct, ascending raw `ids` (as torch.unique returns them; all in
         this block's buckets) seen `counts` times this step; in training mode the step is
         taken: rows assigned, stats counted."""
-        h = hash_ids(ids, _setting(self.config).salt)
-        bucket = unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
         local = self._held_rows(ids)
         if self.training:
             step = int(self.step) + 1
             self.step.fill_(step)
             hit = local >= 0
-            self.last_seen[local[hit]] = step
-            self.counts[local[hit]] += counts[hit]
+            held = local[hit]
+            self.last_seen[held] = step
+            self.counts[held] += counts[hit]
             new = torch.nonzero(~hit).flatten()
             if new.numel():
-                local[new] = self._assign(ids[new], counts[new], bucket[new], step)
+                new_ids = ids[new]
+                bucket = self._local_buckets(new_ids)[1]
+                local[new] = self._assign(new_ids, counts[new], bucket, step)
             self.stats["ids"] += ids.numel()
             self.stats["new"] += new.numel()
             if self._index is not None:  # our own writes keep the index valid
                 self._index = replace(self._index, key=self._state_key())
-        shared = local < 0
-        if bool(shared.any()):
-            local[shared] = self._shared_rows(h[shared], bucket[shared])
+        shared = torch.nonzero(local < 0).flatten()
+        if shared.numel():
+            local[shared] = self._shared_rows(*self._local_buckets(ids[shared]))
         return local + self.row_start
+
+    def _local_buckets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(H, bucket in this block) of `ids`; only for the ids that need them (new or shared,
+        about a tenth of a step's ids in bench_raw_ids), as hashing is a dozen ops per id."""
+        h = hash_ids(ids, _setting(self.config).salt)
+        return h, unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
 
     def _bucket_rows(self, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(len(buckets), bucket_rows) block rows of each local bucket, and which exist (the
