@@ -253,6 +253,9 @@ class ManagedCollisionTable(nn.Module):
             x for t in (self.ids, self.last_seen) for x in (id(t), t.data_ptr(), t._version)
         )
 
+    # _held_by_sort and _held_in_buckets: the two lookups _held_rows replaced (sort every
+    # held id each step; compare each id with its bucket's rows), kept as its references in
+    # the tests.
     def _held_by_sort(self, ids: torch.Tensor, held_rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(ids, -1)
         held, order = self.ids[held_rows].sort()
