@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import count
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed 
 STATS = ("ids", "new", "collisions", "evictions")
 _BELOW_62 = (1 << 62) - 1
 _BELOW_32 = (1 << 32) - 1
+_NO_VERSION = count()  # keys of states without version counters, never equal
 
 
 @dataclass(frozen=True)
@@ -248,10 +250,15 @@ class ManagedCollisionTable(nn.Module):
         self._index = replace(index, new_ids=added, new_rows=target[order])
 
     def _state_key(self) -> tuple[int, ...]:
-        """Which tensors hold the ids and steps, and their in-place version counters."""
-        return tuple(
-            x for t in (self.ids, self.last_seen) for x in (id(t), t.data_ptr(), t._version)
-        )
+        """Which tensors hold the ids and steps, and their in-place version counters (tensors
+        made under inference_mode have none: then a key that matches nothing, so the index is
+        rebuilt every step)."""
+        try:
+            return tuple(
+                x for t in (self.ids, self.last_seen) for x in (id(t), t.data_ptr(), t._version)
+            )
+        except RuntimeError:
+            return (-1, next(_NO_VERSION))
 
     # _held_by_sort and _held_in_buckets: the two lookups _held_rows replaced (sort every
     # held id each step; compare each id with its bucket's rows), kept as its references in
