@@ -28,7 +28,8 @@ Stats, per table, since the last reset: `ids` (distinct ids seen, summed over st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import count
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed 
 STATS = ("ids", "new", "collisions", "evictions")
 _BELOW_62 = (1 << 62) - 1
 _BELOW_32 = (1 << 32) - 1
+_NO_VERSION = count()  # keys of states without version counters, never equal
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,19 @@ def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
     return unsigned_mod(hash_ids(ids, _setting(config).salt), layout_of(config).num_buckets)
 
 
+@dataclass(frozen=True)
+class _HeldIndex:
+    """Candidate rows of held ids: `ids` ascending with their `rows` (as of the last rebuild),
+    `new_ids` ascending (stable: the newest entry of an id last) with `new_rows` (assigned
+    since). `key` names the state it describes (ManagedCollisionTable._state_key)."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    new_ids: torch.Tensor
+    new_rows: torch.Tensor
+    key: tuple[int, ...]
+
+
 class ManagedCollisionTable(nn.Module):
     """One managed table's remapper state for the rows of buckets [first, end) (the whole table
     unsharded). Buffers: `ids`, `last_seen`, `counts` per row of the block, `step` (scalar)."""
@@ -124,6 +139,7 @@ class ManagedCollisionTable(nn.Module):
             self.register_buffer(name, torch.zeros(rows, dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.stats = dict.fromkeys(STATS, 0)
+        self._index: _HeldIndex | None = None
 
     def reset_parameters(self) -> None:
         """Every row free, no step taken (materialize() calls it on meta-built tables)."""
@@ -143,24 +159,33 @@ class ManagedCollisionTable(nn.Module):
         """Table rows of distinct, ascending raw `ids` (as torch.unique returns them; all in
         this block's buckets) seen `counts` times this step; in training mode the step is
         taken: rows assigned, stats counted."""
-        h = hash_ids(ids, _setting(self.config).salt)
-        bucket = unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
-        local = self._held_rows(ids, bucket)
+        local = self._held_rows(ids)
         if self.training:
             step = int(self.step) + 1
             self.step.fill_(step)
             hit = local >= 0
-            self.last_seen[local[hit]] = step
-            self.counts[local[hit]] += counts[hit]
+            held = local[hit]
+            self.last_seen[held] = step
+            self.counts[held] += counts[hit]
             new = torch.nonzero(~hit).flatten()
             if new.numel():
-                local[new] = self._assign(ids[new], counts[new], bucket[new], step)
+                new_ids = ids[new]
+                bucket = self._local_buckets(new_ids)[1]
+                local[new] = self._assign(new_ids, counts[new], bucket, step)
             self.stats["ids"] += ids.numel()
             self.stats["new"] += new.numel()
-        shared = local < 0
-        if bool(shared.any()):
-            local[shared] = self._shared_rows(h[shared], bucket[shared])
+            if self._index is not None:  # our own writes keep the index valid
+                self._index = replace(self._index, key=self._state_key())
+        shared = torch.nonzero(local < 0).flatten()
+        if shared.numel():
+            local[shared] = self._shared_rows(*self._local_buckets(ids[shared]))
         return local + self.row_start
+
+    def _local_buckets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(H, bucket in this block) of `ids`; only for the ids that need them (new or shared,
+        about a tenth of a step's ids in bench_raw_ids), as hashing is a dozen ops per id."""
+        h = hash_ids(ids, _setting(self.config).salt)
+        return h, unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
 
     def _bucket_rows(self, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(len(buckets), bucket_rows) block rows of each local bucket, and which exist (the
@@ -170,19 +195,74 @@ class ManagedCollisionTable(nn.Module):
         exists = rows < self.row_end - self.row_start
         return rows.clamp_(max=max(self.row_end - self.row_start - 1, 0)), exists
 
-    def _held_rows(self, ids: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
-        """The block row holding each id, -1 if none does (an id is held at most once, in its
-        bucket). Either the held ids are sorted and searched, or each id is compared with the
-        rows of its bucket, whichever reads less: measured (one thread, 5k ids, 64-row
-        buckets) sorting 51k held rows 1.6 ms against comparing 7.7 ms, but 1M held rows
-        74 ms against 13 ms; they cross near held rows = ids x bucket_rows / 2."""
-        held_rows = torch.nonzero(self.last_seen).flatten()
-        if not held_rows.numel() or not ids.numel():
-            return torch.full_like(ids, -1)
-        if 2 * held_rows.numel() > ids.numel() * self.layout.bucket_rows:
-            return self._held_in_buckets(ids, bucket)
-        return self._held_by_sort(ids, held_rows)
+    def _held_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block row holding each id, -1 if none does (an id is held at most once).
 
+        Sorting the held ids every step was most of a remap (measured 1.3 ms of sort and copy
+        for 44k held rows, 5k ids, one thread), so they stay sorted across steps: `_index`
+        holds them as of its last rebuild plus the rows assigned since (sorted each step, a
+        few thousand). An entry is a candidate: its row holds the id if the row's id is still
+        that one (an indexed row is held until a reset or load, which rebuild the index: any
+        change to the state from outside remap does)."""
+        index = self._index
+        if index is None or index.key != self._state_key():
+            held_rows = torch.nonzero(self.last_seen).flatten()
+            held, order = self.ids[held_rows].sort()
+            none = held[:0]
+            key = self._state_key()
+            index = self._index = _HeldIndex(held, held_rows[order], none, none, key)
+        out = self._search(index.ids, index.rows, ids, right=False)
+        if index.new_ids.numel():
+            # ids held since the rebuild: only those not found there (a tenth of them in
+            # bench_raw_ids; a search costs about 35 ns per id, whatever the index's size)
+            missed = torch.nonzero(out < 0).flatten()
+            if missed.numel():
+                found = self._search(index.new_ids, index.new_rows, ids[missed], right=True)
+                out[missed] = found
+        return out
+
+    def _search(
+        self, held: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, right: bool
+    ) -> torch.Tensor:
+        """The row of each id by its entry in `held` (ascending ids; `right`: the last entry of
+        an id), -1 where the entry's row does not hold the id."""
+        if not held.numel() or not ids.numel():
+            return torch.full_like(ids, -1)
+        at = torch.searchsorted(held, ids, right=right)
+        at = (at - 1 if right else at).clamp_(0, held.numel() - 1)
+        row = rows[at]
+        return torch.where(self.ids[row] == ids, row, -1)
+
+    def _remember_assigned(self, target: torch.Tensor, new_ids: torch.Tensor) -> None:
+        """Rows `target` were just given `new_ids`: add them to the index (the newest entry of
+        an id is searched first); rebuild once they are a quarter of the block."""
+        index = self._index
+        assert index is not None  # _held_rows ran first
+        if index.new_ids.numel():
+            new_ids, target = (
+                torch.cat([index.new_ids, new_ids]),
+                torch.cat([index.new_rows, target]),
+            )
+        if 4 * new_ids.numel() > self.last_seen.numel():
+            self._index = None
+            return
+        added, order = new_ids.sort(stable=True)
+        self._index = replace(index, new_ids=added, new_rows=target[order])
+
+    def _state_key(self) -> tuple[int, ...]:
+        """Which tensors hold the ids and steps, and their in-place version counters (tensors
+        made under inference_mode have none: then a key that matches nothing, so the index is
+        rebuilt every step)."""
+        try:
+            return tuple(
+                x for t in (self.ids, self.last_seen) for x in (id(t), t.data_ptr(), t._version)
+            )
+        except RuntimeError:
+            return (-1, next(_NO_VERSION))
+
+    # _held_by_sort and _held_in_buckets: the two lookups _held_rows replaced (sort every
+    # held id each step; compare each id with its bucket's rows), kept as its references in
+    # the tests.
     def _held_by_sort(self, ids: torch.Tensor, held_rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(ids, -1)
         held, order = self.ids[held_rows].sort()
@@ -236,6 +316,7 @@ class ManagedCollisionTable(nn.Module):
         self.ids[target] = ids[chosen]
         self.last_seen[target] = step
         self.counts[target] = counts[chosen]
+        self._remember_assigned(target, ids[chosen])
         out = torch.full_like(ids, -1)
         out[chosen] = target
         return out
