@@ -160,5 +160,14 @@ def lose_node(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> 
     except mp.CollectiveError as error:
         report = {"error": str(error), "time": time.time(), "step": step}
         (folder / f"error_{strategy.rank}.json").write_text(json.dumps(report))
+        # The node's agent stops every worker once one exits: wait (bounded) for this node's
+        # other survivors to write theirs, so a rank slower by a scheduling hiccup under load
+        # is not killed in its roll call before its report is on disk.
+        local = strategy.environment.local_world_size
+        first = strategy.rank // local * local
+        reports = [folder / f"error_{rank}.json" for rank in range(first, first + local)]
+        waited = time.monotonic() + 10
+        while not all(r.exists() for r in reports) and time.monotonic() < waited:
+            time.sleep(0.05)
         raise
     return {"steps": step}  # no node was lost: the test fails on this
