@@ -29,7 +29,7 @@ from typing import BinaryIO
 import numpy as np
 from data import NUM_DENSE, NUM_SPARSE, Batch, SyntheticCriteo, log_counts, make_batch, table_rows
 
-from manualpar import HashIds
+from manualpar import HashIds, ManagedCollisions
 from manualpar.embeddings import EmbeddingBagConfig
 
 FIELDS = 1 + NUM_DENSE + NUM_SPARSE
@@ -364,13 +364,31 @@ def head(files: Sequence[str | Path], lines: int, rank: int, world: int) -> Batc
     )
 
 
-def hashed_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
-    """The tables reading raw ids (hex values, MISSING_ID) through HashIds, salt = the table's
-    position: each feature's ids land on rows independently of the others'."""
+RAW_ID_MODES = ("hash", "lru", "lfu")
+
+
+def raw_id_tables(
+    tables: Sequence[EmbeddingBagConfig], mode: str = "hash"
+) -> list[EmbeddingBagConfig]:
+    """The tables reading raw ids (hex values, MISSING_ID): hashed into rows (`mode` "hash") or
+    given rows by managed collisions evicting the least recently ("lru") or least often ("lfu")
+    seen id; salt = the table's position, so each feature's ids land independently."""
+    if mode not in RAW_ID_MODES:
+        raise ValueError(f"raw-id mode must be one of {RAW_ID_MODES}, got {mode!r}")
     return [
-        dataclasses.replace(table, raw_ids=HashIds(salt=index))
+        dataclasses.replace(
+            table,
+            raw_ids=HashIds(salt=index)
+            if mode == "hash"
+            else ManagedCollisions(policy=mode, salt=index),
+        )
         for index, table in enumerate(tables)
     ]
+
+
+def hashed_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """`raw_id_tables(tables, "hash")`."""
+    return raw_id_tables(tables, "hash")
 
 
 class CriteoStream:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from criteo import CriteoStream, hashed_tables
+from criteo import RAW_ID_MODES, CriteoStream, raw_id_tables
 from data import SyntheticCriteo, make_tables, table_rows
 from model import DLRM, make_plan
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -99,7 +99,7 @@ def parse_args() -> argparse.Namespace:
         "--criteo",
         nargs="+",
         metavar="FILE",
-        help="train on Criteo-format files (plain or .gz), streamed; tables hash the raw ids",
+        help="train on Criteo-format files (plain or .gz), streamed into raw-id tables (--raw-ids)",
     )
     add(
         "--criteo-val",
@@ -109,6 +109,14 @@ def parse_args() -> argparse.Namespace:
         "--criteo file, which training then skips)",
     )
     add("--criteo-epochs", type=int, default=1, help="passes over the --criteo files")
+    add(
+        "--raw-ids",
+        choices=RAW_ID_MODES,
+        default="hash",
+        help="how --criteo tables map raw ids to rows: a salted hash, or managed collisions "
+        "evicting the least recently (lru) or least often (lfu) seen id; the Trainer then logs "
+        "collision and eviction rates",
+    )
     add("--rows-per-table", type=int, default=None, help="every table gets this many rows")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--no-plot", action="store_true", help="do not write metrics.png")
@@ -178,7 +186,7 @@ def main() -> None:
         rows = [args.rows_per_table] * len(rows)
     tables = make_tables(rows, args.dim, DTYPE_NAMES[args.table_dtype])
     if args.criteo:
-        tables = hashed_tables(tables)
+        tables = raw_id_tables(tables, args.raw_ids)
     unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
     if args.plan_only is not None:
         plan = make_plan(args.plan, tables, args.plan_only)

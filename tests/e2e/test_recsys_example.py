@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+import pytest
 from example_modules import EXAMPLES, load_example
 from launch import run_python, run_torchrun
 from png_checks import assert_plots_every_metric
@@ -61,9 +62,11 @@ def test_trains_on_two_ranks_checkpoints_and_plots(tmp_path: Path) -> None:
     assert_plots_every_metric(tmp_path / "metrics.png", tmp_path / "metrics.jsonl")
 
 
-def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path) -> None:
-    """Streamed from a gzip and a plain file (one per rank) into raw-id tables, validated on a
-    third file; the shares are whole files of equal length, so training ends with the data."""
+@pytest.mark.parametrize("raw_ids", ["hash", "lru"])
+def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path, raw_ids: str) -> None:
+    """Streamed from a gzip and a plain file (one per rank) into raw-id tables (hashed, or with
+    managed collisions), validated on a third file; the shares are whole files of equal
+    length, so training ends with the data."""
     files = [
         criteo.write_synthetic_criteo(tmp_path / name, lines, start=start, max_rows=2000)
         for name, lines, start in (
@@ -94,10 +97,23 @@ def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path) -> None:
         "10",
         "--no-progress",
         "--no-plot",
+        "--raw-ids",
+        raw_ids,
     )
     assert "embedding plan for 2 ranks" in out
     tables = json.loads((tmp_path / "run/tables.json").read_text())
-    assert [t["raw_ids"] for t in tables] == [{"kind": "hash", "salt": i} for i in range(26)]
+    expected = [
+        {"kind": "hash", "salt": i}
+        if raw_ids == "hash"
+        else {"kind": "managed", "policy": raw_ids, "salt": i, "bucket_rows": 64}
+        for i in range(26)
+    ]
+    assert [t["raw_ids"] for t in tables] == expected
+    metrics = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+    rates = [r for r in map(json.loads, metrics) if "raw_ids/eviction_rate" in r]
+    assert bool(rates) == (raw_ids != "hash")  # managed tables: the Trainer logs their rates
+    for record in rates:
+        assert 0 <= record["raw_ids/eviction_rate"] <= record["raw_ids/collision_rate"] <= 1
     assert {t["num_embeddings"] for t in tables} == {4096}
     assert "trained steps 0-40" in out  # 5120 lines per rank, 128 per rank and step
     assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.65
