@@ -332,9 +332,13 @@ class NodeJob:
         group and to every worker's (torchrun starts each worker in a session of its own)."""
         root = self.processes[node].pid
         groups = {root} | {_process_group(pid) for pid in _descendants(root)}
-        for group in groups - {None}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, signal.SIGKILL)  # type: ignore[arg-type]
+        # Freeze the whole node first, then kill it: killed one group at a time, a worker still
+        # running while its peer's death is seen elsewhere could answer the survivors' roll
+        # call (seen once under heavy load); a stopped one cannot, and dies on SIGKILL.
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for group in groups - {None}:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, sig)  # type: ignore[arg-type]
         self.processes[node].wait()
 
     def stop(self) -> None:
