@@ -48,10 +48,22 @@ __all__ = [
     "ManagedCollisionTable",
     "managed_remapper",
     "managed_tables",
+    "remapper_bytes_per_rank",
 ]
 
 STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
 STATS = ("ids", "new", "collisions", "evictions")
+_STATE_BYTES = 8  # each STATE entry is one int64 per row
+
+
+def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
+    """What each rank's share of the managed-collision remappers holds: STATE for every row of
+    the managed tables, whose buckets are split over all ranks whatever the table plan (so the
+    planner counts it on every rank, outside the tables' placements)."""
+    rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
+    return -(-rows // world_size) * len(STATE) * _STATE_BYTES
+
+
 _BELOW_62 = (1 << 62) - 1
 _BELOW_32 = (1 << 32) - 1
 _NO_VERSION = count()  # keys of states without version counters, never equal

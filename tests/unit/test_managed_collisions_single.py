@@ -193,3 +193,27 @@ def test_both_ways_of_finding_held_ids_agree() -> None:
     assert (by_sort >= 0).sum() == held.numel() and torch.equal(
         table.ids[by_sort[by_sort >= 0]], held.sort().values
     )
+
+
+def test_the_planner_counts_the_remappers_state_on_every_rank() -> None:
+    """3 int64 per managed row, the buckets split over every rank: 1000 rows on 2 ranks take
+    12,000 bytes per rank, whatever the tables' placement."""
+    from manualpar.embeddings.managed_collisions import remapper_bytes_per_rank
+    from manualpar.embeddings.planner import plan_tables
+    from manualpar.errors import PlanError
+
+    managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
+    hashed = EmbeddingBagConfig("item", 1000, 4, raw_ids=mp.HashIds())
+    assert remapper_bytes_per_rank([managed, hashed], 2) == 500 * 24
+    # each table is 1000 x (4 weights + 1 row-wise state) x 4 bytes = 20,000 bytes, at least
+    # 20,000 per rank for both; a budget of 20,000 leaves 8,000 once the remappers hold theirs
+    assert plan_tables([managed, hashed], 2, memory_budget_bytes=60_000).world_size == 2
+    with pytest.raises(PlanError, match=r"more than the budget of 7\.8 KiB"):
+        plan_tables([managed, hashed], 2, memory_budget_bytes=20_000)
+    with pytest.raises(PlanError) as error:
+        plan_tables([managed, hashed], 2, memory_budget_bytes=12_000)
+    assert str(error.value) == (
+        "the managed-collision remappers' state takes 11.7 KiB per rank on 2 ranks (3 int64 per "
+        "row of the ManagedCollisions tables), the whole budget of 11.7 KiB; raise the memory "
+        "budget, use more ranks, or give those tables fewer rows"
+    )
