@@ -37,7 +37,6 @@ from manualpar.embeddings.config import (
 )
 from manualpar.embeddings.disk_planning import place_on_disk
 from manualpar.embeddings.disk_tier import DiskTier
-from manualpar.embeddings.managed_collisions import remapper_bytes_per_rank
 from manualpar.embeddings.memory import agreed_available_bytes
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -49,6 +48,7 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.remapper_planning import budget_after_remappers
 from manualpar.embeddings.sequence import EmbeddingCollection
 from manualpar.embeddings.update_rules import SparseOptimizer
 from manualpar.errors import PlanError
@@ -252,7 +252,7 @@ def _place(
     """Placements and notes by the module docstring's rules, keyed (and named in errors) by the
     keys of `tables`, in their order."""
     order = list(tables)
-    budget = _after_remappers(tables, world_size, budget)
+    budget = budget_after_remappers(tables.values(), world_size, budget)
     on_disk, disk_notes, budget = place_on_disk(tables, sizes, world_size, budget, disk_tier)
     if on_disk:
         tables = {k: c for k, c in tables.items() if k not in on_disk}
@@ -324,24 +324,6 @@ def _place(
     placements.update(on_disk)
     notes.update(disk_notes)
     return {k: placements[k] for k in order}, {k: notes[k] for k in order}
-
-
-def _after_remappers(
-    tables: Mapping[str, EmbeddingBagConfig], world_size: int, budget: int | None
-) -> int | None:
-    """The budget left for the tables once every rank holds its share of the managed-collision
-    remappers' state."""
-    remappers = remapper_bytes_per_rank(list(tables.values()), world_size)
-    if budget is None or not remappers:
-        return budget
-    if remappers >= budget:
-        raise PlanError(
-            f"the managed-collision remappers' state takes {format_bytes(remappers)} per rank "
-            f"on {world_size} ranks (3 int64 per row of the ManagedCollisions tables), the "
-            f"whole budget of {format_bytes(budget)}; raise the memory budget, use more ranks, "
-            "or give those tables fewer rows"
-        )
-    return budget - remappers
 
 
 def _check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:

@@ -19,11 +19,10 @@ from typing import ClassVar
 
 import torch
 
+from manualpar.embeddings.fused_rowwise import rowwise_adagrad_fused
 from manualpar.embeddings.grad_clip import check_max_norm
-from manualpar.embeddings.half_updates import rowwise_adagrad_rounded
 from manualpar.embeddings.memory import empty_rows, zeros_rows
-from manualpar.embeddings.native import loaded_kernels, supports
-from manualpar.embeddings.rounding import HALF_DTYPES, RowRounding
+from manualpar.embeddings.rounding import RowRounding
 from manualpar.embeddings.shard_compute import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.errors import BuilderError
 
@@ -220,40 +219,9 @@ class RowWiseAdagrad(SparseOptimizer):
         rows: RowPass,
         rounding: RowRounding | None = None,
     ) -> bool:
-        if weight.dtype in HALF_DTYPES:
-            return rounding is not None and rowwise_adagrad_rounded(
-                weight, state["sum"], bags, grads, col_start, rows, self.lr, self.eps, rounding
-            )
-        if not (
-            bags.groups is not None
-            and supports(weight, bags.weights, *grads.blocks)
-            and weight.is_contiguous()
-            and all(b.dtype == weight.dtype and b.stride(-1) == 1 for b in grads.blocks)
-            and (bags.weights is None or bags.weights.dtype == weight.dtype)
-        ):
-            return False
-        groups = bags.groups
-        run_begin, run_end, first_bag, end_bag = rows.span(bags)
-        loaded_kernels().rowwise_adagrad_update(
-            weight,
-            state["sum"],
-            bags.weights,
-            groups.order,
-            groups.starts,
-            groups.bags,
-            groups.rows,
-            groups.runs,
-            run_begin,
-            run_end,
-            grads.blocks,
-            grads.scales,
-            first_bag,
-            end_bag,
-            col_start,
-            self.lr,
-            self.eps,
+        return rowwise_adagrad_fused(
+            weight, state["sum"], bags, grads, col_start, rows, self.lr, self.eps, rounding
         )
-        return True
 
 
 @dataclass

@@ -13,19 +13,16 @@ import pytest
 from embedding_cases import (
     OPTIMIZERS,
     SEED,
-    STEPS,
     TABLES,
     assert_close,
-    local_loss,
-    make_batch,
     mixed_plan,
     optimizer,
     reference,
+    train_and_collect,
     uniform_plan,
 )
 
 import manualpar as mp
-from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingPlan, shard_embeddings
 from manualpar.testing import run_distributed
 
@@ -45,16 +42,7 @@ def train_sharded(
         with mp.empty_init():
             ebc = EmbeddingBagCollection(TABLES, seed=SEED)
         emb = shard_embeddings(ebc, strategy, plan, optimizer(opt_name), normalize_by=normalize)
-        first = None
-        for step in range(STEPS):
-            pooled = emb(make_batch(rank, step, batch_sizes[rank], weighted)).values
-            if step == 0:
-                first = pooled.detach().clone()
-            local_loss(pooled, rank, step).backward()
-        with full_tensors():
-            weights = {k.split(".")[1]: v for k, v in emb.state_dict().items()}
-            state = emb.fused_optimizer.state_dict()["state"]
-        results.append({"first": first, "tables": weights, "state": state})
+        results.append(train_and_collect(emb, rank, batch_sizes[rank], weighted))
     strategy.teardown()
     return results
 

@@ -9,9 +9,11 @@ the mean of the ranks' losses, which is the gradient rule `shard_embeddings` pro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import (
     SGD,
     Adagrad,
@@ -113,6 +115,24 @@ def local_loss(pooled: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     """Mean over the local batch of a nonlinear function of every pooled column."""
     coef = coefficients(rank, step, pooled.shape[0], pooled.shape[1])
     return ((pooled * coef).sum(1) - 0.5).square().mean() if pooled.shape[0] else pooled.sum()
+
+
+def train_and_collect(
+    emb: Any, rank: int, batch_size: int, weighted: bool = False
+) -> dict[str, Any]:
+    """STEPS steps of `local_loss` on a sharded collection: the step-0 pooled output (float32
+    whatever the tables' dtype), then the full tables and fused optimizer state."""
+    first = None
+    for step in range(STEPS):
+        pooled = emb(make_batch(rank, step, batch_size, weighted)).values
+        assert pooled.dtype == torch.float32, pooled.dtype
+        if step == 0:
+            first = pooled.detach().clone()
+        local_loss(pooled, rank, step).backward()
+    with full_tensors():
+        weights = {k.split(".")[1]: v for k, v in emb.state_dict().items()}
+        state = emb.fused_optimizer.state_dict()["state"]
+    return {"first": first, "tables": weights, "state": state}
 
 
 def reference(

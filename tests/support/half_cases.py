@@ -21,11 +21,11 @@ from embedding_cases import (
     make_batch,
     mixed_plan,
     optimizer,
+    train_and_collect,
     uniform_plan,
 )
 
 import manualpar as mp
-from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingPlan, shard_embeddings
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -55,17 +55,7 @@ def train_half(cases: Sequence[tuple[str, str, str]], batch_sizes: Sequence[int]
         emb = shard_embeddings(
             ebc, strategy, plan_named(plan, strategy.world_size), optimizer(opt_name)
         )
-        first = None
-        for step in range(STEPS):
-            pooled = emb(make_batch(rank, step, batch_sizes[rank])).values
-            assert pooled.dtype == torch.float32, pooled.dtype
-            if step == 0:
-                first = pooled.detach().clone()
-            local_loss(pooled, rank, step).backward()
-        with full_tensors():
-            weights = {k.split(".")[1]: v for k, v in emb.state_dict().items()}
-            state = emb.fused_optimizer.state_dict()["state"]
-        results.append({"first": first, "tables": weights, "state": state})
+        results.append(train_and_collect(emb, rank, batch_sizes[rank]))
     strategy.teardown()
     return results
 
