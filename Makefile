@@ -37,7 +37,7 @@ lint: install
 # The C++ embedding kernels: built once per machine and source version (about 40 s), before the
 # tests start ranks; without a compiler this warns and the torch path is used.
 kernels: install
-	$(PY) -c "from manualpar.embeddings.native import native_kernels; native_kernels()"
+	$(PY) -c "from manualpar.embeddings.kernels.native import native_kernels; native_kernels()"
 
 test: install lint kernels
 	$(PY) -m pytest -q

@@ -38,6 +38,6 @@ def _single_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def _native_kernels_built() -> None:
     """Build the C++ embedding kernels once, before any test starts ranks: a first build takes
     tens of seconds, longer than the tests' collective timeouts."""
-    from manualpar.embeddings.native import native_kernels
+    from manualpar.embeddings.kernels.native import native_kernels
 
     native_kernels()

@@ -24,15 +24,15 @@ import torch.nn.functional as F
 from embedding_workload import add_kernel_args, run_per_table_size
 
 from manualpar.embeddings import RowWiseAdagrad
-from manualpar.embeddings.memory import empty_rows, zeros_rows
-from manualpar.embeddings.native import native_kernels
-from manualpar.embeddings.shard_compute import (
+from manualpar.embeddings.kernels.bags import (
     BagGradients,
     RowPass,
     ShardBags,
     bag_offsets,
     group_rows,
 )
+from manualpar.embeddings.kernels.native import native_kernels
+from manualpar.embeddings.kernels.row_memory import empty_rows, zeros_rows
 
 
 def measure(rows: int, args: argparse.Namespace) -> dict:

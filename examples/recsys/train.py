@@ -32,7 +32,7 @@ from manualpar.cli.plot import plot_metrics
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
 from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
 from manualpar.embeddings.id_spaces import raw_ids_to_json
-from manualpar.embeddings.planner import plan_tables
+from manualpar.embeddings.planning.planner import plan_tables
 
 
 def parse_args() -> argparse.Namespace:

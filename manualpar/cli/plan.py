@@ -2,8 +2,8 @@
 
 Sizing a job before it runs: how many ranks or how much memory per rank the tables need, and a
 plan file that a training script can load (`EmbeddingPlan.from_json`, e.g. examples/recsys's
-`--plan FILE`). The placement itself comes from manualpar.embeddings.planner; this module only
-reads the command line into it.
+`--plan FILE`). The placement itself comes from manualpar.embeddings.planning.planner; this
+module only reads the command line into it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from manualpar.embeddings.config import check_tables
 from manualpar.embeddings.dtype_names import DTYPE_NAMES, table_dtype
 from manualpar.embeddings.id_spaces import raw_ids_from_json
 from manualpar.embeddings.plan import format_bytes
-from manualpar.embeddings.planner import UNIFORM_PLANS, plan_tables, plan_uniform
+from manualpar.embeddings.planning.planner import UNIFORM_PLANS, plan_tables, plan_uniform
 from manualpar.errors import EmbeddingInputError, ManualParError
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]

@@ -1,15 +1,27 @@
 """Sharded embedding tables: configs, jagged inputs, plans, fused sparse optimizers."""
 
-from manualpar.embeddings.collection import (
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.features import JaggedFeature, SparseFeatures
+from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions
+from manualpar.embeddings.modules.bag_collection import (
     EmbeddingBagCollection,
     EmbeddingTable,
     PooledEmbeddings,
 )
-from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.disk_tier import DiskTier
-from manualpar.embeddings.features import JaggedFeature, SparseFeatures
-from manualpar.embeddings.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions
+from manualpar.embeddings.modules.sequence_collection import (
+    EmbeddingCollection,
+    EmbeddingConfig,
+    JaggedEmbeddings,
+    SequenceEmbeddings,
+)
+from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.optim.update_rules import (
+    SGD,
+    Adagrad,
+    Adam,
+    RowWiseAdagrad,
+    SparseOptimizer,
+)
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     Shard,
@@ -21,19 +33,11 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.planner import plan_collections
-from manualpar.embeddings.sequence import (
-    EmbeddingCollection,
-    EmbeddingConfig,
-    JaggedEmbeddings,
-    SequenceEmbeddings,
-)
-from manualpar.embeddings.sharded import (
-    ShardedEmbeddingBagCollection,
-    ShardedEmbeddingCollection,
-    shard_embeddings,
-)
-from manualpar.embeddings.update_rules import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
+from manualpar.embeddings.planning.planner import plan_collections
+from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
+from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
+from manualpar.embeddings.storage.disk_tier import DiskTier
 
 __all__ = [
     "SGD",

@@ -12,6 +12,7 @@ from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions, RawIds
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
+    "BUILDER",
     "ROW_WISE_STATE",
     "TABLE_DTYPES",
     "EmbeddingBagConfig",
@@ -19,6 +20,8 @@ __all__ = [
     "check_tables",
 ]
 
+# The builder's name, as errors and ownership claims spell it.
+BUILDER = "shard_embeddings"
 POOLINGS = ("sum", "mean")
 # Rows are stored in one of these; lookups accumulate and updates compute in float32.
 TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

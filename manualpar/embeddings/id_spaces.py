@@ -3,7 +3,7 @@ unbounded space, mapped to rows by a stable salted hash (`HashIds`) or by manage
 (`ManagedCollisions`: a remapper that gives each raw id a row of its own while there is room,
 and evicts the least recently or least frequently seen id when there is not).
 
-These are the settings only (`EmbeddingBagConfig(raw_ids=...)`); raw_ids.py maps the ids.
+These are the settings only (`EmbeddingBagConfig(raw_ids=...)`); ids/hashing.py maps the ids.
 """
 
 from __future__ import annotations

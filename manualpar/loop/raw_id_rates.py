@@ -1,7 +1,7 @@
 """Collision and eviction rates of a model's managed-collision tables, for the Trainer's logs.
 
 Each remapper counts, per table, the distinct ids of every training step, the collisions (new
-ids finding no free row in their bucket) and the evictions (managed_collisions.py). At every
+ids finding no free row in their bucket) and the evictions (ids/managed_collisions.py). At every
 log step the Trainer takes the counts of the window (resetting them), sums them over the ranks
 (a sharded remapper counts on the ranks owning the buckets) and records per table
 `raw_ids/<table>/collision_rate` and `eviction_rate` (per distinct id of the window's steps),
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from manualpar.embeddings.managed_collisions import STATS, ManagedCollisionRemapper
+from manualpar.embeddings.ids.managed_collisions import STATS, ManagedCollisionRemapper
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["POSTFIX", "raw_id_rates", "raw_id_remappers"]

@@ -9,14 +9,30 @@ they keep its timeout and error messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from manualpar.strategy.collectives import Collectives, Group
-
 __all__ = ["gather_with_gradient"]
+
+# A process group, a 1-D DeviceMesh or None (collectives.py's Group; kept opaque here, so this
+# module needs nothing of the class that calls it)
+Group = Any
+
+
+class Collectives(Protocol):
+    """What the gather needs of the strategy (collectives.py's Collectives)."""
+
+    @property
+    def is_distributed(self) -> bool: ...
+
+    def group_rank(self, group: Group = None) -> int: ...
+
+    def all_gather(self, tensor: torch.Tensor, *, group: Group = None) -> torch.Tensor: ...
+
+    def all_reduce_(
+        self, tensor: torch.Tensor, op: Any = ..., *, name: str = ..., group: Group = ...
+    ) -> torch.Tensor: ...
 
 
 class _GatherWithGradient(torch.autograd.Function):

@@ -110,7 +110,7 @@ def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_kernel_benchmark_reports_each_table_size(tmp_path: Path) -> None:
-    from manualpar.embeddings.native import native_kernels
+    from manualpar.embeddings.kernels.native import native_kernels
 
     if native_kernels() is None:
         pytest.skip("the C++ kernels could not be built on this machine")

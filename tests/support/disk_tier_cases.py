@@ -23,13 +23,13 @@ from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseFeatures,
     SparseOptimizer,
-    disk_tier,
     on_disk,
     row_wise,
     table_wise,
 )
 from manualpar.embeddings import shard_embeddings as shard
-from manualpar.embeddings.disk_tier import DiskTable
+from manualpar.embeddings.storage import disk_tier
+from manualpar.embeddings.storage.disk_tier import DiskTable
 
 ROWS = 960
 TABLES = (

@@ -23,7 +23,7 @@ from manualpar.embeddings import (
     row_wise,
     shard_embeddings,
 )
-from manualpar.embeddings.planner import plan_tables
+from manualpar.embeddings.planning.planner import plan_tables
 from manualpar.errors import BuilderError, PlanError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)

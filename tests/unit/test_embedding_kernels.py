@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manualpar.embeddings import RowWiseAdagrad, native
-from manualpar.embeddings import shard_compute as kernels
+from manualpar.embeddings import RowWiseAdagrad
+from manualpar.embeddings.kernels import bags as kernels
+from manualpar.embeddings.kernels import native
 
 pytestmark = pytest.mark.skipif(
     native.native_kernels() is None, reason="the C++ kernels could not be built on this machine"
@@ -150,15 +151,15 @@ def test_kernels_refuse_ids_outside_the_table():
 
 def test_non_cpu_or_other_float_dtypes_take_the_torch_path():
     # half rows have kernels of their own (half_lookup.py, rounding.py); other floats do not
-    assert native.supports(torch.zeros(2, dtype=torch.bfloat16))
-    assert not native.supports(torch.zeros(2, dtype=torch.float8_e4m3fn))
-    assert not native.supports(torch.zeros(2, device="meta"))
-    assert native.supports(torch.zeros(2), None, torch.zeros(2, dtype=torch.int64))
+    assert native.native_kernels_take(torch.zeros(2, dtype=torch.bfloat16))
+    assert not native.native_kernels_take(torch.zeros(2, dtype=torch.float8_e4m3fn))
+    assert not native.native_kernels_take(torch.zeros(2, device="meta"))
+    assert native.native_kernels_take(torch.zeros(2), None, torch.zeros(2, dtype=torch.int64))
 
 
 def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
     from manualpar.embeddings import EmbeddingBagConfig
-    from manualpar.embeddings.table_init import init_rows
+    from manualpar.embeddings.modules.table_init import init_rows
 
     config = EmbeddingBagConfig("t", 9000, 24, feature_names=("f",), init_bound=0.5)
     native_block = init_rows(config, 3, (4000, 9000), (5, 24))
@@ -175,8 +176,8 @@ def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
 
 def test_split_by_rows_matches_torch(monkeypatch):
     from manualpar.embeddings import EmbeddingBagConfig, EmbeddingPlan, row_wise
-    from manualpar.embeddings.exchange import split_by_rows
-    from manualpar.embeddings.routing import Routing
+    from manualpar.embeddings.step.exchange import split_by_rows
+    from manualpar.embeddings.step.routing import Routing
 
     config = EmbeddingBagConfig("t", 300, 4, feature_names=("f",))
     routing = Routing((config,), EmbeddingPlan(3, {"t": row_wise()}), 0)
@@ -193,7 +194,7 @@ def test_split_by_rows_matches_torch(monkeypatch):
 
 
 def test_huge_page_advice_is_given_to_large_cpu_blocks_and_can_be_switched_off(monkeypatch):
-    from manualpar.embeddings import memory
+    from manualpar.embeddings.kernels import row_memory as memory
 
     advised = []
     monkeypatch.setattr(memory, "_madvise_huge", lambda t: advised.append(t.shape) or True)

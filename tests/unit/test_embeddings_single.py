@@ -86,7 +86,7 @@ def test_auto_plan_defaults_to_the_memory_this_rank_can_allocate() -> None:
     """A table far larger than memory is named before anything is allocated (it was a bare
     allocator failure); an explicit budget still wins."""
     from manualpar.embeddings import EmbeddingBagConfig
-    from manualpar.embeddings.memory import available_bytes
+    from manualpar.embeddings.kernels.row_memory import available_bytes
     from manualpar.embeddings.plan import format_bytes
 
     strategy = mp.ManualParallelStrategy()

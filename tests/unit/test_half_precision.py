@@ -19,15 +19,15 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    native,
     row_wise,
     shard_embeddings,
     table_wise,
 )
-from manualpar.embeddings.half_lookup import pooled_sum_half
-from manualpar.embeddings.planner import plan_tables, table_bytes
-from manualpar.embeddings.rounding import RowRounding, add_rounded
-from manualpar.embeddings.table_init import init_rows
+from manualpar.embeddings.kernels import native
+from manualpar.embeddings.kernels.half_lookup import pooled_sum_half
+from manualpar.embeddings.kernels.rounding import RowRounding, add_rounded
+from manualpar.embeddings.modules.table_init import init_rows
+from manualpar.embeddings.planning.planner import plan_tables, table_bytes
 
 needs_kernels = pytest.mark.skipif(
     native.native_kernels() is None, reason="no C++ compiler: only the torch path exists"

@@ -2,7 +2,11 @@
 
 - Each top-level name under manualpar/ sits in a layer of LAYERS (lowest first) and imports only
   from its own layer or lower ones; a new module must be placed here deliberately.
-- No import cycle between modules.
+- Inside manualpar/embeddings/, each name (a root module of the shared vocabulary or a
+  sub-package) sits in a layer of EMBEDDINGS_LAYERS the same way; the package's __init__, its
+  public API, may import anything.
+- No import cycle between modules, counting imports made only for type checking too (a cycle
+  of annotations is still two modules that cannot be read apart).
 - Only manualpar/strategy/ calls torch.distributed's collectives (everything else goes through
   the strategy, which adds timeouts, error messages and the checks).
 
@@ -31,6 +35,17 @@ LAYERS = [
     {"builders", "embeddings"},
     {"loop"},
     {"cli", "testing", "__main__"},
+]
+# manualpar/embeddings/, bottom up: the shared vocabulary at its root, then one concern each
+EMBEDDINGS = "manualpar.embeddings"
+EMBEDDINGS_LAYERS = [
+    {"config", "dtype_names", "features", "id_spaces", "plan"},
+    {"kernels"},
+    {"ids", "optim"},
+    {"modules"},
+    {"storage"},
+    {"planning", "step"},
+    {"sharded"},
 ]
 ALLOWED_COLLECTIVE_CALLERS = "manualpar/strategy/"
 COLLECTIVES = frozenset(
@@ -118,12 +133,14 @@ def _known(name: str, modules: Iterable[str]) -> str | None:
     return None
 
 
-def imports_of(source: Source, modules: Iterable[str]) -> list[Import]:
-    """The package's modules `source` imports at run time (absolute or relative imports)."""
+def imports_of(source: Source, modules: Iterable[str], typing: bool = False) -> list[Import]:
+    """The package's modules `source` imports at run time (absolute or relative imports); with
+    `typing`, also those imported only under `if TYPE_CHECKING:`."""
     modules = set(modules)
     found = []
     package = source.name if source.is_package else source.name.rpartition(".")[0]
-    for node in _runtime_nodes(ast.parse(source.text, source.path)):
+    tree = ast.parse(source.text, source.path)
+    for node in ast.walk(tree) if typing else _runtime_nodes(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -152,8 +169,9 @@ def with_packages(target: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
 
 
-def import_graph(sources: Mapping[str, Source]) -> dict[str, set[str]]:
-    """Module -> modules its import runs (package __init__ chains included; the root left out).
+def import_graph(sources: Mapping[str, Source], typing: bool = False) -> dict[str, set[str]]:
+    """Module -> modules its import runs (package __init__ chains included; the root left out);
+    with `typing`, type-checking imports count as well.
 
     A module's own packages were imported before it ran, so a sibling import does not run
     them again; importing one of them by name still counts."""
@@ -162,7 +180,7 @@ def import_graph(sources: Mapping[str, Source]) -> dict[str, set[str]]:
         if name == ROOT:
             continue
         already = set(with_packages(name))
-        for found in imports_of(source, sources):
+        for found in imports_of(source, sources, typing):
             runs = {m for m in with_packages(found.target)[:-1] if m not in already}
             graph[name].update((runs | {found.target}) - {name})
     return graph
@@ -201,6 +219,40 @@ def layer_violations(sources: Mapping[str, Source], layers: list[set[str]]) -> l
             high = layer_of(imported.target, layers)
             if low is not None and high is not None and high > low:
                 found.append(f"{source.path} imports {imported.target} (layer {low} -> {high})")
+    return list(dict.fromkeys(found))
+
+
+def sub_name(module: str, package: str) -> str | None:
+    """The first name under `package`: manualpar.embeddings.step.exchange -> step; None for a
+    module outside it or for the package itself."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".")[0]
+
+
+def sublayer_violations(
+    sources: Mapping[str, Source], package: str, layers: list[set[str]]
+) -> list[str]:
+    """Imports between the names under `package` against `layers` (lowest first), and names
+    no layer lists; the package's own __init__ (its public API) is left out."""
+    index = {name: i for i, names in enumerate(layers) for name in names}
+    found = []
+    for name, source in sources.items():
+        low_name = sub_name(name, package)
+        if low_name is None:
+            continue
+        if low_name not in index:
+            found.append(f"{source.path}: {package}.{low_name} is in no layer")
+            continue
+        for imported in imports_of(source, sources):
+            high_name = sub_name(imported.target, package)
+            if high_name is None or high_name not in index:
+                continue
+            if index[high_name] > index[low_name]:
+                found.append(
+                    f"{source.path} imports {imported.target} "
+                    f"({low_name}: layer {index[low_name]} -> {high_name}: {index[high_name]})"
+                )
     return list(dict.fromkeys(found))
 
 
@@ -284,9 +336,26 @@ def test_modules_import_only_their_layer_or_lower_ones(package: dict[str, Source
     assert not violations, "imports against the layer order:\n" + "\n".join(violations)
 
 
+def test_embeddings_sub_packages_import_only_their_layer_or_lower_ones(
+    package: dict[str, Source],
+) -> None:
+    violations = sublayer_violations(package, EMBEDDINGS, EMBEDDINGS_LAYERS)
+    assert not violations, (
+        "manualpar/embeddings/ against EMBEDDINGS_LAYERS (place a new sub-package at the lowest "
+        "layer holding everything it imports):\n" + "\n".join(violations)
+    )
+
+
 def test_no_import_cycle(package: dict[str, Source]) -> None:
     cycle = find_cycle(import_graph(package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_counting_type_checking_imports(package: dict[str, Source]) -> None:
+    cycle = find_cycle(import_graph(package, typing=True))
+    assert cycle is None, "import cycle (some imports for type checking only): " + " -> ".join(
+        cycle or []
+    )
 
 
 def test_only_the_strategy_calls_collectives(package: dict[str, Source]) -> None:
@@ -379,3 +448,28 @@ def test_typing_only_imports_and_lazy_imports_are_told_apart() -> None:
         ("manualpar.loop.trainer", 7),
     ]
     assert with_packages("manualpar.loop.trainer") == ["manualpar.loop", "manualpar.loop.trainer"]
+
+
+def test_the_embeddings_check_reports_upward_and_unplaced_sub_packages() -> None:
+    texts = {
+        "manualpar.embeddings": ("manualpar/embeddings/__init__.py", "from .sharded import x\n"),
+        "manualpar.embeddings.config": ("manualpar/embeddings/config.py", ""),
+        "manualpar.embeddings.kernels": ("manualpar/embeddings/kernels/__init__.py", ""),
+        "manualpar.embeddings.kernels.bags": (
+            "manualpar/embeddings/kernels/bags.py",
+            "from manualpar.embeddings.config import BUILDER\n"  # downward: fine
+            "from manualpar.embeddings.step.routing import Routing\n",  # upward
+        ),
+        "manualpar.embeddings.step": ("manualpar/embeddings/step/__init__.py", ""),
+        "manualpar.embeddings.step.routing": ("manualpar/embeddings/step/routing.py", ""),
+        "manualpar.embeddings.extras": ("manualpar/embeddings/extras.py", ""),
+    }
+    sources = {
+        name: Source(name, path, text, path.endswith("__init__.py"))
+        for name, (path, text) in texts.items()
+    }
+    assert sublayer_violations(sources, EMBEDDINGS, EMBEDDINGS_LAYERS) == [
+        "manualpar/embeddings/kernels/bags.py imports manualpar.embeddings.step.routing "
+        "(kernels: layer 1 -> step: 5)",
+        "manualpar/embeddings/extras.py: manualpar.embeddings.extras is in no layer",
+    ]

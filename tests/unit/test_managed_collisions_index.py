@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from manualpar.embeddings import EmbeddingBagConfig, ManagedCollisions
-from manualpar.embeddings.managed_collisions import ManagedCollisionTable, buckets_of
+from manualpar.embeddings.ids.managed_collisions import ManagedCollisionTable, buckets_of
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

@@ -16,7 +16,7 @@ from manualpar.embeddings import (
     TablePlacement,
     plan_collections,
 )
-from manualpar.embeddings.planner import plan_tables, table_bytes
+from manualpar.embeddings.planning.planner import plan_tables, table_bytes
 from manualpar.errors import PlanError
 
 MiB = 2**20
@@ -155,7 +155,7 @@ def test_a_table_no_split_can_fit_is_named_with_its_collection() -> None:
 
 
 def test_measured_budget_says_where_it_came_from() -> None:
-    from manualpar.embeddings.memory import available_bytes
+    from manualpar.embeddings.kernels.row_memory import available_bytes
 
     strategy = mp.ManualParallelStrategy()
     free = available_bytes(strategy.device)

@@ -7,7 +7,7 @@ import pytest
 from manualpar.embeddings import SGD, Adam, EmbeddingBagConfig, RowWiseAdagrad, table_row_wise
 from manualpar.embeddings.config import block_bytes
 from manualpar.embeddings.plan import TablePlacement
-from manualpar.embeddings.planner import plan_tables, plan_uniform, table_bytes
+from manualpar.embeddings.planning.planner import plan_tables, plan_uniform, table_bytes
 from manualpar.errors import PlanError
 
 MiB = 2**20

@@ -23,7 +23,7 @@ from manualpar.embeddings import (
     EmbeddingConfig,
     SparseFeatures,
 )
-from manualpar.embeddings.raw_ids import hashed_rows
+from manualpar.embeddings.ids.hashing import hashed_rows
 from manualpar.errors import EmbeddingInputError
 
 IDS = [0, 1, 2, -1, -(2**63), 2**63 - 1, 123456789012345, 42]

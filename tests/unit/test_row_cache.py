@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manualpar.embeddings.row_cache import NEVER, STORED, CacheFull, RowCache
+from manualpar.embeddings.storage.row_cache import NEVER, STORED, CacheFull, RowCache
 
 
 def rows(*ids: int) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Raw ids into rows, unsharded: hashing (HashIds) and managed collisions (ManagedCollisions)."""

@@ -1,0 +1,3 @@
+"""The unsharded collections (bag and sequence), usable on one process, and the tables' initial
+values.
+"""

@@ -1,0 +1,318 @@
+"""FusedOptimizer: a sharded collection's sparse optimizer, its state next to its rows.
+
+The update happens inside backward, so nothing needs `step()`; it is a `torch.optim.Optimizer`
+so that torch's learning-rate schedulers drive it. Its one param group holds this rank's block of
+every table (`param_names` are the table names) and the `lr` that the update reads at the start
+of every backward:
+
+    scheduler = torch.optim.lr_scheduler.StepLR(emb.fused_optimizer, step_size=100)
+    loss.backward()      # the tables are updated here, with param_groups[0]["lr"]
+    dense_opt.step()
+    scheduler.step()     # no warning: the backward counts as the optimizer's step
+
+`step(closure)` only evaluates the closure (whose backward updates the tables) and `zero_grad()`
+has no gradients to clear: the update never forms `.grad`. Save it with the model:
+
+    strategy.save_checkpoint(path, {"model": model, "sparse_optim": emb.fused_optimizer, ...})
+
+Its state dict ("lr", "step", "state") holds one entry per table and state tensor, in the
+unsharded layout ((rows,) for row-wise Adagrad, (rows, dim) for Adagrad/Adam), so it reshards
+like the weights; the checkpoint saves it as a stateful object (`saves_own_state`), not through
+torch's per-parameter optimizer state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
+from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
+from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
+from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
+from manualpar.embeddings.optim.update_rules import SparseOptimizer, check_lr
+from manualpar.embeddings.plan import Shard
+from manualpar.errors import BuilderError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["FusedOptimizer"]
+
+# (table, this rank's block, distinct local rows, their summed gradients)
+_RowUpdate = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """A sharded collection's update rule, its per-table state and update count."""
+
+    # checkpoints take state_dict() as is (tables' blocks), not torch's per-parameter layout
+    saves_own_state = True
+
+    def __init__(
+        self,
+        rule: SparseOptimizer,
+        weights: dict[str, nn.Parameter],
+        shards: dict[str, Shard | None],
+        dims: dict[str, int],
+        rows: dict[str, int],
+        device: torch.device,
+        full_tensor: Callable[[LocalShards], torch.Tensor],
+        *,
+        primary_replica: bool = True,
+        seed: int = 0,
+        block_rows: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(list(weights.items()), {"lr": rule.lr})
+        self.rule = rule
+        self.num_updates = 0  # backwards taken (Adam's bias correction counts them)
+        self._shards, self._dims, self._rows = shards, dims, rows
+        self._full_tensor = full_tensor
+        self._primary_replica = primary_replica  # 2-D: the first replica's state is saved
+        self._seed = seed  # the collection's: half rows' stochastic rounding streams (rounding.py)
+        self.table_state: dict[str, dict[str, torch.Tensor]] = {
+            name: rule.init_state((block_rows or {}).get(name, shard.rows), shard.cols, device)
+            for name, shard in shards.items()
+            if shard is not None
+        }
+        # disk tables (disk_tier.py): table_state holds their cache; checkpoints use the files
+        self.on_disk: dict[str, Any] = {}
+        for name, state in self.table_state.items():  # torch's view: state by parameter
+            self.state[weights[name]] = state
+        self._deferred: list[_RowUpdate] | None = None
+
+    @property
+    def optimizer(self) -> SparseOptimizer:
+        """The update rule (its name before 0.2)."""
+        return self.rule
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next backward applies: `param_groups[0]["lr"]`."""
+        where = "fused optimizer: param_groups[0]['lr'] (set by a scheduler or by hand)"
+        return check_lr(_as_float(self.param_groups[0]["lr"]), where)
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.param_groups[0]["lr"] = check_lr(value, "fused optimizer")
+
+    @property
+    def needs_full_rows(self) -> bool:
+        """Whether column blocks get full-width row gradients (row-wise statistics, row norms)."""
+        return self.rule.needs_full_rows or self.rule.max_row_grad_norm is not None
+
+    @property
+    def fuses_bags(self) -> bool:
+        """Whether the rule's fused pass runs (clipping needs the row sums first)."""
+        return self.rule.fuses_bags and not self.rule.clips
+
+    # torch.optim.Optimizer ---------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """No update here: each backward has applied its own. Evaluates `closure` if given
+        (its backward updates the tables) and returns its loss, as torch optimizers do."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.param_groups:
+            raise BuilderError(
+                "FusedOptimizer has one param group, the collection's tables, updated by one "
+                "rule; other parameters need their own torch optimizer"
+            )
+        super().add_param_group(param_group)
+
+    # updates (inside backward) ----------------------------------------------------------------
+    def begin_update(self) -> None:
+        """At the start of each backward: read the scheduled lr, count the update."""
+        self.rule.lr = self.lr
+        self.num_updates += 1
+        # the attribute torch's schedulers check to warn of a scheduler step before any
+        # optimizer step: this backward is that step
+        self._opt_called = True
+        self._deferred = [] if self.rule.max_grad_norm is not None else None
+
+    def _held(self, table: str) -> Shard:
+        shard = self._shards.get(table)
+        if shard is None:
+            raise KeyError(f"table {table!r} has no block on this rank to update")
+        return shard
+
+    @torch.no_grad()
+    def update_rows(
+        self, table: str, weight: torch.Tensor, rows: torch.Tensor, summed: torch.Tensor
+    ) -> None:
+        """Apply the rule to distinct `rows` of this rank's block of `table`, given each row's
+        summed gradient (full width for a column block if `needs_full_rows`). Under global
+        clipping the update waits for `finish_update`, which knows the total norm."""
+        self._held(table)
+        if self.rule.max_row_grad_norm is not None:
+            summed = clip_rows(summed, self.rule.max_row_grad_norm)
+        if self._deferred is not None:
+            self._deferred.append((table, weight, rows, summed))
+        else:
+            self._apply(table, weight, rows, summed)
+
+    def _apply(
+        self, table: str, weight: torch.Tensor, rows: torch.Tensor, summed: torch.Tensor
+    ) -> None:
+        shard = self._held(table)
+        row_sq_mean = summed.square().mean(1) if self.rule.needs_full_rows else None
+        if summed.shape[1] != shard.cols:  # full-width gradient of a column block
+            summed = summed[:, shard.col_start : shard.col_end]
+        self.rule.step_rows(
+            weight,
+            self.table_state[table],
+            rows,
+            summed,
+            self.num_updates,
+            row_sq_mean,
+            **self._rounding(table, weight),
+        )
+
+    @torch.no_grad()
+    def step_bags(
+        self,
+        table: str,
+        weight: torch.Tensor,
+        bags: ShardBags,
+        grads: BagGradients,
+        rows: RowPass,
+    ) -> bool:
+        """The rule's fused pass straight from the bags' gradients; False if it has none for
+        these tensors, or clips (then sum row gradients and call `update_rows`)."""
+        shard = self._held(table)
+        if not self.fuses_bags:
+            return False
+        return self.rule.step_bags(
+            weight,
+            self.table_state[table],
+            bags,
+            grads,
+            shard.col_start,
+            self.num_updates,
+            rows,
+            **self._rounding(table, weight),
+        )
+
+    def _rounding(self, table: str, weight: torch.Tensor) -> dict[str, RowRounding]:
+        """The `rounding` argument of this update of half rows (none for float32 ones, so rules
+        written before half rows keep working)."""
+        if weight.dtype not in HALF_DTYPES:
+            return {}
+        shard = self._held(table)
+        offsets = (shard.row_start, shard.col_start)
+        disk = self.on_disk.get(table)  # rows are cache slots: draw by the rows they hold
+        slot_rows = None if disk is None else disk.cache.row_of
+        return {
+            "rounding": RowRounding.for_block(
+                weight.dtype,
+                self._seed,
+                table,
+                self.num_updates,
+                offsets,
+                self._dims[table],
+                slot_rows,
+            )
+        }
+
+    @torch.no_grad()
+    def finish_update(
+        self, strategy: ManualParallelStrategy, group: DeviceMesh | None = None
+    ) -> None:
+        """At the end of each backward, on every rank: under global clipping, sum the squared
+        gradients over the ranks of `group` (one all_reduce; the shard group of 2-D tables,
+        whose replicas hold the same summed gradients), scale and apply the deferred rows."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        assert self.rule.max_grad_norm is not None
+        square = torch.zeros((), dtype=torch.float64, device=self._device())
+        for table, _, _, summed in deferred:
+            square += self._norm_share(table, summed)
+        strategy.all_reduce_(
+            square, "sum", name="shard_embeddings: gradient norm all_reduce", group=group
+        )
+        scale = clip_coefficient(square.sqrt(), self.rule.max_grad_norm)
+        for table, weight, rows, summed in deferred:
+            self._apply(table, weight, rows, summed * scale.to(summed.dtype))
+
+    def _norm_share(self, table: str, summed: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the squared norm: its columns of a column block, and a
+        replicated table's rows on rank 0 only, so every element counts once."""
+        shard = self._held(table)
+        if shard.replicated and shard.rank != 0:
+            return summed.new_zeros((), dtype=torch.float64)
+        if summed.shape[1] != shard.cols:
+            summed = summed[:, shard.col_start : shard.col_end]
+        return summed.double().square().sum()
+
+    def _device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device
+
+    def __repr__(self) -> str:
+        return f"FusedOptimizer({self.rule.describe()}, tables={list(self.table_state)})"
+
+    # checkpoint ---------------------------------------------------------------------------------
+    def _shards_of(self, table: str, key: str) -> LocalShards:
+        per_row = self.rule.STATE[key]
+        shape = (self._rows[table],) if per_row else (self._rows[table], self._dims[table])
+        shard = self._shards.get(table)
+        if shard is None:  # no block of this table here: an entry without blocks
+            return LocalShards(shape, [], torch.float32)
+        disk = self.on_disk.get(table)  # disk tables: chunks of the file, not the cache
+        chunks = [(0, self.table_state[table][key])]
+        if disk is not None:
+            chunks = disk.checkpoint_chunks(key)
+        primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
+        if per_row:  # column blocks all hold the same row statistics: one of them saves them
+            primary = primary and shard.col_start == 0
+        blocks = [
+            Block((shard.row_start + r, shard.col_start)[: 1 if per_row else 2], t, primary)
+            for r, t in chunks
+        ]
+        return LocalShards(shape, blocks, torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        shards = {
+            table: {key: self._shards_of(table, key) for key in self.rule.STATE}
+            for table in self._rows
+        }
+        state: dict[str, dict[str, torch.Tensor]] = {t: dict(keys) for t, keys in shards.items()}
+        if gathering_full_tensors():
+            state = {
+                table: {key: self._full_tensor(value) for key, value in keys.items()}
+                for table, keys in shards.items()
+            }
+        return {"lr": self.lr, "step": self.num_updates, "state": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.lr = state_dict["lr"]
+        self.num_updates = int(state_dict["step"])
+        for table in self._rows:
+            for key in self.rule.STATE:
+                value = state_dict["state"][table][key]
+                mine = self._shards_of(table, key)
+                if isinstance(value, LocalShards):
+                    for block, theirs in zip(mine.blocks, value.blocks, strict=True):
+                        if block.tensor.data_ptr() != theirs.tensor.data_ptr():
+                            block.tensor.copy_(theirs.tensor)
+                else:
+                    mine.copy_from_full(
+                        value.to(mine.device), f"sparse optimizer state {table}/{key}"
+                    )
+        for disk in self.on_disk.values():
+            disk.loaded()
+
+
+def _as_float(value: object) -> object:
+    """A learning rate as a number (torch allows one-element tensors in param groups)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value

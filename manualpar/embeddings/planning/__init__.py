@@ -1,0 +1,1 @@
+"""Choosing a plan: the planner and its disk and remapper budgets."""

@@ -1,0 +1,263 @@
+"""ShardedEmbeddingBagCollection: this rank's blocks of the tables, their fused optimizer and
+the sharded step (step/) that looks them up in forward and updates them in backward.
+
+Built by `shard_embeddings` (sharded/shard_embeddings.py). The tables' state dict holds each
+rank's blocks as LocalShards, so a checkpoint reshards on load to any plan or world size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
+from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.ids.hashing import hash_raw_ids
+from manualpar.embeddings.modules.bag_collection import (
+    EmbeddingBagCollection,
+    EmbeddingTable,
+    PooledEmbeddings,
+    check_features,
+    table_of,
+)
+from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
+from manualpar.embeddings.modules.table_init import init_rows
+from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
+from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.sharded.managed_collisions import sharded_remapper
+from manualpar.embeddings.step.exchange import REFUSED, header_width
+from manualpar.embeddings.step.routing import Routing
+from manualpar.embeddings.step.sharded_step import LookupContext, apply_gradient, lookup
+from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
+from manualpar.embeddings.storage.disk_setup import cache_slots, disk_tables
+from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import EmbeddingInputError
+from manualpar.ownership import claim
+
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["ShardedEmbeddingBagCollection"]
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    def __init__(
+        self,
+        ebc: EmbeddingBagCollection | EmbeddingCollection,
+        strategy: ManualParallelStrategy,
+        plan: EmbeddingPlan,
+        optimizer: SparseOptimizer,
+        normalize_by: str,
+        layout: TableMesh | None = None,
+        disk_tier: DiskTier | None = None,
+    ) -> None:
+        super().__init__()
+        self.mesh = layout = layout or table_mesh(None, strategy)
+        self.configs = ebc.configs
+        self.seed = ebc.seed
+        self.plan = plan
+        self.strategy = strategy
+        self.normalize_by = normalize_by
+        self.routing = Routing(ebc.configs, plan, layout.shard_rank)
+        self.feature_names = tuple(name for name, _ in self.routing.features)
+        device = strategy.device
+        self.tables = nn.ModuleDict()
+        shards = {}
+        for t, config in enumerate(self.configs):
+            shard = next((s for s in self.routing.local_shards if s.table == t), None)
+            shards[config.name] = shard.shard if shard else None
+        slots = cache_slots(self.configs, plan, shards, optimizer, disk_tier)
+        for config in self.configs:
+            shard_of = shards[config.name]
+            rows, cols = (
+                (slots.get(config.name, shard_of.rows), shard_of.cols)
+                if shard_of
+                else (0, config.embedding_dim)
+            )
+            table = EmbeddingTable(config, ebc.seed, rows, cols, device=device)
+            source = table_of(ebc.tables, config.name).weight
+            table.weight.requires_grad_(source.requires_grad)  # frozen before sharding stays so
+            if shard_of is not None and config.name not in slots:
+                _fill_block(table.weight, source, config, ebc.seed, shard_of)
+            table._register_state_dict_hook(self._table_state_dict)
+            table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
+            self.tables[config.name] = table
+        self.raw_id_remap = sharded_remapper(self.configs, strategy, ebc.raw_id_remap)
+        claim(self, BUILDER, trains_itself=True)
+        self._shards = shards
+        self.fused_optimizer = FusedOptimizer(
+            optimizer,
+            {c.name: table_of(self.tables, c.name).weight for c in self.configs},
+            shards,
+            {c.name: c.embedding_dim for c in self.configs},
+            {c.name: c.num_embeddings for c in self.configs},
+            device,
+            self._full_tensor,
+            primary_replica=layout.primary,
+            seed=ebc.seed,
+            block_rows=slots,
+        )
+        self.disk_tables = disk_tables(
+            self.configs,
+            self.seed,
+            self.tables,
+            self.fused_optimizer.table_state,
+            layout.shard_rank,
+            ebc,
+            shards,
+            slots,
+            disk_tier,
+            optimizer,
+        )
+        self.fused_optimizer.on_disk = self.disk_tables.by_name
+        # a leaf that requires grad, so backward (a collective) runs on every rank, even one
+        # that holds no table
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.lookup_context = LookupContext(
+            self.routing,
+            self.tables,
+            self.fused_optimizer,
+            strategy,
+            normalize_by,
+            device,
+            layout,
+            self.disk_tables,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.plan}, optimizer={self.fused_optimizer.rule.describe()}"
+
+    # forward ----------------------------------------------------------------------------------
+    # A deliberate graph break under torch.compile: the lookup runs eagerly between compiled
+    # dense graphs. Its exchange sizes are known only at run time (host syncs, no CUDA graph
+    # capture either way) and its backward updates tables in place, which an opaque custom op
+    # would have to hide from the compiler (docs/embeddings.md, "torch.compile").
+    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        try:
+            features = check_features(features, self.configs)
+        except EmbeddingInputError:
+            self._refuse_step()
+            raise
+        features = hash_raw_ids(features.to(self.strategy.device), self.configs)
+        if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+            features = self.raw_id_remap(features)
+        values = _EmbeddingLookup.apply(self._anchor, self, features, torch.is_grad_enabled())
+        return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
+
+    def _refuse_step(self) -> None:
+        """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
+        ranks stop at this step with an error instead of waiting for the collective timeout."""
+        if self.raw_id_remap is not None:  # its exchange runs first: the others stop there
+            self.raw_id_remap.refuse()
+            return
+        if self.strategy.world_size > 1:
+            width = header_width(len(self.configs))
+            group = self.mesh.shard_size
+            refused = torch.full((width * group,), REFUSED, device=self.strategy.device)
+            self.lookup_context.exchange_headers(refused, width)
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
+        return {"sparse_optim": self.fused_optimizer}
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lookup_context.dtype
+
+    # checkpoint -------------------------------------------------------------------------------
+    def _table_block(self, table: EmbeddingTable) -> LocalShards:
+        config = table.config
+        shard = self._shards[config.name]
+        shape = (config.num_embeddings, config.embedding_dim)
+        if shard is None:
+            return LocalShards(shape, [], table.weight.dtype)
+        primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
+        disk = self.disk_tables.by_name.get(config.name)
+        chunks = [(0, table.weight.data)] if disk is None else disk.checkpoint_chunks(None)
+        return LocalShards(
+            shape,
+            [Block((shard.row_start + r, shard.col_start), t, primary) for r, t in chunks],
+            table.weight.dtype,
+        )
+
+    def _full_tensor(self, shards: LocalShards) -> torch.Tensor:
+        return self.strategy.all_reduce_(
+            shards.primary_sum(), "sum", name=f"{BUILDER}: gathering a full table"
+        )
+
+    def _table_state_dict(
+        self, table: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    ) -> None:
+        assert isinstance(table, EmbeddingTable)
+        value = self._table_block(table)
+        state_dict[prefix + "weight"] = (
+            self._full_tensor(value) if gathering_full_tensors() else value
+        )
+
+    def _table_load_pre_hook(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            return
+        name = prefix.rstrip(".").split(".")[-1]
+        table = table_of(self.tables, name)
+        value, mine = state_dict[key], self._table_block(table)
+        if isinstance(value, LocalShards):
+            for block, theirs in zip(mine.blocks, value.blocks, strict=False):
+                if theirs.tensor.data_ptr() != block.tensor.data_ptr():
+                    block.tensor.copy_(theirs.tensor)
+        else:
+            mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
+        disk = self.disk_tables.by_name.get(name)
+        if disk is not None:
+            disk.loaded()
+        state_dict[key] = table.weight.detach()
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        module: ShardedEmbeddingBagCollection,
+        features: SparseFeatures,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        out, saved = lookup(module.lookup_context, features)
+        ctx.lookup, ctx.saved = module.lookup_context, saved
+        if not (saved["trains"] and grad_enabled):  # no backward will unpin its rows
+            module.disk_tables.release(saved["pins"], updated=False)
+        if not saved["trains"]:  # every table frozen: no backward, on every rank
+            ctx.mark_non_differentiable(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        apply_gradient(ctx.lookup, grad.contiguous(), ctx.saved)
+        ctx.saved = None
+        return None, None, None, None
+
+
+def _fill_block(
+    weight: nn.Parameter, source: torch.Tensor, config: Any, seed: int, shard: Any
+) -> None:
+    """This rank's block: the source's values if it is real, else the seeded initial values."""
+    with torch.no_grad():
+        if source.is_meta:  # generated in place: no second copy of the block, even briefly
+            init_rows(
+                config,
+                seed,
+                (shard.row_start, shard.row_end),
+                (shard.col_start, shard.col_end),
+                out=weight.detach(),
+            )
+        else:
+            weight.copy_(source[shard.row_start : shard.row_end, shard.col_start : shard.col_end])

@@ -1,0 +1,226 @@
+"""The managed-collision remapper of a sharded collection: its buckets split over the job.
+
+Rank r of W remaps buckets [r * B // W, (r + 1) * B // W) of every managed table (B buckets)
+and holds their rows' state. Each step, whatever the tables' plan: every rank sends the distinct
+raw ids of its batch (with their counts) to their buckets' owners, the owners remap the union
+as the single-process remapper would remap the global batch (ids/managed_collisions.py: everything
+is per bucket, and the order within a bucket does not depend on the senders), and send the rows
+back. Three all_to_alls over the whole job per step, for all managed tables together: sizes,
+ids and counts, rows. Every replica of a 2-D layout sees the same mapping.
+
+The state is checkpointed per row as LocalShards (like the fused optimizer's per-row state), so
+it reshards on load to any world size; `step` is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.ids.hashing import table_ids, with_table_ids
+from manualpar.embeddings.ids.managed_collisions import (
+    STATE,
+    ManagedCollisionRemapper,
+    ManagedCollisionTable,
+    buckets_of,
+    layout_of,
+    managed_tables,
+)
+from manualpar.embeddings.step.exchange import REFUSED, check_refusals
+
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["ShardedManagedCollisions", "sharded_remapper"]
+
+WHAT = "shard_embeddings: managed-collision"
+
+
+class ShardedManagedCollisions(ManagedCollisionRemapper):
+    """This rank's buckets of every managed table; forward remaps the batch with the others."""
+
+    def __init__(
+        self,
+        configs: Sequence[EmbeddingBagConfig],
+        strategy: ManualParallelStrategy,
+        source: ManagedCollisionRemapper | None,
+    ) -> None:
+        super().__init__([], strategy.device)
+        self.configs, self.strategy = tuple(configs), strategy
+        rank, world = strategy.rank, strategy.world_size
+        for config in managed_tables(configs):
+            buckets = layout_of(config).owned(rank, world)
+            table = ManagedCollisionTable(config, buckets, strategy.device)
+            if source is not None:
+                _copy_block(source.table(config.name), table)
+            table._register_state_dict_hook(self._state_dict_hook)
+            table._register_load_state_dict_pre_hook(self._load_pre_hook)
+            self.tables[config.name] = table
+
+    # forward ----------------------------------------------------------------------------------
+    def forward(self, features: SparseFeatures) -> SparseFeatures:
+        world = self.strategy.world_size
+        names = list(self.tables)
+        raw = table_ids(features, self.configs, managed_tables(self.configs))
+        sends = [_Sent(raw[name], self.table(name).config, world) for name in names]
+        sizes_out = [[sent.per_rank[r] for sent in sends] for r in range(world)]  # [owner][table]
+        header = torch.tensor([[0, *sizes] for sizes in sizes_out], device=self.device)
+        got = self._exchange_headers(header).tolist()
+        check_refusals(got)
+        sizes_in = [sizes[1:] for sizes in got]  # [sender][table]
+        payload = torch.cat(
+            [part for owner in range(world) for sent in sends for part in sent.to_owner(owner)]
+            or [header.new_zeros(0)]
+        )
+        received = self._all_to_all(
+            payload, [2 * sum(s) for s in sizes_out], [2 * sum(s) for s in sizes_in], "ids"
+        )
+        replies = self._remap_received(names, received, sizes_in)
+        rows = self._all_to_all(
+            replies, [sum(s) for s in sizes_in], [sum(s) for s in sizes_out], "rows"
+        )
+        per_table = _split_by_table(rows, sizes_out)
+        mapped = {name: sends[t].rows(per_table[t]) for t, name in enumerate(names)}
+        return with_table_ids(features, self.configs, mapped)
+
+    def _remap_received(
+        self, names: list[str], received: torch.Tensor, sizes_in: list[list[int]]
+    ) -> torch.Tensor:
+        """Rows for every sender's ids, sender by sender, table by table."""
+        ids_parts: list[list[torch.Tensor]] = [[] for _ in names]
+        count_parts: list[list[torch.Tensor]] = [[] for _ in names]
+        offset = 0
+        for sizes in sizes_in:
+            for t, n in enumerate(sizes):
+                ids_parts[t].append(received[offset : offset + n])
+                count_parts[t].append(received[offset + n : offset + 2 * n])
+                offset += 2 * n
+        rows_per_table = []
+        for t, name in enumerate(names):
+            ids, counts = torch.cat(ids_parts[t]), torch.cat(count_parts[t])
+            distinct, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros_like(distinct).index_add_(0, inverse, counts)
+            rows = self.table(name).remap(distinct, summed)[inverse]
+            rows_per_table.append(rows.split([s[t] for s in sizes_in]))
+        return torch.cat(
+            [rows_per_table[t][s] for s in range(len(sizes_in)) for t in range(len(names))]
+            or [received.new_zeros(0)]
+        )
+
+    def _exchange_headers(self, header: torch.Tensor) -> torch.Tensor:
+        world, width = header.shape
+        received = self.strategy.all_to_all(
+            header.flatten(), [width] * world, [width] * world, name=f"{WHAT} sizes all_to_all"
+        )
+        return received.view(world, width)
+
+    def _all_to_all(
+        self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
+    ) -> torch.Tensor:
+        return self.strategy.all_to_all(tensor, send, receive, name=f"{WHAT} {what} all_to_all")
+
+    def refuse(self) -> None:
+        """This rank's batch failed validation: join the sizes exchange with REFUSED, so every
+        rank stops at this step with an error naming this one."""
+        if self.strategy.world_size > 1:
+            world = self.strategy.world_size
+            header = torch.full((world, len(self.tables) + 1), REFUSED, device=self.device)
+            self._exchange_headers(header)
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    # checkpoint -------------------------------------------------------------------------------
+    def _block(self, table: ManagedCollisionTable, key: str) -> LocalShards:
+        tensor = getattr(table, key)
+        rows = (table.config.num_embeddings,)
+        blocks = [Block((table.row_start,), tensor)] if tensor.numel() else []
+        return LocalShards(rows, blocks, torch.int64)
+
+    def _state_dict_hook(
+        self, table: Any, state_dict: dict, prefix: str, local_metadata: Any
+    ) -> None:
+        for key in STATE:
+            shards = self._block(table, key)
+            state_dict[prefix + key] = (
+                self.strategy.all_reduce_(shards.primary_sum(), "sum", name=f"{WHAT} gather")
+                if gathering_full_tensors()
+                else shards
+            )
+
+    def _load_pre_hook(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        table = self.table(prefix.rstrip(".").split(".")[-1])
+        for key in STATE:
+            value, mine = state_dict.get(prefix + key), getattr(table, key)
+            if value is None:
+                continue
+            if isinstance(value, LocalShards):
+                for block in value.blocks:
+                    if block.tensor.data_ptr() != mine.data_ptr():
+                        mine.copy_(block.tensor)
+            else:
+                mine.copy_(value.to(mine.device)[table.row_start : table.row_end])
+            state_dict[prefix + key] = mine
+
+
+class _Sent:
+    """One table's distinct ids of this rank's batch (with their counts), ordered by owner
+    rank; `per_rank[r]` of them go to rank r."""
+
+    def __init__(self, raw: torch.Tensor, config: EmbeddingBagConfig, world: int) -> None:
+        distinct, self.inverse, counts = torch.unique(raw, return_inverse=True, return_counts=True)
+        owner = layout_of(config).owners(buckets_of(distinct, config), world)
+        self.order = torch.argsort(owner, stable=True)
+        self.ids, self.counts = distinct[self.order], counts[self.order]
+        self.per_rank: list[int] = torch.bincount(owner, minlength=world).tolist()
+
+    def to_owner(self, owner: int) -> list[torch.Tensor]:
+        """[ids, counts] going to rank `owner`."""
+        start = sum(self.per_rank[:owner])
+        end = start + self.per_rank[owner]
+        return [self.ids[start:end], self.counts[start:end]]
+
+    def rows(self, owner_ordered: torch.Tensor) -> torch.Tensor:
+        """The rows of the raw ids (in their batch order) from the owners' replies."""
+        distinct_rows = torch.empty_like(owner_ordered)
+        distinct_rows[self.order] = owner_ordered
+        return distinct_rows[self.inverse]
+
+
+def _split_by_table(rows: torch.Tensor, sizes_out: list[list[int]]) -> list[torch.Tensor]:
+    """The owners' replies (owner by owner, table by table) as one tensor per table."""
+    tables = len(sizes_out[0]) if sizes_out else 0
+    parts: list[list[torch.Tensor]] = [[] for _ in range(tables)]
+    offset = 0
+    for sizes in sizes_out:
+        for t, n in enumerate(sizes):
+            parts[t].append(rows[offset : offset + n])
+            offset += n
+    return [torch.cat(p) for p in parts]
+
+
+def _copy_block(source: ManagedCollisionTable, table: ManagedCollisionTable) -> None:
+    """A real single-process remapper's state for this block (a meta one: fresh state)."""
+    if source.ids.is_meta:
+        return
+    with torch.no_grad():
+        for key in STATE:
+            getattr(table, key).copy_(getattr(source, key)[table.row_start : table.row_end])
+        table.step.copy_(source.step)
+
+
+def sharded_remapper(
+    configs: Sequence[EmbeddingBagConfig],
+    strategy: ManualParallelStrategy,
+    source: ManagedCollisionRemapper | None,
+) -> ShardedManagedCollisions | None:
+    """A sharded collection's remapper (None without managed tables)."""
+    if not managed_tables(configs):
+        return None
+    return ShardedManagedCollisions(configs, strategy, source)

@@ -1,0 +1,139 @@
+"""Sequence (unpooled) embeddings on the sharded bag machinery: the pieces that
+`ShardedEmbeddingCollection` (below, on the bag collection it extends) is made of.
+
+An unpooled lookup is a sum-pooled lookup whose bags hold one id each. So a feature's n ids
+become n bags of length one, padded with empty bags to the batch's largest feature (the bag
+machinery has one batch size for every feature); the sharded bag collection's forward and
+backward run unchanged (plans, routing, exchanges, the fused update, checkpoints, resharding),
+and its (bags, total dim) output is cut back into each feature's first n rows. The padding rows
+get a zero gradient, so the update sees exactly the ids' gradients.
+
+The bag machinery weighs ranks by their bag counts under normalize_by="global_samples", which
+here would be padded id counts: the sequence collection runs it with "world_size" (an average
+over ranks) and multiplies each rank's output gradient by world size x its sample share.
+
+The price of the reuse, per step: every feature's rows (and their gradients) are padded to the
+largest feature's id count; a length (1 or 0) travels with each id; a row-split table sends
+back one (partial) row per id from each row block, world size times the rows a table-wise
+table sends.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.modules.sequence_collection import (
+    EmbeddingCollection,
+    JaggedEmbeddings,
+    SequenceEmbeddings,
+    check_sequence_features,
+)
+from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.step.routing import Routing
+from manualpar.embeddings.step.table_mesh import TableMesh
+from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import EmbeddingInputError
+
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = [
+    "ShardedEmbeddingCollection",
+    "sample_share",
+    "scale_gradient",
+    "split_rows",
+    "unit_bags",
+]
+
+
+def unit_bags(features: SparseFeatures) -> tuple[SparseFeatures, list[int]]:
+    """The same ids, each its own bag: feature f gets counts[f] bags of length 1, then empty
+    bags up to the largest count (every feature has the same number of bags). Returns the bags
+    and the counts."""
+    counts = features.feature_sizes()
+    device = features.values.device
+    bags = max(counts, default=0)
+    ones = torch.arange(bags, device=device) < torch.tensor(counts, device=device).unsqueeze(1)
+    return SparseFeatures(features.keys, features.values, ones.to(torch.int64).flatten()), counts
+
+
+def split_rows(
+    pooled: torch.Tensor, features: SparseFeatures, counts: list[int], routing: Routing
+) -> SequenceEmbeddings:
+    """Each feature's rows (its first counts[f] bags, its columns) with the batch's lengths."""
+    batch = features.batch_size
+    out = {}
+    for f, (name, _) in enumerate(routing.features):
+        start = routing.feature_offsets[f]
+        out[name] = JaggedEmbeddings(
+            pooled[: counts[f], start : start + routing.dims[f]],
+            features.lengths[f * batch : (f + 1) * batch],
+        )
+    return SequenceEmbeddings(out)
+
+
+def sample_share(strategy: ManualParallelStrategy, batch: int) -> float:
+    """world size x this rank's share of the global samples: with the machinery's average over
+    ranks (1 / world size), this factor weighs this rank's loss by its sample share, as
+    `ddp(normalize_by="global_samples")`. One all_reduce of one number."""
+    total = torch.tensor([float(batch)], dtype=torch.float64, device=strategy.device)
+    strategy.all_reduce_(total, "sum", name=f"{BUILDER}: sample count all_reduce")
+    whole = float(total)
+    return strategy.world_size * batch / whole if whole else 0.0
+
+
+def scale_gradient(values: torch.Tensor, factor: float) -> torch.Tensor:
+    """`values` unchanged, its gradient multiplied by `factor`."""
+    out: torch.Tensor = _ScaleGradient.apply(values, factor)
+    return out
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
+    """`shard_embeddings` of an EmbeddingCollection: the bag collection above with one id per
+    bag (unit_bags above); forward returns SequenceEmbeddings, the rest is the same."""
+
+    def __init__(
+        self,
+        ec: EmbeddingCollection,
+        strategy: ManualParallelStrategy,
+        plan: EmbeddingPlan,
+        optimizer: SparseOptimizer,
+        normalize_by: str,
+        layout: TableMesh | None = None,
+        disk_tier: DiskTier | None = None,
+    ) -> None:
+        super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier)
+        self.normalize_by = normalize_by
+
+    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
+    def forward(  # the same machinery, another output type (the base forward is untyped here)
+        self, features: SparseFeatures
+    ) -> SequenceEmbeddings:
+        try:
+            features = check_sequence_features(features, self.configs)
+        except EmbeddingInputError:
+            self._refuse_step()
+            raise
+        features = features.to(self.strategy.device)
+        bags, counts = unit_bags(features)
+        pooled = super().forward(bags).values
+        if self.normalize_by == "global_samples":
+            pooled = scale_gradient(pooled, sample_share(self.strategy, features.batch_size))
+        return split_rows(pooled, features, counts, self.routing)

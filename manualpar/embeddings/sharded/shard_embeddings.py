@@ -1,0 +1,146 @@
+"""shard_embeddings: split an EmbeddingBagCollection over the ranks, with a fused optimizer.
+
+    emb = shard_embeddings(model.emb, strategy, plan="auto", optimizer=RowWiseAdagrad(lr=0.05))
+    pooled = emb(features)            # (local batch, sum of dims); differentiable
+    loss.backward()                   # the tables are updated here, inside backward
+
+Gradient semantics, as DDP's: each rank's loss is over its local batch and a table's gradient is
+the average over ranks (the gradient of the global-batch mean), so tables and DDP parts agree.
+`normalize_by="global_samples"` weights each rank by its share of the global batch instead, as
+`ddp(normalize_by="global_samples")`, for variable per-rank batches. Every rank must run forward
+and backward the same number of times (each is a collective), as with DDP.
+
+An EmbeddingBagCollection becomes a ShardedEmbeddingBagCollection (sharded/bag_collection.py);
+an EmbeddingCollection (one row per id) a ShardedEmbeddingCollection
+(sharded/sequence_collection.py), each id a bag of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
+from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
+from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
+from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
+from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
+from manualpar.embeddings.storage.disk_setup import check_disk_plan
+from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import BuilderError, PlanError
+from manualpar.ownership import claim, mark_replaced
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["shard_embeddings"]
+
+NORMALIZATIONS = ("world_size", "global_samples")  # the spellings ddp() takes
+
+
+def shard_embeddings(
+    ebc: EmbeddingBagCollection | EmbeddingCollection,
+    strategy: ManualParallelStrategy,
+    plan: EmbeddingPlan | Mapping[str, TablePlacement] | str = "auto",
+    optimizer: SparseOptimizer | None = None,
+    *,
+    memory_budget_bytes: int | None = None,
+    normalize_by: str = "world_size",
+    mesh: DeviceMesh | None = None,
+    disk_tier: DiskTier | None = None,
+) -> ShardedEmbeddingBagCollection:
+    """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
+
+    `plan`: "auto" (the planner; `memory_budget_bytes` per rank), an EmbeddingPlan, or a
+    mapping table name -> placement for this world size. Meta tables are initialized per shard
+    with the values the unsharded collection would have; real tables are copied block by block.
+
+    `mesh`: None (every rank of the job), or a 2-D `strategy.mesh(replicate=R, shard=S)`: dim 0
+    replicates, dim 1 shards (names are free); the plan is then for S ranks, each row of the
+    mesh holds a sharded copy, ids travel only within a row and the rows' table gradients are
+    summed before the update (table_mesh.py). The tables train to the numbers of a 1-D
+    collection over all R x S ranks.
+
+    `disk_tier`: DiskTier(directory, cache_rows= or cache_bytes=, policy=) for tables the plan
+    places `on_disk` (and, with plan="auto", for those the budget cannot hold): their rows live
+    in files, each rank caching the rows in use (disk_tier.py).
+    """
+    if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
+        raise BuilderError(
+            f"{BUILDER}() takes an EmbeddingBagCollection or an EmbeddingCollection, got "
+            f"{type(ebc).__name__}"
+        )
+    if optimizer is None:
+        raise BuilderError(
+            f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
+            " sharded tables are updated by a fused optimizer inside backward"
+        )
+    converted = {
+        name: (table.weight.dtype, table.config.dtype)
+        for name, table in ebc.tables.items()
+        if table.weight.dtype != table.config.dtype
+    }
+    if converted:
+        name, (dtype, configured) = next(iter(converted.items()))
+        raise BuilderError(
+            f"{BUILDER}(): table {name!r} is {dtype} but its config says {configured} (tables: "
+            f"{sorted(converted)}); sharded tables hold rows in their config's dtype, and "
+            "converting silently would ignore your .to(). Undo the .to(dtype) on the collection "
+            "(convert only the dense parts) and set EmbeddingBagConfig(dtype=torch.float16 or "
+            "torch.bfloat16) for half-precision rows; lookups return float32 either way"
+        )
+    if normalize_by == "world":  # the spelling before 0.2
+        normalize_by = "world_size"
+    if normalize_by not in NORMALIZATIONS:
+        raise BuilderError(
+            f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
+        )
+    layout = table_mesh(mesh, strategy)
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
+        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout, disk_tier)
+    elif not isinstance(plan, EmbeddingPlan):
+        plan = EmbeddingPlan(layout.shard_size, dict(plan))
+    layout.check_plan_size(plan.world_size)
+    plan.validate(ebc.configs, layout.shard_size)
+    check_disk_plan(plan, disk_tier, layout.replicate is not None)
+    claim(ebc, BUILDER)
+    sharded = (
+        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier)
+        if isinstance(ebc, EmbeddingCollection)
+        else ShardedEmbeddingBagCollection(
+            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier
+        )
+    )
+    mark_replaced(ebc.parameters(), BUILDER)
+    return sharded
+
+
+def _auto_plan(
+    ebc: EmbeddingBagCollection | EmbeddingCollection,
+    strategy: ManualParallelStrategy,
+    optimizer: SparseOptimizer,
+    budget: int | None,
+    layout: TableMesh,
+    disk_tier: DiskTier | None = None,
+) -> EmbeddingPlan:
+    """The planner's plan for the shard group, within `budget` bytes per rank; by default the
+    memory every rank can still allocate, so a table that cannot fit is named before anything
+    is allocated."""
+    from manualpar.embeddings.planning.planner import plan_collections
+
+    plans = plan_collections(
+        {"tables": ebc},
+        strategy,
+        memory_budget_bytes=budget,
+        optimizer=optimizer,
+        mesh=layout.shard if layout.replicate is not None else None,
+        disk_tier=disk_tier,
+    )
+    return plans["tables"]

@@ -1,0 +1,3 @@
+"""One sharded step: routing, the exchanges, lookups and the fused update, replica combining,
+frozen tables, table meshes.
+"""

@@ -1,0 +1,275 @@
+"""The disk tier: a table block's rows and optimizer state in files, a bounded cache in memory.
+
+    emb = shard_embeddings(ebc, strategy, plan=plan, optimizer=Adam(lr=1e-3),
+                           disk_tier=DiskTier("runs/tables", cache_bytes=2 * 2**30))
+
+A table placed `on_disk` (plan.py) keeps, on each rank, one file of its block under `directory`
+(row_file.py: a record per row, the weights in the table's dtype and the optimizer state in
+float32), and in memory a cache of slots: the module's weight and the fused optimizer's state
+*are* the cache tensors. Each step, once the ids reach their owner, the shard's local rows are
+mapped to slots (fetching missing rows, evicting unpinned ones, writing dirty victims back), so
+the lookup, the row grouping and the fused update run unchanged on the cache; the step's slots
+stay pinned from forward to backward, and the update writes through the cache (its rows are
+marked dirty, written back when evicted and before a checkpoint).
+
+Rows never written are generated on first use by table_init with the optimizer's initial state,
+so the file starts reserved but unwritten. Rows move with pread/pwrite, so resident memory
+stays about the cache (no file pages are mapped during training).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.modules.table_init import init_rows, init_rows_at
+from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
+from manualpar.embeddings.storage.row_file import RowFile
+from manualpar.errors import BuilderError, EmbeddingInputError
+
+__all__ = ["DiskTable", "DiskTables", "DiskTier"]
+
+CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file, and per checkpoint chunk
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """Where disk tables live and how much of them each rank caches.
+
+    `cache_rows`: slots per table block on each rank; or `cache_bytes`: the rank's cache for all
+    its disk tables together (weights + optimizer state), split in proportion to their blocks.
+    `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
+    docs/embeddings.md) or "lfu".
+    """
+
+    directory: str | os.PathLike[str]
+    cache_rows: int | None = None
+    cache_bytes: int | None = None
+    policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        if (self.cache_rows is None) == (self.cache_bytes is None):
+            raise BuilderError(
+                "DiskTier: give exactly one of cache_rows= (slots per table block) or "
+                "cache_bytes= (each rank's cache for all its disk tables)"
+            )
+        for name in ("cache_rows", "cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise BuilderError(f"DiskTier: {name} must be a positive int, got {value!r}")
+        if self.policy not in POLICIES:
+            raise BuilderError(f"DiskTier: policy must be one of {POLICIES}, got {self.policy!r}")
+
+    def slots(self, blocks: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+        """Cache slots per table from {table: (block rows, bytes per row)}: `cache_rows` each,
+        or `cache_bytes` split in proportion to the blocks' bytes (at most the block's rows)."""
+        if self.cache_rows is not None:
+            return {name: min(self.cache_rows, rows) for name, (rows, _) in blocks.items()}
+        assert self.cache_bytes is not None
+        total = sum(rows * width for rows, width in blocks.values()) or 1
+        return {
+            name: max(1, min(rows, self.cache_bytes * rows // total))
+            for name, (rows, _) in blocks.items()
+        }
+
+
+class DiskTable:
+    """One table's block on this rank: its RowFile and the RowCache of its cache tensors."""
+
+    def __init__(
+        self,
+        config: EmbeddingBagConfig,
+        seed: int,
+        shard: Shard,
+        rule: SparseOptimizer,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        directory: Path,
+        rank: int,
+        policy: str,
+    ) -> None:
+        self.config, self.seed, self.shard, self.rank = config, seed, shard, rank
+        self.weight, self.state = weight, state  # the cache tensors (module's and optimizer's)
+        self.cache = RowCache(shard.rows, weight.shape[0], policy)
+        self.initial = {k: v[:1].clone() for k, v in rule.init_state(1, shard.cols).items()}
+        stem = f"{config.name}.rows{shard.row_start}.cols{shard.col_start}.rank{rank}"
+        self.file = RowFile(
+            Path(directory) / f"{stem}.rows",
+            shard.rows,
+            shard.cols,
+            weight.dtype,
+            {key: tensor.dim() == 1 for key, tensor in state.items()},
+            f"table {config.name!r} (rank {rank})",
+        )
+        self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
+
+    # a step -------------------------------------------------------------------------------------
+    def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache slot of each local row id (same shape), and the distinct slots pinned."""
+        self.file.release_pages()  # a checkpoint's, if any
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        try:
+            assignment = self.cache.assign(rows.cpu())
+        except CacheFull as full:
+            raise EmbeddingInputError(
+                f"disk tier: table {self.config.name!r} on rank {self.rank} needs "
+                f"{full.needed} distinct rows in its cache at once (this step's rows), but the "
+                f"cache holds {full.capacity} rows; raise DiskTier(cache_rows=...) to at least "
+                f"{full.needed} (or cache_bytes=...), or use smaller batches"
+            ) from None
+        if assignment.evict_rows.numel():
+            self._write_back(assignment.evict_rows, assignment.evict_slots)
+        if assignment.fetch_rows.numel():
+            self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.stored)
+        slots = assignment.slots.to(ids.device)
+        return slots[inverse], slots
+
+    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        rows, order = torch.sort(rows)  # ascending offsets
+        device_slots = slots[order].to(self.weight.device)
+        records = self.file.empty(rows.numel())
+        self.file.weight_of(records).copy_(self.weight.index_select(0, device_slots))
+        for key, tensor in self.state.items():
+            self.file.state_of(records, key).copy_(tensor.index_select(0, device_slots))
+        self.file.write(rows, records)
+
+    def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
+        device = self.weight.device
+        if bool(stored.any()):
+            old, into = rows[stored], slots[stored].to(device)
+            records = self.file.empty(old.numel())
+            self.file.read(old, records)
+            self.weight.index_copy_(0, into, self.file.weight_of(records).to(device))
+            for key, tensor in self.state.items():
+                values = self.file.state_of(records, key).to(device)
+                tensor.index_copy_(0, into, values)
+        fresh = ~stored
+        if bool(fresh.any()):
+            new, into = rows[fresh], slots[fresh].to(device)
+            shard = self.shard
+            values = init_rows_at(
+                self.config, self.seed, new + shard.row_start, (shard.col_start, shard.col_end)
+            )
+            self.weight.index_copy_(0, into, values.to(device, self.weight.dtype))
+            for key, tensor in self.state.items():
+                initial = self.initial[key].to(device).expand(new.numel(), *tensor.shape[1:])
+                tensor.index_copy_(0, into, initial)
+
+    # checkpoints --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Make the file hold the whole block: dirty cached rows written back, rows never
+        written generated (before a checkpoint reads the file)."""
+        rows, slots = self.cache.dirty_entries()
+        if rows.numel():
+            self._write_back(rows, slots)
+        shard = self.shard
+        for start in range(0, shard.rows, self.chunk_rows):
+            end = min(start + self.chunk_rows, shard.rows)
+            never = self.cache.never_written(start, end)
+            if not never.numel():
+                continue
+            records = self.file.read_range(start, end)
+            values = init_rows(
+                self.config,
+                self.seed,
+                (shard.row_start + start, shard.row_start + end),
+                (shard.col_start, shard.col_end),
+            )
+            weights = self.file.weight_of(records)
+            weights[never] = values[never].to(weights.dtype)
+            for key in self.state:
+                state = self.file.state_of(records, key)
+                state[never] = self.initial[key].expand(never.numel(), *state.shape[1:])
+            self.file.write_range(start, records)
+            self.cache.mark_stored(start, end)
+
+    def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
+        """(first row, view) chunks of the weights (None) or a state tensor, views of the
+        file's map after `flush`: a checkpoint copies one chunk at a time (a view of a larger
+        storage is cloned before it is written), so memory stays about one chunk."""
+        self.flush()
+        records = self.file.mapped()
+        tensor = self.file.weight_of(records) if key is None else self.file.state_of(records, key)
+        return [
+            (start, tensor[start : start + self.chunk_rows])
+            for start in range(0, self.shard.rows, self.chunk_rows)
+        ]
+
+    def loaded(self) -> None:
+        """The file was just written by a checkpoint load: drop the cache (a state_dict()
+        before the load flushed it, so nothing is lost)."""
+        self.cache.drop_all()
+        self.file.release_pages()
+
+    @torch.no_grad()
+    def fill_from(self, source: torch.Tensor) -> None:
+        """Start from a real (materialized) table's block, written in chunks."""
+        shard = self.shard
+        for start in range(0, shard.rows, self.chunk_rows):
+            end = min(start + self.chunk_rows, shard.rows)
+            records = self.file.empty(end - start)
+            self.file.weight_of(records).copy_(
+                source[
+                    shard.row_start + start : shard.row_start + end, shard.col_start : shard.col_end
+                ]
+            )
+            for key in self.state:
+                state = self.file.state_of(records, key)
+                state.copy_(self.initial[key].expand(end - start, *state.shape[1:]))
+            self.file.write_range(start, records)
+        self.cache.mark_stored()
+
+
+class DiskTables:
+    """A collection's disk tables on this rank, by table index; maps a step's bags to slots
+    and keeps their pins until the step's backward."""
+
+    def __init__(self, tables: Mapping[int, DiskTable] | None = None) -> None:
+        self.tables = dict(tables or {})
+        self.by_name = {table.config.name: table for table in self.tables.values()}
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def begin_step(self) -> None:
+        for table in self.tables.values():
+            table.cache.new_step()
+
+    def to_slots(
+        self, local: list[Any], bags: list[Any], pins: list[tuple[int, torch.Tensor]]
+    ) -> list[Any]:
+        """One sender's bags for this rank's routed `local` shards, disk tables' ids replaced by
+        cache slots; appends the pinned slots to `pins`."""
+        mapped = []
+        for shard, (ids, lengths, weights) in zip(local, bags, strict=True):
+            table = self.tables.get(shard.table)
+            if table is not None:
+                try:
+                    ids, pinned = table.to_slots(ids)
+                except Exception:  # the step fails: no backward will unpin its rows
+                    self.release(pins, updated=False)
+                    raise
+                pins.append((shard.table, pinned))
+            mapped.append((ids, lengths, weights))
+        return mapped
+
+    def release(self, pins: list[tuple[int, torch.Tensor]], updated: bool) -> None:
+        for t, slots in pins:
+            self.tables[t].cache.release(slots.cpu(), updated)
+        pins.clear()
+
+    def hit_rate(self) -> float:
+        hits = sum(t.cache.hits for t in self.tables.values())
+        misses = sum(t.cache.misses for t in self.tables.values())
+        return hits / max(hits + misses, 1)
