@@ -2,6 +2,12 @@
 
 The strategy owns ranks, collectives and checkpoint IO; your module composes DDP, FSDP, tensor
 parallel and sharded embedding tables itself in `setup(strategy)`.
+
+The public API, by rule: this module carries the strategy, `ParallelModule`/`load_trained`, the
+builders, meta init, the Trainer, the checkpoint functions and every error class, plus the
+embedding names a model definition needs most; `manualpar.embeddings` carries the whole
+embedding vocabulary (configs, collections, plans and placements, update rules, the planner,
+the disk tier, raw ids). Anything deeper is internal and may move between releases.
 """
 
 from manualpar.builders import (
@@ -14,7 +20,17 @@ from manualpar.builders import (
     tp,
     zero_optimizer,
 )
-from manualpar.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from manualpar.checkpoint import (
+    MANIFEST,
+    PendingSave,
+    describe_checkpoint,
+    full_tensors,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    save_checkpoint_async,
+)
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -35,6 +51,7 @@ from manualpar.errors import (
     CollectiveError,
     EmbeddingInputError,
     ManualParError,
+    MeshError,
     NonFiniteError,
     PlanError,
 )
@@ -48,6 +65,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MANIFEST",
     "BuilderError",
     "CheckpointError",
     "CheckpointMismatchError",
@@ -64,8 +82,10 @@ __all__ = [
     "ManagedCollisions",
     "ManualParError",
     "ManualParallelStrategy",
+    "MeshError",
     "NonFiniteError",
     "ParallelModule",
+    "PendingSave",
     "PlanError",
     "RNGState",
     "SparseFeatures",
@@ -75,9 +95,11 @@ __all__ = [
     "clip_grad_norm_",
     "dataset_batches",
     "ddp",
+    "describe_checkpoint",
     "detect_environment",
     "empty_init",
     "fsdp",
+    "full_tensors",
     "is_meta",
     "latest_checkpoint",
     "load_checkpoint",
@@ -86,6 +108,7 @@ __all__ = [
     "read_manifest",
     "restore_rng_state",
     "save_checkpoint",
+    "save_checkpoint_async",
     "seed_everything",
     "set_batch_size",
     "shard_embeddings",

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from manualpar.dtensors import is_dtensor, local_part
 from manualpar.errors import BuilderError
 
 if TYPE_CHECKING:
@@ -316,7 +316,7 @@ def _stand_ins(module: nn.Module, fresh: set[Slot], full_on_cpu: bool) -> Iterat
     so the RNG advances as in eager construction but nothing real is overwritten."""
     originals = {slot: t for slot, t in _direct(module).items() if t is not None}
     for (kind, key), tensor in originals.items():
-        sharded = isinstance(tensor, DTensor)
+        sharded = is_dtensor(tensor)
         if (kind, key) in fresh and not sharded and not full_on_cpu:
             continue
         on_cpu = sharded or ((kind, key) in fresh and full_on_cpu)
@@ -330,7 +330,7 @@ def _stand_ins(module: nn.Module, fresh: set[Slot], full_on_cpu: bool) -> Iterat
             for (kind, key), tensor in originals.items():
                 written = _direct(module)[kind, key]
                 if (kind, key) in fresh and written is not tensor and written is not None:
-                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    local = local_part(tensor)
                     local.copy_(_local_slice(written, tensor))
     finally:
         for (kind, key), tensor in originals.items():
@@ -350,8 +350,10 @@ def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     shards, HSDP's (Replicate, Shard(0)), tensor parallel's row or column shards, and their 2-D
     compositions), cut locally with torch's own chunking (no collective; one full parameter at a
     time visits the mesh's device); the whole tensor for a plain one."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     local = distribute_tensor(
         full, param.device_mesh, param.placements, src_data_rank=None
     ).to_local()

@@ -16,8 +16,8 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from manualpar.dtensors import is_dtensor, local_part
 from manualpar.errors import NonFiniteError
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -34,13 +34,13 @@ def total_grad_norm(
         return torch.tensor(0.0)
     groups: dict[object, list[torch.Tensor]] = {}
     for grad in grads:
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
+        key = (grad.device_mesh, grad.placements) if is_dtensor(grad) else grad.device
         groups.setdefault(key, []).append(grad)
     device = _local(grads[0]).device
     norms = []
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         norms.append(norm.to(device=device, dtype=torch.float32))
     stacked = torch.stack(norms)
@@ -86,4 +86,4 @@ def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Te
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: what scaling writes to."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local_part(tensor)

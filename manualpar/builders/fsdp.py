@@ -32,13 +32,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 from manualpar.builders.meshes import TP, builder_mesh, composes_with_tp, mesh_label, refuse_taken
 from manualpar.errors import BuilderError
@@ -117,6 +110,14 @@ def fsdp(
         _claim(module, over)
         return module
     assert strategy.group is not None  # is_distributed
+    # imported here: torch.distributed.fsdp (with DTensor) costs every process ~0.5 s to import
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
     shard_mesh = over or DeviceMesh.from_group(strategy.group, strategy.device.type)
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=strategy.device.type == "cuda")
@@ -144,6 +145,8 @@ def fsdp(
 
 def _check_not_wrapped(module: nn.Module, mesh: DeviceMesh | None, world_size: int) -> None:
     refuse_taken(module, BUILDER, mesh, world_size)
+    from torch.distributed.fsdp import FSDPModule
+
     if isinstance(module, FSDPModule):
         raise BuilderError(
             f"fsdp(): module {type(module).__name__} was already set up by fully_shard(); call "

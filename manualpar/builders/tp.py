@@ -22,17 +22,11 @@ construction gives under the same seed, so a later fsdp() shards real tensors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from manualpar.builders.meshes import TP, builder_mesh, mesh_label
 from manualpar.errors import BuilderError
@@ -40,11 +34,15 @@ from manualpar.meta import materialize_placed, require_reset_parameters
 from manualpar.ownership import builder_of, claim, mark_replaced, mesh_of, owner_of
 from manualpar.strategy import ManualParallelStrategy
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 __all__ = ["TpPlan", "tp"]
 
-TpStyle = Literal["colwise", "rowwise"] | ParallelStyle
+# "colwise", "rowwise" or a torch ParallelStyle (torch.distributed.tensor.parallel: imported
+# only when tp() runs, as it pulls in DTensor, ~0.5 s per process)
+TpStyle = Literal["colwise", "rowwise"] | Any
 TpPlan = Mapping[str, TpStyle]
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def tp(
@@ -75,6 +73,8 @@ def tp(
         _move(module, strategy.device)
     if strategy.is_distributed and over.size() > 1:
         mark_replaced(old, TP)
+        from torch.distributed.tensor.parallel import parallelize_module
+
         with strategy.collective_guard(f"tp(): parallelize_module over {mesh_label(over)}"):
             # From real tensors tp rank 0's values are sent to the others (as DDP does); on
             # meta there is nothing to send, each rank initializes its own slice below.
@@ -92,6 +92,9 @@ def tp(
 
 def _resolve(module: nn.Module, plan: object) -> dict[str, ParallelStyle]:
     """The plan with every path checked and every string turned into its ParallelStyle."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    named = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if not isinstance(plan, Mapping) or not plan:
         raise BuilderError(
             f"tp(): plan must be a non-empty dict of submodule path -> 'colwise' | 'rowwise' | "
@@ -113,7 +116,7 @@ def _resolve(module: nn.Module, plan: object) -> dict[str, ParallelStyle]:
         if isinstance(style, ParallelStyle):
             styles[path] = style
             continue
-        if style not in _STYLES:
+        if style not in named:
             raise BuilderError(
                 f"tp(): plan[{path!r}] is {style!r}; use 'colwise', 'rowwise' or a torch "
                 "ParallelStyle object (torch.distributed.tensor.parallel)"
@@ -125,7 +128,7 @@ def _resolve(module: nn.Module, plan: object) -> dict[str, ParallelStyle]:
                 f"{', '.join(repr(n) for n in linears if n.startswith(path + '.'))[:120] or '...'}"
                 "), or pass a torch ParallelStyle object for this module"
             )
-        styles[path] = _STYLES[style]()
+        styles[path] = named[style]()
     nested = [(a, b) for a in styles for b in styles if b.startswith(a + ".")]
     if nested:
         raise BuilderError(

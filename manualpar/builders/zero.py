@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from manualpar.builders.meshes import builder_mesh, refuse_tp_params
+from manualpar.dtensors import is_dtensor
 from manualpar.errors import BuilderError
 from manualpar.ownership import stale_reason
 from manualpar.strategy import ManualParallelStrategy
@@ -98,7 +98,7 @@ def _check_params(tensors: list[torch.Tensor], name: str) -> None:
                 f"{name}: parameter {index} of shape {tuple(param.shape)} {why}. Create the "
                 "optimizer after model.setup(strategy), from the model's current parameters"
             )
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             raise BuilderError(
                 f"{name}: parameter {index} of shape {tuple(param.shape)} is sharded (a DTensor, "
                 "e.g. from fsdp()), so its optimizer state is already sharded; use a plain "

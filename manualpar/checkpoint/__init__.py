@@ -8,13 +8,18 @@ imports the strategy: it is passed in and used through its public API.
 """
 
 from manualpar.checkpoint.background import PendingSave, save_checkpoint_async
+from manualpar.checkpoint.describe import describe_checkpoint
 from manualpar.checkpoint.files import MANIFEST, latest_checkpoint, read_manifest
 from manualpar.checkpoint.load import load_checkpoint
+from manualpar.checkpoint.local_shards import LocalShards, full_tensors
 from manualpar.checkpoint.save import save_checkpoint
 
 __all__ = [
     "MANIFEST",
+    "LocalShards",
     "PendingSave",
+    "describe_checkpoint",
+    "full_tensors",
     "latest_checkpoint",
     "load_checkpoint",
     "read_manifest",

@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from manualpar.errors import CheckpointError, CollectiveError
 
@@ -78,6 +77,8 @@ class OnGroup:
 
 def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; raise on all of them if it failed on any (naming the first)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     result: Any = None
     local_error: BaseException | None = None
     try:
@@ -102,6 +103,8 @@ def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:
 
 def dcp_call(strategy: Ranks, operation: str, fn: Callable[[], Any]) -> None:
     """Run a DCP call; a dead or stalled peer surfaces as CollectiveError naming the operation."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with strategy.collective_guard(operation), warnings.catch_warnings():
             # Without a process group DCP warns that it assumes one process: that is intended.

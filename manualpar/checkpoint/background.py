@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, dcp_call
 from manualpar.checkpoint.files import partial_path, prepare
@@ -72,6 +70,8 @@ def save_checkpoint_async(
     never the main one; None on one process). Values are snapshotted before this returns, so
     the caller may update the model and optimizer right away.
     """
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path).absolute()
     validate_state(state)
     started = time.perf_counter()
@@ -122,6 +122,8 @@ def stage_to_cpu(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """A CPU copy of every tensor leaf, so training may change the originals while the copy is
     written. torch's DCP stager copies tensors and DTensors; a LocalShards (a sharded table's
     blocks, storage-less) is rebuilt around copies of its blocks."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     shards = {k: v for k, v in tensors.items() if isinstance(v, LocalShards)}
     stager = DefaultStager(StagingOptions(False, False, False, False))
     try:

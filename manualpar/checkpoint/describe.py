@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest
 from manualpar.errors import CheckpointError
@@ -22,6 +20,9 @@ __all__ = ["describe_checkpoint"]
 
 def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A plain dict: kind, step, world size, entries, and per tensor its shape, dtype, chunks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     path = Path(path)
     if path.is_file():
         return _describe_full(path)

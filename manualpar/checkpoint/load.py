@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
 from manualpar.checkpoint.dtypes import log_conversions, saved_dtypes
@@ -98,6 +97,8 @@ def _saved_leaves(
     path: Path,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """Tensor shapes from DCP metadata, the replicated non-tensor leaves, tensor dtypes."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         objects = torch.load(path / "objects" / "replicated.pt", weights_only=True)
@@ -200,6 +201,8 @@ def _load_sharded(
     saved_objects: dict[str, Any],
     keep: set[str],
 ) -> None:
+    import torch.distributed.checkpoint as dcp
+
     tensors, _objects = split_leaves(shared)
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
     dcp_call(

@@ -17,14 +17,13 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["Block", "LocalShards", "full_tensors", "gathering_full_tensors"]
 
@@ -94,6 +93,13 @@ class LocalShards(torch.Tensor):
 
     # DCP checkpointable protocol ----------------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(block.offsets)),
@@ -111,6 +117,8 @@ class LocalShards(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [
             ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=b.tensor.shape)
             for b in self.blocks

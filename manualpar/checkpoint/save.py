@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
 from manualpar.checkpoint.files import (
@@ -109,6 +108,8 @@ def save_checkpoint(
 
 
 def _save_sharded(strategy: Ranks, path: Path, state: Mapping[str, Any], overwrite: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
     staging = partial_path(path)
     shared, per_rank = state_dicts(state, full=False)
     tensors, objects = split_leaves(shared)

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.errors import CheckpointError
@@ -71,6 +67,8 @@ def _check_optimizer_covered(key: str, optimizer: torch.optim.Optimizer, state: 
 
 def entry_state_dict(key: str, value: Any, state: Mapping[str, Any], *, full: bool) -> Any:
     """The state dict of one entry; with `full`, unsharded and on CPU (collective for FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     if full:  # sharded embedding tables return gathered tensors inside this context
         with full_tensors():
             return _entry_state_dict(
@@ -80,6 +78,11 @@ def entry_state_dict(key: str, value: Any, state: Mapping[str, Any], *, full: bo
 
 
 def _entry_state_dict(value: Any, state: Mapping[str, Any], options: StateDictOptions) -> Any:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     kind = entry_kind(value)
     if kind == "module":
         return get_model_state_dict(value, options=options)
@@ -94,6 +97,12 @@ def load_entry(
     key: str, value: Any, loaded: Any, state: dict[str, Any], *, full: bool, strict: bool
 ) -> None:
     """Apply a loaded state dict to the entry (plain values are replaced in `state`)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=full, strict=strict)
     kind = entry_kind(value)
     if kind == "module":

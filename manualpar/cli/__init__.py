@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from manualpar import ManualParError
 from manualpar.cli import inspect, launch, plan, plot
-from manualpar.errors import ManualParError
 
 __all__ = ["main"]
 

@@ -11,9 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from manualpar.checkpoint.describe import describe_checkpoint
-from manualpar.checkpoint.files import MANIFEST, latest_checkpoint
-from manualpar.errors import CheckpointError
+from manualpar import MANIFEST, CheckpointError, describe_checkpoint, latest_checkpoint
 
 __all__ = ["add_arguments", "format_description", "resolve_checkpoint", "run"]
 

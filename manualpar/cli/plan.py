@@ -17,20 +17,23 @@ from pathlib import Path
 
 import torch
 
+from manualpar import EmbeddingInputError, ManualParError
 from manualpar.embeddings import (
+    DTYPE_NAMES,
     SGD,
+    UNIFORM_PLANS,
     Adagrad,
     Adam,
     EmbeddingBagConfig,
     RowWiseAdagrad,
     SparseOptimizer,
+    check_tables,
+    format_bytes,
+    plan_tables,
+    plan_uniform,
+    raw_ids_from_json,
+    table_dtype,
 )
-from manualpar.embeddings.config import check_tables
-from manualpar.embeddings.dtype_names import DTYPE_NAMES, table_dtype
-from manualpar.embeddings.id_spaces import raw_ids_from_json
-from manualpar.embeddings.plan import format_bytes
-from manualpar.embeddings.planning.planner import UNIFORM_PLANS, plan_tables, plan_uniform
-from manualpar.errors import EmbeddingInputError, ManualParError
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from manualpar.errors import ManualParError
+from manualpar import ManualParError
 
 __all__ = ["add_arguments", "metrics_figure", "plot_metrics", "run"]
 

@@ -1,8 +1,31 @@
-"""Sharded embedding tables: configs, jagged inputs, plans, fused sparse optimizers."""
+"""Sharded embedding tables: configs, jagged inputs, collections, plans, the planner, fused
+sparse optimizers, storage tiers and raw ids.
 
-from manualpar.embeddings.config import EmbeddingBagConfig
+This module is the embeddings' public vocabulary: everything a model, a training script or a
+plan file needs is importable from here. The sub-packages below it are internal (one concern
+each, in one-way layers; docs/embeddings.md, "Layout"):
+
+    root vocabulary  config, features, plan, id_spaces, dtype_names
+    kernels/         C++ kernels and loader, splitmix64, bags and pooling, rounding, row memory
+    ids/  optim/     raw ids (hashing, managed collisions); update rules, the fused optimizer
+    modules/         the unsharded bag and sequence collections, table init
+    storage/         where a block's rows live (memory, the disk tier)
+    planning/ step/  the planner; one sharded step (routing, exchanges, lookup, update)
+    sharded/         shard_embeddings and the sharded collections
+"""
+
+from manualpar.checkpoint.local_shards import LocalShards, full_tensors
+from manualpar.embeddings.config import TABLE_DTYPES, EmbeddingBagConfig, block_bytes, check_tables
+from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name, table_dtype
 from manualpar.embeddings.features import JaggedFeature, SparseFeatures
-from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions
+from manualpar.embeddings.id_spaces import (
+    EVICTION_POLICIES,
+    HashIds,
+    ManagedCollisions,
+    RawIds,
+    raw_ids_from_json,
+    raw_ids_to_json,
+)
 from manualpar.embeddings.modules.bag_collection import (
     EmbeddingBagCollection,
     EmbeddingTable,
@@ -23,24 +46,37 @@ from manualpar.embeddings.optim.update_rules import (
     SparseOptimizer,
 )
 from manualpar.embeddings.plan import (
+    SHARDING_TYPES,
     EmbeddingPlan,
     Shard,
     TablePlacement,
     column_wise,
     data_parallel,
+    format_bytes,
     on_disk,
     row_wise,
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.planning.planner import plan_collections
+from manualpar.embeddings.planning.planner import (
+    UNIFORM_PLANS,
+    plan_collections,
+    plan_tables,
+    plan_uniform,
+    table_bytes,
+)
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
 from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
 from manualpar.embeddings.storage.disk_tier import DiskTier
 
 __all__ = [
+    "DTYPE_NAMES",
+    "EVICTION_POLICIES",
     "SGD",
+    "SHARDING_TYPES",
+    "TABLE_DTYPES",
+    "UNIFORM_PLANS",
     "Adagrad",
     "Adam",
     "DiskTier",
@@ -54,8 +90,10 @@ __all__ = [
     "HashIds",
     "JaggedEmbeddings",
     "JaggedFeature",
+    "LocalShards",
     "ManagedCollisions",
     "PooledEmbeddings",
+    "RawIds",
     "RowWiseAdagrad",
     "SequenceEmbeddings",
     "Shard",
@@ -64,12 +102,23 @@ __all__ = [
     "SparseFeatures",
     "SparseOptimizer",
     "TablePlacement",
+    "block_bytes",
+    "check_tables",
     "column_wise",
     "data_parallel",
+    "dtype_name",
+    "format_bytes",
+    "full_tensors",
     "on_disk",
     "plan_collections",
+    "plan_tables",
+    "plan_uniform",
+    "raw_ids_from_json",
+    "raw_ids_to_json",
     "row_wise",
     "shard_embeddings",
+    "table_bytes",
+    "table_dtype",
     "table_row_wise",
     "table_wise",
 ]

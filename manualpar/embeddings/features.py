@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from manualpar.eager import eager_only
 from manualpar.errors import EmbeddingInputError
 
 __all__ = ["JaggedFeature", "SparseFeatures"]
@@ -228,7 +229,7 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
 
 # Validation reads values back to the host (.item(), .tolist()); under torch.compile it runs
 # eagerly, once per batch, instead of splitting the caller's graph at every read.
-@torch.compiler.disable(reason="SparseFeatures validation reads values back to the host")
+@eager_only("SparseFeatures validation reads values back to the host")
 def _validate(batch: SparseFeatures) -> None:
     keys, values, lengths, weights = batch.keys, batch.values, batch.lengths, batch.weights
     if len(set(keys)) != len(keys):

@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "manualpar"
 ROOT = "manualpar"
 
 LAYERS = [
-    {"errors"},
+    {"errors", "eager", "dtensors", "deprecated"},
     {"environment", "seed"},
     {"ownership", "meta", "checkpoint"},
     {"strategy", "module"},
@@ -194,7 +194,7 @@ def top_name(module: str) -> str:
 
 def layer_of(module: str, layers: list[set[str]]) -> int | None:
     if module == ROOT:
-        return len(layers)  # above everything: the root imports every layer
+        return len(layers) - 1  # the top: it imports every layer below the command line
     for index, names in enumerate(layers):
         if top_name(module) in names:
             return index

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from manualpar.eager import eager_only
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
@@ -163,7 +164,7 @@ class EmbeddingBagCollection(nn.Module):
         )
 
 
-@torch.compiler.disable(reason="embedding input checks read ids back to the host")
+@eager_only("embedding input checks read ids back to the host")
 def check_features(
     features: SparseFeatures,
     tables: Sequence[EmbeddingBagConfig],

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from manualpar import deprecated
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
@@ -88,7 +89,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @property
     def optimizer(self) -> SparseOptimizer:
-        """The update rule (its name before 0.2)."""
+        """Deprecated: the update rule's name before 0.2 (`rule`)."""
+        deprecated.warn_deprecated("FusedOptimizer.optimizer")
         return self.rule
 
     @property

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
+from manualpar.eager import eager_only
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
@@ -136,7 +137,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # dense graphs. Its exchange sizes are known only at run time (host syncs, no CUDA graph
     # capture either way) and its backward updates tables in place, which an opaque custom op
     # would have to hide from the compiler (docs/embeddings.md, "torch.compile").
-    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
+    @eager_only(f"{BUILDER}: the table exchange runs eagerly")
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         try:
             features = check_features(features, self.configs)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from manualpar.eager import eager_only
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.modules.sequence_collection import (
@@ -122,8 +123,8 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier)
         self.normalize_by = normalize_by
 
-    @torch.compiler.disable(reason=f"{BUILDER}: the table exchange runs eagerly")
-    def forward(  # the same machinery, another output type (the base forward is untyped here)
+    @eager_only(f"{BUILDER}: the table exchange runs eagerly")
+    def forward(  # type: ignore[override]  # the same machinery, another output type
         self, features: SparseFeatures
     ) -> SequenceEmbeddings:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from manualpar import deprecated
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
@@ -94,8 +95,7 @@ def shard_embeddings(
             "(convert only the dense parts) and set EmbeddingBagConfig(dtype=torch.float16 or "
             "torch.bfloat16) for half-precision rows; lookups return float32 either way"
         )
-    if normalize_by == "world":  # the spelling before 0.2
-        normalize_by = "world_size"
+    normalize_by = deprecated.normalize_by(normalize_by)
     if normalize_by not in NORMALIZATIONS:
         raise BuilderError(
             f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
