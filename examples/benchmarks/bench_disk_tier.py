@@ -65,6 +65,7 @@ def worker(args: argparse.Namespace) -> None:
         row_wise,
         shard_embeddings,
     )
+    from manualpar.embeddings.storage.disk_tier import DiskTable, hit_rate
 
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
@@ -99,7 +100,8 @@ def worker(args: argparse.Namespace) -> None:
         ]
         return SparseFeatures([f"f{t}" for t in range(args.tables)], torch.cat(ids), lengths)
 
-    caches = [t.cache for t in emb.disk_tables.tables.values()] if disk else []
+    disk_tables = [t for t in emb.storage.stores.values() if isinstance(t, DiskTable)]
+    caches = [t.cache for t in disk_tables]
 
     def warm(step: int) -> bool:
         """Warm-up: at least --warmup steps and, on disk, until every cache has been full and
@@ -139,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         "evicted_rows": sum(c.evictions for c in caches),
         "init_s": init_s,
         "peak_rss_gib": peaks,
-        "hit_rate": emb.disk_tables.hit_rate() if disk else None,
+        "hit_rate": hit_rate(disk_tables) if disk else None,
     }
     if rank == 0:
         Path(args.result).write_text(json.dumps(result))

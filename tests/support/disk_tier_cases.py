@@ -111,7 +111,7 @@ def train_pair(
     disk = build(strategy, opt, tier, dtype)
     train(memory, rank, range(steps), ids)
     train(disk, rank, range(steps), ids)
-    cache = disk.disk_tables.by_name["big"].cache
+    cache = disk.storage.by_name["big"].cache
     out = {
         "memory": snapshot(memory),
         "disk": snapshot(disk),

@@ -133,4 +133,4 @@ def test_plan_auto_with_a_budget_puts_the_table_on_disk_and_trains(tmp_path: Pat
     assert emb.tables["big"].weight.shape == (24, 4)
     for step in range(4):
         emb(_batch(step)).values.sum().backward()
-    assert emb.disk_tables.by_name["big"].cache.misses > 24
+    assert emb.storage.by_name["big"].cache.misses > 24

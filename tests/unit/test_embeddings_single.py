@@ -68,7 +68,7 @@ def test_normalize_by_takes_ddps_spelling_and_the_old_one() -> None:
             optimizer("sgd"),
             normalize_by=spelling,
         )
-        assert emb.normalize_by == emb.lookup_context.normalize_by == "world_size"
+        assert emb.normalize_by == emb.step.parts.normalize_by == "world_size"
     try:
         shard_embeddings(
             EmbeddingBagCollection(TABLES), strategy, "auto", optimizer("sgd"), normalize_by="ranks"

@@ -36,6 +36,8 @@ from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
 from manualpar.embeddings.optim.update_rules import SparseOptimizer, check_lr
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.storage.memory_rows import MemoryRows
+from manualpar.embeddings.storage.tier import RowStore
 from manualpar.errors import BuilderError
 
 if TYPE_CHECKING:
@@ -81,8 +83,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             for name, shard in shards.items()
             if shard is not None
         }
-        # disk tables (disk_tier.py): table_state holds their cache; checkpoints use the files
-        self.on_disk: dict[str, Any] = {}
+        # where each block's rows live (storage/tier.py): in memory unless the collection puts
+        # the table on disk, whose table_state is then its cache's (checkpoints read the file)
+        self.stores: dict[str, RowStore] = {
+            name: MemoryRows(weights[name].detach(), state)
+            for name, state in self.table_state.items()
+        }
         for name, state in self.table_state.items():  # torch's view: state by parameter
             self.state[weights[name]] = state
         self._deferred: list[_RowUpdate] | None = None
@@ -210,8 +216,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return {}
         shard = self._held(table)
         offsets = (shard.row_start, shard.col_start)
-        disk = self.on_disk.get(table)  # rows are cache slots: draw by the rows they hold
-        slot_rows = None if disk is None else disk.cache.row_of
+        slot_rows = self.stores[table].slot_rows  # draw by the rows the slots hold
         return {
             "rounding": RowRounding.for_block(
                 weight.dtype,
@@ -268,10 +273,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         shard = self._shards.get(table)
         if shard is None:  # no block of this table here: an entry without blocks
             return LocalShards(shape, [], torch.float32)
-        disk = self.on_disk.get(table)  # disk tables: chunks of the file, not the cache
-        chunks = [(0, self.table_state[table][key])]
-        if disk is not None:
-            chunks = disk.checkpoint_chunks(key)
+        chunks = self.stores[table].checkpoint_chunks(key)  # a disk tier's: of the file
         primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
         if per_row:  # column blocks all hold the same row statistics: one of them saves them
             primary = primary and shard.col_start == 0
@@ -309,8 +311,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     mine.copy_from_full(
                         value.to(mine.device), f"sparse optimizer state {table}/{key}"
                     )
-        for disk in self.on_disk.values():
-            disk.loaded()
+        for store in self.stores.values():
+            store.loaded()
 
 
 def _as_float(value: object) -> object:

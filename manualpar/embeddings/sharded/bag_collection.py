@@ -30,11 +30,10 @@ from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.managed_collisions import sharded_remapper
-from manualpar.embeddings.step.exchange import REFUSED, header_width
+from manualpar.embeddings.sharded.table_storage import cache_slots, table_stores
 from manualpar.embeddings.step.routing import Routing
-from manualpar.embeddings.step.sharded_step import LookupContext, apply_gradient, lookup
+from manualpar.embeddings.step.sharded_step import ShardedStep
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
-from manualpar.embeddings.storage.disk_setup import cache_slots, disk_tables
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import EmbeddingInputError
 from manualpar.ownership import claim
@@ -102,7 +101,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             seed=ebc.seed,
             block_rows=slots,
         )
-        self.disk_tables = disk_tables(
+        self.storage = table_stores(
             self.configs,
             self.seed,
             self.tables,
@@ -114,19 +113,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
             disk_tier,
             optimizer,
         )
-        self.fused_optimizer.on_disk = self.disk_tables.by_name
+        self.fused_optimizer.stores.update(self.storage.by_name)
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
         self._anchor = torch.zeros((), device=device, requires_grad=True)
-        self.lookup_context = LookupContext(
+        self.step = ShardedStep(
             self.routing,
             self.tables,
             self.fused_optimizer,
+            self.storage,
             strategy,
             normalize_by,
             device,
             layout,
-            self.disk_tables,
         )
 
     def extra_repr(self) -> str:
@@ -157,10 +156,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.raw_id_remap.refuse()
             return
         if self.strategy.world_size > 1:
-            width = header_width(len(self.configs))
-            group = self.mesh.shard_size
-            refused = torch.full((width * group,), REFUSED, device=self.strategy.device)
-            self.lookup_context.exchange_headers(refused, width)
+            self.step.refuse()
 
     def checkpoint_entries(self) -> dict[str, Any]:
         """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
@@ -172,7 +168,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lookup_context.dtype
+        return self.step.dtype
 
     # checkpoint -------------------------------------------------------------------------------
     def _table_block(self, table: EmbeddingTable) -> LocalShards:
@@ -182,8 +178,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if shard is None:
             return LocalShards(shape, [], table.weight.dtype)
         primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
-        disk = self.disk_tables.by_name.get(config.name)
-        chunks = [(0, table.weight.data)] if disk is None else disk.checkpoint_chunks(None)
+        chunks = self.storage.by_name[config.name].checkpoint_chunks(None)  # disk: the file's
         return LocalShards(
             shape,
             [Block((shard.row_start + r, shard.col_start), t, primary) for r, t in chunks],
@@ -217,9 +212,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     block.tensor.copy_(theirs.tensor)
         else:
             mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
-        disk = self.disk_tables.by_name.get(name)
-        if disk is not None:
-            disk.loaded()
+        if name in self.storage.by_name:
+            self.storage.by_name[name].loaded()
         state_dict[key] = table.weight.detach()
 
 
@@ -232,17 +226,17 @@ class _EmbeddingLookup(torch.autograd.Function):
         features: SparseFeatures,
         grad_enabled: bool,
     ) -> torch.Tensor:
-        out, saved = lookup(module.lookup_context, features)
-        ctx.lookup, ctx.saved = module.lookup_context, saved
-        if not (saved["trains"] and grad_enabled):  # no backward will unpin its rows
-            module.disk_tables.release(saved["pins"], updated=False)
-        if not saved["trains"]:  # every table frozen: no backward, on every rank
+        out, saved = module.step.forward(features)
+        ctx.step, ctx.saved = module.step, saved
+        if not (saved.trains and grad_enabled):  # no backward will unpin its rows
+            module.step.release(saved)
+        if not saved.trains:  # every table frozen: no backward, on every rank
             ctx.mark_non_differentiable(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        apply_gradient(ctx.lookup, grad.contiguous(), ctx.saved)
+        ctx.step.backward(grad.contiguous(), ctx.saved)
         ctx.saved = None
         return None, None, None, None
 

@@ -28,8 +28,8 @@ from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
+from manualpar.embeddings.sharded.table_storage import check_disk_plan
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
-from manualpar.embeddings.storage.disk_setup import check_disk_plan
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import BuilderError, PlanError
 from manualpar.ownership import claim, mark_replaced

@@ -9,8 +9,8 @@ Per step (each `all_to_all_single`; the list form fails on gloo for unequal size
      column blocks concatenated, by the receiver: no separate reduce-scatter);
   4. in backward, the reverse of 3 carries the output gradient (of the tables not frozen).
 A rank's own part of 2-4 never enters the collectives (its split is 0): it is computed and
-used in place while the other ranks' parts travel (step.py). Row-wise tables split each
-feature's ids by row range (a stable sort keeps bag order).
+used in place while the other ranks' parts travel (forward.py, backward.py). Row-wise tables
+split each feature's ids by row range (a stable sort keeps bag order).
 """
 
 from __future__ import annotations
@@ -25,23 +25,14 @@ from manualpar.errors import EmbeddingInputError
 
 __all__ = [
     "REFUSED",
+    "ExchangeLayout",
     "SenderBags",
-    "add_block",
     "check_refusals",
     "combine_senders",
-    "grad_blocks",
-    "grad_receive_splits",
-    "grad_width",
     "header_width",
-    "output_splits",
-    "own_grad_blocks",
-    "pack_ids",
-    "pack_output_grad",
     "pack_pooled",
-    "pooled_blocks",
     "size_header",
     "split_by_rows",
-    "unpack_ids",
 ]
 
 REFUSED = -1  # the sizes a rank sends when its own batch failed validation
@@ -58,49 +49,6 @@ def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
 
 
 # 1-2: ids -------------------------------------------------------------------------------------
-def pack_ids(
-    routing: Routing, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
-) -> list[torch.Tensor]:
-    """Per destination rank: the lengths, ids and weight bits of the bags it serves us, in its
-    route order. `lengths` is (features, batch)."""
-    world = routing.world_size
-    starts = [0]
-    for count in lengths.sum(1).tolist():
-        starts.append(starts[-1] + count)
-    lens_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    ids_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    weights_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for f, routes in enumerate(routing.routes_of_feature):
-        if not routes:
-            continue
-        table = routes[0][1].table
-        ids = values[starts[f] : starts[f + 1]]
-        w = None if weights is None else weights[starts[f] : starts[f + 1]]
-        if not routing.splits_rows(table):
-            for dest, _ in routes:
-                lens_to[dest].append(lengths[f])
-                ids_to[dest].append(ids)
-                if w is not None:
-                    weights_to[dest].append(w)
-            continue
-        counts, local_ids, order = split_by_rows(ids, lengths[f], routing, table)
-        sizes = counts.sum(1).tolist()
-        id_parts = local_ids.split(sizes)
-        w_parts = None if w is None else w[order].split(sizes)
-        for dest, route in routes:
-            g = route.row_group
-            lens_to[dest].append(counts[g])
-            ids_to[dest].append(id_parts[g])
-            if w_parts is not None:
-                weights_to[dest].append(w_parts[g])
-    return [
-        torch.cat([*lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]).to(
-            torch.int64
-        )
-        if lens_to[d]
-        else torch.empty(0, dtype=torch.int64, device=values.device)
-        for d in range(world)
-    ]
 
 
 def header_width(num_tables: int) -> int:
@@ -153,37 +101,6 @@ def split_by_rows(
     return counts.view(len(starts), batch), ids[order] - starts[group[order]], order
 
 
-def unpack_ids(
-    routing: Routing,
-    payload: torch.Tensor,
-    batch: int,
-    weighted: bool,
-) -> list[SenderBags]:
-    """One sender's payload to us -> its bags for each of our routed local shards."""
-    local = routing.routed_local_shards()
-    routes = len(routing.routes_to[routing.rank])
-    lens = payload[: routes * batch].view(routes, batch)
-    route_ids = lens.sum(1).tolist()
-    total = sum(route_ids)
-    ids = payload[routes * batch : routes * batch + total]
-    bits = payload[routes * batch + total :] if weighted else None
-    bags: list[SenderBags] = []
-    row = id_start = 0
-    for shard in local:
-        count = len(shard.features)
-        n_ids = sum(route_ids[row : row + count])
-        bags.append(
-            (
-                ids[id_start : id_start + n_ids],
-                lens[row : row + count].flatten(),
-                None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
-            )
-        )
-        row += count
-        id_start += n_ids
-    return bags
-
-
 def combine_senders(parts: list[SenderBags], rank: int) -> ShardBags:
     """One shard's bags from every sender, in rank order, as one input; senders without
     weights get weight 1 if another sender has them."""
@@ -221,135 +138,214 @@ def pack_pooled(
     return torch.cat(flat), [p.numel() for p in flat]
 
 
-def pooled_blocks(
-    routing: Routing,
-    owner: int,
-    received: torch.Tensor,
-    batch: int,
-) -> list[tuple[Route, torch.Tensor]]:
-    """Receiver side: an owner's pooled buffer for our batch -> (route, (batch, cols)) blocks."""
-    blocks = []
-    offset = 0
-    for route in routing.routes_to[owner]:
-        size = batch * route.cols
-        blocks.append((route, received[offset : offset + size].view(batch, route.cols)))
-        offset += size
-    return blocks
-
-
-def output_splits(routing: Routing, batch: int) -> list[int]:
-    """Receiver side: how many floats each other owner sends back for our batch."""
-    return [
-        0 if owner == routing.rank else batch * sum(r.cols for r in routes)
-        for owner, routes in enumerate(routing.routes_to)
-    ]
-
-
-def add_block(routing: Routing, out: torch.Tensor, route: Route, block: torch.Tensor) -> None:
-    """Add one route's pooled (batch, cols) block into its columns of the output."""
-    start = routing.feature_offsets[route.feature] + route.shard.col_start
-    out[:, start : start + route.cols] += block
-
-
 # 4: output gradient ---------------------------------------------------------------------------
-def _grad_columns(routing: Routing, route: Route, full_rows: bool) -> tuple[int, int]:
-    """The output-gradient columns an owner needs for one route."""
-    base = routing.feature_offsets[route.feature]
-    if full_rows and routing.splits_cols(route.table):
-        return base, base + routing.dims[route.feature]
-    start = base + route.shard.col_start
-    return start, start + route.cols
 
 
-def pack_output_grad(
-    routing: Routing,
-    grad: torch.Tensor,
-    full_rows: bool,
-    frozen: frozenset[int] = frozenset(),
-) -> tuple[torch.Tensor, list[int]]:
-    """Sender side: the output-gradient blocks each other owner needs, in its route order, and
-    the send splits (0 to ourselves); none for `frozen` tables."""
-    blocks: list[torch.Tensor] = []
-    splits = []
-    for owner, routes in enumerate(routing.routes_to):
-        if owner == routing.rank:
-            splits.append(0)
-            continue
-        start_len = len(blocks)
-        for route in routes:
-            if route.table in frozen:
+class ExchangeLayout:
+    """One plan's exchange layout, bound to its Routing: what this rank packs for each other
+    rank, and how it reads what they send (ids, pooled rows, output gradients)."""
+
+    def __init__(self, routing: Routing) -> None:
+        self.routing = routing
+
+    def pack_ids(
+        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Per destination rank: the lengths, ids and weight bits of the bags it serves us, in its
+        route order. `lengths` is (features, batch)."""
+        world = self.routing.world_size
+        starts = [0]
+        for count in lengths.sum(1).tolist():
+            starts.append(starts[-1] + count)
+        lens_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        ids_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        weights_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for f, routes in enumerate(self.routing.routes_of_feature):
+            if not routes:
                 continue
-            start, end = _grad_columns(routing, route, full_rows)
-            blocks.append(grad[:, start:end].flatten())
-        splits.append(sum(b.numel() for b in blocks[start_len:]))
-    flat = torch.cat(blocks) if blocks else grad.new_empty(0)
-    return flat, splits
-
-
-def own_grad_blocks(
-    routing: Routing,
-    grad: torch.Tensor,
-    full_rows: bool,
-    frozen: frozenset[int] = frozenset(),
-) -> list[list[torch.Tensor]]:
-    """Per local shard: the gradient of our own bags, one (batch, width) block per feature,
-    copied out of the output gradient: as a column slice its rows would lie a whole output row
-    apart, on few cache sets, and the update reads them in random order. None for `frozen`
-    tables."""
-    routes = routing.routes_to[routing.rank]
-    blocks: list[list[torch.Tensor]] = []
-    index = 0
-    for shard in routing.routed_local_shards():
-        views = []
-        for route in routes[index : index + len(shard.features)]:
-            if route.table in frozen:
+            table = routes[0][1].table
+            ids = values[starts[f] : starts[f + 1]]
+            w = None if weights is None else weights[starts[f] : starts[f + 1]]
+            if not self.routing.splits_rows(table):
+                for dest, _ in routes:
+                    lens_to[dest].append(lengths[f])
+                    ids_to[dest].append(ids)
+                    if w is not None:
+                        weights_to[dest].append(w)
                 continue
-            start, end = _grad_columns(routing, route, full_rows)
-            views.append(grad[:, start:end].contiguous())
-        index += len(shard.features)
-        blocks.append(views)
-    return blocks
+            counts, local_ids, order = split_by_rows(ids, lengths[f], self.routing, table)
+            sizes = counts.sum(1).tolist()
+            id_parts = local_ids.split(sizes)
+            w_parts = None if w is None else w[order].split(sizes)
+            for dest, route in routes:
+                g = route.row_group
+                lens_to[dest].append(counts[g])
+                ids_to[dest].append(id_parts[g])
+                if w_parts is not None:
+                    weights_to[dest].append(w_parts[g])
+        return [
+            torch.cat([*lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]).to(
+                torch.int64
+            )
+            if lens_to[d]
+            else torch.empty(0, dtype=torch.int64, device=values.device)
+            for d in range(world)
+        ]
 
+    def unpack_ids(
+        self,
+        payload: torch.Tensor,
+        batch: int,
+        weighted: bool,
+    ) -> list[SenderBags]:
+        """One sender's payload to us -> its bags for each of our routed local shards."""
+        local = self.routing.routed_local_shards()
+        routes = len(self.routing.routes_to[self.routing.rank])
+        lens = payload[: routes * batch].view(routes, batch)
+        route_ids = lens.sum(1).tolist()
+        total = sum(route_ids)
+        ids = payload[routes * batch : routes * batch + total]
+        bits = payload[routes * batch + total :] if weighted else None
+        bags: list[SenderBags] = []
+        row = id_start = 0
+        for shard in local:
+            count = len(shard.features)
+            n_ids = sum(route_ids[row : row + count])
+            bags.append(
+                (
+                    ids[id_start : id_start + n_ids],
+                    lens[row : row + count].flatten(),
+                    None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
+                )
+            )
+            row += count
+            id_start += n_ids
+        return bags
 
-def grad_width(routing: Routing, shard: LocalShard, full_rows: bool) -> int:
-    """Columns of the output gradient an owner receives for one of its shards."""
-    if full_rows and routing.splits_cols(shard.table):
-        return routing.tables[shard.table].embedding_dim
-    return shard.shard.cols
+    def pooled_blocks(
+        self,
+        owner: int,
+        received: torch.Tensor,
+        batch: int,
+    ) -> list[tuple[Route, torch.Tensor]]:
+        """Receiver side: an owner's pooled buffer for our batch -> (route, (batch, cols))
+        blocks."""
+        blocks = []
+        offset = 0
+        for route in self.routing.routes_to[owner]:
+            size = batch * route.cols
+            blocks.append((route, received[offset : offset + size].view(batch, route.cols)))
+            offset += size
+        return blocks
 
+    def output_splits(self, batch: int) -> list[int]:
+        """Receiver side: how many floats each other owner sends back for our batch."""
+        return [
+            0 if owner == self.routing.rank else batch * sum(r.cols for r in routes)
+            for owner, routes in enumerate(self.routing.routes_to)
+        ]
 
-def grad_receive_splits(
-    routing: Routing,
-    batch_sizes: list[int],
-    full_rows: bool,
-    frozen: frozenset[int] = frozenset(),
-) -> list[int]:
-    """Owner side: how many gradient floats each other sender sends for our shards."""
-    local = [s for s in routing.routed_local_shards() if s.table not in frozen]
-    per_sample = sum(len(s.features) * grad_width(routing, s, full_rows) for s in local)
-    return [0 if sender == routing.rank else b * per_sample for sender, b in enumerate(batch_sizes)]
+    def add_block(self, out: torch.Tensor, route: Route, block: torch.Tensor) -> None:
+        """Add one route's pooled (batch, cols) block into its columns of the output."""
+        start = self.routing.feature_offsets[route.feature] + route.shard.col_start
+        out[:, start : start + route.cols] += block
 
+    def grad_columns(self, route: Route, full_rows: bool) -> tuple[int, int]:
+        """The output-gradient columns an owner needs for one route."""
+        base = self.routing.feature_offsets[route.feature]
+        if full_rows and self.routing.splits_cols(route.table):
+            return base, base + self.routing.dims[route.feature]
+        start = base + route.shard.col_start
+        return start, start + route.cols
 
-def grad_blocks(
-    routing: Routing,
-    received: torch.Tensor,
-    batch_sizes: list[int],
-    full_rows: bool,
-    frozen: frozenset[int] = frozenset(),
-) -> list[list[torch.Tensor | None]]:
-    """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
-    sender sent (None for ourselves, and for `frozen` tables)."""
-    local = routing.routed_local_shards()
-    widths = [grad_width(routing, s, full_rows) for s in local]
-    per_shard: list[list[torch.Tensor | None]] = [[None] * len(batch_sizes) for _ in local]
-    offset = 0
-    for sender, batch in enumerate(batch_sizes):
-        if sender == routing.rank:
-            continue
-        for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
-            if shard.table in frozen:
+    def pack_output_grad(
+        self,
+        grad: torch.Tensor,
+        full_rows: bool,
+        frozen: frozenset[int] = frozenset(),
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Sender side: the output-gradient blocks each other owner needs, in its route order, and
+        the send splits (0 to ourselves); none for `frozen` tables."""
+        blocks: list[torch.Tensor] = []
+        splits = []
+        for owner, routes in enumerate(self.routing.routes_to):
+            if owner == self.routing.rank:
+                splits.append(0)
                 continue
-            rows = len(shard.features) * batch
-            per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
-            offset += rows * width
-    return per_shard
+            start_len = len(blocks)
+            for route in routes:
+                if route.table in frozen:
+                    continue
+                start, end = self.grad_columns(route, full_rows)
+                blocks.append(grad[:, start:end].flatten())
+            splits.append(sum(b.numel() for b in blocks[start_len:]))
+        flat = torch.cat(blocks) if blocks else grad.new_empty(0)
+        return flat, splits
+
+    def own_grad_blocks(
+        self,
+        grad: torch.Tensor,
+        full_rows: bool,
+        frozen: frozenset[int] = frozenset(),
+    ) -> list[list[torch.Tensor]]:
+        """Per local shard: the gradient of our own bags, one (batch, width) block per feature,
+        copied out of the output gradient: as a column slice its rows would lie a whole output row
+        apart, on few cache sets, and the update reads them in random order. None for `frozen`
+        tables."""
+        routes = self.routing.routes_to[self.routing.rank]
+        blocks: list[list[torch.Tensor]] = []
+        index = 0
+        for shard in self.routing.routed_local_shards():
+            views = []
+            for route in routes[index : index + len(shard.features)]:
+                if route.table in frozen:
+                    continue
+                start, end = self.grad_columns(route, full_rows)
+                views.append(grad[:, start:end].contiguous())
+            index += len(shard.features)
+            blocks.append(views)
+        return blocks
+
+    def grad_width(self, shard: LocalShard, full_rows: bool) -> int:
+        """Columns of the output gradient an owner receives for one of its shards."""
+        if full_rows and self.routing.splits_cols(shard.table):
+            return self.routing.tables[shard.table].embedding_dim
+        return shard.shard.cols
+
+    def grad_receive_splits(
+        self,
+        batch_sizes: list[int],
+        full_rows: bool,
+        frozen: frozenset[int] = frozenset(),
+    ) -> list[int]:
+        """Owner side: how many gradient floats each other sender sends for our shards."""
+        local = [s for s in self.routing.routed_local_shards() if s.table not in frozen]
+        per_sample = sum(len(s.features) * self.grad_width(s, full_rows) for s in local)
+        return [
+            0 if sender == self.routing.rank else b * per_sample
+            for sender, b in enumerate(batch_sizes)
+        ]
+
+    def grad_blocks(
+        self,
+        received: torch.Tensor,
+        batch_sizes: list[int],
+        full_rows: bool,
+        frozen: frozenset[int] = frozenset(),
+    ) -> list[list[torch.Tensor | None]]:
+        """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
+        sender sent (None for ourselves, and for `frozen` tables)."""
+        local = self.routing.routed_local_shards()
+        widths = [self.grad_width(s, full_rows) for s in local]
+        per_shard: list[list[torch.Tensor | None]] = [[None] * len(batch_sizes) for _ in local]
+        offset = 0
+        for sender, batch in enumerate(batch_sizes):
+            if sender == self.routing.rank:
+                continue
+            for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
+                if shard.table in frozen:
+                    continue
+                rows = len(shard.features) * batch
+                per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
+                offset += rows * width
+        return per_shard

@@ -19,7 +19,7 @@ from torch import nn
 from manualpar.embeddings.modules.bag_collection import table_of
 from manualpar.errors import BuilderError
 
-__all__ = ["agreed_frozen", "decode", "encode", "frozen_tables", "num_words"]
+__all__ = ["agreed_frozen", "frozen_from_words", "frozen_tables", "frozen_to_words", "num_words"]
 
 WORD_BITS = 62  # bits per int64 word of the flags, clear of the sign (REFUSED is -1)
 
@@ -35,14 +35,16 @@ def num_words(num_tables: int) -> int:
     return max(1, -(-num_tables // WORD_BITS))
 
 
-def encode(frozen: frozenset[int], num_tables: int) -> list[int]:
+def frozen_to_words(frozen: frozenset[int], num_tables: int) -> list[int]:
+    """The frozen table indices as bit flags in int64 words (the size exchange carries them)."""
     words = [0] * num_words(num_tables)
     for t in frozen:
         words[t // WORD_BITS] |= 1 << (t % WORD_BITS)
     return words
 
 
-def decode(words: Sequence[int]) -> frozenset[int]:
+def frozen_from_words(words: Sequence[int]) -> frozenset[int]:
+    """The table indices flagged in `words` (frozen_to_words undone)."""
     return frozenset(
         w * WORD_BITS + bit
         for w, word in enumerate(words)
@@ -54,7 +56,7 @@ def decode(words: Sequence[int]) -> frozenset[int]:
 def agreed_frozen(words_per_rank: Sequence[Sequence[int]], names: Sequence[str]) -> frozenset[int]:
     """The frozen tables every rank reported; BuilderError (the same on every rank) if the
     ranks disagree."""
-    sets = [decode(words) for words in words_per_rank]
+    sets = [frozen_from_words(words) for words in words_per_rank]
     if all(s == sets[0] for s in sets):
         return sets[0]
     listed = "; ".join(

@@ -20,22 +20,20 @@ stays about the cache (no file pages are mapped during training).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.table_init import init_rows, init_rows_at
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
 from manualpar.embeddings.storage.row_file import RowFile
 from manualpar.errors import BuilderError, EmbeddingInputError
 
-__all__ = ["DiskTable", "DiskTables", "DiskTier"]
+__all__ = ["DiskTable", "DiskTier", "hit_rate"]
 
 CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file, and per checkpoint chunk
 
@@ -84,14 +82,16 @@ class DiskTier:
 
 
 class DiskTable:
-    """One table's block on this rank: its RowFile and the RowCache of its cache tensors."""
+    """One table's block on this rank, a RowStore (tier.py): its RowFile and the RowCache of
+    its cache tensors. `initial_state`: the optimizer state of a row never updated (one row
+    per key), given to rows generated on first use."""
 
     def __init__(
         self,
         config: EmbeddingBagConfig,
         seed: int,
         shard: Shard,
-        rule: SparseOptimizer,
+        initial_state: Mapping[str, torch.Tensor],
         weight: torch.Tensor,
         state: dict[str, torch.Tensor],
         directory: Path,
@@ -101,7 +101,7 @@ class DiskTable:
         self.config, self.seed, self.shard, self.rank = config, seed, shard, rank
         self.weight, self.state = weight, state  # the cache tensors (module's and optimizer's)
         self.cache = RowCache(shard.rows, weight.shape[0], policy)
-        self.initial = {k: v[:1].clone() for k, v in rule.init_state(1, shard.cols).items()}
+        self.initial = {k: v[:1].clone() for k, v in initial_state.items()}
         stem = f"{config.name}.rows{shard.row_start}.cols{shard.col_start}.rank{rank}"
         self.file = RowFile(
             Path(directory) / f"{stem}.rows",
@@ -114,7 +114,19 @@ class DiskTable:
         self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
 
     # a step -------------------------------------------------------------------------------------
-    def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin_step(self) -> None:
+        self.cache.new_step()
+
+    def release(self, pinned: torch.Tensor, updated: bool) -> None:
+        """Unpin the step's slots; `updated` marks their rows dirty (written back on eviction
+        and before a checkpoint)."""
+        self.cache.release(pinned.cpu(), updated)
+
+    @property
+    def slot_rows(self) -> torch.Tensor | None:
+        return self.cache.row_of
+
+    def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache slot of each local row id (same shape), and the distinct slots pinned."""
         self.file.release_pages()  # a checkpoint's, if any
         rows, inverse = torch.unique(ids, return_inverse=True)
@@ -231,45 +243,9 @@ class DiskTable:
         self.cache.mark_stored()
 
 
-class DiskTables:
-    """A collection's disk tables on this rank, by table index; maps a step's bags to slots
-    and keeps their pins until the step's backward."""
-
-    def __init__(self, tables: Mapping[int, DiskTable] | None = None) -> None:
-        self.tables = dict(tables or {})
-        self.by_name = {table.config.name: table for table in self.tables.values()}
-
-    def __bool__(self) -> bool:
-        return bool(self.tables)
-
-    def begin_step(self) -> None:
-        for table in self.tables.values():
-            table.cache.new_step()
-
-    def to_slots(
-        self, local: list[Any], bags: list[Any], pins: list[tuple[int, torch.Tensor]]
-    ) -> list[Any]:
-        """One sender's bags for this rank's routed `local` shards, disk tables' ids replaced by
-        cache slots; appends the pinned slots to `pins`."""
-        mapped = []
-        for shard, (ids, lengths, weights) in zip(local, bags, strict=True):
-            table = self.tables.get(shard.table)
-            if table is not None:
-                try:
-                    ids, pinned = table.to_slots(ids)
-                except Exception:  # the step fails: no backward will unpin its rows
-                    self.release(pins, updated=False)
-                    raise
-                pins.append((shard.table, pinned))
-            mapped.append((ids, lengths, weights))
-        return mapped
-
-    def release(self, pins: list[tuple[int, torch.Tensor]], updated: bool) -> None:
-        for t, slots in pins:
-            self.tables[t].cache.release(slots.cpu(), updated)
-        pins.clear()
-
-    def hit_rate(self) -> float:
-        hits = sum(t.cache.hits for t in self.tables.values())
-        misses = sum(t.cache.misses for t in self.tables.values())
-        return hits / max(hits + misses, 1)
+def hit_rate(tables: Iterable[DiskTable]) -> float:
+    """The share of rows the steps found in the caches of `tables`, over their lifetime."""
+    tables = list(tables)
+    hits = sum(t.cache.hits for t in tables)
+    misses = sum(t.cache.misses for t in tables)
+    return hits / max(hits + misses, 1)

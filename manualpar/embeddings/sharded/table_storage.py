@@ -1,4 +1,5 @@
-"""Building a sharded collection's disk tables: checks, cache sizes, files (disk_tier.py)."""
+"""Where a sharded collection's blocks live: the disk checks, cache sizes, and a RowStore per
+block (storage/: in memory, or in a disk-tier file behind a cache)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from manualpar.embeddings.config import EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.modules.bag_collection import table_of
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan, Shard
-from manualpar.embeddings.storage.disk_tier import DiskTable, DiskTables, DiskTier
+from manualpar.embeddings.storage.disk_tier import DiskTable, DiskTier
+from manualpar.embeddings.storage.memory_rows import MemoryRows
+from manualpar.embeddings.storage.tier import RowStore, TableStores
 from manualpar.errors import BuilderError
 
-__all__ = ["cache_slots", "check_disk_plan", "disk_tables"]
+__all__ = ["cache_slots", "check_disk_plan", "table_stores"]
 
 
 def check_disk_plan(plan: EmbeddingPlan, disk_tier: DiskTier | None, replicated: bool) -> None:
@@ -57,7 +60,7 @@ def cache_slots(
     return disk_tier.slots(blocks)
 
 
-def disk_tables(
+def table_stores(
     configs: Sequence[EmbeddingBagConfig],
     seed: int,
     blocks: nn.ModuleDict,
@@ -68,26 +71,29 @@ def disk_tables(
     slots: Mapping[str, int],
     disk_tier: DiskTier | None,
     rule: SparseOptimizer,
-) -> DiskTables:
-    """The DiskTable of each disk block (files created, the source's values written if the
-    unsharded collection was materialized). `blocks` holds this rank's cache-sized tables,
+) -> TableStores:
+    """The RowStore of each table block this rank holds: MemoryRows, or a DiskTable for the
+    tables with cache `slots` (files created, the source's values written if the unsharded
+    collection was materialized). `blocks` holds this rank's (cache-sized) tables,
     `optimizer_state` their fused optimizer's state; `rank` is the rank in the shard group."""
-    if disk_tier is None or not slots:
-        return DiskTables()
-    tables = {}
+    stores: dict[int, RowStore] = {}
     for t, config in enumerate(configs):
-        if config.name not in slots:
-            continue
         shard = shards[config.name]
-        assert shard is not None
+        if shard is None:
+            continue
         weight = table_of(blocks, config.name).weight.detach()
+        state = optimizer_state[config.name]
+        if config.name not in slots:
+            stores[t] = MemoryRows(weight, state)
+            continue
+        assert disk_tier is not None  # slots come from the disk tier
         table = DiskTable(
             config,
             seed,
             shard,
-            rule,
+            rule.init_state(1, shard.cols),
             weight,
-            optimizer_state[config.name],
+            state,
             Path(disk_tier.directory),
             rank,
             disk_tier.policy,
@@ -95,5 +101,5 @@ def disk_tables(
         real = table_of(source.tables, config.name).weight
         if not real.is_meta:
             table.fill_from(real.detach())
-        tables[t] = table
-    return DiskTables(tables)
+        stores[t] = table
+    return TableStores(stores, {t: config.name for t, config in enumerate(configs)})

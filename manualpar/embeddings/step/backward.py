@@ -1,0 +1,111 @@
+"""The backward phases of a sharded step: gradient dist, then the fused update.
+
+Gradient dist sends each owner the output gradient of the bags it served and cuts out this
+rank's own. The update then applies, while the other ranks' gradients travel, the rows that
+only this rank's own bags touched (the rule's fused pass, RowPass.OWN), and once they arrive
+the rest (RowPass.REST), so every row is still updated once, with its whole gradient: the
+numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
+replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
+from manualpar.embeddings.step.data_parallel import DataParallelTables
+from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
+from manualpar.embeddings.step.routing import LocalShard
+from manualpar.embeddings.step.row_sums import RowSums, row_sum_update
+
+__all__ = ["BackwardPhases"]
+
+
+class BackwardPhases:
+    def __init__(self, parts: StepParts, data_parallel: DataParallelTables) -> None:
+        self.parts = parts
+        self.data_parallel = data_parallel
+        self.apply_row_sums = row_sum_update(parts)
+
+    def __call__(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
+        """Send the output gradient to the shards' owners and update our shards with theirs."""
+        self.update(self.gradient_dist(grad, saved), saved)
+
+    # gradient dist ----------------------------------------------------------------------------
+    def gradient_dist(self, grad: torch.Tensor, saved: SavedForBackward) -> RoutedGradients:
+        """Start sending each owner the gradient of the bags it served (none for frozen
+        tables), and cut out this rank's own blocks."""
+        parts = self.parts
+        routing, layout = parts.routing, parts.layout
+        full, frozen = parts.optimizer.needs_full_rows, saved.frozen
+        if saved.mean_scale is not None:
+            grad = grad * saved.mean_scale
+        routed = {route.table for routes in routing.routes_to for route in routes}
+        grads_in = None
+        if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
+            flat, splits = layout.pack_output_grad(grad, full, frozen)
+            receive = layout.grad_receive_splits(saved.batch_sizes, full, frozen)
+            grads_in = parts.exchange(flat, splits, receive, "output gradient")
+        own = layout.own_grad_blocks(grad, full, frozen)
+        return RoutedGradients(grad, own, grads_in)
+
+    # update -----------------------------------------------------------------------------------
+    def update(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
+        """Apply the rule to every row this step touched, then release the step's slots."""
+        parts = self.parts
+        routing, optimizer = parts.routing, parts.optimizer
+        frozen, scales = saved.frozen, saved.scales
+        optimizer.begin_update()
+        local = routing.routed_local_shards()
+        own_scale = scales[routing.rank]
+        alone = routing.world_size == 1
+        # while the other ranks' gradients travel: rows only our own bags touched
+        fused = [
+            shard.table not in frozen
+            and not parts.mesh.combines  # replicas sum the rows first (row_sums.py)
+            and self._step_bags(
+                shard,
+                bags,
+                BagGradients(blocks, [own_scale] * len(blocks)),
+                RowPass.ALL if alone else RowPass.OWN,
+            )
+            for shard, bags, blocks in zip(local, saved.bags, routed.own, strict=True)
+        ]
+        others = (
+            parts.layout.grad_blocks(
+                routed.grads_in.wait(), saved.batch_sizes, optimizer.needs_full_rows, frozen
+            )
+            if routed.grads_in is not None
+            else []
+        )
+        summed_rows: RowSums = []
+        for k, (shard, bags) in enumerate(zip(local, saved.bags, strict=True)):
+            if shard.table in frozen:
+                continue
+            grads = BagGradients([], [])
+            for sender, scale in enumerate(scales):  # bag order: every sender's, in rank order
+                other = others[k][sender]
+                blocks = routed.own[k] if other is None else [other]
+                grads.blocks += blocks
+                grads.scales += [scale] * len(blocks)
+            if not fused[k]:
+                bag_grads, scale = grads.dense()
+                rows, summed = row_gradients(
+                    bags.ids, bags.lengths, bags.weights, bag_grads, parts.block_rows(shard), scale
+                )
+                summed_rows.append((shard, (rows, summed)))
+            elif not alone:
+                self._step_bags(shard, bags, grads, RowPass.REST)
+        self.apply_row_sums(summed_rows)
+        self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
+        optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
+        parts.stores.release(saved.pins, updated=True)  # written through the slots
+
+    def _step_bags(
+        self, shard: LocalShard, bags: ShardBags, grads: BagGradients, rows: RowPass
+    ) -> bool:
+        parts = self.parts
+        return parts.optimizer.step_bags(
+            parts.name(shard.table), parts.weight(shard.table), bags, grads, rows
+        )

@@ -1,0 +1,202 @@
+"""The forward phases of a sharded step: input dist, lookup, output dist.
+
+Each exchange runs asynchronously and the compute that does not need it runs meanwhile: the
+lookup looks this rank's own bags up while the other ranks' ids travel (started by input
+dist), and groups every shard's rows for backward while the pooled rows travel back (collected
+by output dist). Each phase takes the previous one's result, so a caller (a pipeline) may run
+them apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
+from manualpar.embeddings.step.data_parallel import DataParallelTables
+from manualpar.embeddings.step.exchange import (
+    SenderBags,
+    check_refusals,
+    combine_senders,
+    header_width,
+    pack_pooled,
+    size_header,
+)
+from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
+from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.results import LookedUp, RoutedIds, SavedForBackward
+from manualpar.embeddings.storage.tier import Pins
+
+if TYPE_CHECKING:
+    from manualpar.strategy import PendingCollective
+
+__all__ = ["ForwardPhases", "sender_scales"]
+
+
+def sender_scales(
+    normalize_by: str, batch_sizes: list[int], job_batch_sizes: list[int] | None = None
+) -> list[float]:
+    """Weight of each sender's loss in the table gradient: 1 / (ranks of the job), or its
+    share of the job's samples. `job_batch_sizes`: every job rank's batch (default: the
+    senders are the whole job)."""
+    job = batch_sizes if job_batch_sizes is None else job_batch_sizes
+    if normalize_by == "world_size":
+        return [1 / len(job)] * len(batch_sizes)
+    total = sum(job)
+    return [b / total if total else 0.0 for b in batch_sizes]
+
+
+class ForwardPhases:
+    def __init__(self, parts: StepParts, data_parallel: DataParallelTables) -> None:
+        self.parts = parts
+        self.data_parallel = data_parallel
+
+    def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
+        """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
+        return self.output_dist(self.lookup(self.input_dist(features)))
+
+    # input dist -------------------------------------------------------------------------------
+    def input_dist(self, features: SparseFeatures) -> RoutedIds:
+        """Agree on sizes and frozen tables (blocking: one small exchange over the job), then
+        start sending each owner the bags it serves."""
+        parts, layout = self.parts, self.parts.layout
+        rank = parts.routing.rank
+        lengths = features.lengths.view(len(parts.routing.features), features.batch_size)
+        weighted = features.weights is not None
+        payloads = layout.pack_ids(features.values, lengths, features.weights)
+        names = parts.table_names()
+        flags = frozen_to_words(frozen_tables(parts.tables, names), len(names))
+        header = size_header(features.batch_size, payloads, weighted, flags)
+        headers = parts.exchange_headers(header, header_width(len(names)))
+        check_refusals(headers)
+        frozen = agreed_frozen([h[3:] for h in headers], names)
+        sizes = [headers[g][:3] for g in parts.mesh.group_ranks]
+        others = [p for d, p in enumerate(payloads) if d != rank]
+        ids_in = parts.exchange(
+            torch.cat(others) if others else payloads[rank][:0],
+            [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
+            [0 if s == rank else size[1] for s, size in enumerate(sizes)],
+            "ids",
+        )
+        own = layout.unpack_ids(payloads[rank], features.batch_size, weighted)
+        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, [h[0] for h in headers])
+
+    # lookup -----------------------------------------------------------------------------------
+    def lookup(self, routed: RoutedIds) -> LookedUp:
+        """Map rows to slots (storage), look up this rank's own bags while the others' ids
+        travel, then the others' bags, and send them their pooled rows."""
+        parts = self.parts
+        routing, stores = parts.routing, parts.stores
+        rank, world, batch = routing.rank, routing.world_size, routed.batch
+        local = routing.routed_local_shards()
+        pins: Pins = []  # slots held from here to the step's backward
+        stores.begin_step()
+        senders: list[list[SenderBags]] = [[] for _ in range(world)]
+        senders[rank] = stores.to_slots(local, routed.own, pins)
+        out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
+        self._add_own_pooled(senders[rank], out, batch)  # while the other ranks' ids travel
+        try:
+            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+            for sender in range(world):
+                if sender != rank:
+                    senders[sender] = stores.to_slots(local, senders[sender], pins)
+        except Exception:
+            stores.release(pins, updated=False)
+            raise
+        pooled_in = self._send_pooled(senders, out) if world > 1 else None
+        bags = [
+            combine_senders([senders[s][k] for s in range(world)], rank) for k in range(len(local))
+        ]
+        if parts.fuses_bags:  # while the pooled rows travel
+            for shard, shard_bags in zip(local, bags, strict=True):
+                if shard.table not in routed.frozen:
+                    shard_bags.groups = group_rows(shard_bags, parts.block_rows(shard))
+        return LookedUp(routed, out, bags, pooled_in, pins)
+
+    def _unpack_others(
+        self, received: torch.Tensor, sizes: list[list[int]], senders: list[list[SenderBags]]
+    ) -> None:
+        layout, rank = self.parts.layout, self.parts.routing.rank
+        offset = 0
+        for sender, (batch, length, weighted) in enumerate(sizes):
+            if sender != rank:
+                payload = received[offset : offset + length]
+                senders[sender] = layout.unpack_ids(payload, batch, bool(weighted))
+                offset += length
+
+    def _add_own_pooled(self, own: list[SenderBags], out: torch.Tensor, batch: int) -> None:
+        """Look up this rank's own bags in its own shards, straight into the output."""
+        parts = self.parts
+        routing = parts.routing
+        routes = iter(routing.routes_to[routing.rank])
+        for shard, bags in zip(routing.routed_local_shards(), own, strict=True):
+            pooled = pooled_sum(parts.weight(shard.table), *bags)
+            for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
+                parts.layout.add_block(out, next(routes), block)
+
+    def _send_pooled(self, senders: list[list[SenderBags]], out: torch.Tensor) -> PendingCollective:
+        """Look up the other ranks' bags and send them their pooled rows (in flight on
+        return; `out`, this rank's output, gives the batch size, dtype and device)."""
+        parts = self.parts
+        routing = parts.routing
+        local = routing.routed_local_shards()
+        pooled = [
+            None
+            if s == routing.rank
+            else [
+                pooled_sum(parts.weight(shard.table), *bags)
+                for shard, bags in zip(local, senders[s], strict=True)
+            ]
+            for s in range(routing.world_size)
+        ]
+        flat, splits = pack_pooled(pooled, like=out)
+        receive = parts.layout.output_splits(out.shape[0])
+        return parts.exchange(flat, splits, receive, "pooled output")
+
+    # output dist ------------------------------------------------------------------------------
+    def output_dist(self, looked: LookedUp) -> tuple[torch.Tensor, SavedForBackward]:
+        """Add the pooled rows the other owners sent back, look up the data-parallel tables,
+        apply mean pooling; returns the output and what backward needs."""
+        parts, routed, out = self.parts, looked.routed, looked.out
+        layout, batch = parts.layout, routed.batch
+        if looked.pooled_in is not None:
+            received = looked.pooled_in.wait()
+            offset = 0
+            for owner, size in enumerate(layout.output_splits(batch)):
+                if size:
+                    blocks = layout.pooled_blocks(owner, received[offset : offset + size], batch)
+                    for route, block in blocks:
+                        layout.add_block(out, route, block)
+                offset += size
+        feature_ids = self.data_parallel.lookup(routed.features, out)
+        mean_scale = self._mean_scale(routed.lengths, out.dtype)
+        if mean_scale is not None:
+            out.mul_(mean_scale)
+        batch_sizes = [size[0] for size in routed.sizes]
+        return out, SavedForBackward(
+            bags=looked.bags,
+            batch_sizes=batch_sizes,
+            scales=sender_scales(parts.normalize_by, batch_sizes, routed.job_batches),
+            feature_ids=feature_ids,
+            mean_scale=mean_scale,
+            frozen=routed.frozen,
+            trains=len(routed.frozen) < len(parts.routing.tables),
+            pins=looked.pins,
+        )
+
+    def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
+        routing = self.parts.routing
+        means = [
+            f for f, (_, t) in enumerate(routing.features) if routing.tables[t].pooling == "mean"
+        ]
+        if not means:
+            return None
+        scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype, device=lengths.device)
+        for f in means:
+            start = routing.feature_offsets[f]
+            inverse = 1 / lengths[f].clamp(min=1).to(dtype).unsqueeze(1)
+            scale[:, start : start + routing.dims[f]] = inverse
+        return scale

@@ -1,0 +1,76 @@
+"""What each phase of a sharded step hands the next (forward.py, backward.py).
+
+Forward: input dist -> RoutedIds -> lookup -> LookedUp -> output dist -> (pooled output,
+SavedForBackward). Backward: gradient dist -> RoutedGradients -> update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.kernels.bags import ShardBags
+from manualpar.embeddings.step.data_parallel import FeatureIds
+from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.storage.tier import Pins
+
+if TYPE_CHECKING:
+    from manualpar.strategy import PendingCollective
+
+__all__ = ["LookedUp", "RoutedGradients", "RoutedIds", "SavedForBackward"]
+
+
+@dataclass(frozen=True)
+class RoutedIds:
+    """A batch after input dist: sizes agreed, this rank's own bags cut out, the bags for the
+    other owners in flight."""
+
+    features: SparseFeatures  # this rank's batch, on the step's device
+    lengths: torch.Tensor  # (features, batch) bag lengths
+    sizes: list[list[int]]  # per shard-group rank: [batch, payload length, weighted]
+    own: list[SenderBags]  # this rank's bags for each of its routed local shards (row ids)
+    ids_in: PendingCollective  # the other ranks' bags for our shards
+    frozen: frozenset[int]  # tables every rank froze for this step
+    job_batches: list[int]  # every job rank's batch size
+
+    @property
+    def batch(self) -> int:
+        return self.features.batch_size
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """A batch after lookup: its own pooled rows in `out`, the others' on their way back."""
+
+    routed: RoutedIds
+    out: torch.Tensor  # (batch, total dim): this rank's own shards' partial sums so far
+    bags: list[ShardBags]  # per local shard: every sender's bags (slots), in rank order
+    pooled_in: PendingCollective | None  # pooled rows from the other owners (None alone)
+    pins: Pins  # slots held until backward (or release on a failed or gradient-free step)
+
+
+@dataclass(frozen=True)
+class SavedForBackward:
+    """What forward keeps for backward: one per step."""
+
+    bags: list[ShardBags]
+    batch_sizes: list[int]  # per shard-group rank
+    scales: list[float]  # each sender's weight in the table gradient
+    feature_ids: FeatureIds  # per feature, for the data-parallel tables
+    mean_scale: torch.Tensor | None  # (batch, total dim) 1/len factors of mean pooling
+    frozen: frozenset[int]
+    trains: bool  # False: every table frozen, no backward
+    pins: Pins
+
+
+@dataclass(frozen=True)
+class RoutedGradients:
+    """A step's output gradient after gradient dist: this rank's own blocks cut out, the
+    others' on their way to their owners."""
+
+    grad: torch.Tensor  # the output gradient (mean pooling applied)
+    own: list[list[torch.Tensor]]  # per local shard: our own bags' gradient blocks
+    grads_in: PendingCollective | None  # the other ranks' gradients for our shards
