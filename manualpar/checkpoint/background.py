@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, dcp_call
+from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import partial_path, prepare
 from manualpar.checkpoint.local_shards import Block, LocalShards
 from manualpar.checkpoint.save import (
@@ -74,6 +74,7 @@ def save_checkpoint_async(
     """
     path = Path(path).absolute()
     validate_state(state)
+    agree_on_path(strategy, "save_checkpoint_async", path)
     started = time.perf_counter()
     staging = partial_path(path)
     shared, per_rank = state_dicts(state, full=False)

@@ -160,7 +160,8 @@ def load_checkpoint(
     `state`. Any world size can load a sharded checkpoint. Keys and shapes are checked first:
     a mismatch raises CheckpointMismatchError listing them, before anything is modified.
     """
-    path = resolve(Path(path).absolute())
+    given = Path(path).absolute()
+    path = resolve(given)
     validate_state(state)
     rank = strategy.rank
     shared, _ = state_dicts(state, full=False)
@@ -176,7 +177,9 @@ def load_checkpoint(
         log_conversions(path, {k: v for k, v in shared.items() if k in keep}, dtypes, rank)
         return saved_objects, keep
 
-    checked = agree(strategy, f"opening checkpoint {path}", open_and_check)
+    checked = agree(
+        strategy, f"opening checkpoint {path}", open_and_check, same_path=("load_checkpoint", given)
+    )
     if checked is None:
         _load_full(strategy, path, state, strict)
     else:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
+from manualpar.checkpoint.agreement import Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import (
     FORMAT,
     FULL_KEY,
@@ -98,6 +98,7 @@ def save_checkpoint(
     """
     path = Path(path).absolute()
     validate_state(state)
+    agree_on_path(strategy, "save_checkpoint", path)
     started = time.perf_counter()
     if full:
         _save_full(strategy, path, state, overwrite)
