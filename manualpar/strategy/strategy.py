@@ -260,11 +260,17 @@ class ManualParallelStrategy(Collectives):
         return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
-        self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        strict: bool = True,
+        saturate: bool = False,
     ) -> dict[str, Any]:
-        """Load into `state` on all ranks (collective). See manualpar.checkpoint."""
+        """Load into `state` on all ranks (collective). See manualpar.checkpoint.load_checkpoint:
+        values beyond a narrower dtype's range are refused unless `saturate=True` clamps them."""
         self.wait_for_checkpoint()
-        return load_checkpoint(self, path, state, strict=strict)
+        return load_checkpoint(self, path, state, strict=strict, saturate=saturate)
 
     def save_checkpoint_async(
         self, path: str | os.PathLike, state: Mapping[str, Any], *, overwrite: bool = True
