@@ -8,6 +8,7 @@ used through `Ranks`, the little of it checkpoint IO needs, so this layer never 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -17,11 +18,13 @@ from typing import Any, Protocol, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from manualpar.checkpoint.files import describe_failure
 from manualpar.errors import CheckpointError, CollectiveError
 
 __all__ = ["OnGroup", "Ranks", "agree", "agree_on_path", "dcp_call"]
 
 T = TypeVar("T")
+log = logging.getLogger("manualpar.checkpoint")
 
 
 class Ranks(Protocol):
@@ -94,7 +97,7 @@ def agree(
         result = fn()
     except (Exception, CheckpointException) as error:
         local_error = error
-    report = None if local_error is None else str(local_error)
+    report = None if local_error is None else describe_failure(local_error)
     path = None if same_path is None else str(same_path[1])
     if strategy.is_distributed:
         try:
@@ -140,4 +143,20 @@ def dcp_call(strategy: Ranks, operation: str, fn: Callable[[], Any]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn()
     except CheckpointException as error:
-        raise CheckpointError(f"{operation} failed: {error}") from None
+        log.debug("%s failed: %s", operation, error)  # with every failing rank's traceback
+        raise CheckpointError(f"{operation} failed {_by_rank(error.failures)}") from None
+
+
+def _by_rank(failures: dict[int, Any]) -> str:
+    """'on rank 1: no space left on device: ...' from DCP's failures (one line per rank, not
+    DCP's tracebacks)."""
+    lines = {
+        rank: describe_failure(failure[0] if isinstance(failure, tuple) else failure)
+        for rank, failure in sorted(failures.items())
+    }
+    if len(lines) == 1:
+        rank, line = next(iter(lines.items()))
+        return f"on rank {rank}: {line}"
+    return f"on ranks {', '.join(map(str, lines))}: " + "; ".join(
+        f"rank {rank}: {line}" for rank, line in lines.items()
+    )

@@ -38,6 +38,7 @@ from manualpar.checkpoint.save import (
     write_blobs,
 )
 from manualpar.checkpoint.state import split_leaves, validate_state
+from manualpar.checkpoint.writer import NamingWriter
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
 
@@ -91,7 +92,7 @@ def save_checkpoint_async(
     background = OnGroup(strategy, group)
     upload = dcp.async_save(
         staged,
-        storage_writer=dcp.FileSystemWriter(staging),
+        storage_writer=NamingWriter(staging),
         process_group=group,
         async_stager=_AlreadyStaged(),
         no_dist=not background.is_distributed,

@@ -46,6 +46,7 @@ from manualpar.checkpoint.state import (
     to_safe_bytes,
     validate_state,
 )
+from manualpar.checkpoint.writer import NamingWriter
 
 __all__ = [
     "commit",
@@ -128,7 +129,7 @@ def _save_sharded(strategy: Ranks, path: Path, state: Mapping[str, Any], overwri
         strategy,
         f"save_checkpoint({path}): writing tensor shards",
         lambda: dcp.save(
-            tensors, storage_writer=dcp.FileSystemWriter(staging), process_group=strategy.group
+            tensors, storage_writer=NamingWriter(staging), process_group=strategy.group
         ),
     )
 
