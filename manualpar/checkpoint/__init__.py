@@ -3,7 +3,9 @@
 `save` and `load` save and load, `background` saves while training goes on, `files` owns the
 directory layout and the atomic commit, `state` flattens a state mapping into leaves,
 `local_shards` describes blocks of a sharded tensor to DCP, `extra` lets a module add its own
-entries (e.g. a fused optimizer), `describe` reads a checkpoint without a model. Nothing here
+entries (e.g. a fused optimizer), `describe` reads a checkpoint without a model, `dtypes`
+checks values loaded into another dtype, `writer` names the file a failed write was writing,
+`agreement` turns one rank's failure into the same error on every rank. Nothing here
 imports the strategy: it is passed in and used through its public API.
 """
 

@@ -8,18 +8,22 @@ used through `Ranks`, the little of it checkpoint IO needs, so this layer never 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
+from manualpar.checkpoint.files import describe_failure
 from manualpar.errors import CheckpointError, CollectiveError
 
-__all__ = ["OnGroup", "Ranks", "agree", "dcp_call"]
+__all__ = ["OnGroup", "Ranks", "agree", "agree_on_path", "dcp_call"]
 
 T = TypeVar("T")
+log = logging.getLogger("manualpar.checkpoint")
 
 
 class Ranks(Protocol):
@@ -75,8 +79,17 @@ class OnGroup:
         return self.strategy.collective_guard(operation)
 
 
-def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:
-    """Run `fn` on every rank; raise on all of them if it failed on any (naming the first)."""
+def agree(
+    strategy: Ranks,
+    what: str,
+    fn: Callable[[], T],
+    *,
+    same_path: tuple[str, Path] | None = None,
+) -> T:
+    """Run `fn` on every rank; raise on all of them if it failed on any (naming the first).
+
+    `same_path=(operation, path)`: also check, in the same collective, that every rank passed
+    this path (see `agree_on_path`); a difference is reported before any rank's failure."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     result: Any = None
@@ -85,20 +98,42 @@ def agree(strategy: Ranks, what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except (Exception, CheckpointException) as error:
         local_error = error
+    report = None if local_error is None else describe_failure(local_error)
+    path = None if same_path is None else str(same_path[1])
     if strategy.is_distributed:
         try:
-            reports = strategy.all_gather_object(None if local_error is None else str(local_error))
+            gathered = strategy.all_gather_object((report, path))  # one collective
         except CollectiveError as error:  # a peer died or stalled: say what was going on
             raise CollectiveError(f"{what}: {error}") from error
     else:
-        reports = [None if local_error is None else str(local_error)]
-    failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+        gathered = [(report, path)]
+    if same_path is not None:
+        _check_same_paths(same_path[0], [str(p) for _, p in gathered])
+    failed = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
     if not failed:
         return result
     if isinstance(local_error, CheckpointError):
         raise local_error
     rank, message = failed[0]
     raise CheckpointError(f"{what} failed on rank {rank}: {message}") from local_error
+
+
+def agree_on_path(strategy: Ranks, operation: str, path: Path) -> None:
+    """Refuse on every rank, before anything is written, unless every rank passed the same
+    path: a per-rank name or a timestamp in it would let rank 0 commit a checkpoint holding its
+    own shards only, which fails only when loaded."""
+    if strategy.is_distributed:
+        agree(strategy, f"{operation}({path})", lambda: None, same_path=(operation, path))
+
+
+def _check_same_paths(operation: str, paths: list[str]) -> None:
+    if len(set(paths)) > 1:
+        described = ", ".join(f"rank {rank}: {path}" for rank, path in enumerate(paths))
+        raise CheckpointError(
+            f"{operation}: the ranks passed different paths ({described}); every rank must pass "
+            "the same path (build it from the step, not from the rank or the clock, or "
+            "broadcast rank 0's); nothing was written or loaded"
+        )
 
 
 def dcp_call(strategy: Ranks, operation: str, fn: Callable[[], Any]) -> None:
@@ -111,4 +146,20 @@ def dcp_call(strategy: Ranks, operation: str, fn: Callable[[], Any]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn()
     except CheckpointException as error:
-        raise CheckpointError(f"{operation} failed: {error}") from None
+        log.debug("%s failed: %s", operation, error)  # with every failing rank's traceback
+        raise CheckpointError(f"{operation} failed {_by_rank(error.failures)}") from None
+
+
+def _by_rank(failures: dict[int, Any]) -> str:
+    """'on rank 1: no space left on device: ...' from DCP's failures (one line per rank, not
+    DCP's tracebacks)."""
+    lines = {
+        rank: describe_failure(failure[0] if isinstance(failure, tuple) else failure)
+        for rank, failure in sorted(failures.items())
+    }
+    if len(lines) == 1:
+        rank, line = next(iter(lines.items()))
+        return f"on rank {rank}: {line}"
+    return f"on ranks {', '.join(map(str, lines))}: " + "; ".join(
+        f"rank {rank}: {line}" for rank, line in lines.items()
+    )

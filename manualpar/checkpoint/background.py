@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, dcp_call
+from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import partial_path, prepare
 from manualpar.checkpoint.local_shards import Block, LocalShards
 from manualpar.checkpoint.save import (
@@ -72,8 +72,11 @@ def save_checkpoint_async(
     """
     import torch.distributed.checkpoint as dcp
 
+    from manualpar.checkpoint.writer import NamingWriter  # with DCP: imported when saving
+
     path = Path(path).absolute()
     validate_state(state)
+    agree_on_path(strategy, "save_checkpoint_async", path)
     started = time.perf_counter()
     staging = partial_path(path)
     shared, per_rank = state_dicts(state, full=False)
@@ -90,7 +93,7 @@ def save_checkpoint_async(
     background = OnGroup(strategy, group)
     upload = dcp.async_save(
         staged,
-        storage_writer=dcp.FileSystemWriter(staging),
+        storage_writer=NamingWriter(staging),
         process_group=group,
         async_stager=_AlreadyStaged(),
         no_dist=not background.is_distributed,

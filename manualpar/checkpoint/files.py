@@ -6,6 +6,7 @@ rank finished writing; the manifest (`manualpar.json`) inside marks it complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -38,10 +39,41 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(path, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise with_file(error, path) from None
+
+
+def with_file(error: OSError, path: Path | str) -> OSError:
+    """`error` naming `path` (a failed write or close says only "[Errno 28] ...")."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return OSError(error.errno, error.strerror, str(path))
+
+
+_DISK_FULL = {
+    errno.ENOSPC: ("no space left on device", "free disk space (delete old checkpoints)"),
+    errno.EDQUOT: ("disk quota exceeded", "free space in your quota"),
+    errno.EFBIG: (
+        "file too large",
+        "raise the file-size limit (ulimit -f) or use a filesystem that allows larger files",
+    ),
+}
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for an error report: a full disk says so and names the file."""
+    if isinstance(error, OSError) and error.errno in _DISK_FULL:
+        cause, fix = _DISK_FULL[error.errno]
+        where = f"could not write {error.filename}" if error.filename else "a write failed"
+        return (
+            f"{cause}: {where} ([Errno {error.errno}] {error.strerror}); {fix}, or save elsewhere"
+        )
+    return str(error)
 
 
 def remove(path: Path) -> None:

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
-from manualpar.checkpoint.dtypes import log_conversions, saved_dtypes
+from manualpar.checkpoint.dtypes import (
+    check_range,
+    copy_back,
+    log_conversions,
+    narrowing,
+    read_copies,
+    saved_dtypes,
+)
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest, resolve
 from manualpar.checkpoint.save import state_dicts
 from manualpar.checkpoint.state import (
@@ -154,34 +161,42 @@ def load_checkpoint(
     state: dict[str, Any],
     *,
     strict: bool = True,
+    saturate: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint into `state` in place (collective); returns `state`.
 
     Modules, optimizers and stateful objects are loaded into; plain values are replaced in
     `state`. Any world size can load a sharded checkpoint. Keys and shapes are checked first:
     a mismatch raises CheckpointMismatchError listing them, before anything is modified.
+    Values that a narrower dtype cannot hold (float32 1e5 into float16) raise CheckpointError,
+    also before anything is modified; `saturate=True` clamps them to its largest finite value.
     """
-    path = resolve(Path(path).absolute())
+    given = Path(path).absolute()
+    path = resolve(given)
     validate_state(state)
     rank = strategy.rank
     shared, _ = state_dicts(state, full=False)
 
-    def open_and_check() -> tuple[dict[str, Any], set[str]] | None:
-        """None for a full export; for a sharded checkpoint, its object leaves and the keys to
-        load (one agreement for both: each is a collective, a measurable part of a fast load)."""
+    def open_and_check() -> tuple[dict[str, Any], set[str], dict[str, torch.dtype]] | None:
+        """None for a full export; for a sharded checkpoint, its object leaves, the keys to
+        load and those read into a narrower dtype (one agreement for all: each is a
+        collective, a measurable part of a fast load)."""
         if _open(path):
             return None
         saved_shapes, saved_objects, dtypes = _saved_leaves(path)
         saved = {**saved_shapes, **saved_objects}
         keep = _check_match(path, state, shared, saved, strict)
-        log_conversions(path, {k: v for k, v in shared.items() if k in keep}, dtypes, rank)
-        return saved_objects, keep
+        kept = {k: v for k, v in shared.items() if k in keep}
+        log_conversions(path, kept, dtypes, rank)
+        return saved_objects, keep, narrowing(kept, dtypes)
 
-    checked = agree(strategy, f"opening checkpoint {path}", open_and_check)
+    checked = agree(
+        strategy, f"opening checkpoint {path}", open_and_check, same_path=("load_checkpoint", given)
+    )
     if checked is None:
-        _load_full(strategy, path, state, strict)
+        _load_full(strategy, path, state, strict, saturate)
     else:
-        _load_sharded(strategy, path, state, shared, strict, *checked)
+        _load_sharded(strategy, path, state, shared, strict, saturate, *checked)
     return state
 
 
@@ -198,20 +213,29 @@ def _load_sharded(
     state: dict[str, Any],
     shared: dict[str, Any],
     strict: bool,
+    saturate: bool,
     saved_objects: dict[str, Any],
     keep: set[str],
+    narrowed: dict[str, torch.dtype],
 ) -> None:
-    import torch.distributed.checkpoint as dcp
-
     tensors, _objects = split_leaves(shared)
     to_load = {key: tensor for key, tensor in tensors.items() if key in keep}
-    dcp_call(
+    copies = read_copies(to_load, narrowed)
+    if copies:  # read in the saved dtype and checked first, so a refusal modifies nothing
+        _read(strategy, path, copies, "reading tensor shards to check their range")
+        targets = {key: to_load[key].dtype for key in copies}
+        agree(
+            strategy,
+            f"load_checkpoint({path}): checking value ranges",
+            lambda: check_range(path, copies, targets, strategy.rank, saturate=saturate),
+        )
+    _read(
         strategy,
-        f"load_checkpoint({path}): reading tensor shards",
-        lambda: dcp.load(
-            to_load, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group
-        ),
+        path,
+        {k: v for k, v in to_load.items() if k not in copies},
+        "reading tensor shards",
     )
+    copy_back(copies, to_load)
     rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
     leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
 
@@ -222,7 +246,21 @@ def _load_sharded(
     agree(strategy, f"load_checkpoint({path}): applying", apply)
 
 
-def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool) -> None:
+def _read(strategy: Ranks, path: Path, tensors: dict[str, Any], what: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp_call(
+        strategy,
+        f"load_checkpoint({path}): {what}",
+        lambda: dcp.load(
+            tensors, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group
+        ),
+    )
+
+
+def _load_full(
+    strategy: Ranks, path: Path, state: dict[str, Any], strict: bool, saturate: bool
+) -> None:
     blob = agree(strategy, f"reading {path}", lambda: read_full(path))
     shared, _ = state_dicts(state, full=False)
     per_rank_keys = [k for k, v in state.items() if entry_kind(v) == "per_rank"]
@@ -232,18 +270,27 @@ def _load_full(strategy: Ranks, path: Path, state: dict[str, Any], strict: bool)
         if key != FULL_KEY and key not in per_rank_keys
         for k, v in flatten(value, key).items()
     }
-    keep = agree(
-        strategy, f"checking {path}", lambda: _check_match(path, state, shared, saved, strict)
-    )
-    leaves = {
-        k: v
-        for key, value in blob.items()
-        if key != FULL_KEY and key not in per_rank_keys
-        for k, v in flatten(value, key).items()
-        if k in keep
-    }
-    dtypes = {k: v.dtype for k, v in leaves.items() if isinstance(v, torch.Tensor)}
-    log_conversions(path, {k: v for k, v in shared.items() if k in keep}, dtypes, strategy.rank)
+
+    def check() -> dict[str, Any]:
+        """The leaves to load, once keys, shapes and value ranges are checked."""
+        keep = _check_match(path, state, shared, saved, strict)
+        leaves = {
+            k: v
+            for key, value in blob.items()
+            if key != FULL_KEY and key not in per_rank_keys
+            for k, v in flatten(value, key).items()
+            if k in keep
+        }
+        dtypes = {k: v.dtype for k, v in leaves.items() if isinstance(v, torch.Tensor)}
+        kept = {k: v for k, v in shared.items() if k in keep}
+        log_conversions(path, kept, dtypes, strategy.rank)
+        narrowed = narrowing(kept, dtypes)
+        copies = {k: leaves[k].clone() if saturate else leaves[k] for k in narrowed}
+        targets = {k: kept[k].dtype for k in narrowed}
+        check_range(path, copies, targets, strategy.rank, saturate=saturate)
+        return {**leaves, **copies}
+
+    leaves = agree(strategy, f"checking {path}", check)
     mine = f"rank_{strategy.rank}"
     per_rank = {}
     for key in per_rank_keys:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from manualpar.checkpoint.agreement import Ranks, agree, dcp_call
+from manualpar.checkpoint.agreement import Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import (
     FORMAT,
     FULL_KEY,
@@ -97,6 +97,7 @@ def save_checkpoint(
     """
     path = Path(path).absolute()
     validate_state(state)
+    agree_on_path(strategy, "save_checkpoint", path)
     started = time.perf_counter()
     if full:
         _save_full(strategy, path, state, overwrite)
@@ -109,6 +110,8 @@ def save_checkpoint(
 
 def _save_sharded(strategy: Ranks, path: Path, state: Mapping[str, Any], overwrite: bool) -> None:
     import torch.distributed.checkpoint as dcp
+
+    from manualpar.checkpoint.writer import NamingWriter  # with DCP: imported when saving
 
     staging = partial_path(path)
     shared, per_rank = state_dicts(state, full=False)
@@ -128,7 +131,7 @@ def _save_sharded(strategy: Ranks, path: Path, state: Mapping[str, Any], overwri
         strategy,
         f"save_checkpoint({path}): writing tensor shards",
         lambda: dcp.save(
-            tensors, storage_writer=dcp.FileSystemWriter(staging), process_group=strategy.group
+            tensors, storage_writer=NamingWriter(staging), process_group=strategy.group
         ),
     )
 

@@ -25,7 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from manualpar.errors import BuilderError, MeshError
 
-__all__ = ["NODE_DIMS", "build_mesh", "check_mesh", "describe_mesh", "mesh_shape"]
+__all__ = [
+    "NODE_DIMS",
+    "build_mesh",
+    "check_mesh",
+    "check_same_dims",
+    "describe_mesh",
+    "mesh_shape",
+]
 
 NODE_DIMS = ("node", "local")  # the dim names that state the launcher's layout
 
@@ -38,6 +45,12 @@ def mesh_shape(dims: Mapping[str, int], world_size: int) -> tuple[tuple[str, ...
             f"mesh(replicate=..., shard=...) whose sizes multiply to the world size {world_size}"
         )
     for name, size in dims.items():
+        if not name.isidentifier():
+            raise MeshError(
+                f"mesh(): dim name {name!r} is not a name; name dims like Python identifiers "
+                "(letters, digits and underscores, not starting with a digit), e.g. "
+                "mesh(replicate=2, shard=2)"
+            )
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise MeshError(f"mesh(): dim {name!r} has size {size!r}; sizes are integers >= 1")
     names, sizes = tuple(dims), tuple(dims.values())
@@ -49,6 +62,21 @@ def mesh_shape(dims: Mapping[str, int], world_size: int) -> tuple[tuple[str, ...
             "or change the sizes)"
         )
     return names, sizes
+
+
+def check_same_dims(requested: Sequence[tuple[tuple[str, object], ...]]) -> None:
+    """Every rank's `mesh(**dims)` request (names, sizes and order), as all-gathered: they must
+    be equal, or the ranks would make different groups and wait on each other until the
+    timeout (or, with names alone differing, silently disagree on what each dim is)."""
+    if any(dims != requested[0] for dims in requested):
+        described = ", ".join(
+            f"rank {rank}: ({', '.join(f'{n}={s!r}' for n, s in dims)})"
+            for rank, dims in enumerate(requested)
+        )
+        raise MeshError(
+            f"mesh(): the ranks asked for different meshes ({described}); every rank must call "
+            "mesh() with the same dim names, sizes and order (outer to inner)"
+        )
 
 
 def check_node_layout(

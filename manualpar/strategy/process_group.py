@@ -38,6 +38,7 @@ __all__ = [
 # the group's own Python binding, whose destructor releases the GIL. _teardown_at_exit lets go
 # of them before interpreter finalization.
 _RETIRED_GROUPS: list[dist.ProcessGroup] = []
+_CLAIMS = "manualpar/rank_claims"  # in a job's own store: one counter per rank number
 
 
 class _Owner(Protocol):
@@ -172,20 +173,47 @@ def init_process_group(
         )
         if env.uses_agent_store:
             store = dist.PrefixStore(f"manualpar/attempt_{env.restart_count}", store)
+        else:
+            claim_rank(store, env)
         dist.init_process_group(
             backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
         )
+    except CollectiveError:
+        raise
     except Exception as error:
+        busy = "EADDRINUSE" in str(error) or "address already in use" in str(error).lower()
+        hint = (
+            f"Another process (perhaps another job) already listens on {env.master_addr}:"
+            f"{env.master_port}; pick another MASTER_PORT for this job."
+            if busy
+            else "Check that every rank was started and that the master address and port are "
+            "reachable."
+        )
         raise CollectiveError(
             f"rank {env.rank} of {env.world_size} could not join the process group at "
             f"{env.master_addr}:{env.master_port} (backend {backend}) within "
-            f"{timeout.total_seconds():g}s: {error}. Check that every rank was started "
-            "and that the master address and port are reachable."
+            f"{timeout.total_seconds():g}s: {error}. {hint}"
         ) from error
     group = dist.group.WORLD
     assert group is not None  # set by init_process_group
     _CREATED_GROUPS.add(group)
     return group, store
+
+
+def claim_rank(store: dist.Store, env: ClusterEnvironment) -> None:
+    """Claim this rank's number in the store before joining the group: a second claim means
+    another process already joined as this rank, usually a rank of another job started on the
+    same MASTER_ADDR:MASTER_PORT. It would otherwise join that job's group and wait in a
+    collective until the timeout, blaming a peer. (Under torchrun the agent's rendezvous gives
+    every rank its number, and its store outlives a strategy, so this runs only on a store the
+    ranks met through themselves.)"""
+    if store.add(f"{_CLAIMS}/{env.rank}", 1) > 1:
+        raise CollectiveError(
+            f"rank {env.rank} of {env.world_size}: another process already joined the job at "
+            f"{env.master_addr}:{env.master_port} as rank {env.rank}: another job is probably "
+            "using the same MASTER_ADDR:MASTER_PORT (pick another MASTER_PORT for this job), "
+            f"or two processes of this job were started with rank {env.rank}"
+        )
 
 
 def init_single_rank_group(backend: str, timeout: timedelta) -> None:

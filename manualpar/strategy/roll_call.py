@@ -4,9 +4,10 @@ gloo reports a dead peer as "Connection closed by peer [addr]:port" and a stalle
 timeout; neither names the rank, let alone its node. Every rank of a job runs a `RollCallAnswerer`:
 a daemon thread that polls the store the job rendezvoused through (it outlives the process group)
 once a second and, once a roll call is open, writes this rank's key. A rank whose collective
-fails opens the call and waits a few seconds: every process still alive answers, even one whose
-main thread is stuck in a collective (waiting on a peer that failed first), so the ranks whose
-keys never come are the dead ones (killed, exited, or their machine lost).
+fails opens the call and waits a few seconds: every process still running answers, even one
+whose main thread is stuck in a collective (waiting on a peer that failed first). A rank whose
+key never comes is gone (killed, exited, its machine lost) or cannot answer in time: stopped
+(SIGSTOP, a debugger) or overloaded. The call cannot tell these apart, so it says all three.
 
 Every wait is bounded: the store is polled with non-blocking calls until a deadline, and the whole
 roll call runs in a daemon thread that is abandoned past it, so a store whose host is unreachable
@@ -88,13 +89,16 @@ class RollCall:
             )
         if not self.missing:
             return (
-                f"All {self.world_size} ranks answered a roll call after the failure, so none "
-                "was lost: a rank probably raised, stalled, or called a different collective"
+                f"All {self.world_size} ranks answered a roll call after the failure, so every "
+                "process is still running: a rank probably raised, stalled or was paused (this "
+                "one too, perhaps), or called a different collective"
             )
-        lost = describe_ranks(self.missing, self.local_world_size)
+        silent = describe_ranks(self.missing, self.local_world_size)
+        one = len(self.missing) == 1
         return (
-            f"Lost: {lost} did not answer a roll call within {self.waited_s:g}s "
-            "(their processes are gone)"
+            f"No answer: {silent} did not answer a roll call within {self.waited_s:g}s; "
+            f"{'it' if one else 'they'} may be stopped (SIGSTOP, a debugger), too overloaded "
+            f"to answer, or gone (killed, exited, or {'its' if one else 'their'} node lost)"
         )
 
 

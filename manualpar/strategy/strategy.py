@@ -27,7 +27,13 @@ from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import CollectiveError, MeshError
 from manualpar.seed import seed_everything
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
-from manualpar.strategy.mesh import build_mesh, check_node_layout, mesh_shape, rank_grid
+from manualpar.strategy.mesh import (
+    build_mesh,
+    check_node_layout,
+    check_same_dims,
+    mesh_shape,
+    rank_grid,
+)
 from manualpar.strategy.process_group import (
     adopted_environment,
     destroy_group,
@@ -141,15 +147,21 @@ class ManualParallelStrategy(Collectives):
         Sizes must multiply to the world size (MeshError otherwise). Ranks fill the mesh
         row-major, so with node-major ranks (torchrun, SLURM) the inner dims stay in a node.
         `node` and `local` are checked against the launcher's layout. A collective call on
-        every rank the first time (it makes one process group per row of each dim, with the
-        strategy's timeout); the same dims return the same mesh afterwards. World size 1 works:
+        every rank the first time: the ranks' dims are compared first (MeshError naming every
+        rank's dims if they differ in names, sizes or order), then one process group is made
+        per row of each dim, with the strategy's timeout; the same dims return the same mesh
+        afterwards. World size 1 works:
         every dim has size 1 (a one-rank group is made if there is none).
         """
         self._check_open("mesh()")
+        requested = tuple(dims.items())
+        if requested in self._meshes:
+            return self._meshes[requested]
+        # Agreed first (one small all-gather, under the timeout), so ranks asking for different
+        # meshes all raise naming every rank's dims, instead of building different groups.
+        check_same_dims(self.all_gather_object(requested))
         names, sizes = mesh_shape(dims, self.world_size)
         key = tuple(zip(names, sizes, strict=True))
-        if key in self._meshes:
-            return self._meshes[key]
         if any(name in ("node", "local") for name in names):
             check_node_layout(names, sizes, self.num_nodes, self.environment.local_world_size)
             self._check_ranks_node_major()
@@ -260,11 +272,17 @@ class ManualParallelStrategy(Collectives):
         return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
-        self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        strict: bool = True,
+        saturate: bool = False,
     ) -> dict[str, Any]:
-        """Load into `state` on all ranks (collective). See manualpar.checkpoint."""
+        """Load into `state` on all ranks (collective). See manualpar.checkpoint.load_checkpoint:
+        values beyond a narrower dtype's range are refused unless `saturate=True` clamps them."""
         self.wait_for_checkpoint()
-        return load_checkpoint(self, path, state, strict=strict)
+        return load_checkpoint(self, path, state, strict=strict, saturate=saturate)
 
     def save_checkpoint_async(
         self, path: str | os.PathLike, state: Mapping[str, Any], *, overwrite: bool = True

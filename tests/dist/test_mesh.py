@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from manualpar.testing import run_distributed
-from tests.support.mesh_cases import mesh_layout
+from tests.support.mesh_cases import mesh_layout, mismatched_meshes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,3 +25,18 @@ def test_named_mesh_dims_and_collectives_over_a_dim() -> None:
         assert seen["gathered"] == [2 * node, 2 * node + 1]
         assert seen["node_grid"] == [[0, 1], [2, 3]]
         assert "the launcher runs 2 processes per node; use local=2" in seen["wrong_layout"]
+
+
+def test_ranks_asking_for_different_meshes_are_refused_naming_each_ranks_dims() -> None:
+    """Dims in another order used to leave one rank waiting past the timeout, and dims named
+    differently passed silently; both now raise MeshError on every rank at once."""
+    results = run_distributed(mismatched_meshes, world_size=2, collective_timeout=15)
+    advice = "every rank must call mesh() with the same dim names, sizes and order (outer to inner)"
+    for seen in results:
+        assert seen["errors"] == [
+            "mesh(): the ranks asked for different meshes (rank 0: (replicate=1, shard=2), "
+            f"rank 1: (shard=2, replicate=1)); {advice}",
+            "mesh(): the ranks asked for different meshes (rank 0: (x=2), rank 1: (y=2)); "
+            + advice,
+        ]
+        assert seen["total"] == 2.0

@@ -135,10 +135,13 @@ def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:
         assert failure["error"].startswith(
             f"gradient all_reduce (op=mean, shape=(57,)) failed on rank {rank} of 4"
         )
-        assert "Lost: ranks 2, 3 (node 1) did not answer a roll call within 3s" in failure["error"]
+        assert (
+            "No answer: ranks 2, 3 (node 1) did not answer a roll call within 3s"
+            in failure["error"]
+        )
         print(f"MEASURED rank {rank} raised {failure['time'] - killed:.1f}s after the kill")
     assert not list(folder.glob("error_[23].json"))  # the lost ranks said nothing
-    assert "Lost: ranks 2, 3 (node 1)" in node0.stderr  # what the user sees in node 0's log
+    assert "No answer: ranks 2, 3 (node 1)" in node0.stderr  # what the user sees in node 0's log
 
 
 def test_torchx_two_by_two_runs_torchrun_on_two_nodes_with_c10d() -> None:

@@ -42,3 +42,23 @@ def mesh_layout() -> dict[str, Any]:
             "node_grid": nodes.mesh.tolist(),
             "wrong_layout": wrong_layout,
         }
+
+
+def mismatched_meshes() -> dict[str, Any]:
+    """Rank 1 asks for other meshes than rank 0 (dims in another order, then another name):
+    the errors each rank sees, then a mesh both agree on, which still works."""
+    errors = []
+    with ManualParallelStrategy() as strategy:
+        first = strategy.rank == 0
+        for dims in (
+            {"replicate": 1, "shard": 2} if first else {"shard": 2, "replicate": 1},
+            {"x": 2} if first else {"y": 2},
+        ):
+            try:
+                strategy.mesh(**dims)
+                errors.append("")
+            except MeshError as error:
+                errors.append(str(error))
+        mesh = strategy.mesh(replicate=1, shard=2)
+        total = strategy.all_reduce(torch.tensor(1.0), "sum", group=mesh["shard"]).item()
+    return {"errors": errors, "total": total}

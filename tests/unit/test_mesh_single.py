@@ -40,6 +40,18 @@ def test_sizes_must_multiply_to_the_world_size() -> None:
         strategy.mesh(shard=2)
 
 
+@pytest.mark.parametrize("name", ["", "a b", "2d", "shard-1"])
+def test_a_dim_name_must_be_an_identifier(name: str) -> None:
+    with pytest.raises(MeshError) as caught:
+        mesh_shape({name: 1}, 1)
+    assert str(caught.value) == (
+        f"mesh(): dim name {name!r} is not a name; name dims like Python identifiers (letters, "
+        "digits and underscores, not starting with a digit), e.g. mesh(replicate=2, shard=2)"
+    )
+    with ManualParallelStrategy(accelerator="cpu") as strategy, pytest.raises(MeshError):
+        strategy.mesh(**{name: 1})
+
+
 def test_node_layout_is_checked_against_the_launcher() -> None:
     env = ClusterEnvironment(source="user")
     with ManualParallelStrategy(env, accelerator="cpu") as strategy:

@@ -126,8 +126,10 @@ def test_disk_filling_up_mid_save_keeps_the_previous_checkpoint(
     monkeypatch.setattr(checkpoint, "write_file", no_space)  # the object files, after the tensors
     with _raises(
         mp.CheckpointError,
-        f"save_checkpoint({tmp_path / 'ckpt_a'}): writing objects "
-        "failed on rank 0: [Errno 28] No space left on device",
+        f"save_checkpoint({tmp_path / 'ckpt_a'}): writing objects failed on rank 0: no space "
+        f"left on device: could not write {tmp_path / '.ckpt_a.partial/objects/replicated.pt'} "
+        "([Errno 28] No space left on device); free disk space (delete old checkpoints), or "
+        "save elsewhere",
     ):
         mp.ManualParallelStrategy().save_checkpoint(tmp_path / "ckpt_a", state)  # an overwrite
     assert mp.latest_checkpoint(tmp_path) == tmp_path / "ckpt_a"

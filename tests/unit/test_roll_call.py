@@ -34,7 +34,9 @@ def test_the_ranks_whose_answerers_are_gone_are_named() -> None:
         answerer.stop()
     assert found == RollCall(missing=(2, 3), world_size=4, local_world_size=2, waited_s=1.0)
     assert found.describe("127.0.0.1:29500") == (
-        "Lost: ranks 2, 3 (node 1) did not answer a roll call within 1s (their processes are gone)"
+        "No answer: ranks 2, 3 (node 1) did not answer a roll call within 1s; they may be stopped "
+        "(SIGSTOP, a debugger), too overloaded to answer, or gone (killed, exited, or their node "
+        "lost)"
     )
     # a second survivor failing later sees the same: the keys stay in the store
     assert roll_call(store, 1, 4, key=KEY, local_world_size=2, wait_s=0.2).missing == (2, 3)
@@ -48,7 +50,27 @@ def test_everyone_answering_ends_the_call_at_once() -> None:
         answerer.stop()
     assert found.missing == () and found.store_error is None
     assert found.describe("h:1").startswith(
-        "All 3 ranks answered a roll call after the failure, so none was lost"
+        "All 3 ranks answered a roll call after the failure, so every process is still running: "
+        "a rank probably raised, stalled or was paused (this one too, perhaps), or called a "
+        "different collective"
+    )
+
+
+def test_a_rank_that_does_not_answer_may_be_stopped_overloaded_or_gone() -> None:
+    """A roll call cannot tell a paused (SIGSTOP) or overloaded rank from a dead one: the
+    message says so instead of calling it gone, and a rank that finds everyone answering (the
+    paused one, once continued) does not claim it was someone else's stall."""
+    silent = RollCall(missing=(1,), world_size=2, local_world_size=2, waited_s=3.0)
+    assert silent.describe("127.0.0.1:29500") == (
+        "No answer: rank 1 (node 0) did not answer a roll call within 3s; it may be stopped "
+        "(SIGSTOP, a debugger), too overloaded to answer, or gone (killed, exited, or its node "
+        "lost)"
+    )
+    everyone = RollCall(missing=(), world_size=2, local_world_size=2, waited_s=3.0)
+    assert everyone.describe("127.0.0.1:29500") == (
+        "All 2 ranks answered a roll call after the failure, so every process is still running: "
+        "a rank probably raised, stalled or was paused (this one too, perhaps), or called a "
+        "different collective"
     )
 
 
