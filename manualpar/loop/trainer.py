@@ -66,7 +66,8 @@ class Trainer:
         resume_lr: on resume, "checkpoint" keeps the learning rates saved with the optimizers
             (an interrupted run continues as it was); "configured" puts back the ones the
             optimizers were created with (to change the learning rate of a run). Either way
-            the resume logs which values the checkpoint overrode.
+            the resume logs which values the checkpoint overrode (a scheduled group only if
+            its rate is not what its restored schedule gives).
     """
 
     def __init__(
