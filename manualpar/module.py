@@ -8,6 +8,8 @@ updated by a builder's own fused optimizer are left out).
 An optimizer created before setup would hold meta or replaced (pre-sharding) parameters and
 silently train nothing: setup refuses one it can find (before any table updates itself in
 backward), and a step pre-hook on every torch optimizer catches the rest at their first step.
+The same hook warns about an optimizer over `model.parameters()`, which holds the tables'
+self-updating parameters: its settings silently do not reach them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -185,7 +188,29 @@ def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if optimizer in _checked_optimizers:
         return
     check_optimizer(optimizer)
+    _warn_if_it_holds_self_trained(optimizer)
     _checked_optimizers.add(optimizer)
+
+
+def _warn_if_it_holds_self_trained(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per optimizer: at its first step) if it holds parameters a builder updates
+    itself, typically from `model.parameters()` instead of `model.dense_parameters()`. Autograd
+    never gives those a gradient, so the optimizer skips them: its weight decay, learning rate
+    and param-group settings silently do not apply to them. Only a warning: the training itself
+    is right, and an optimizer over them does no harm beyond that."""
+    held = [p for group in optimizer.param_groups for p in group["params"] if trained_by_owner(p)]
+    if not held:
+        return
+    builders = sorted({f"{owner_of(p)}()" for p in held})
+    shapes = ", ".join(str(tuple(p.shape)) for p in held[:3]) + (" ..." if len(held) > 3 else "")
+    warnings.warn(
+        f"{type(optimizer).__name__} holds {len(held)} parameter(s) (shapes {shapes}) that "
+        f"{' and '.join(builders)} updates itself in backward: they never get a gradient, so this "
+        "optimizer's weight decay, learning rate and other param-group settings do not apply "
+        "to them. Create the optimizer over model.dense_parameters() instead of "
+        "model.parameters()",
+        stacklevel=4,  # the caller of optimizer.step() (this, the hook, torch's wrapper)
+    )
 
 
 if os.environ.get("MANUALPAR_NO_OPTIMIZER_CHECK") != "1":

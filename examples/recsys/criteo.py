@@ -13,41 +13,60 @@ raw int64 ids (the hex value; a missing value is MISSING_ID) and the labels.
 
 Lines are parsed a block at a time with numpy (no Python loop over lines or fields): the block's
 tabs and newlines give every field's start and length, and each field's last 8 bytes, loaded as
-one uint64, are decoded with bit arithmetic for all fields at once (`_numbers`).
+one uint64, are decoded with bit arithmetic for all fields at once (`criteo_lines.decode_numbers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
+from criteo_lines import (
+    CR,
+    MAX_HEX_DIGITS,
+    MAX_INT_DIGITS,
+    MAX_LINE_BYTES,
+    MINUS,
+    NEWLINE,
+    READ_BYTES,
+    TAB,
+    ZERO,
+    BadLines,
+    CriteoFormatError,
+    decode_numbers,
+    drop_blank_lines,
+    excerpt,
+    line_blocks,
+    select_lines,
+)
 from data import NUM_DENSE, NUM_SPARSE, Batch, SyntheticCriteo, log_counts, make_batch, table_rows
 
 from manualpar import HashIds, ManagedCollisions
 from manualpar.embeddings import EmbeddingBagConfig
 
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MISSING_ID",
+    "READ_BYTES",
+    "BadLines",
+    "Columns",
+    "CriteoFormatError",
+    "CriteoStream",
+    "batches",
+    "concat",
+    "head",
+    "rank_share",
+    "read_share",
+    "write_synthetic_criteo",
+]
+
 FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 FIELD_NAMES = ("label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27)))
 MISSING_ID = 1 << 32  # one past the largest 8-digit hex value: never a real value's id
-MAX_HEX_DIGITS = 8
-MAX_INT_DIGITS = 18  # any 18-digit integer fits in int64
-READ_BYTES = 1 << 22  # bytes read (after decompression) per block: about 17k Kaggle lines
-MAX_LINE_BYTES = 1 << 20  # Criteo lines are a few hundred bytes: longer is not this format
-
-TAB, NEWLINE, CR, MINUS, ZERO = 9, 10, 13, ord("-"), ord("0")
-_DIGIT = np.full(256, -1, dtype=np.int64)
-_DIGIT[ZERO : ZERO + 10] = np.arange(10)
-
-
-class CriteoFormatError(ValueError):
-    """A line that is not in Criteo's format; the message names the file, the 1-based line
-    number and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -82,70 +101,22 @@ def concat(parts: Sequence[Columns]) -> Columns:
 
 
 # ---- parsing -------------------------------------------------------------------------------
-def open_log(path: str | Path) -> BinaryIO:
-    """A binary stream of the file's lines, gunzipped when it starts with gzip's magic bytes."""
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-def line_blocks(path: str | Path, read_bytes: int = READ_BYTES) -> Iterator[tuple[np.ndarray, int]]:
-    """(bytes of whole lines as uint8, each ending in a newline; 0-based number of the block's
-    first line in the file), in file order, `read_bytes` at a time: constant memory."""
-    first, tail = 0, b""
-    with open_log(path) as handle:
-        while True:
-            try:
-                chunk = handle.read(read_bytes)
-            except (EOFError, zlib.error, gzip.BadGzipFile) as error:
-                raise CriteoFormatError(
-                    f"{path}, after line {first}: cannot decompress: {error}"
-                ) from None
-            if not chunk:
-                break
-            end = chunk.rfind(b"\n")
-            if end < 0:
-                tail += chunk
-                if len(tail) > MAX_LINE_BYTES:
-                    raise CriteoFormatError(
-                        f"{path}, line {first + 1}: longer than {MAX_LINE_BYTES} bytes without a "
-                        "newline: not a Criteo-format text file"
-                    )
-                continue
-            block = np.frombuffer(tail + chunk[: end + 1], dtype=np.uint8)
-            tail = chunk[end + 1 :]
-            yield block, first
-            first += int(np.count_nonzero(block == NEWLINE))
-    if tail:  # a last line without its newline
-        yield np.frombuffer(tail + b"\n", dtype=np.uint8), first
-
-
-def select_lines(block: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """The block's lines where `keep` (one bool per line) is true, their bytes concatenated."""
-    ends = np.flatnonzero(block == NEWLINE) + 1
-    lengths = np.diff(ends, prepend=0)
-    return block[np.repeat(keep, lengths)]
-
-
-def parse_block(block: np.ndarray, path: str | Path, line_numbers: np.ndarray) -> Columns:
-    """Parse whole lines (uint8, each ending in a newline). `line_numbers` are their 1-based
-    numbers in `path`, for the error a malformed line raises."""
-    is_newline = block == NEWLINE
-    separators = np.flatnonzero(is_newline | (block == TAB))
-    lines = len(line_numbers)
-    if separators.size != FIELDS * lines or not bool(
-        (block[separators[FIELDS - 1 :: FIELDS]] == NEWLINE).all()
-    ):
-        tabs_before = np.cumsum(block == TAB)[np.flatnonzero(is_newline)]
-        tabs = np.diff(tabs_before, prepend=0)
-        bad = int(np.flatnonzero(tabs != FIELDS - 1)[0])
-        raise CriteoFormatError(
-            f"{path}, line {line_numbers[bad]}: expected {FIELDS} tab-separated fields (label, "
-            f"{NUM_DENSE} integers, {NUM_SPARSE} hex strings), got {int(tabs[bad]) + 1}"
-        )
-    ends = separators.reshape(lines, FIELDS)
+def parse_block(
+    block: np.ndarray,
+    path: str | Path,
+    line_numbers: np.ndarray,
+    bad_lines: BadLines | None = None,
+) -> Columns:
+    """Parse whole lines (uint8, each ending in a newline); blank lines are dropped.
+    `line_numbers` are their 1-based numbers in `path`, for messages. A malformed line raises
+    CriteoFormatError naming it, or, if `bad_lines` skips, is counted and left out."""
+    policy = bad_lines if bad_lines is not None else BadLines()
+    block, line_numbers = drop_blank_lines(block, line_numbers)
+    policy.lines += len(line_numbers)
+    block, line_numbers, separators = _whole_records(block, path, line_numbers, policy)
+    if not len(line_numbers):
+        return concat([])
+    ends = separators.reshape(len(line_numbers), FIELDS)
     starts = np.empty_like(ends)
     starts[0, 0] = 0
     starts[1:, 0] = ends[:-1, -1] + 1
@@ -154,132 +125,70 @@ def parse_block(block: np.ndarray, path: str | Path, line_numbers: np.ndarray) -
     ends[:, -1] -= crlf  # Windows line ends
     lengths = ends - starts
 
-    def fail(bad: np.ndarray, first_field: int, what: str) -> None:
-        """Raise for the first true entry of `bad` (lines x its columns, the first of which is
-        field `first_field`): the field's text is not `what`."""
-        line, column = np.unravel_index(int(np.flatnonzero(bad)[0]), bad.shape)
-        field = first_field + int(column)
-        start = int(starts[line, field])
-        text = bytes(block[start : start + lengths[line, field]]).decode("utf-8", "replace")
-        raise CriteoFormatError(
-            f"{path}, line {line_numbers[line]}: field {field + 1} ({FIELD_NAMES[field]}) "
-            f"is {text!r}, not {what}"
-        )
-
-    label_bytes = block[starts[:, :1]]
-    bad_label = (lengths[:, :1] != 1) | ((label_bytes != ZERO) & (label_bytes != ZERO + 1))
-    if bad_label.any():
-        fail(bad_label, 0, "a label (0 or 1)")
-    labels = label_bytes[:, 0].astype(np.int64) - ZERO
-
-    padded = np.concatenate([np.full(8, ZERO, dtype=np.uint8), block])  # for _numbers' loads
+    label_bytes = block[starts[:, 0]]
+    bad_label = (lengths[:, 0] != 1) | ((label_bytes != ZERO) & (label_bytes != ZERO + 1))
+    labels = label_bytes.astype(np.int64) - ZERO
+    padded = np.concatenate([np.full(8, ZERO, dtype=np.uint8), block])  # for decode_numbers' loads
     dense_starts, dense_lengths = starts[:, 1 : 1 + NUM_DENSE], lengths[:, 1 : 1 + NUM_DENSE]
     negative = (dense_lengths > 0) & (block[dense_starts] == MINUS)
     dense_ends = ends[:, 1 : 1 + NUM_DENSE]
-    counts, bad = _numbers(padded, dense_ends, dense_lengths - negative, hexadecimal=False)
-    bad |= negative & (dense_lengths == 1)  # a lone "-"
-    if bad.any():
-        fail(bad, 1, f"an integer (up to {MAX_INT_DIGITS} digits, optional '-') or empty")
+    counts, bad_dense = decode_numbers(
+        padded, dense_ends, dense_lengths - negative, hexadecimal=False
+    )
+    bad_dense |= negative & (dense_lengths == 1)  # a lone "-"
     counts = np.where(negative, -counts, counts)
-
     sparse_lengths = lengths[:, 1 + NUM_DENSE :]
-    ids, bad = _numbers(padded, ends[:, 1 + NUM_DENSE :], sparse_lengths, hexadecimal=True)
-    if bad.any():
-        fail(bad, 1 + NUM_DENSE, f"a hex string (1 to {MAX_HEX_DIGITS} digits) or empty")
+    ids, bad_sparse = decode_numbers(
+        padded, ends[:, 1 + NUM_DENSE :], sparse_lengths, hexadecimal=True
+    )
     ids[sparse_lengths == 0] = MISSING_ID
+
+    bad = np.concatenate([bad_label[:, None], bad_dense, bad_sparse], axis=1)
+    if bad.any():
+        rows = bad.any(axis=1)
+        line = int(np.flatnonzero(rows)[0])
+        field = int(np.flatnonzero(bad[line])[0])
+        start = int(starts[line, field])
+        text = bytes(block[start : start + lengths[line, field]]).decode("utf-8", "replace")
+        policy.bad(
+            int(rows.sum()),
+            f"{path}, line {line_numbers[line]}: field {field + 1} ({FIELD_NAMES[field]}) "
+            f"is {excerpt(text)!r}, not {_EXPECTED[min(field, 1) + (field > NUM_DENSE)]}",
+        )
+        keep = ~rows
+        labels, counts, ids = labels[keep], counts[keep], ids[keep]
+    policy.check(path)
     return Columns(labels, log_counts(counts), ids)
 
 
-def _numbers(
-    padded: np.ndarray, ends: np.ndarray, lengths: np.ndarray, *, hexadecimal: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """(values, bad): the unsigned decimal or hex numbers of `lengths` digits ending at `ends`
-    (empty ones are 0). Up to 8 digits, a field's 8 bytes are loaded as one uint64 and decoded
-    with bit arithmetic on all fields at once (SWAR); longer fields (decimal only) go digit by
-    digit. Gathering each digit position instead (one array pass per position) read a plain
-    file at 0.3M lines/s per process; this reads it at 0.7M (the whole reader, this machine)."""
-    words = _last_eight_bytes(padded, ends)
-    short = np.minimum(lengths, 8)
-    fill = _PREFIX_MASK[short]  # the bytes before the field become '0'
-    words = (words & ~fill) | (_ZEROS & fill)
-    values, bad = (_swar_hex if hexadecimal else _swar_decimal)(words)
-    long = lengths > 8
-    if long.any():
-        if hexadecimal:
-            bad |= long
-        else:
-            block = padded[8:]
-            values[long], bad[long] = _long_decimals(block, ends[long], lengths[long])
-    return values, bad
+_EXPECTED = (  # what a field should be, by kind: label (0), integers (1 to 13), hex (14 to 39)
+    "a label (0 or 1)",
+    f"an integer (up to {MAX_INT_DIGITS} digits, optional '-') or empty",
+    f"a hex string (1 to {MAX_HEX_DIGITS} digits) or empty",
+)
 
 
-def _last_eight_bytes(padded: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """uint64 words of block[end - 8 : end] (little-endian), from the block after 8 '0's."""
-    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
-    return words[ends]
-
-
-_BYTES = 0x0101010101010101
-_HIGH = np.uint64(0x80 * _BYTES)
-_ZEROS = np.uint64(ZERO * _BYTES)
-# _PREFIX_MASK[k]: the low 8 - k bytes of a word (before a k-digit field ending at byte 8)
-_PREFIX_MASK = np.array([(1 << (8 * (8 - k))) - 1 for k in range(9)], dtype=np.uint64)
-
-
-def _u64(value: int) -> np.uint64:
-    """A mask as uint64; a value under 0x100 repeated in every byte."""
-    return np.uint64(value * _BYTES if value < 0x100 else value)
-
-
-def _swar_decimal(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eight ASCII digits per word (first digit in the low byte) -> (int64 values, bad)."""
-    ascii_ = (words & _HIGH) == 0
-    at_least_0 = (words + _u64(0x80 - ZERO)) & _HIGH == _HIGH
-    at_most_9 = (words + _u64(0x80 - ZERO - 10)) & _HIGH == 0
-    bad = ~(ascii_ & at_least_0 & at_most_9)
-    v = words - _ZEROS
-    v = (v & _u64(0x00FF00FF00FF00FF)) * np.uint64(10) + (
-        (v >> np.uint64(8)) & _u64(0x00FF00FF00FF00FF)
+def _whole_records(
+    block: np.ndarray, path: str | Path, line_numbers: np.ndarray, policy: BadLines
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The block's lines with exactly FIELDS fields (a line with another count raises, or is
+    skipped by `policy`), their numbers, and the positions of their tabs and newlines."""
+    is_newline = block == NEWLINE
+    separators = np.flatnonzero(is_newline | (block == TAB))
+    if separators.size == FIELDS * len(line_numbers) and bool(
+        (block[separators[FIELDS - 1 :: FIELDS]] == NEWLINE).all()
+    ):
+        return block, line_numbers, separators
+    tabs = np.diff(np.cumsum(block == TAB)[np.flatnonzero(is_newline)], prepend=0)
+    wrong = tabs != FIELDS - 1
+    bad = int(np.flatnonzero(wrong)[0])
+    policy.bad(
+        int(wrong.sum()),
+        f"{path}, line {line_numbers[bad]}: expected {FIELDS} tab-separated fields (label, "
+        f"{NUM_DENSE} integers, {NUM_SPARSE} hex strings), got {int(tabs[bad]) + 1}",
     )
-    v = (v & _u64(0x0000FFFF0000FFFF)) * np.uint64(100) + (
-        (v >> np.uint64(16)) & _u64(0x0000FFFF0000FFFF)
-    )
-    v = (v & _u64(0xFFFFFFFF)) * np.uint64(10000) + (v >> np.uint64(32))
-    return v.astype(np.int64), bad
-
-
-def _swar_hex(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eight ASCII hex digits per word (first digit in the low byte; either case) -> (int64
-    values, bad)."""
-    ascii_ = (words & _HIGH) == 0
-    digit = (words + _u64(0x80 - ZERO)) & ~(words + _u64(0x80 - ZERO - 10)) & _HIGH
-    lower = words | _u64(0x20)
-    letter = (lower + _u64(0x80 - ord("a"))) & ~(lower + _u64(0x80 - ord("g"))) & _HIGH
-    bad = ~(ascii_ & ((digit | letter) == _HIGH))
-    v = (words & _u64(0x0F)) + np.uint64(9) * ((words >> np.uint64(6)) & _u64(0x01))
-    v = ((v & _u64(0x00FF00FF00FF00FF)) << np.uint64(4)) | (
-        (v >> np.uint64(8)) & _u64(0x00FF00FF00FF00FF)
-    )
-    v = ((v & _u64(0x0000FFFF0000FFFF)) << np.uint64(8)) | (
-        (v >> np.uint64(16)) & _u64(0x0000FFFF0000FFFF)
-    )
-    v = ((v & _u64(0xFFFFFFFF)) << np.uint64(16)) | (v >> np.uint64(32))
-    return v.astype(np.int64), bad
-
-
-def _long_decimals(
-    block: np.ndarray, ends: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(values, bad) of the few decimal fields longer than 8 digits, one digit position at a
-    time (up to MAX_INT_DIGITS; longer ones are bad)."""
-    values = np.zeros(len(ends), dtype=np.int64)
-    bad = lengths > MAX_INT_DIGITS
-    for place in range(min(int(lengths.max()), MAX_INT_DIGITS)):
-        active = lengths > place
-        digit = _DIGIT[block[np.where(active, ends - lengths + place, 0)]]
-        bad |= active & (digit < 0)
-        values = np.where(active, values * 10 + digit, values)
-    return values, bad
+    block = select_lines(block, ~wrong)
+    return block, line_numbers[~wrong], np.flatnonzero((block == NEWLINE) | (block == TAB))
 
 
 # ---- each rank's share ---------------------------------------------------------------------
@@ -307,8 +216,12 @@ def rank_share(files: Sequence[str | Path], rank: int, world: int, *, skip: int 
     return Share(names, stride=world, offset=rank, skip=skip)
 
 
-def read_share(share: Share, *, read_bytes: int = READ_BYTES) -> Iterator[Columns]:
-    """This share's lines, parsed, in file order: blocks of varying size, constant memory."""
+def read_share(
+    share: Share, *, read_bytes: int = READ_BYTES, bad_lines: BadLines | None = None
+) -> Iterator[Columns]:
+    """This share's lines, parsed, in file order: blocks of varying size, constant memory.
+    Malformed lines raise, or are skipped and counted by `bad_lines` (see BadLines)."""
+    policy = bad_lines if bad_lines is not None else BadLines()
     index = 0  # the next line's number in the share's stream (the skipped head not counted)
     for number, path in enumerate(share.files):
         skip = share.skip if number == 0 else 0
@@ -321,18 +234,24 @@ def read_share(share: Share, *, read_bytes: int = READ_BYTES) -> Iterator[Column
                 continue
             if not keep.all():
                 block = select_lines(block, keep)
-            yield parse_block(block, path, numbers[keep] + 1)
+            yield parse_block(block, path, numbers[keep] + 1, policy)
+        policy.check(path, end_of_file=True)
 
 
 def batches(
-    share: Share, batch_size: int, *, epochs: int = 1, drop_last: bool = True
+    share: Share,
+    batch_size: int,
+    *,
+    epochs: int = 1,
+    drop_last: bool = True,
+    bad_lines: BadLines | None = None,
 ) -> Iterator[Batch]:
     """Batches of `batch_size` of the share's lines in order, `epochs` passes over the files; the
     last partial batch is dropped unless `drop_last` is false."""
     pending: list[Columns] = []
     count = 0
     for _ in range(epochs):
-        for columns in read_share(share):
+        for columns in read_share(share, bad_lines=bad_lines):
             pending.append(columns)
             count += len(columns)
             while count >= batch_size:
@@ -344,9 +263,17 @@ def batches(
         yield concat(pending).batch()
 
 
-def head(files: Sequence[str | Path], lines: int, rank: int, world: int) -> Batch:
+def head(
+    files: Sequence[str | Path],
+    lines: int,
+    rank: int,
+    world: int,
+    bad_lines: BadLines | None = None,
+) -> Batch:
     """Rank `rank`'s share (line i when i % world == rank) of the first `lines` lines of the
-    files taken in order: a validation set. Raises if the files hold fewer lines."""
+    files taken in order (blank and skipped lines included): a validation set. Raises if the
+    files hold fewer lines."""
+    policy = bad_lines if bad_lines is not None else BadLines()
     parts, seen = [], 0
     for path in files:
         for block, first in line_blocks(path):
@@ -354,10 +281,12 @@ def head(files: Sequence[str | Path], lines: int, rank: int, world: int) -> Batc
             keep = (order < lines) & (order % world == rank)
             if keep.any():
                 numbers = first + 1 + np.flatnonzero(keep)
-                parts.append(parse_block(select_lines(block, keep), path, numbers))
+                parts.append(parse_block(select_lines(block, keep), path, numbers, policy))
             seen = min(int(order[-1]) + 1, lines)
             if seen == lines:
+                policy.check(path, end_of_file=True)
                 return concat(parts).batch()
+        policy.check(path, end_of_file=True)
     raise ValueError(
         f"the validation files ({', '.join(str(f) for f in files)}) hold {seen} lines, fewer "
         f"than the {lines} asked for: pass fewer validation samples or other validation files"
@@ -399,7 +328,9 @@ class CriteoStream:
 
     Reading is sequential: a resumed run (first step k) re-reads and drops its first k batches.
     When a rank's share runs out, `train` raises StopIteration and the Trainer stops every rank
-    at that step (shares of whole files can differ in length).
+    at that step (shares of whole files can differ in length). `bad_lines` (default: raise on
+    the first malformed line) is shared by training and validation reads; its counts say how
+    many lines this rank skipped.
     """
 
     def __init__(
@@ -412,6 +343,7 @@ class CriteoStream:
         val_samples: int,
         val_files: Sequence[str | Path] = (),
         epochs: int = 1,
+        bad_lines: BadLines | None = None,
     ) -> None:
         if batch_size % world:
             raise ValueError(f"global batch {batch_size} is not a multiple of {world} ranks")
@@ -420,6 +352,7 @@ class CriteoStream:
         self.local_batch, self.epochs = batch_size // world, epochs
         self.val_files = tuple(val_files) if val_files else (str(files[0]),)
         self.val_samples, self.rank, self.world = val_samples, rank, world
+        self.bad_lines = bad_lines if bad_lines is not None else BadLines()
         self._batches: Iterator[Batch] | None = None
         self._next = 0
         self._validation: Batch | None = None
@@ -427,7 +360,9 @@ class CriteoStream:
     def train(self, step: int, strategy: object = None) -> Batch:
         """This rank's batch `step` (`strategy` is unused: the rank was given at construction)."""
         if self._batches is None or step < self._next:
-            self._batches = batches(self.share, self.local_batch, epochs=self.epochs)
+            self._batches = batches(
+                self.share, self.local_batch, epochs=self.epochs, bad_lines=self.bad_lines
+            )
             self._next = 0
         while self._next < step:  # resuming: drop the batches trained on before
             next(self._batches)
@@ -437,7 +372,9 @@ class CriteoStream:
 
     def validation(self, index: int = 0, strategy: object = None) -> Batch:
         if self._validation is None:
-            self._validation = head(self.val_files, self.val_samples, self.rank, self.world)
+            self._validation = head(
+                self.val_files, self.val_samples, self.rank, self.world, self.bad_lines
+            )
         return self._validation
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from criteo import RAW_ID_MODES, CriteoStream, raw_id_tables
+from criteo import RAW_ID_MODES, BadLines, CriteoStream, raw_id_tables
+from criteo_lines import BAD_LINE_POLICIES
 from data import SyntheticCriteo, make_tables, table_rows
 from model import DLRM, make_plan
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -109,6 +110,21 @@ def parse_args() -> argparse.Namespace:
         "--criteo file, which training then skips)",
     )
     add("--criteo-epochs", type=int, default=1, help="passes over the --criteo files")
+    add(
+        "--criteo-bad-lines",
+        choices=BAD_LINE_POLICIES,
+        default="raise",
+        help="a malformed --criteo/--criteo-val line: stop naming it (raise), or leave it out "
+        "and count it (skip), up to --criteo-max-bad-share of the lines read (blank lines are "
+        "always left out)",
+    )
+    add(
+        "--criteo-max-bad-share",
+        type=float,
+        default=0.001,
+        help="with --criteo-bad-lines skip: stop once more than this share of a rank's lines "
+        "were malformed (checked from 10,000 lines on, and at the end of each file)",
+    )
     add(
         "--raw-ids",
         choices=RAW_ID_MODES,
@@ -238,6 +254,7 @@ def main() -> None:
             val_samples=args.val_samples,
             val_files=args.criteo_val or (),
             epochs=args.criteo_epochs,
+            bad_lines=BadLines(args.criteo_bad_lines, max_share=args.criteo_max_bad_share),
         )
     else:
         data = SyntheticCriteo(
@@ -279,6 +296,10 @@ def main() -> None:
         f"validation AUC {final['auc']:.4f}, log loss {final['loss']:.4f} "
         f"({args.val_samples} samples)"
     )
+    if args.criteo and args.criteo_bad_lines == "skip":
+        counts = torch.tensor([data.bad_lines.skipped, data.bad_lines.lines], dtype=torch.float64)
+        skipped, read = (int(n) for n in strategy.all_reduce(counts, op="sum").tolist())
+        say(f"criteo: skipped {skipped} malformed lines of {read} read (all ranks)")
     say(f"checkpoint {mp.latest_checkpoint(trainer.checkpoint_dir)}")
     if strategy.is_global_zero and not args.no_plot:
         say(f"plot {plot_metrics(args.out)}")

@@ -10,7 +10,8 @@ torchelastic restart or a rerun). Data is addressed by step: `data(step, strateg
 rank's batch for that step (`dataset_batches(dataset, global_batch_size)` builds one for a
 map-style dataset), so a resumed run sees exactly the batches the uninterrupted run would have
 seen and, on CPU, reproduces it bit for bit. `data` raises StopIteration when this rank has no
-batch for a step: every rank then stops at that step (see `_fetch`).
+batch for a step: every rank then stops at that step (see `_fetch`); `val_data` likewise ends
+every rank's validation pass at the same batch (see loop/validation.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from manualpar.loop.data import Data, dataset_batches, step_batches
 from manualpar.loop.logs import log_with_rank
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
+from manualpar.loop.validation import Validation
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
@@ -66,7 +68,8 @@ class Trainer:
         resume_lr: on resume, "checkpoint" keeps the learning rates saved with the optimizers
             (an interrupted run continues as it was); "configured" puts back the ones the
             optimizers were created with (to change the learning rate of a run). Either way
-            the resume logs which values the checkpoint overrode.
+            the resume logs which values the checkpoint overrode (a scheduled group only if
+            its rate is not what its restored schedule gives).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class Trainer:
         self.async_checkpoint = async_checkpoint
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
+        self._validation = Validation(strategy, val_steps)
         self._saved_at: int | None = None  # the step of the checkpoint last saved or resumed
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
@@ -122,6 +126,11 @@ class Trainer:
     @property
     def metrics_path(self) -> Path:
         return self.out_dir / "metrics.jsonl"
+
+    @property
+    def val_data_ran_out(self) -> dict[int, int]:
+        """{rank: batch index} of the last validation pass some rank's data cut short."""
+        return self._validation.ran_out
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(
@@ -277,15 +286,19 @@ class Trainer:
             scheduler.step()
         return totals
 
-    @torch.no_grad()
     def _validate(self, model: nn.Module, val_data: Data) -> dict[str, float]:
+        """One validation pass (every rank ends it at the same batch if a rank's `val_data` runs
+        out: see loop/validation.py), reduced over ranks and recorded."""
         model.eval()
-        sums: dict[str, float] = {}
-        for index in range(self.val_steps):
-            for name, value in _user(model).validation_step(val_data(index, self.strategy)).items():
-                sums[name] = sums.get(name, 0.0) + float(value) / self.val_steps
-        model.train()
-        reduced = self._reduce({f"val/{k}": v for k, v in sums.items()})
+        try:
+            means, event = self._validation.run(_user(model), val_data, self.step)
+        finally:
+            model.train()
+        if event is not None:
+            self._append(event)
+        if not means:  # some rank had no batch at all: nothing to average
+            return {}
+        reduced = self._reduce({f"val/{k}": v for k, v in means.items()})
         self._append({"step": self.step, **reduced})
         return reduced
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from trainer_cases import uneven_data
+from trainer_cases import uneven_data, uneven_val_data
 
 import manualpar as mp
 from manualpar.testing import run_distributed
@@ -167,3 +167,28 @@ def test_data_running_out_on_one_rank_stops_every_rank_at_the_same_step(
     records = results[0]["records"]
     assert records[-1] == {"step": stop, "event": "data_ran_out", "ranks": [short]}
     assert [r["step"] for r in records if "loss" in r][-1] == stop  # the last window recorded
+
+
+def test_validation_data_running_out_on_one_rank_ends_every_rank_at_the_same_batch(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 has 3 of the 5 validation batches: both passes (steps 2 and 4) end after batch 2
+    on every rank, with means over those 3 batches; logged once, on rank 0."""
+    results = run_distributed(
+        uneven_val_data,
+        args=(str(tmp_path), [5, 3], 5),
+        collective_timeout=30,  # a hang would fail with the timeout, far slower than the run
+    )
+    for result in results:
+        assert result["step"] == 4  # training is not affected
+        assert result["ran_out"] == {1: 3}
+        for name, value in result["expected"].items():
+            assert result["last"][name] == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert results[0]["messages"] == [
+        "validation data ran out on rank 1 (batch 3) at step 2; every rank ends each validation "
+        "pass after 3 of val_steps=5 batches, and the val/ metrics are means over those"
+    ]
+    assert results[1]["messages"] == []
+    records = results[0]["records"]
+    assert {"step": 2, "event": "val_data_ran_out", "ranks": [1], "batches": 3} in records
+    assert [r["step"] for r in records if "val/loss" in r] == [2, 4]

@@ -17,7 +17,12 @@ import manualpar as mp
 
 RECSYS = EXAMPLES / "recsys"
 data = load_example(Path("recsys/data.py"), "recsys_data")
-criteo = load_example(Path("recsys/criteo.py"), "recsys_criteo", siblings={"data": data})
+criteo_lines = load_example(Path("recsys/criteo_lines.py"), "recsys_criteo_lines")
+criteo = load_example(
+    Path("recsys/criteo.py"),
+    "recsys_criteo",
+    siblings={"data": data, "criteo_lines": criteo_lines},
+)
 
 
 def _train(*args: str, ranks: int = 2) -> str:
@@ -117,3 +122,24 @@ def test_trains_on_criteo_files_on_two_ranks(tmp_path: Path, raw_ids: str) -> No
     assert {t["num_embeddings"] for t in tables} == {4096}
     assert "trained steps 0-40" in out  # 5120 lines per rank, 128 per rank and step
     assert float(re.search(r"validation AUC (\d\.\d+)", out).group(1)) > 0.65
+
+
+def test_criteo_bad_lines_policy_from_the_command_line(tmp_path: Path) -> None:
+    """--criteo-bad-lines skip trains past 2 malformed lines and a blank one and reports the
+    count; the default refuses the first malformed line, naming it."""
+    day = criteo.write_synthetic_criteo(tmp_path / "good", 3000, max_rows=500)
+    lines = day.read_text().splitlines(keepends=True)
+    broken = tmp_path / "day_0"
+    broken.write_text("".join([*lines[:1500], "1\tx\n", "\n", *lines[1500:], "2" + lines[0][1:]]))
+    args = ["--criteo", str(broken), "--rows-per-table", "512", "--steps", "4", "--batch", "256",
+            "--val-samples", "512", "--val-every", "4", "--log-every", "2", "--no-progress",
+            "--no-plot"]  # fmt: skip
+    out = _train(*args, "--out", str(tmp_path / "skip"), "--criteo-bad-lines", "skip",
+                 "--criteo-max-bad-share", "0.01", ranks=1)  # fmt: skip
+    assert "criteo: skipped 2 malformed lines of 3002 read (all ranks)" in out
+    assert "trained steps 0-4" in out
+    refused = run_python(RECSYS / "train.py", *args, "--out", str(tmp_path / "raise"), timeout=120)
+    assert refused.returncode != 0
+    assert f"CriteoFormatError: {broken}, line 1501: expected 40 tab-separated fields" in (
+        refused.stderr + refused.stdout
+    )

@@ -101,3 +101,45 @@ def uneven_data(out_dir: str, counts: list[int], accumulate: int, asynchronous: 
         "checkpoint_step": mp.read_manifest(mp.latest_checkpoint(checkpoints))["step"],
         "records": [json.loads(line) for line in metrics],
     }
+
+
+class Validated(Regression):
+    def validation_step(self, batch: tuple) -> dict:
+        x, y = batch
+        prediction = self.net(x).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(prediction, y), "bias": (prediction - y).mean()}
+
+
+def uneven_val_data(out_dir: str, val_counts: list[int], val_steps: int) -> dict:
+    """Train 4 steps validating every 2 on `val_counts[r]` batches on rank r; then recompute the
+    last pass by hand over the batches every rank has (the common prefix)."""
+    captured = _Captured()
+    logging.getLogger("manualpar").addHandler(captured)
+    strategy = mp.ManualParallelStrategy()
+    strategy.seed_everything(0)
+    model = Validated()
+    trainer = mp.Trainer(
+        strategy, out_dir, max_steps=4, val_every=2, val_steps=val_steps, log_every=2,
+        progress=False,
+    )  # fmt: skip
+    last = trainer.fit(model, RankData(), val_data=RankData(val_counts))
+    common = min(val_counts)
+    model.eval()
+    with torch.no_grad():
+        values = [model.validation_step(RankData()(i, strategy)) for i in range(common)]
+    mine = torch.tensor(
+        [sum(float(v["bias"]) for v in values) / common,
+         sum(float(v["loss"]) for v in values) / common], dtype=torch.float64,
+    )  # fmt: skip
+    expected = strategy.all_reduce(mine, op="mean").tolist()
+    metrics = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    del model  # DDP before the group
+    strategy.teardown()
+    return {
+        "step": trainer.step,
+        "last": last,
+        "expected": {"val/bias": expected[0], "val/loss": expected[1]},
+        "ran_out": trainer.val_data_ran_out,
+        "messages": [m for m in captured.messages if "ran out" in m],
+        "records": [json.loads(line) for line in metrics],
+    }

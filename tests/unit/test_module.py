@@ -1,8 +1,10 @@
-"""ParallelModule: setup runs once, leaves nothing on meta, and optimizers made too early fail."""
+"""ParallelModule: setup runs once, leaves nothing on meta, optimizers made too early fail, and
+an optimizer over the self-updating tables warns."""
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from torch import nn
 
 import manualpar as mp
 import manualpar.module as module
+from manualpar.embeddings import SGD as SparseSGD
 from manualpar.errors import BuilderError
 from manualpar.module import ParallelModule, check_optimizer
 from manualpar.ownership import claim, mark_replaced
@@ -197,3 +200,42 @@ def test_setup_refuses_an_optimizer_created_before_it_before_any_update() -> Non
     fresh = Tower()
     fresh.setup(mp.ManualParallelStrategy())  # no optimizer yet: nothing to refuse
     torch.optim.SGD(fresh.parameters(), lr=0.1).step()
+
+
+class Ranker(ParallelModule):
+    """Sharded tables (updated by their fused optimizer in backward) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = mp.EmbeddingBagCollection([mp.EmbeddingBagConfig("item", 10, 4)])
+        self.head = nn.Linear(4, 1)
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        self.sparse = mp.shard_embeddings(self.sparse, strategy, "auto", SparseSGD(lr=0.1))
+
+    def loss(self) -> torch.Tensor:
+        ids = mp.SparseFeatures.from_dict({"item": [[1, 2], [3]]})
+        return self.head(self.sparse(ids).values).pow(2).mean()
+
+
+SELF_TRAINED_WARNING = (
+    "AdamW holds 1 parameter(s) (shapes (10, 4)) that shard_embeddings() updates itself in "
+    "backward: they never get a gradient, so this optimizer's weight decay, learning rate and "
+    "other param-group settings do not apply to them. Create the optimizer over "
+    "model.dense_parameters() instead of model.parameters()"
+)
+
+
+@pytest.mark.parametrize("over", ["parameters", "dense_parameters"])
+def test_an_optimizer_over_self_trained_tables_warns_once(over: str) -> None:
+    model = Ranker()
+    model.setup(mp.ManualParallelStrategy())
+    optimizer = torch.optim.AdamW(getattr(model, over)(), lr=0.01, weight_decay=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            optimizer.zero_grad()
+            model.loss().backward()
+            optimizer.step()
+    messages = [str(w.message) for w in caught]
+    assert messages == ([SELF_TRAINED_WARNING] if over == "parameters" else [])

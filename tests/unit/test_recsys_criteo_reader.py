@@ -1,12 +1,14 @@
 """The recommender example's Criteo reader (examples/recsys/criteo.py): exact values against a
 line-by-line Python parse, plain and gzip alike; every line read by exactly one rank; malformed
-lines named by file and line; the step-addressed stream the Trainer reads."""
+lines named by file and line, or skipped and counted up to a share; blank lines tolerated;
+the step-addressed stream the Trainer reads."""
 
 from __future__ import annotations
 
 import gzip
 import math
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,12 @@ import torch
 from example_modules import load_example
 
 data = load_example(Path("recsys/data.py"), "recsys_data")
-criteo = load_example(Path("recsys/criteo.py"), "recsys_criteo", siblings={"data": data})
+criteo_lines = load_example(Path("recsys/criteo_lines.py"), "recsys_criteo_lines")
+criteo = load_example(
+    Path("recsys/criteo.py"),
+    "recsys_criteo",
+    siblings={"data": data, "criteo_lines": criteo_lines},
+)
 
 
 def reference(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -151,7 +158,10 @@ BAD_LINES = {
     ),
     "bad label": (line("2"), "line {n}: field 1 (label) is '2', not a label (0 or 1)"),
     "empty label": (line(""), "line {n}: field 1 (label) is '', not a label (0 or 1)"),
-    "empty line": ("\n", "line {n}: expected 40 tab-separated fields"),
+    "a lone space": (
+        " \n",
+        "line {n}: expected 40 tab-separated fields (label, 13 integers, 26 hex strings), got 1",
+    ),
 }
 
 
@@ -217,3 +227,87 @@ def test_truncated_gzip_and_text_without_newlines_are_named(tmp_path: Path) -> N
     blob.write_bytes(b"x" * (criteo.MAX_LINE_BYTES + 2))
     with pytest.raises(criteo.CriteoFormatError, match=re.escape(f"{blob}, line 1: longer than")):
         read_all([blob])
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_blank_lines_anywhere_are_not_samples(tmp_path: Path, suffix: str) -> None:
+    good = criteo.write_synthetic_criteo(tmp_path / "good", 60, max_rows=100)
+    lines = good.read_text().splitlines(keepends=True)
+    with_blanks = ["\n", *lines[:20], "\n", "\r\n", *lines[20:], "\n", "\n"]  # end too
+    path = write(tmp_path / f"day{suffix}", with_blanks)
+    labels, dense, ids = reference(lines)
+    for read_bytes in (criteo.READ_BYTES, 1000):
+        columns = read_all([path], read_bytes)
+        assert np.array_equal(columns.labels, labels) and np.array_equal(columns.ids, ids)
+        assert np.array_equal(columns.dense, dense)
+    shares = [criteo.rank_share([path], rank, 2) for rank in range(2)]
+    read = [criteo.concat(list(criteo.read_share(s, read_bytes=1000))).ids for s in shares]
+    assert sorted(map(tuple, np.concatenate(read).tolist())) == sorted(map(tuple, ids.tolist()))
+
+
+def _with_bad_lines(tmp_path: Path, suffix: str) -> tuple[Path, list[str]]:
+    """1000 good lines with 3 bad ones inserted: lines 5, 400 and 1003 of the file."""
+    good = criteo.write_synthetic_criteo(tmp_path / "good", 1000, max_rows=100)
+    lines = good.read_text().splitlines(keepends=True)
+    text = [*lines[:4], BAD_LINES["bad hex"][0], *lines[4:398], BAD_LINES["bad label"][0]]
+    text += [*lines[398:], BAD_LINES["wrong field count"][0]]
+    return write(tmp_path / f"day{suffix}", text), lines
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_bad_lines_are_skipped_and_counted_up_to_a_share(tmp_path: Path, suffix: str) -> None:
+    path, lines = _with_bad_lines(tmp_path, suffix)
+    with pytest.raises(criteo.CriteoFormatError, match=re.escape(f"{path}, line 5: field 17")):
+        read_all([path], read_bytes=3000)  # the default policy raises
+    policy = criteo.BadLines("skip", max_share=0.01)
+    share = criteo.rank_share([path], 0, 1)
+    columns = criteo.concat(list(criteo.read_share(share, read_bytes=3000, bad_lines=policy)))
+    labels, dense, ids = reference(lines)
+    assert np.array_equal(columns.labels, labels) and np.array_equal(columns.ids, ids)
+    assert np.array_equal(columns.dense, dense)
+    assert (policy.skipped, policy.lines) == (3, 1003)
+    assert policy.summary() == "skipped 3 malformed lines of 1003 read (0.299%)"
+    assert policy.first == (
+        f"{path}, line 5: field 17 (C3) is '0x1f', not a hex string (1 to 8 digits) or empty"
+    )
+    strict = criteo.BadLines("skip", max_share=0.002)  # 3 of 1003 is more than 0.2%
+    with pytest.raises(criteo.CriteoFormatError) as refused:
+        list(criteo.read_share(share, read_bytes=3000, bad_lines=strict))
+    assert str(refused.value) == (
+        f"{path}: 3 of the 1003 lines read so far were malformed and skipped (0.30%), more "
+        f"than the allowed 0.20%; the first: {path}, line 5: field 17 (C3) is '0x1f', not a "
+        "hex string (1 to 8 digits) or empty. Fix or filter the files, or allow a larger "
+        "share of bad lines"
+    )
+    early = criteo.BadLines("skip", max_share=0.002, min_lines=100)  # checked per block:
+    with pytest.raises(criteo.CriteoFormatError, match=r": 1 of the 1\d\d lines read so far"):
+        list(criteo.read_share(share, read_bytes=3000, bad_lines=early))  # before line 400
+    with pytest.raises(ValueError, match=r"bad-lines policy must be one of \('raise', 'skip'\)"):
+        criteo.BadLines("drop")
+
+
+def test_a_truncated_gzip_names_its_last_complete_line(tmp_path: Path) -> None:
+    good = criteo.write_synthetic_criteo(tmp_path / "day.gz", 2000, max_rows=100)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    complete = zlib.decompressobj(31).decompress(cut.read_bytes()).count(b"\n")
+    assert 0 < complete < 2000
+    for read_bytes in (criteo.READ_BYTES, 4096):  # inside the first block, and a later one
+        with pytest.raises(criteo.CriteoFormatError) as error:
+            read_all([cut], read_bytes=read_bytes)
+        assert str(error.value) == (
+            f"{cut}, after line {complete}: cannot decompress: Compressed file ended before the "
+            f"end-of-stream marker was reached. The file is truncated or corrupted after line "
+            f"{complete} (its last complete line); download or compress it again"
+        )
+
+
+def test_a_huge_field_is_cut_in_the_message(tmp_path: Path) -> None:
+    huge = "g" * 500 * 1024
+    path = write(tmp_path / "day", [line(), line("1", hexes=["", huge, *[""] * 24])])
+    with pytest.raises(criteo.CriteoFormatError) as error:
+        read_all([path])
+    assert str(error.value) == (
+        f"{path}, line 2: field 16 (C2) is '{'g' * 80}... (512000 chars)', not a hex string "
+        "(1 to 8 digits) or empty"
+    )

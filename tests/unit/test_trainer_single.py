@@ -194,3 +194,33 @@ def test_bad_clip_and_resume_arguments() -> None:
         mp.Trainer(strategy, "x", max_steps=1, clip_grad_norm=0)
     with pytest.raises(ValueError, match=r"resume_lr must be one of \('checkpoint'"):
         mp.Trainer(strategy, "x", max_steps=1, resume_lr="new")
+
+
+def test_a_scheduled_exact_resume_reports_no_learning_rate(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The restored lr is the restored schedule's (0.025 after 2 halvings), not the configured
+    0.1: that is an exact resume, so nothing is logged; a changed base lr still is."""
+
+    def fit(max_steps: int, model: _Regression) -> None:
+        mp.Trainer(
+            mp.ManualParallelStrategy(), tmp_path, max_steps=max_steps, log_every=1,
+            checkpoint_every=2, progress=False,
+        ).fit(model, _ramp)  # fmt: skip
+
+    class Rebased(_Scheduled):
+        def configure_optimizers(self) -> dict:  # type: ignore[override]
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+            return {"optimizer": optimizer, "schedulers": [StepLR(optimizer, 1, gamma=0.5)]}
+
+    fit(2, _Scheduled())
+    with caplog.at_level("WARNING", logger="manualpar.trainer"):
+        fit(4, _Scheduled())
+    assert "learning rate" not in caplog.text
+    assert [r["lr"] for r in _records(tmp_path)] == [0.05, 0.025, 0.0125, 0.00625]
+    with caplog.at_level("WARNING", logger="manualpar.trainer"):
+        fit(6, Rebased())
+    assert (
+        "optim param group 0: the schedule restored from the checkpoint (base learning rate "
+        "0.1, now 0.00625) replaces the configured base 0.2; a scheduled run resumes its "
+        "schedule, so start a new run (another out_dir) to train with another learning rate"
+    ) in caplog.text
+    assert "resume_lr='configured'" not in caplog.text
