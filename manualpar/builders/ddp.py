@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from manualpar.builders.meshes import builder_mesh, refuse_taken, refuse_tp_params
+from manualpar.builders.mesh_composition import builder_mesh, refuse_taken, refuse_tp_params
 from manualpar.errors import BuilderError
 from manualpar.ownership import claim, claimed_submodules, owner_of
 

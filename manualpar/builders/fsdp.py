@@ -33,7 +33,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from manualpar.builders.meshes import TP, builder_mesh, composes_with_tp, mesh_label, refuse_taken
+from manualpar.builders.mesh_composition import (
+    TP,
+    builder_mesh,
+    composes_with_tp,
+    mesh_label,
+    refuse_taken,
+)
 from manualpar.errors import BuilderError
 from manualpar.meta import materialize_placed, require_reset_parameters
 from manualpar.ownership import (

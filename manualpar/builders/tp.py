@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from manualpar.builders.meshes import TP, builder_mesh, mesh_label
+from manualpar.builders.mesh_composition import TP, builder_mesh, mesh_label
 from manualpar.errors import BuilderError
 from manualpar.meta import materialize_placed, require_reset_parameters
 from manualpar.ownership import builder_of, claim, mark_replaced, mesh_of, owner_of

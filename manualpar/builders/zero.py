@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from manualpar.builders.meshes import builder_mesh, refuse_tp_params
+from manualpar.builders.mesh_composition import builder_mesh, refuse_tp_params
 from manualpar.dtensors import is_dtensor
 from manualpar.errors import BuilderError
 from manualpar.ownership import stale_reason
