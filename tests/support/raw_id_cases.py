@@ -1,6 +1,6 @@
 """Tables with raw int64 ids (HashIds, ManagedCollisions), their batches, the single-process
-reference and the sharded worker for tests/unit/test_raw_ids_single.py and
-tests/dist/test_raw_ids_sharded.py.
+reference and the sharded worker for tests/unit/test_emb_ids_raw_ids.py and
+tests/dist/test_emb_ids_raw_ids_ranks.py.
 
 The reference looks the ranks' batches up as one global batch (one forward: a managed-collision
 remapper sees each training step once, as the sharded one does) and trains the unsharded

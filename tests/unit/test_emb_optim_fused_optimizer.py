@@ -1,6 +1,7 @@
 """The fused optimizer as a torch Optimizer on one process: what schedulers see and set, what
 step/zero_grad do, the scheduler-order warning, its checkpoint format, clipping settings and a
-frozen collection. On 2 ranks against the reference: tests/dist/test_embeddings_fused_optimizer.py.
+frozen collection. On 2 ranks against the reference:
+tests/dist/test_emb_optim_fused_optimizer_ranks.py.
 """
 
 from __future__ import annotations

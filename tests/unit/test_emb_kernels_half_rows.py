@@ -1,5 +1,6 @@
 """Half-precision tables in one process: rounding, kernels against the torch path, checkpoints
-across dtypes, plan bytes. (Training on real ranks: tests/dist/test_embeddings_half.py.)"""
+across dtypes, plan bytes. (Training on real ranks:
+tests/dist/test_emb_kernels_half_rows_ranks.py.)"""
 
 from __future__ import annotations
 

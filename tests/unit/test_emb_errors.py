@@ -2,7 +2,7 @@
 
 Each case asserts the exact exception type and the parts of the message a user needs: the
 feature or table, the bad value, and the fix. A bad batch on one rank of sharded tables is in
-tests/dist/test_embeddings_errors_sharded.py.
+tests/dist/test_emb_errors_ranks.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ManagedCollisions on one process: exact mappings under lru and lfu, hot ids kept and cold
 ones evicted, eval mode, buckets, stats and bad settings (sharded:
-tests/dist/test_raw_ids_sharded.py)."""
+tests/dist/test_emb_ids_raw_ids_ranks.py)."""
 
 from __future__ import annotations
 

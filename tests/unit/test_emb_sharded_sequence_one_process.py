@@ -1,7 +1,7 @@
 """EmbeddingCollection (one row per id) on one process: rows, jagged structure, empty bags,
 errors, and the sharded module on world size 1 against torch's optimizers.
 
-The multi-rank runs against the same reference are in tests/dist/test_embeddings_sequence.py.
+The multi-rank runs against the same reference are in tests/dist/test_emb_sharded_sequence_ranks.py.
 """
 
 from __future__ import annotations

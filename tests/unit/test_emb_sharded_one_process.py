@@ -1,7 +1,7 @@
 """shard_embeddings on one process: the fused optimizers against torch's own, meta init.
 
 The same module on world size 1 is the unsharded collection with a fused optimizer; the
-multi-rank runs against the same reference are in tests/dist/test_embeddings_sharded.py.
+multi-rank runs against the same reference are in tests/dist/test_emb_sharded_ranks.py.
 """
 
 from __future__ import annotations

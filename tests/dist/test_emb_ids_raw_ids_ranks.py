@@ -1,5 +1,5 @@
 """Raw-id tables sharded over 2 and 3 gloo ranks give the pooled outputs and trained tables of
-the single-process reference (world size 1: tests/unit/test_raw_ids_single.py)."""
+the single-process reference (world size 1: tests/unit/test_emb_ids_raw_ids.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Raw int64 ids on one process: the documented hash (pinned rows), HashIds tables in the
 unsharded collections and in the sharded one at world size 1 (2 and 3 ranks:
-tests/dist/test_raw_ids_sharded.py)."""
+tests/dist/test_emb_ids_raw_ids_ranks.py)."""
 
 from __future__ import annotations
 

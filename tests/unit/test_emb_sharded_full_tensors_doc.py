@@ -10,7 +10,7 @@ import pytest
 import torch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "embeddings.md"
-MARKER = "<!-- test: tests/unit/test_full_tensors_doc.py runs this block -->"
+MARKER = "<!-- test: tests/unit/test_emb_sharded_full_tensors_doc.py runs this block -->"
 
 
 def _documented_block() -> str:
