@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install kernels demo demo-strategy test lint clean torchrec-peer
+.PHONY: install kernels demo demo-strategy test test-unit lint clean torchrec-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ kernels: install
 
 test: install lint kernels
 	$(PY) -m pytest -q
+
+# The single-process tests only (tests/unit: no process is started), in about 30 s.
+test-unit: install kernels
+	$(PY) -m pytest -q tests/unit
 
 # The TorchRec + FBGEMM (CPU) peer of the embedding benchmark, in its own environment.
 TORCHREC_PYTHON ?= python3.11

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_tables import GOOD, tiny_tables
 
 import manualpar as mp
 from manualpar.embeddings import (
     SGD,
     EmbeddingBagCollection,
-    EmbeddingBagConfig,
     EmbeddingPlan,
     SparseFeatures,
     row_wise,
@@ -27,11 +27,7 @@ from manualpar.embeddings import (
 from manualpar.errors import EmbeddingInputError
 from manualpar.testing import run_distributed
 
-TABLES = (
-    EmbeddingBagConfig("user", 10, 4),
-    EmbeddingBagConfig("item", 5, 4, feature_names=("item", "last_item")),
-)
-GOOD = {"user": [[1], [2, 3]], "item": [[0], [4]], "last_item": [[2], []]}
+TABLES = tiny_tables()
 COLLECTIVE_TIMEOUT = 5.0
 
 

@@ -7,10 +7,11 @@ tests/dist/test_emb_errors_ranks.py.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
+from tiny_tables import GOOD, tiny_tables
+from tiny_tables import good_batch as _batch
+from tiny_tables import raises as _raises
 
 import manualpar as mp
 from manualpar.embeddings import (
@@ -29,20 +30,7 @@ from manualpar.embeddings import (
 )
 from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
 
-TABLES = (
-    EmbeddingBagConfig("user", 10, 4),
-    EmbeddingBagConfig("item", 5, 4, feature_names=("item", "last_item")),
-)
-GOOD = {"user": [[1], [2, 3]], "item": [[0], [4]], "last_item": [[2], []]}
-
-
-def _raises(error: type[Exception], *parts: str) -> pytest.RaisesContext:
-    """pytest.raises matching every literal fragment, in order."""
-    return pytest.raises(error, match=".*".join(re.escape(p) for p in parts))
-
-
-def _batch(**changes: list[list[int]]) -> SparseFeatures:
-    return SparseFeatures.from_dict({**GOOD, **changes})
+TABLES = tiny_tables()
 
 
 # ---- ids -------------------------------------------------------------------------------------

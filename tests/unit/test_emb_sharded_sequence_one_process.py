@@ -6,12 +6,12 @@ The multi-rank runs against the same reference are in tests/dist/test_emb_sharde
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from embedding_cases import OPTIMIZERS, SEED, STEPS, assert_close, optimizer
 from sequence_cases import TABLES, local_loss, make_batch, reference
+from tiny_tables import raises as _raises
+from tiny_tables import tiny_tables
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
@@ -30,15 +30,8 @@ from manualpar.embeddings import (
 )
 from manualpar.errors import BuilderError, EmbeddingInputError
 
-SMALL = (
-    EmbeddingConfig("user", 10, 4),
-    EmbeddingConfig("item", 5, 3, feature_names=("item", "last_item")),
-)
+SMALL = tiny_tables(EmbeddingConfig, item_dim=3)
 BATCH = {"user": [[1, 1, 7], [], [2]], "item": [[0], [4, 3], []], "last_item": [[], [], []]}
-
-
-def _raises(error: type[Exception], *parts: str) -> pytest.RaisesContext:
-    return pytest.raises(error, match=".*".join(re.escape(p) for p in parts))
 
 
 def test_rows_are_the_table_rows_of_each_id_in_batch_order() -> None:
