@@ -54,6 +54,7 @@ from manualpar.errors import (
     MeshError,
     NonFiniteError,
     PlanError,
+    StorageError,
 )
 from manualpar.loop import Trainer, check_finite, dataset_batches
 from manualpar.meta import empty_init, is_meta, materialize
@@ -89,6 +90,7 @@ __all__ = [
     "PlanError",
     "RNGState",
     "SparseFeatures",
+    "StorageError",
     "Trainer",
     "capture_rng_state",
     "check_finite",

@@ -51,3 +51,8 @@ class NonFiniteError(ManualParError, ValueError):
 class MeshError(ManualParError, ValueError):
     """A device mesh does not fit the job: sizes that do not multiply to the world size, a dim
     name that does not exist, a node layout other than the launcher's."""
+
+
+class StorageError(ManualParError, OSError):
+    """Rows on disk are not what the disk tier wrote: a row file shorter than its table block,
+    or one that another process changed. The message names the table, rank and file."""

@@ -74,6 +74,15 @@ class DiskTier:
         if self.cache_rows is not None:
             return {name: min(self.cache_rows, rows) for name, (rows, _) in blocks.items()}
         assert self.cache_bytes is not None
+        one_row = sum(width for _, width in blocks.values())
+        if self.cache_bytes < one_row:
+            widths = ", ".join(f"{name}: {width} B" for name, (_, width) in blocks.items())
+            raise BuilderError(
+                f"DiskTier(cache_bytes={self.cache_bytes}) cannot hold one row of each disk "
+                f"table on this rank ({one_row} bytes: {widths}, weights and optimizer state); "
+                "a step needs a cache slot for every distinct row it looks up, so give "
+                "cache_bytes= room for at least a batch's rows (or cache_rows= per table)"
+            )
         total = sum(rows * width for rows, width in blocks.values()) or 1
         return {
             name: max(1, min(rows, self.cache_bytes * rows // total))

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from manualpar.embeddings.plan import format_bytes
-from manualpar.errors import BuilderError
+from manualpar.embeddings.storage.file_owner import claim_file, owner_path
+from manualpar.errors import BuilderError, StorageError
 
 __all__ = ["RowFile"]
 
@@ -52,7 +53,12 @@ class RowFile:
             self.fields[key] = (offset, per_row)
             offset += (1 if per_row else cols) * STATE_DTYPE.itemsize
         self.record = offset
-        self.fd = _reserve(path, rows * self.record, what)
+        self.what = what
+        holds = (
+            f"{what}: {rows} rows x {cols} {str(dtype).removeprefix('torch.')}, "
+            f"state {sorted(state)}, {offset} bytes a row"
+        )
+        self.fd = _reserve(path, rows * self.record, what, {"holds": holds})
         self._map: mmap.mmap | None = None
 
     # records <-> tensors ------------------------------------------------------------------------
@@ -76,7 +82,7 @@ class RowFile:
         buffer, size = out.numpy(), self.record
         for i, row in enumerate(rows.tolist()):
             if os.preadv(self.fd, [buffer[i]], row * size) != size:
-                raise OSError(errno.EIO, f"short read of row {row} from {self.path}")
+                raise self._short(f"row {row}")
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Records `records` (n, record) to distinct `rows`."""
@@ -92,7 +98,7 @@ class RowFile:
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], start * self.record + done)
             if got <= 0:
-                raise OSError(errno.EIO, f"short read of rows {start}-{end} from {self.path}")
+                raise self._short(f"rows {start}..{end - 1}")
             done += got
         return out
 
@@ -101,6 +107,17 @@ class RowFile:
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], start * self.record + done)
+
+    def _short(self, rows: str) -> StorageError:
+        """A read past the end: the file lost bytes since the tier reserved it."""
+        size = os.fstat(self.fd).st_size
+        return StorageError(
+            f"disk tier: {self.what}: cannot read {rows} from {str(self.path)!r}: the file has "
+            f"{format_bytes(size)}, {format_bytes(self.rows * self.record)} were reserved for "
+            f"{self.rows} rows; it was truncated or replaced while this tier held it. Its rows "
+            "are lost: restart from the last checkpoint (and keep other processes out of "
+            "the tier's directory)",
+        )
 
     # checkpoints ----------------------------------------------------------------------------------
     def mapped(self) -> torch.Tensor:
@@ -128,24 +145,32 @@ class RowFile:
             self.close()
 
 
-def _reserve(path: Path, nbytes: int, what: str) -> int:
+def _reserve(path: Path, nbytes: int, what: str, holds: dict[str, str]) -> int:
     """A new file of `nbytes` reserved on disk (fallocate: unwritten blocks read as zeros),
-    open for reading and writing. A directory that cannot be written or a full disk raise
+    open for reading and writing, locked for this tier (file_owner.py) before it is emptied. A
+    directory that cannot be written, a file another tier holds or a full disk raise
     BuilderError naming the file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as error:
         raise BuilderError(
             f"disk tier: cannot write {what} file {str(path)!r}: {error.strerror}; give "
             "DiskTier(directory=...) a directory this process can write"
         ) from None
     try:
+        claim_file(fd, path, what, holds)
+    except BaseException:
+        os.close(fd)  # the other tier's file is left as it was
+        raise
+    try:
+        os.ftruncate(fd, 0)  # a fresh block: rows never written read as zeros
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
         os.close(fd)
         free = shutil.disk_usage(path.parent).free
         path.unlink(missing_ok=True)
+        owner_path(path).unlink(missing_ok=True)
         reason = "the disk is full" if error.errno == errno.ENOSPC else error.strerror
         raise BuilderError(
             f"disk tier: cannot reserve {format_bytes(nbytes)} for {what} file "
