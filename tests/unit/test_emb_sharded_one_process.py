@@ -6,6 +6,7 @@ multi-rank runs against the same reference are in tests/dist/test_emb_sharded_ra
 
 from __future__ import annotations
 
+import pytest
 import torch
 from embedding_cases import (
     OPTIMIZERS,
@@ -21,7 +22,16 @@ from embedding_cases import (
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
-from manualpar.embeddings import EmbeddingBagCollection, shard_embeddings, table_wise
+from manualpar.embeddings import (
+    SGD,
+    Adam,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    SparseFeatures,
+    shard_embeddings,
+    table_wise,
+)
 
 
 def test_single_process_fused_optimizers_match_torch():
@@ -108,3 +118,25 @@ def test_auto_plan_defaults_to_the_memory_this_rank_can_allocate() -> None:
         small = EmbeddingBagCollection(TABLES)
     emb = shard_embeddings(small, strategy, "auto", optimizer("rowwise"))
     assert emb.plan.world_size == 1
+
+
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
+def test_an_empty_batch_trains_nothing_on_one_process(rule: str) -> None:
+    """Reliability row 74: an empty batch's backward on one rank used to fail in the kernels
+    (`gradient blocks must be 2-D CPU tensors with contiguous rows`); on 2 ranks it worked."""
+    optimizer = {
+        "sgd": SGD(lr=0.1),
+        "rowwise_adagrad": RowWiseAdagrad(lr=0.1),
+        "adam": Adam(lr=0.1),
+    }
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 8, 4)], seed=3)
+    before = ebc.tables["t"].weight.detach().clone()
+    emb = shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", optimizer[rule])
+    empty = SparseFeatures(
+        ["t"], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    )
+    out = emb(empty).values
+    assert out.shape == (0, 4)
+    out.sum().backward()
+    with full_tensors():
+        assert torch.equal(emb.state_dict()["tables.t.weight"], before)

@@ -236,7 +236,10 @@ class _EmbeddingLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        ctx.step.backward(grad.contiguous(), ctx.saved)
+        # an empty batch's gradient may be an expanded (stride 0) tensor, which contiguous()
+        # keeps as it is (it holds no element): the kernels need real row strides
+        grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+        ctx.step.backward(grad, ctx.saved)
         ctx.saved = None
         return None, None, None, None
 
