@@ -122,6 +122,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
     ) -> None:
         super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier)
         self.normalize_by = normalize_by
+        self.step.forward_phases.warn_uneven = False  # its bag counts are padded id counts
 
     @eager_only(f"{BUILDER}: the table exchange runs eagerly")
     def forward(  # type: ignore[override]  # the same machinery, another output type

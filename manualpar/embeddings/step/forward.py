@@ -9,10 +9,12 @@ them apart.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
 from manualpar.embeddings.step.data_parallel import DataParallelTables
@@ -52,6 +54,9 @@ class ForwardPhases:
     def __init__(self, parts: StepParts, data_parallel: DataParallelTables) -> None:
         self.parts = parts
         self.data_parallel = data_parallel
+        # batches are samples (not a sequence collection's padded ids): say once when uneven
+        # batches are averaged per rank
+        self.warn_uneven = parts.normalize_by == "world_size"
 
     def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
@@ -81,7 +86,27 @@ class ForwardPhases:
             "ids",
         )
         own = layout.unpack_ids(payloads[rank], features.batch_size, weighted)
-        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, [h[0] for h in headers])
+        job_batches = [h[0] for h in headers]
+        if self.warn_uneven and len(set(job_batches)) > 1:
+            self._warn_uneven(job_batches)
+        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, job_batches)
+
+    def _warn_uneven(self, batches: list[int]) -> None:
+        """Once per collection: under normalize_by="world_size" each rank's loss counts the
+        same, so the samples of a smaller batch weigh more (as with plain DDP)."""
+        self.warn_uneven = False
+        if self.parts.routing.rank != 0 or not max(batches):
+            return
+        listed = ", ".join(f"rank {r}: {b}" for r, b in enumerate(batches))
+        heaviest = max(batches) / max(min(batches), 1)
+        warnings.warn(
+            f"{BUILDER}: the ranks' batches differ ({listed}) under normalize_by='world_size': "
+            "every rank's loss counts the same, so a sample of a smaller batch weighs more "
+            f"(here up to {heaviest:.3g}x). Pass normalize_by='global_samples' (to "
+            "shard_embeddings and ddp) to weigh every sample the same, or keep batches even; "
+            "said once",
+            stacklevel=2,
+        )
 
     # lookup -----------------------------------------------------------------------------------
     def lookup(self, routed: RoutedIds) -> LookedUp:
