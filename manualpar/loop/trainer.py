@@ -31,6 +31,7 @@ from torch import nn
 from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
+from manualpar.embeddings import ShardedEmbeddingBagCollection
 from manualpar.loop.data import Data, dataset_batches, step_batches
 from manualpar.loop.logs import log_with_rank
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
@@ -117,6 +118,7 @@ class Trainer:
         self._saved_at: int | None = None  # the step of the checkpoint last saved or resumed
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
+        self._sharded: list[ShardedEmbeddingBagCollection] = []
         self._schedulers: list[Scheduler] = []
 
     @property
@@ -174,6 +176,7 @@ class Trainer:
         self._schedulers = list(schedulers)
         self._extra = extra_checkpoint_entries(model)
         self._remappers = raw_id_remappers(model)  # managed-collision tables: rates logged
+        self._sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
         state = {
             "model": model,
             "optim": optimizer,
@@ -264,6 +267,7 @@ class Trainer:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
     ) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
+        skipped = self._skipped_updates()
         totals: dict[str, float] = {}
         for micro, batch in enumerate(batches):
             index = self.step * self.accumulate + micro
@@ -278,13 +282,23 @@ class Trainer:
             for name, value in metrics.items():
                 value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
                 totals[name] = totals.get(name, 0.0) + value / self.accumulate
+        if self._skipped_updates() > skipped:  # non_finite="skip" dropped a sparse update
+            totals["skipped_non_finite"] = 1.0  # the dense gradients hold it too: no step
+            log.warning("step %d: non-finite gradients; the dense step is skipped too", self.step)
+        else:
+            self._optimizer_step(optimizer, totals)
+        for scheduler in self._schedulers:
+            scheduler.step()
+        return totals
+
+    def _skipped_updates(self) -> int:
+        return sum(module.skipped_updates for module in self._sharded)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, totals: dict[str, float]) -> None:
         if self.clip_grad_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             totals["grad_norm"] = float(clip_grad_norm_(params, self.clip_grad_norm))
         optimizer.step()
-        for scheduler in self._schedulers:
-            scheduler.step()
-        return totals
 
     def _validate(self, model: nn.Module, val_data: Data) -> dict[str, float]:
         """One validation pass (every rank ends it at the same batch if a rank's `val_data` runs

@@ -54,6 +54,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         normalize_by: str,
         layout: TableMesh | None = None,
         disk_tier: DiskTier | None = None,
+        non_finite: str = "raise",
     ) -> None:
         super().__init__()
         self.mesh = layout = layout or table_mesh(None, strategy)
@@ -126,6 +127,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             normalize_by,
             device,
             layout,
+            non_finite,
         )
 
     def extra_repr(self) -> str:
@@ -161,6 +163,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def checkpoint_entries(self) -> dict[str, Any]:
         """The fused optimizer's state is saved beside the model (see checkpoint.extra)."""
         return {"sparse_optim": self.fused_optimizer}
+
+    @property
+    def skipped_updates(self) -> int:
+        """Backward passes whose sparse update was dropped for non-finite gradients (under
+        shard_embeddings(..., non_finite="skip")); the Trainer skips the dense step then too."""
+        return self.step.skipped_updates
 
     @property
     def device(self) -> torch.device:

@@ -119,8 +119,9 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         normalize_by: str,
         layout: TableMesh | None = None,
         disk_tier: DiskTier | None = None,
+        non_finite: str = "raise",
     ) -> None:
-        super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier)
+        super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier, non_finite)
         self.normalize_by = normalize_by
         self.step.forward_phases.warn_uneven = False  # its bag counts are padded id counts
 

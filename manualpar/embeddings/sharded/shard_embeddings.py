@@ -29,6 +29,7 @@ from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
 from manualpar.embeddings.sharded.table_storage import check_disk_plan
+from manualpar.embeddings.step.finite_check import check_mode
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import BuilderError, PlanError
@@ -54,6 +55,7 @@ def shard_embeddings(
     normalize_by: str = "world_size",
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
+    non_finite: str = "raise",
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -70,6 +72,10 @@ def shard_embeddings(
     `disk_tier`: DiskTier(directory, cache_rows= or cache_bytes=, policy=) for tables the plan
     places `on_disk` (and, with plan="auto", for those the budget cannot hold): their rows live
     in files, each rank caching the rows in use (disk_tier.py).
+
+    `non_finite`: what a step whose output gradient holds NaN or inf does, on every rank
+    alike, before any row changes: "raise" (NonFiniteError naming tables, ranks and counts) or
+    "skip" (drop the sparse update and count it in `skipped_updates`; step/finite_check.py).
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -100,6 +106,7 @@ def shard_embeddings(
         raise BuilderError(
             f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
         )
+    non_finite = check_mode(non_finite)
     layout = table_mesh(mesh, strategy)
     if isinstance(plan, str):
         if plan != "auto":
@@ -112,10 +119,12 @@ def shard_embeddings(
     check_disk_plan(plan, disk_tier, layout.replicate is not None)
     claim(ebc, BUILDER)
     sharded = (
-        ShardedEmbeddingCollection(ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier)
+        ShardedEmbeddingCollection(
+            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier, non_finite
+        )
         if isinstance(ebc, EmbeddingCollection)
         else ShardedEmbeddingBagCollection(
-            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier
+            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier, non_finite
         )
     )
     mark_replaced(ebc.parameters(), BUILDER)

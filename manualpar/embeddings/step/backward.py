@@ -14,6 +14,7 @@ import torch
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
 from manualpar.embeddings.step.data_parallel import DataParallelTables
+from manualpar.embeddings.step.finite_check import FiniteCheck
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
@@ -23,10 +24,13 @@ __all__ = ["BackwardPhases"]
 
 
 class BackwardPhases:
-    def __init__(self, parts: StepParts, data_parallel: DataParallelTables) -> None:
+    def __init__(
+        self, parts: StepParts, data_parallel: DataParallelTables, non_finite: str = "raise"
+    ) -> None:
         self.parts = parts
         self.data_parallel = data_parallel
         self.apply_row_sums = row_sum_update(parts)
+        self.finite = FiniteCheck(parts, non_finite)
 
     def __call__(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
         """Send the output gradient to the shards' owners and update our shards with theirs."""
@@ -47,8 +51,9 @@ class BackwardPhases:
             flat, splits = layout.pack_output_grad(grad, full, frozen)
             receive = layout.grad_receive_splits(saved.batch_sizes, full, frozen)
             grads_in = parts.exchange(flat, splits, receive, "output gradient")
+        non_finite = self.finite.start(grad)  # beside the exchange; waited for before updating
         own = layout.own_grad_blocks(grad, full, frozen)
-        return RoutedGradients(grad, own, grads_in)
+        return RoutedGradients(grad, own, grads_in, non_finite)
 
     # update -----------------------------------------------------------------------------------
     def update(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
@@ -56,6 +61,14 @@ class BackwardPhases:
         parts = self.parts
         routing, optimizer = parts.routing, parts.optimizer
         frozen, scales = saved.frozen, saved.scales
+        try:
+            finite = self.finite.passed(routed.non_finite)
+        except BaseException:
+            self._drop(routed, saved)
+            raise
+        if not finite:
+            self._drop(routed, saved)
+            return
         optimizer.begin_update()
         local = routing.routed_local_shards()
         own_scale = scales[routing.rank]
@@ -101,6 +114,12 @@ class BackwardPhases:
         self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
         optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
         parts.stores.release(saved.pins, updated=True)  # written through the slots
+
+    def _drop(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
+        """A step that updates nothing: its exchange still completes, its slots are unpinned."""
+        if routed.grads_in is not None:
+            routed.grads_in.wait()
+        self.parts.stores.release(saved.pins, updated=False)
 
     def _step_bags(
         self, shard: LocalShard, bags: ShardBags, grads: BagGradients, rows: RowPass

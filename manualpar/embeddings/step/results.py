@@ -74,3 +74,4 @@ class RoutedGradients:
     grad: torch.Tensor  # the output gradient (mean pooling applied)
     own: list[list[torch.Tensor]]  # per local shard: our own bags' gradient blocks
     grads_in: PendingCollective | None  # the other ranks' gradients for our shards
+    non_finite: PendingCollective  # the job's non-finite counts per table (finite_check.py)

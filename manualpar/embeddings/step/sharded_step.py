@@ -46,6 +46,7 @@ class ShardedStep:
         normalize_by: str,
         device: torch.device,
         mesh: TableMesh,
+        non_finite: str = "raise",
     ) -> None:
         self.parts = StepParts(
             routing,
@@ -60,11 +61,16 @@ class ShardedStep:
         )
         data_parallel = DataParallelTables(self.parts)
         self.forward_phases = ForwardPhases(self.parts, data_parallel)
-        self.backward_phases = BackwardPhases(self.parts, data_parallel)
+        self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.parts.dtype
+
+    @property
+    def skipped_updates(self) -> int:
+        """Backward passes whose sparse update non_finite="skip" dropped (finite_check.py)."""
+        return self.backward_phases.finite.skipped
 
     def forward(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
