@@ -122,7 +122,7 @@ def run_distributed(
     kwargs: dict | None = None,
     *,
     timeout: float = 90.0,
-    collective_timeout: float = 10.0,
+    collective_timeout: float = 30.0,
     env: Mapping[str, str] | None = None,
     allow_failure: bool = False,
     local_world_size: int | None = None,
@@ -134,6 +134,10 @@ def run_distributed(
 
     With allow_failure=True, return a RankOutcome per rank instead of raising, so a test can
     assert how a failure surfaced on the surviving ranks.
+
+    `collective_timeout` (default 30 s, as for jobs the tests launch): long enough that a rank
+    slowed by a loaded machine (one started seconds after its peer, at load 8 on 2 cores) is
+    not taken for a hung one; a test of the timeout itself passes its own, shorter one.
     """
     if local_world_size is not None and (local_world_size < 1 or world_size % local_world_size):
         raise ValueError(
