@@ -135,10 +135,11 @@ def stage_to_cpu(tensors: Mapping[str, Any]) -> dict[str, Any]:
         stager.close()
     assert isinstance(staged, dict)  # synchronous staging returns the state dict itself
     for key, value in shards.items():
-        blocks = [
-            Block(b.offsets, b.tensor.detach().to("cpu", copy=True), b.primary)
-            for b in value.blocks
-        ]
+        blocks = []
+        for b in value.blocks:
+            if b.prepare is not None:  # a disk table's view: drop the last block's file pages
+                b.prepare()
+            blocks.append(Block(b.offsets, b.tensor.detach().to("cpu", copy=True), b.primary))
         staged[key] = LocalShards(value.shape, blocks, value.dtype)
     return staged
 

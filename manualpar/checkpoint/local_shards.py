@@ -14,7 +14,7 @@ owner gathers them from `primary_sum()` with its strategy's all-reduce.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +49,10 @@ class Block:
     offsets: tuple[int, ...]
     tensor: torch.Tensor
     primary: bool = True  # False for extra replicas: only one rank contributes a replicated block
+    # called before DCP reads or writes this block: a disk table's blocks are views of a mapped
+    # file, and this lets go of the pages the previous block touched, so a checkpoint holds one
+    # block's pages at a time instead of the whole file
+    prepare: Callable[[], None] | None = None
 
 
 class LocalShards(torch.Tensor):
@@ -127,6 +131,8 @@ class LocalShards(torch.Tensor):
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for block in self.blocks:
             if index.offset is None or torch.Size(block.offsets) == index.offset:
+                if block.prepare is not None:
+                    block.prepare()
                 return block.tensor
         raise ValueError(f"{index.fqn}: this rank holds no block at offset {index.offset}")
 

@@ -273,12 +273,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         shard = self._shards.get(table)
         if shard is None:  # no block of this table here: an entry without blocks
             return LocalShards(shape, [], torch.float32)
-        chunks = self.stores[table].checkpoint_chunks(key)  # a disk tier's: of the file
+        store = self.stores[table]
+        chunks = store.checkpoint_chunks(key)  # a disk tier's: of its file, one at a time
         primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
         if per_row:  # column blocks all hold the same row statistics: one of them saves them
             primary = primary and shard.col_start == 0
         blocks = [
-            Block((shard.row_start + r, shard.col_start)[: 1 if per_row else 2], t, primary)
+            Block(
+                (shard.row_start + r, shard.col_start)[: 1 if per_row else 2],
+                t,
+                primary,
+                store.drop_pages,
+            )
             for r, t in chunks
         ]
         return LocalShards(shape, blocks, torch.float32)

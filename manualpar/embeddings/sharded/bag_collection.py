@@ -186,10 +186,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if shard is None:
             return LocalShards(shape, [], table.weight.dtype)
         primary = self.mesh.primary and (not shard.replicated or shard.rank == 0)
-        chunks = self.storage.by_name[config.name].checkpoint_chunks(None)  # disk: the file's
+        store = self.storage.by_name[config.name]
+        chunks = store.checkpoint_chunks(None)  # a disk tier's: of its file, one at a time
         return LocalShards(
             shape,
-            [Block((shard.row_start + r, shard.col_start), t, primary) for r, t in chunks],
+            [
+                Block((shard.row_start + r, shard.col_start), t, primary, store.drop_pages)
+                for r, t in chunks
+            ],
             table.weight.dtype,
         )
 

@@ -45,13 +45,16 @@ class BackwardPhases:
         full, frozen = parts.optimizer.needs_full_rows, saved.frozen
         if saved.mean_scale is not None:
             grad = grad * saved.mean_scale
+        # first: collectives on a group complete in the order they start, so the tiny flag
+        # exchange must not queue behind the gradients (waiting for it would then wait for them
+        # too, and the own rows' update would no longer overlap their travel)
+        non_finite = self.finite.start(grad)
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
         if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
             flat, splits = layout.pack_output_grad(grad, full, frozen)
             receive = layout.grad_receive_splits(saved.batch_sizes, full, frozen)
             grads_in = parts.exchange(flat, splits, receive, "output gradient")
-        non_finite = self.finite.start(grad)  # beside the exchange; waited for before updating
         own = layout.own_grad_blocks(grad, full, frozen)
         return RoutedGradients(grad, own, grads_in, non_finite)
 

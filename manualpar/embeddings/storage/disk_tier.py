@@ -35,7 +35,9 @@ from manualpar.errors import BuilderError, EmbeddingInputError
 
 __all__ = ["DiskTable", "DiskTier", "hit_rate"]
 
-CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file, and per checkpoint chunk
+CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file (flush, fill)
+# rows per checkpoint chunk: a checkpoint holds one chunk's mapped pages and its copy at a time
+CHECKPOINT_CHUNK_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class DiskTable:
             f"table {config.name!r} (rank {rank})",
         )
         self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
+        self.checkpoint_rows = max(1, CHECKPOINT_CHUNK_BYTES // self.file.record)
 
     # a step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -223,9 +226,12 @@ class DiskTable:
         records = self.file.mapped()
         tensor = self.file.weight_of(records) if key is None else self.file.state_of(records, key)
         return [
-            (start, tensor[start : start + self.chunk_rows])
-            for start in range(0, self.shard.rows, self.chunk_rows)
+            (start, tensor[start : start + self.checkpoint_rows])
+            for start in range(0, self.shard.rows, self.checkpoint_rows)
         ]
+
+    def drop_pages(self) -> None:
+        self.file.release_pages()
 
     def loaded(self) -> None:
         """The file was just written by a checkpoint load: drop the cache (a state_dict()

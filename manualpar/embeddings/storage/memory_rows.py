@@ -37,3 +37,6 @@ class MemoryRows:
 
     def loaded(self) -> None:
         pass
+
+    def drop_pages(self) -> None:
+        pass

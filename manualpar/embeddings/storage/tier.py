@@ -50,6 +50,10 @@ class RowStore(Protocol):
     def loaded(self) -> None:
         """A checkpoint load just wrote the chunks: drop anything derived from the old rows."""
 
+    def drop_pages(self) -> None:
+        """Let go of the memory reading or writing earlier checkpoint chunks took (a disk
+        tier's mapped file pages; the data stays in the file): called before each chunk."""
+
 
 class TableStores:
     """The RowStore of each table block this rank holds, by table index (and by name)."""
