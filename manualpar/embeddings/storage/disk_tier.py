@@ -36,8 +36,13 @@ from manualpar.errors import BuilderError, EmbeddingInputError
 __all__ = ["DiskTable", "DiskTier", "hit_rate"]
 
 CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file (flush, fill)
-# rows per checkpoint chunk: a checkpoint holds one chunk's mapped pages and its copy at a time
-CHECKPOINT_CHUNK_BYTES = 16 * 2**20
+# A checkpoint holds one chunk's mapped file pages and its copy at a time (CHECKPOINT_), and
+# `flush`, generating the rows never written, a chunk's records, values and a copy of each
+# (FLUSH_). Measured per rank on a 196 MB block (2 ranks, 1M rows x 48 each): peak RSS rose
+# 300 MiB in a checkpoint with 64 MiB chunks for both, 52 MiB with 16 MiB and 4 MiB ones, 37 MiB
+# with these (docs/benchmarks.md, "Disk-tier checkpoints").
+CHECKPOINT_CHUNK_BYTES = 8 * 2**20
+FLUSH_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class DiskTable:
         )
         self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
         self.checkpoint_rows = max(1, CHECKPOINT_CHUNK_BYTES // self.file.record)
+        self.flush_rows = max(1, FLUSH_CHUNK_BYTES // self.file.record)
 
     # a step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -198,8 +204,8 @@ class DiskTable:
         if rows.numel():
             self._write_back(rows, slots)
         shard = self.shard
-        for start in range(0, shard.rows, self.chunk_rows):
-            end = min(start + self.chunk_rows, shard.rows)
+        for start in range(0, shard.rows, self.flush_rows):  # bounded: see FLUSH_CHUNK_BYTES
+            end = min(start + self.flush_rows, shard.rows)
             never = self.cache.never_written(start, end)
             if not never.numel():
                 continue
