@@ -50,8 +50,8 @@ def measure(code: str, path: Path | None) -> tuple[float, float]:
 def loaded_heavy(path: Path) -> list[str]:
     probe = f"import sys, manualpar; print([m for m in {HEAVY!r} if m in sys.modules])"
     env = {**os.environ, "PYTHONPATH": str(path)}
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, check=True, capture_output=True, text=True
+    out = subprocess.run(  # from `path`: `python -c` puts the working directory first
+        [sys.executable, "-c", probe], env=env, check=True, capture_output=True, text=True, cwd=path
     )
     return json.loads(out.stdout.strip().replace("'", '"'))
 
