@@ -1,4 +1,5 @@
-"""Rank-prefixed logging for manualpar's own loggers.
+"""What a run shows on the terminal: rank-prefixed logging for manualpar's own loggers, and rank
+0's progress bar.
 
 With N processes writing to one terminal or log file, a line is only useful if it says which
 rank wrote it. `log_with_rank(strategy)` gives the "manualpar" logger a stderr handler whose lines
@@ -10,8 +11,9 @@ application's own logging setup wins.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-__all__ = ["log_with_rank"]
+__all__ = ["log_with_rank", "progress_bar"]
 
 LOGGER = "manualpar"
 
@@ -38,3 +40,10 @@ def log_with_rank(rank: int, world_size: int, level: int = logging.INFO) -> logg
         logger.addHandler(handler)
         logger.setLevel(level)
     return logger
+
+
+def progress_bar(total: int, initial: int) -> Any:
+    """The training progress bar (rank 0 only: the caller decides), from `initial` steps."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)

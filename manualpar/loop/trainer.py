@@ -16,7 +16,6 @@ every rank's validation pass at the same batch (see loop/validation.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -32,8 +31,10 @@ from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import latest_checkpoint, read_manifest
 from manualpar.embeddings import ShardedEmbeddingBagCollection
+from manualpar.loop.configured import optimizer_and_schedulers
 from manualpar.loop.data import Data, dataset_batches, step_batches
-from manualpar.loop.logs import log_with_rank
+from manualpar.loop.logs import log_with_rank, progress_bar
+from manualpar.loop.metrics_file import MetricsFile
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
 from manualpar.loop.validation import Validation
@@ -106,6 +107,7 @@ class Trainer:
         self.strategy = strategy
         log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
+        self._metrics = MetricsFile(self.out_dir / "metrics.jsonl", strategy)
         self.max_steps, self.accumulate, self.log_every = max_steps, accumulate, log_every
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
         self.val_every, self.val_steps = val_every, val_steps
@@ -127,7 +129,7 @@ class Trainer:
 
     @property
     def metrics_path(self) -> Path:
-        return self.out_dir / "metrics.jsonl"
+        return self._metrics.path
 
     @property
     def val_data_ran_out(self) -> dict[int, int]:
@@ -165,7 +167,7 @@ class Trainer:
                     f"{type(model).__name__} has no configure_optimizers(); pass "
                     "optimizer= to fit()"
                 )
-            optimizer, configured = _optimizer_and_schedulers(
+            optimizer, configured = optimizer_and_schedulers(
                 _user(model).configure_optimizers(), type(model).__name__
             )
             schedulers = configured if schedulers is None else schedulers
@@ -205,9 +207,10 @@ class Trainer:
         state: dict[str, Any],
     ) -> dict[str, float]:
         model.train()
-        bar = self._progress_bar()
+        shown = self.progress and self.strategy.is_global_zero
+        bar = progress_bar(self.max_steps, self.step) if shown else None
         window: dict[str, list[float]] = {}
-        last = self._recorded_at(self.step) if self.step >= self.max_steps else {}
+        last = self._metrics.recorded_at(self.step) if self.step >= self.max_steps else {}
         started, steps_in_window = time.perf_counter(), 0
         while self.step < self.max_steps:
             batches = self._fetch(data)
@@ -215,7 +218,7 @@ class Trainer:
                 if steps_in_window:
                     rate = steps_in_window / (time.perf_counter() - started)
                     last = self._record(window, rate, optimizer)
-                self._append(
+                self._metrics.append(
                     {"step": self.step, "event": "data_ran_out", "ranks": sorted(self.data_ran_out)}
                 )
                 if self._saved_at != self.step:
@@ -309,11 +312,11 @@ class Trainer:
         finally:
             model.train()
         if event is not None:
-            self._append(event)
+            self._metrics.append(event)
         if not means:  # some rank had no batch at all: nothing to average
             return {}
         reduced = self._reduce({f"val/{k}": v for k, v in means.items()})
-        self._append({"step": self.step, **reduced})
+        self._metrics.append({"step": self.step, **reduced})
         return reduced
 
     # ---- metrics ------------------------------------------------------------------------------
@@ -336,23 +339,10 @@ class Trainer:
             for name, entry in self._extra.items()
             if isinstance(getattr(entry, "lr", None), (int, float))
         }
-        self._append({"step": self.step, **reduced, "lr": lr, **extra_lr, "steps_per_s": rate})
-        return reduced
-
-    def _append(self, record: Mapping[str, Any]) -> None:
-        if self.strategy.is_global_zero:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-
-    def _progress_bar(self) -> Any:
-        if not (self.progress and self.strategy.is_global_zero):
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=self.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
+        self._metrics.append(
+            {"step": self.step, **reduced, "lr": lr, **extra_lr, "steps_per_s": rate}
         )
+        return reduced
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _resume(self, state: dict[str, Any]) -> None:
@@ -369,28 +359,8 @@ class Trainer:
             ", ".join(sorted(state)),
         )
         report_restored_lrs(configured, state, keep=self.resume_lr)
-        if self.strategy.is_global_zero and self.metrics_path.exists():
-            # Drop what the interrupted run recorded after its last checkpoint: it is redone.
-            kept = [
-                line
-                for line in self.metrics_path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= state["step"]
-            ]
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self._metrics.keep_until(state["step"])
         self.strategy.barrier("resume")
-
-    def _recorded_at(self, step: int) -> dict[str, float]:
-        """The metrics recorded at `step` (a finished run's last ones), as fit() returns them:
-        losses and validation values, without step, learning rates or throughput."""
-        found: dict[str, float] = {}
-        if self.strategy.is_global_zero and self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                record = json.loads(line) if line else {}
-                if record.get("step") == step and "event" not in record:
-                    found.update(record)
-        found = self.strategy.broadcast(found)  # rank 0 holds the file
-        skipped = {"step", "lr", "steps_per_s"}
-        return {k: v for k, v in found.items() if k not in skipped and not k.endswith("/lr")}
 
     def _save(self, state: dict[str, Any]) -> None:
         path = self.checkpoint_dir / f"step_{self.step:08d}"
@@ -426,23 +396,6 @@ class Trainer:
                 "the previous one is still the latest",
                 error,
             )
-
-
-def _optimizer_and_schedulers(configured: Any, model_name: str) -> tuple[Any, list[Scheduler]]:
-    """configure_optimizers() returns an optimizer, or {"optimizer": ..., "schedulers": ...}."""
-    if not isinstance(configured, Mapping):
-        return configured, []
-    unknown = set(configured) - {"optimizer", "schedulers"}
-    if "optimizer" not in configured or unknown:
-        raise ValueError(
-            f"{model_name}.configure_optimizers() returned a dict with keys "
-            f"{sorted(configured)}; return an optimizer or "
-            "{'optimizer': optimizer, 'schedulers': [scheduler, ...]}"
-        )
-    schedulers = configured.get("schedulers") or []
-    if not isinstance(schedulers, Sequence):
-        schedulers = [schedulers]
-    return configured["optimizer"], list(schedulers)
 
 
 def _user(model: nn.Module) -> Any:

@@ -66,19 +66,20 @@ class FiniteCheck:
             flag, name=f"{BUILDER}: non-finite gradient flag all_reduce"
         )
 
-    def _counts(self) -> list[int]:
+    def _counts(self, grad: torch.Tensor) -> list[int]:
         """This rank's non-finite values per table (the slow, exact count)."""
-        per_column = (~torch.isfinite(self._grad)).sum(0)
+        per_column = (~torch.isfinite(grad)).sum(0)
         counts = torch.zeros(len(self.parts.routing.tables), dtype=torch.int64)
         counts.index_add_(0, self._column_table, per_column.cpu())
         return counts.tolist()
 
     def passed(self, pending: PendingCollective) -> bool:
         """True if no rank's gradient held a non-finite value; else raise or count a skip."""
+        grad, self._grad = self._grad, torch.zeros(0)  # not kept past its step
         if not bool(pending.wait().any()):
             return True
         parts = self.parts
-        per_rank = parts.strategy.all_gather_object(self._counts())
+        per_rank = parts.strategy.all_gather_object(self._counts(grad))
         totals = [sum(column) for column in zip(*per_rank, strict=True)]
         if not any(totals):  # a finite sum that overflowed: nothing is wrong
             return True
