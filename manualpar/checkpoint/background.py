@@ -28,6 +28,7 @@ import torch.distributed as dist
 from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import partial_path, prepare
 from manualpar.checkpoint.local_shards import Block, LocalShards
+from manualpar.checkpoint.spill import spill_blocks
 from manualpar.checkpoint.save import (
     commit,
     make_manifest,
@@ -124,7 +125,8 @@ def save_checkpoint_async(
 def stage_to_cpu(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """A CPU copy of every tensor leaf, so training may change the originals while the copy is
     written. torch's DCP stager copies tensors and DTensors; a LocalShards (a sharded table's
-    blocks, storage-less) is rebuilt around copies of its blocks."""
+    blocks, storage-less) is rebuilt around copies of its blocks, a disk table's in a file
+    beside it (spill.py)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     shards = {k: v for k, v in tensors.items() if isinstance(v, LocalShards)}
@@ -135,11 +137,17 @@ def stage_to_cpu(tensors: Mapping[str, Any]) -> dict[str, Any]:
         stager.close()
     assert isinstance(staged, dict)  # synchronous staging returns the state dict itself
     for key, value in shards.items():
+        spilled = [b for b in value.blocks if b.spill_dir is not None]
         blocks = []
+        if spilled:  # a disk table's: copied into a file beside it, not into memory
+            directory = spilled[0].spill_dir
+            assert directory is not None and all(b.spill_dir == directory for b in spilled)
+            blocks = spill_blocks(spilled, directory)
         for b in value.blocks:
-            if b.prepare is not None:  # a disk table's view: drop the last block's file pages
-                b.prepare()
-            blocks.append(Block(b.offsets, b.tensor.detach().to("cpu", copy=True), b.primary))
+            if b.spill_dir is None:
+                if b.prepare is not None:
+                    b.prepare()
+                blocks.append(Block(b.offsets, b.tensor.detach().to("cpu", copy=True), b.primary))
         staged[key] = LocalShards(value.shape, blocks, value.dtype)
     return staged
 

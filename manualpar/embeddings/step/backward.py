@@ -5,7 +5,9 @@ rank's own. The update then applies, while the other ranks' gradients travel, th
 only this rank's own bags touched (the rule's fused pass, RowPass.OWN), and once they arrive
 the rest (RowPass.REST), so every row is still updated once, with its whole gradient: the
 numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
-replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out.
+replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out. A step
+whose gradient holds NaN or inf updates nothing (finite_check.py); one whose half rows
+overflow is undone (half_overflow.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
+from manualpar.embeddings.step.half_overflow import half_rows_guard
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
@@ -31,6 +34,7 @@ class BackwardPhases:
         self.data_parallel = data_parallel
         self.apply_row_sums = row_sum_update(parts)
         self.finite = FiniteCheck(parts, non_finite)
+        self.half_rows = half_rows_guard(parts, self.finite)  # None without half tables
 
     def __call__(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
         """Send the output gradient to the shards' owners and update our shards with theirs."""
@@ -72,6 +76,8 @@ class BackwardPhases:
         if not finite:
             self._drop(routed, saved)
             return
+        guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
+        before = guard.save(saved) if guard else []
         optimizer.begin_update()
         local = routing.routed_local_shards()
         own_scale = scales[routing.rank]
@@ -116,7 +122,12 @@ class BackwardPhases:
         self.apply_row_sums(summed_rows)
         self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
         optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
-        parts.stores.release(saved.pins, updated=True)  # written through the slots
+        try:
+            kept = guard.passed(before) if guard else True  # False: overflowed rows put back
+        except BaseException:
+            parts.stores.release(saved.pins, updated=False)  # put back as they were
+            raise
+        parts.stores.release(saved.pins, updated=kept)  # written through the slots
 
     def _drop(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """A step that updates nothing: its exchange still completes, its slots are unpinned."""

@@ -1,0 +1,118 @@
+"""Half rows that overflow in the update are put back and reported (reliability row 78): a
+learning rate too large for float16 turns rows to inf with a finite gradient; every rank undoes
+the update and raises, or under "skip" drops the step and counts it, leaving the rows, the
+optimizer state and the update count bit for bit those of a run without the step; in memory
+and on the disk tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import manualpar as mp
+from manualpar.embeddings import (
+    DiskTier,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    SparseFeatures,
+    full_tensors,
+    on_disk,
+    row_wise,
+    shard_embeddings,
+    table_wise,
+)
+from manualpar.errors import NonFiniteError
+from manualpar.testing import run_distributed
+
+OVERFLOWING_LR = 1e6  # a row-wise Adagrad step moves each element by about lr: past 65504
+
+
+def _batch(step: int, rank: int) -> SparseFeatures:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return SparseFeatures.from_dict(
+        {
+            "user": [torch.randint(0, 10, (2,), generator=g).tolist() for _ in range(3)],
+            "item": [torch.randint(0, 5, (1,), generator=g).tolist() for _ in range(3)],
+        }
+    )
+
+
+def _train(mode: str, steps: list[int], big_lr_step: int | None, disk: str | None) -> dict:
+    strategy = mp.ManualParallelStrategy()
+    tables = (
+        EmbeddingBagConfig("user", 10, 4, dtype=torch.float16),
+        EmbeddingBagConfig("item", 5, 4),  # float32: a mixed collection
+    )
+    user_plan = on_disk(row_wise()) if disk else row_wise()
+    tier = DiskTier(disk, cache_rows=4) if disk else None
+    emb = shard_embeddings(
+        mp.EmbeddingBagCollection(tables, seed=4),
+        strategy,
+        {"user": user_plan, "item": table_wise(1)},
+        RowWiseAdagrad(lr=0.1),
+        non_finite=mode,
+        disk_tier=tier,
+    )
+    error = None
+    for step in steps:
+        emb.fused_optimizer.lr = OVERFLOWING_LR if step == big_lr_step else 0.1
+        try:
+            emb(_batch(step, strategy.rank)).values.square().sum().backward()
+        except NonFiniteError as raised:
+            error = str(raised)
+            break
+    with full_tensors():
+        tables_now = {k: v.clone() for k, v in emb.state_dict().items()}
+        state = emb.fused_optimizer.state_dict()["state"]
+        state = {f"{t}/{k}": v.clone() for t, keys in state.items() for k, v in keys.items()}
+    result = {
+        "error": error,
+        "tables": tables_now,
+        "state": state,
+        "skipped": emb.skipped_updates,
+        "updates": emb.fused_optimizer.num_updates,
+    }
+    strategy.teardown()
+    return result
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for part in ("tables", "state"):
+        assert got[part].keys() == want[part].keys()
+        for key, value in want[part].items():
+            assert torch.equal(got[part][key], value), key
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_overflowing_half_rows_are_undone_and_named_on_every_rank(
+    tmp_path: Path, tier: str
+) -> None:
+    disk = [str(tmp_path / "a"), str(tmp_path / "b")] if tier == "disk" else [None, None]
+    stopped = run_distributed(_train, 2, args=("raise", [0, 1, 2], 1, disk[0]), timeout=60)
+    before = run_distributed(_train, 2, args=("raise", [0], None, disk[1]), timeout=60)
+    for rank in range(2):
+        error = stopped[rank]["error"]
+        assert error is not None
+        assert error.startswith("shard_embeddings: update 2: "), error
+        assert "half-precision rows overflowed to inf or NaN in the update (by table: 'user': " in (
+            error
+        )
+        assert "'item'" not in error  # float32 rows are not guarded
+        assert "the update was undone on every rank" in error
+        assert "float16 holds values up to 65504" in error
+        assert stopped[rank]["updates"] == 1
+        _assert_same(stopped[rank], before[rank])
+
+
+@pytest.mark.timeout(120)
+def test_skip_undoes_the_overflowing_step_and_counts_it(tmp_path: Path) -> None:
+    skipped = run_distributed(_train, 2, args=("skip", [0, 1, 2], 1, None), timeout=60)
+    without = run_distributed(_train, 2, args=("skip", [0, 2], None, None), timeout=60)
+    for rank in range(2):
+        assert skipped[rank]["error"] is None
+        assert (skipped[rank]["skipped"], skipped[rank]["updates"]) == (1, 2)
+        assert without[rank]["skipped"] == 0
+        _assert_same(skipped[rank], without[rank])
