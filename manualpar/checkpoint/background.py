@@ -28,7 +28,6 @@ import torch.distributed as dist
 from manualpar.checkpoint.agreement import OnGroup, Ranks, agree, agree_on_path, dcp_call
 from manualpar.checkpoint.files import partial_path, prepare
 from manualpar.checkpoint.local_shards import Block, LocalShards
-from manualpar.checkpoint.spill import spill_blocks
 from manualpar.checkpoint.save import (
     commit,
     make_manifest,
@@ -36,6 +35,7 @@ from manualpar.checkpoint.save import (
     state_dicts,
     write_blobs,
 )
+from manualpar.checkpoint.spill import spill_blocks
 from manualpar.checkpoint.state import split_leaves, validate_state
 
 __all__ = ["PendingSave", "save_checkpoint_async"]

@@ -17,6 +17,7 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,9 @@ class Block:
     # file, and this lets go of the pages the previous block touched, so a checkpoint holds one
     # block's pages at a time instead of the whole file
     prepare: Callable[[], None] | None = None
+    # where a background save stages its private copy of this block (a disk table's directory,
+    # so the copy stays out of memory: checkpoint/spill.py), or None: in memory
+    spill_dir: Path | None = None
 
 
 class LocalShards(torch.Tensor):

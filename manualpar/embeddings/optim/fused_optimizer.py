@@ -284,6 +284,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 t,
                 primary,
                 store.drop_pages,
+                store.spill_dir,
             )
             for r, t in chunks
         ]

@@ -191,7 +191,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return LocalShards(
             shape,
             [
-                Block((shard.row_start + r, shard.col_start), t, primary, store.drop_pages)
+                Block(
+                    (shard.row_start + r, shard.col_start),
+                    t,
+                    primary,
+                    store.drop_pages,
+                    store.spill_dir,
+                )
                 for r, t in chunks
             ],
             table.weight.dtype,

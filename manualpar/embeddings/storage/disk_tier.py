@@ -116,6 +116,7 @@ class DiskTable:
     ) -> None:
         self.config, self.seed, self.shard, self.rank = config, seed, shard, rank
         self.weight, self.state = weight, state  # the cache tensors (module's and optimizer's)
+        self.directory = Path(directory)
         self.cache = RowCache(shard.rows, weight.shape[0], policy)
         self.initial = {k: v[:1].clone() for k, v in initial_state.items()}
         stem = f"{config.name}.rows{shard.row_start}.cols{shard.col_start}.rank{rank}"
@@ -235,6 +236,10 @@ class DiskTable:
             (start, tensor[start : start + self.checkpoint_rows])
             for start in range(0, self.shard.rows, self.checkpoint_rows)
         ]
+
+    @property
+    def spill_dir(self) -> Path | None:
+        return self.directory
 
     def drop_pages(self) -> None:
         self.file.release_pages()

@@ -7,6 +7,7 @@ state tensors themselves (one chunk each).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,10 @@ class MemoryRows:
 
     def loaded(self) -> None:
         pass
+
+    @property
+    def spill_dir(self) -> Path | None:
+        return None
 
     def drop_pages(self) -> None:
         pass

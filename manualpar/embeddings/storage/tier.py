@@ -16,6 +16,7 @@ Checkpoints read and write the block through `checkpoint_chunks`, and `loaded()`
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +50,12 @@ class RowStore(Protocol):
 
     def loaded(self) -> None:
         """A checkpoint load just wrote the chunks: drop anything derived from the old rows."""
+
+    @property
+    def spill_dir(self) -> Path | None:
+        """Where a background save stages its private copy of this block's chunks (a disk
+        tier's directory: the copy must not undo the tier's memory bound), or None: in
+        memory."""
 
     def drop_pages(self) -> None:
         """Let go of the memory reading or writing earlier checkpoint chunks took (a disk
