@@ -1,4 +1,5 @@
-"""Half rows that overflow in the update are put back and reported (reliability row 78): a
+"""Half rows that overflow in the update are put back and reported when asked
+(`guard_half_rows=True`; reliability row 78): a
 learning rate too large for float16 turns rows to inf with a finite gradient; every rank undoes
 the update and raises, or under "skip" drops the step and counts it, leaving the rows, the
 optimizer state and the update count bit for bit those of a run without the step; in memory
@@ -39,7 +40,9 @@ def _batch(step: int, rank: int) -> SparseFeatures:
     )
 
 
-def _train(mode: str, steps: list[int], big_lr_step: int | None, disk: str | None) -> dict:
+def _train(
+    mode: str, steps: list[int], big_lr_step: int | None, disk: str | None, guard: bool = True
+) -> dict:
     strategy = mp.ManualParallelStrategy()
     tables = (
         EmbeddingBagConfig("user", 10, 4, dtype=torch.float16),
@@ -54,6 +57,7 @@ def _train(mode: str, steps: list[int], big_lr_step: int | None, disk: str | Non
         RowWiseAdagrad(lr=0.1),
         non_finite=mode,
         disk_tier=tier,
+        guard_half_rows=guard,
     )
     error = None
     for step in steps:
@@ -116,3 +120,11 @@ def test_skip_undoes_the_overflowing_step_and_counts_it(tmp_path: Path) -> None:
         assert (skipped[rank]["skipped"], skipped[rank]["updates"]) == (1, 2)
         assert without[rank]["skipped"] == 0
         _assert_same(skipped[rank], without[rank])
+
+
+@pytest.mark.timeout(120)
+def test_without_the_guard_the_overflow_reaches_the_rows() -> None:
+    """What the guard is for, and that it is off by default (it costs a gather a step)."""
+    (unguarded, _) = run_distributed(_train, 2, args=("raise", [0, 1], 1, None, False), timeout=60)
+    assert unguarded["error"] is None
+    assert not torch.isfinite(unguarded["tables"]["tables.user.weight"]).all()

@@ -56,6 +56,7 @@ def shard_embeddings(
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
+    guard_half_rows: bool = False,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -76,6 +77,12 @@ def shard_embeddings(
     `non_finite`: what a step whose output gradient holds NaN or inf does, on every rank
     alike, before any row changes: "raise" (NonFiniteError naming tables, ranks and counts) or
     "skip" (drop the sparse update and count it in `skipped_updates`; step/finite_check.py).
+
+    `guard_half_rows`: copy aside and check the rows each update touches in a collection with
+    float16/bfloat16 tables, and undo an update that overflowed them to inf or NaN (then
+    `non_finite` decides: NonFiniteError, or a counted skip). Off by default: it gathers the
+    touched rows twice a step (2.1-2.4x the step of 8 float16 tables, measured); turn it on
+    to find where rows overflow (step/half_overflow.py).
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -127,6 +134,8 @@ def shard_embeddings(
             ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier, non_finite
         )
     )
+    if guard_half_rows:
+        sharded.step.backward_phases.guard_half_rows()
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
 

@@ -6,8 +6,8 @@ only this rank's own bags touched (the rule's fused pass, RowPass.OWN), and once
 the rest (RowPass.REST), so every row is still updated once, with its whole gradient: the
 numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
 replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out. A step
-whose gradient holds NaN or inf updates nothing (finite_check.py); one whose half rows
-overflow is undone (half_overflow.py).
+whose gradient holds NaN or inf updates nothing (finite_check.py); if asked, one whose half
+rows overflow is undone (half_overflow.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
-from manualpar.embeddings.step.half_overflow import half_rows_guard
+from manualpar.embeddings.step.half_overflow import HalfRowsGuard, half_rows_guard
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
@@ -34,7 +34,12 @@ class BackwardPhases:
         self.data_parallel = data_parallel
         self.apply_row_sums = row_sum_update(parts)
         self.finite = FiniteCheck(parts, non_finite)
-        self.half_rows = half_rows_guard(parts, self.finite)  # None without half tables
+        self.half_rows: HalfRowsGuard | None = None  # guard_half_rows() sets it
+
+    def guard_half_rows(self) -> None:
+        """Undo and report updates that overflow half rows (half_overflow.py; a cost on every
+        step, so asked for, not built by default)."""
+        self.half_rows = half_rows_guard(self.parts, self.finite)
 
     def __call__(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
         """Send the output gradient to the shards' owners and update our shards with theirs."""

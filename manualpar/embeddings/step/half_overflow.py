@@ -8,13 +8,17 @@ tables (float16 or bfloat16, not frozen this step):
 - before it, the rows the step touches and their optimizer state are copied aside, in every
   table it updates (a gather of the step's slots: the fused update writes rows in place, so
   nothing else could undo it; float32 tables too, so that an undone step changed nothing);
-- after it, the half tables' touched rows are summed (an inf or NaN anywhere makes the float64 sum
-  non-finite, and no finite half values can overflow it), and one flag is summed over the job;
+- after it, the half tables' touched rows are gathered again and their smallest and largest
+  values taken (NaN propagates, an overflow is +-inf), and one flag is summed over the job;
 - if any rank's rows overflowed, every rank puts its rows, state and update count back, then
   raises NonFiniteError naming the tables, the ranks and the row counts, or under "skip" drops
   the step and counts it, exactly as for a non-finite gradient.
 
-Collections without half tables build no guard and pay nothing.
+It costs two gathers of the touched rows a step: measured 2.1-2.4x the step of 8 float16 tables
+(examples/benchmarks/bench_half_guard.py; docs/benchmarks.md), the price of an undo done outside
+the update kernels. So it is built only when asked (`shard_embeddings(...,
+guard_half_rows=True)`), to find the step and the rows that overflow; collections without half
+tables build none either way.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class HalfRowsGuard:
             if not saved.half:
                 continue
             written = parts.weight(saved.table).index_select(0, saved.slots)
-            if not bool(torch.isfinite(written.double().sum())):
+            low, high = torch.aminmax(written)  # NaN propagates; an overflow is +-inf
+            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
                 flag[0] = 1
                 break
         parts.strategy.all_reduce_(flag, "sum", name=f"{BUILDER}: half-row overflow all_reduce")
@@ -111,7 +116,7 @@ class HalfRowsGuard:
             return True
         per_rank = parts.strategy.all_gather_object(self._counts(before))
         totals = [sum(column) for column in zip(*per_rank, strict=True)]
-        if not any(totals):  # cannot happen with a float64 sum; kept as for gradients
+        if not any(totals):  # cannot happen (a flag is raised only on a non-finite value)
             return True
         self._restore(before)
         bad = [rank for rank, counts in enumerate(per_rank) if any(counts)]
