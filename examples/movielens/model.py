@@ -1,0 +1,165 @@
+"""A SASRec-style next-item model: a causal transformer over a user's last 50 items.
+
+- the item table: an `EmbeddingCollection` sharded over the ranks (row-wise by default, or
+  planned), trained by its fused Adam inside backward; its feature "history" looks up the
+  items a user saw, its feature "catalog" every item once per step, so the loss is a softmax
+  over ALL items (as RecBole's SASRec with loss_type="CE") whose gradient reaches every row
+  through the lookup;
+- the encoder (positions, a 2-layer post-norm transformer, 2 heads, GELU): replicated with
+  `ddp` or sharded with `fsdp`, trained by a plain torch Adam;
+- evaluation scores each user against every item without gathering the table
+  (`target_ranks`: each rank scores its own rows) and ranks the target, ties by item id.
+
+Hyper-parameters follow RecBole's SASRec defaults: hidden size 64, inner size 256, dropout 0.5
+(hidden and attention), layer norm eps 1e-12, weights drawn with std 0.02.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from protocol import MAX_HISTORY
+from torch import nn
+
+import manualpar as mp
+from manualpar.embeddings import (
+    Adam,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    SparseFeatures,
+    row_wise,
+    shard_embeddings,
+    target_ranks,
+)
+
+
+@dataclass
+class Histories:
+    """A batch of users: item ids (batch, MAX_HISTORY) left-aligned, -1 after each history;
+    `targets` (batch, MAX_HISTORY) the next item at every position (-1: none), or `target`
+    (batch,) one target per user for evaluation."""
+
+    items: torch.Tensor
+    targets: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Encoder(nn.Module):
+    """Item rows plus positions through a causal post-norm transformer."""
+
+    def __init__(self, dim: int, layers: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(MAX_HISTORY, dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-12)
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout, activation="gelu", batch_first=True, layer_norm_eps=1e-12
+        )
+        self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(batch, length, dim) outputs; position t attends to positions <= t of its user."""
+        length = rows.shape[1]
+        x = rows + self.positions(torch.arange(length, device=rows.device))
+        x = self.dropout(self.norm(x))
+        causal = nn.Transformer.generate_square_subsequent_mask(length, device=rows.device)
+        return self.transformer(x, mask=causal, src_key_padding_mask=~mask, is_causal=True)
+
+
+class SASRec(mp.ParallelModule):
+    def __init__(
+        self,
+        num_items: int,
+        *,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        dropout: float = 0.5,
+        lr: float = 1e-3,
+        dense: str = "ddp",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_items, self.lr, self.dense, self.seed = num_items, lr, dense, seed
+        # uniform rows with RecBole's std of 0.02
+        table = EmbeddingConfig(
+            "item", num_items, dim, feature_names=("history", "catalog"), init_bound=0.02 * 3**0.5
+        )
+        self.items = EmbeddingCollection([table], seed=seed)
+        self.encoder = Encoder(dim, layers, heads, dropout)
+        self.ranking = mp.metrics.RankingMetrics(ks=(10, 20))  # exact over every rank's users
+
+    def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        self.items = shard_embeddings(
+            self.items, strategy, plan={"item": row_wise()}, optimizer=Adam(lr=self.lr)
+        )
+        if self.dense == "fsdp":
+            self.encoder = mp.fsdp(self.encoder, strategy)
+        mp.materialize(self, strategy, seed=self.seed)
+        if self.dense == "ddp":
+            self.encoder = mp.ddp(self.encoder, strategy)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=self.lr)
+
+    # ---- the model -----------------------------------------------------------------------------
+    def encode(self, batch: Histories, catalog: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(batch, MAX_HISTORY, dim) outputs, and every item's row if `catalog`."""
+        real = batch.items >= 0
+        lengths = real.sum(1)
+        every = torch.arange(self.num_items) if catalog else torch.zeros(0, dtype=torch.int64)
+        catalog_lengths = torch.zeros(len(batch), dtype=torch.int64)
+        if len(batch) and catalog:
+            catalog_lengths[0] = self.num_items  # the whole catalog in the first sample's bag
+        features = SparseFeatures(
+            ("history", "catalog"),
+            torch.cat([batch.items[real], every]),
+            torch.cat([lengths, catalog_lengths]),
+        )
+        looked_up = self.items(features)
+        rows, mask = looked_up["history"].to_padded(MAX_HISTORY)
+        out = self.encoder(rows, mask)
+        return out, looked_up["catalog"].values if catalog else None
+
+    def training_step(self, batch: Histories, step: int) -> dict[str, torch.Tensor]:
+        """Cross-entropy over every item at every position that has a next item."""
+        assert batch.targets is not None
+        out, catalog = self.encode(batch, catalog=True)
+        assert catalog is not None
+        has_target = batch.targets >= 0
+        logits = out[has_target] @ catalog.T
+        return {"loss": F.cross_entropy(logits, batch.targets[has_target])}
+
+    @torch.no_grad()
+    def user_vectors(self, batch: Histories) -> torch.Tensor:
+        """Each user's output at their last item: what scores the next one."""
+        out, _ = self.encode(batch, catalog=False)
+        last = (batch.items >= 0).sum(1) - 1
+        return out[torch.arange(len(batch)), last.clamp(min=0)]
+
+    @torch.no_grad()
+    def ranks(self, batch: Histories) -> torch.Tensor:
+        """The 1-based rank of each user's target among all items (ties: smaller id first)."""
+        assert batch.target is not None
+        return target_ranks(self.items, "item", self.user_vectors(batch), batch.target)
+
+    def validation_step(self, batch: Histories) -> dict[str, object]:
+        """Ranks this batch's targets; the Trainer computes the metrics over every rank's
+        users once the pass is over (HR, NDCG, MRR at 10 and 20)."""
+        self.ranking.update(self.ranks(batch))
+        return {"ranking": self.ranking}

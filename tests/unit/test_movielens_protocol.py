@@ -1,0 +1,91 @@
+"""The MovieLens example's data: every GroupLens layout reads to the same ratings, and the split
+is RecBole's leave-one-out by time (ties in file order, nothing filtered, histories of 50)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from example_modules import load_example
+
+ratings = load_example(Path("movielens/ratings.py"), "ml_ratings")
+protocol = load_example(Path("movielens/protocol.py"), "ml_protocol", {"ratings": ratings})
+
+# (user, item, rating, time) in file order; user 7's items 30 and 31 share a timestamp
+ROWS = [
+    ("7", "30", "4", 100),
+    ("9", "11", "3", 50),
+    ("7", "31", "5", 100),
+    ("7", "12", "1", 90),
+    ("9", "30", "2", 40),
+    ("7", "11", "2", 120),
+    ("9", "12", "5", 60),
+]
+
+
+def _write_every_layout(directory: Path) -> list[Path]:
+    inter = directory / "ml.inter"
+    inter.write_text(
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+        + "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ROWS)
+    )
+    u_data = directory / "u.data"
+    u_data.write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ROWS))
+    dat = directory / "ratings.dat"
+    dat.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in ROWS))
+    csv = directory / "ratings.csv"
+    csv.write_text(
+        "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in ROWS)
+    )
+    return [inter, u_data, dat, csv]
+
+
+def test_every_layout_reads_the_same_ratings_in_file_order(tmp_path: Path) -> None:
+    for path in _write_every_layout(tmp_path):
+        read = ratings.read_ratings(path)
+        assert read.users == [u for u, _, _, _ in ROWS], path
+        assert read.items == [i for _, i, _, _ in ROWS], path
+        assert read.timestamps == [float(t) for _, _, _, t in ROWS], path
+
+
+def test_a_bad_line_names_its_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "u.data"
+    path.write_text("1\t2\t3\t4\n1\t2\n")
+    with pytest.raises(SystemExit, match=r"u\.data, line 2: cannot read '1\\t2'"):
+        ratings.read_ratings(path)
+
+
+def test_sequences_sort_by_time_keeping_file_order_for_ties(tmp_path: Path) -> None:
+    sequences = protocol.user_sequences(ratings.read_ratings(_write_every_layout(tmp_path)[1]))
+    # item ids by first appearance: 30 -> 0, 11 -> 1, 31 -> 2, 12 -> 3
+    assert sequences.item_tokens == ["30", "11", "31", "12"]
+    # user 7: 12 (90), 30 (100), 31 (100, after 30 in the file), 11 (120); user 9: 30, 11, 12
+    assert sequences.items == [[3, 0, 2, 1], [0, 1, 3]]
+
+
+def test_leave_one_out_targets_and_histories() -> None:
+    long_user = list(range(60))
+    split = protocol.leave_one_out(protocol.Sequences([[3, 0, 2, 1], long_user], ["a"] * 60))
+    assert split.train == [[3, 0], long_user[:58]]
+    assert split.valid.targets.tolist() == [2, 58]
+    assert split.test.targets.tolist() == [1, 59]
+    # the test history holds the validation item; at most the last 50 items, -1 after
+    assert split.test.histories[0, :4].tolist() == [3, 0, 2, -1]
+    assert split.test.lengths.tolist() == [3, 50]
+    assert split.test.histories[1].tolist() == long_user[9:59]
+    assert split.valid.histories[1].tolist() == long_user[8:58]
+
+
+def test_training_windows_hold_every_training_target_once() -> None:
+    train = [list(range(100, 103)), list(range(120))]
+    windows = protocol.training_windows(train)
+    targets: list[int] = []
+    for window in windows:
+        items = window[window >= 0]
+        assert 2 <= len(items) <= protocol.MAX_HISTORY + 1
+        targets += items[1:].tolist()
+    expected = [t for items in train for t in items[1:]]
+    assert sorted(targets) == sorted(expected)
+    # the last window of a long history ends at its last item and sees 50 items before it
+    assert torch.equal(windows[1], torch.arange(69, 120))
