@@ -13,10 +13,10 @@ order, on every rank at once (the processes share the machine as in training):
   reads every file and keeps every world-th line (fewer files than ranks);
 - the example's training step (DLRM, 26 HashIds tables, row-wise Adagrad, Adam on the MLPs) on
   batches read beforehand, in samples per second per process: local batch / the slowest rank's
-  step time, median of `--steps` after `--warmup`.
-
-The Trainer reads a step's batch in the training process, between steps, so reading adds
-train rate / read rate to each step's time; above 1, reading is slower than training.
+  step time, median of `--steps` after `--warmup`;
+- the same step reading each batch from the plain file as it goes: inline (the loop calls the
+  reader between steps) and read ahead (`Prefetched`: the next batch parsed in a background
+  thread during the step). What each adds to the step is its rate against the pre-read one.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from bench_common import environment_info, median, time_steps, write_json
 
 import manualpar as mp
+from manualpar.loop.prefetch import Prefetched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recsys"))  # the example
 from criteo import CriteoStream, batches, hashed_tables, rank_share, write_synthetic_criteo
@@ -95,11 +96,34 @@ def main() -> None:
     def train_rate() -> float:
         return local_batch / median(time_steps(strategy, train_step, args.steps, args.warmup))
 
+    def streamed_rate(ahead: bool) -> float:
+        """The step on batches read from the file as it goes (a fresh stream each time)."""
+        fresh = CriteoStream(
+            [plain], rank=rank, world=world, batch_size=args.batch, val_samples=0, epochs=10**6
+        )
+        data = Prefetched(fresh.train) if ahead else fresh.train
+        indices = iter(range(10**9))
+
+        def step() -> None:
+            batch = data(next(indices), strategy)
+            loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        try:
+            return local_batch / median(time_steps(strategy, step, args.steps, args.warmup))
+        finally:
+            if isinstance(data, Prefetched):
+                data.close()
+
     variants: dict[str, Callable[[], float]] = {
         "read plain, all lines": lambda: read_rate(plain, rank, 1, local_batch),
         "read gzip, all lines": lambda: read_rate(packed, rank, 1, local_batch),
         "read plain, 1/world lines": lambda: read_rate(plain, rank, world, local_batch),
         "read gzip, 1/world lines": lambda: read_rate(packed, rank, world, local_batch),
+        "train, reading inline": lambda: streamed_rate(ahead=False),
+        "train, read ahead": lambda: streamed_rate(ahead=True),
         "train": train_rate,
     }
     if world == 1:
@@ -116,13 +140,22 @@ def main() -> None:
     results = {}
     for name, values in rates.items():
         results[name] = {"samples_per_s": values, "median": median(values)}
-        if name != "train":
+        if name.startswith("read "):
             results[name]["read_cost_per_step"] = train / median(values)
+        elif name != "train":
+            results[name]["step_time_vs_pre_read"] = train / median(values)
     if strategy.is_global_zero:
         print(f"{world} processes, local batch {local_batch}, {torch.get_num_threads()} threads")
         print(f"train                       {train:12,.0f} samples/s per process")
         for name in names[:-1]:
             value = median(rates[name])
+            if name.startswith("train, "):
+                print(
+                    f"{name:27s} {value:12,.0f} samples/s per process: the step takes "
+                    f"{train / value:.3f}x the step on pre-read batches",
+                    flush=True,
+                )
+                continue
             cost = train / value
             print(
                 f"{name:27s} {value:12,.0f} samples/s per process: reading adds {cost:.2f}x a "

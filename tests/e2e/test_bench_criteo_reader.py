@@ -24,10 +24,18 @@ def test_reader_benchmark_writes_rates_and_read_costs(tmp_path: Path) -> None:
     )
     assert (tmp_path / "data/day.tsv").stat().st_size > 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"train", "read plain, all lines", "read gzip, all lines"}  # 1 process
+    assert set(results) == {  # 1 process: no 1/world variants
+        "train",
+        "read plain, all lines",
+        "read gzip, all lines",
+        "train, reading inline",
+        "train, read ahead",
+    }
     train = results["train"]["median"]
     for name, result in results.items():
         assert len(result["samples_per_s"]) == 2
         assert result["median"] == statistics.median(result["samples_per_s"])
-        if name != "train":
+        if name.startswith("read "):
             assert result["read_cost_per_step"] == pytest.approx(train / result["median"])
+        elif name != "train":
+            assert result["step_time_vs_pre_read"] == pytest.approx(train / result["median"])
