@@ -1,8 +1,8 @@
-"""top_k_items and target_ranks on 1, 2 and 3 ranks, each with its own number of queries (one
-with none), equal to the unsharded collection holding the same full tables: row-wise,
-table-wise, table-row-wise and data-parallel tables whose scores tie (duplicate rows), a rank
-with fewer rows than k, scoring in small chunks. A bad call on one rank stops every rank; a
-column-wise table is refused."""
+"""top_k_items and target_ranks on 1, 2 and 3 ranks (and a 2 x 2 mesh), each rank with its own
+number of queries (one with none), equal to the unsharded collection holding the same full
+tables: row-wise, table-wise, table-row-wise and data-parallel tables whose scores tie
+(duplicate rows), a rank with fewer rows than k, scoring in small chunks. A bad call on one
+rank stops every rank; a column-wise table is refused."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from manualpar.testing import run_distributed
 
 ROWS, DIM, K = 23, 4, 10  # 3 row-wise ranks hold 8, 8 and 7 rows: fewer than K
 TABLES = ("rows", "one", "node", "copies")
-BATCHES = {1: [5], 2: [4, 0], 3: [0, 6, 3]}
+BATCHES = {1: [5], 2: [4, 0], 3: [0, 6, 3], 4: [3, 0, 2, 4]}
 
 
 def _collection(world: int) -> EmbeddingBagCollection:
@@ -120,3 +120,30 @@ def test_sharded_ranking_equals_the_unsharded_tables(world: int) -> None:
             assert result["found"]["after"][1].tolist() == [
                 o[:3] for o in reference_order(queries, full.tables["rows"].weight.detach())
             ]
+
+
+def _rank_2d() -> dict:
+    strategy = mp.ManualParallelStrategy()
+    mesh = strategy.mesh(replicate=2, shard=2)
+    plan = {name: row_wise() for name in TABLES}
+    plan["one"] = table_wise(1)
+    emb = shard_embeddings(_collection(1), strategy, plan, SGD(lr=0.1), mesh=mesh)
+    queries, targets = _inputs(4, strategy.rank)
+    found = {}
+    for name in ("rows", "one"):
+        _, ids = top_k_items(emb, name, queries, K, scores_per_chunk=16)
+        found[name] = (ids, target_ranks(emb, name, queries, targets))
+    strategy.teardown()
+    return found
+
+
+def test_a_2d_mesh_ranks_inside_each_shard_group() -> None:
+    results = run_distributed(_rank_2d, 4, timeout=60)
+    full = _collection(1)
+    for rank, found in enumerate(results):
+        queries, targets = _inputs(4, rank)
+        for name, (ids, ranks) in found.items():
+            order = reference_order(queries, full.tables[name].weight.detach())
+            assert ids.tolist() == [o[:K] for o in order], (name, rank)
+            expected = [o.index(t) + 1 for o, t in zip(order, targets.tolist(), strict=True)]
+            assert ranks.tolist() == expected, (name, rank)
