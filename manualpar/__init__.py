@@ -7,9 +7,11 @@ The public API, by rule: this module carries the strategy, `ParallelModule`/`loa
 builders, meta init, the Trainer, the checkpoint functions and every error class, plus the
 embedding names a model definition needs most; `manualpar.embeddings` carries the whole
 embedding vocabulary (configs, collections, plans and placements, update rules, the planner,
-the disk tier, raw ids). Anything deeper is internal and may move between releases.
+the disk tier, raw ids); `manualpar.metrics` (also `mp.metrics`) the evaluation metrics, exact
+over every rank. Anything deeper is internal and may move between releases.
 """
 
+from manualpar import metrics
 from manualpar.builders import (
     clip_grad_norm_,
     ddp,
@@ -107,6 +109,7 @@ __all__ = [
     "load_checkpoint",
     "load_trained",
     "materialize",
+    "metrics",
     "read_manifest",
     "restore_rng_state",
     "save_checkpoint",

@@ -11,7 +11,7 @@ each, in one-way layers; docs/embeddings.md, "Layout"):
     modules/         the unsharded bag and sequence collections, table init
     storage/         where a block's rows live (memory, the disk tier)
     planning/ step/  the planner; one sharded step (routing, exchanges, lookup, update)
-    sharded/         shard_embeddings and the sharded collections
+    sharded/         shard_embeddings, the sharded collections, ranking against every row
 """
 
 from manualpar.checkpoint.local_shards import LocalShards, full_tensors
@@ -66,6 +66,7 @@ from manualpar.embeddings.planning.planner import (
     table_bytes,
 )
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
 from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -121,4 +122,6 @@ __all__ = [
     "table_dtype",
     "table_row_wise",
     "table_wise",
+    "target_ranks",
+    "top_k_items",
 ]

@@ -32,7 +32,7 @@ LAYERS = [
     {"environment", "seed"},
     {"ownership", "meta", "checkpoint"},
     {"strategy", "module"},
-    {"builders", "embeddings"},
+    {"builders", "embeddings", "metrics"},
     {"loop"},
     {"cli", "testing", "__main__"},
 ]

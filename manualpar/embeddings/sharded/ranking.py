@@ -1,0 +1,321 @@
+"""Ranking queries against every row of one table, without gathering the table.
+
+    scores, ids = top_k_items(emb, "item", user_vectors, k=100)    # (B, 100) each
+    ranks = target_ranks(emb, "item", user_vectors, next_items)     # (B,) 1-based
+
+Every rank calls these together with its own batch of queries (its size may differ, 0
+included). The queries travel (one all_gather), each rank scores all of them against the rows
+it holds, chunk by chunk (at most `scores_per_chunk` scores at a time), and:
+- top_k_items: each rank keeps its k best per query and sends them to the query's rank (one
+  all_to_all), which merges them;
+- target_ranks: the target row's owner scores it (one all_reduce of the target scores), each
+  rank counts the items of its rows ranking before the target, and the counts are summed (one
+  all_reduce).
+The order is the same on every layout: higher score first, then smaller item id (scores are
+summed in float64 and rounded to float32 once: kernels/scoring.py). An unsharded collection and
+a data-parallel table are scored here alone; a column-wise table is refused (no rank holds a
+whole row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.kernels.scoring import (
+    SENTINEL_ID,
+    best_k,
+    chunk_top_k,
+    count_before,
+    score_rows,
+)
+from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, table_of
+from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
+from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.errors import EmbeddingInputError, PlanError
+from manualpar.strategy.uneven import all_gather_uneven
+
+if TYPE_CHECKING:
+    from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["DEFAULT_SCORES_PER_CHUNK", "target_ranks", "top_k_items"]
+
+DEFAULT_SCORES_PER_CHUNK = 1 << 22  # 4M scores: about 64 MiB of temporaries
+QUERIES_PER_CHUNK = 1024
+Collection = EmbeddingBagCollection | EmbeddingCollection | ShardedEmbeddingBagCollection
+Chunks = Callable[[int], Iterator[tuple[int, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One table as the ranking sees it: this rank's rows, and who else holds the others."""
+
+    config: EmbeddingBagConfig
+    device: torch.device
+    chunks: Chunks  # (first item id, rows) pieces of this rank's rows, of at most n rows
+    strategy: ManualParallelStrategy | None = None  # None: this process holds every row
+    group: Any = None  # the ranks holding one copy of the table (a 2-D mesh's shard dim)
+
+
+def top_k_items(
+    emb: Collection,
+    table: str,
+    queries: torch.Tensor,
+    k: int,
+    *,
+    scores_per_chunk: int = DEFAULT_SCORES_PER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k items scoring highest against each of this rank's (B, dim) `queries`, best first:
+    (B, k) float32 scores and (B, k) int64 item ids (table rows). Collective."""
+    _check_chunk(scores_per_chunk)
+    where = _table(emb, table, "top_k_items")
+    n = where.config.num_embeddings
+    problem = _check_queries(where, queries)
+    if problem is None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n):
+        problem = f"k must be an int in [1, {n}] (the table's rows), got {k!r}"
+    batches = _agree(where, "top_k_items", queries, problem, k)
+    if sum(batches) == 0:  # no rank has a query: read no row
+        return torch.zeros((0, k), device=where.device), torch.zeros(
+            (0, k), dtype=torch.int64, device=where.device
+        )
+    everyone = _gather(where, queries.detach().to(where.device, torch.float32), batches)
+    top_scores, top_ids = _local_top_k(where, everyone.to(torch.float64), k, scores_per_chunk)
+    return _merge(where, top_scores, top_ids, batches, k)
+
+
+def target_ranks(
+    emb: Collection,
+    table: str,
+    queries: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    scores_per_chunk: int = DEFAULT_SCORES_PER_CHUNK,
+) -> torch.Tensor:
+    """(B,) int64 1-based rank of each target item among all rows for its query: 1 + items
+    scoring higher + items scoring the same with a smaller id. Collective."""
+    _check_chunk(scores_per_chunk)
+    where = _table(emb, table, "target_ranks")
+    problem = _check_queries(where, queries) or _check_targets(where, queries, targets)
+    batches = _agree(where, "target_ranks", queries, problem, None)
+    if sum(batches) == 0:  # no rank has a query: read no row
+        return torch.zeros(0, dtype=torch.int64, device=where.device)
+    everyone = _gather(where, queries.detach().to(where.device, torch.float32), batches)
+    everyone = everyone.to(torch.float64)
+    wanted = _gather(where, targets.detach().to(where.device, torch.int64), batches)
+    target_scores = _sum(where, _target_scores(where, everyone, wanted), "target scores")
+    counts = torch.zeros(len(wanted), dtype=torch.int64, device=where.device)
+    step = _queries_per_chunk(len(wanted), scores_per_chunk)
+    for first, rows in where.chunks(max(1, scores_per_chunk // step)):
+        for q in range(0, len(wanted), step):
+            scores = score_rows(everyone[q : q + step], rows)
+            counts[q : q + step] += count_before(
+                scores, first, target_scores[q : q + step], wanted[q : q + step]
+            )
+    counts = _sum(where, counts, "counts")
+    return 1 + _mine(where, counts, batches)
+
+
+# ---- the table on this rank ------------------------------------------------------------------
+def _table(emb: Collection, name: str, caller: str) -> _Table:
+    configs = {config.name: config for config in getattr(emb, "configs", ())}
+    if not isinstance(emb, Collection) or name not in configs:
+        what = type(emb).__name__
+        raise EmbeddingInputError(
+            f"{caller}: no table {name!r} in the {what}"
+            + (f" (its tables: {sorted(configs)})" if configs else "")
+            + "; pass an EmbeddingBagCollection, EmbeddingCollection or one from "
+            "shard_embeddings, and one of its table names"
+        )
+    config = configs[name]
+    if not isinstance(emb, ShardedEmbeddingBagCollection):
+        weight = table_of(emb.tables, name).weight.detach()
+        if weight.is_meta:
+            raise EmbeddingInputError(
+                f"{caller}: table {name!r} is on the meta device (no values yet); materialize "
+                "the collection or shard it with shard_embeddings first"
+            )
+        return _Table(config, weight.device, _pieces([(0, weight)], None))
+    placement = emb.plan.tables[name]
+    if emb.routing.splits_cols(list(configs).index(name)):
+        raise PlanError(
+            f"{caller}: table {name!r} is placed {placement}: its columns are split over ranks, "
+            "so no rank can score a whole row. Rank against a row_wise, table_wise or "
+            "table_row_wise placement of it (load a checkpoint into such a plan), or gather "
+            "it (full_tensors()) and use metrics.target_ranks_from_scores"
+        )
+    shard = emb._shards[name]
+    store = emb.storage.by_name.get(name)
+    if shard is None or store is None:
+        pieces = _pieces([], None)
+    else:
+        chunks = [(shard.row_start + start, rows) for start, rows in store.checkpoint_chunks(None)]
+        pieces = _pieces(chunks, store.drop_pages)  # a disk tier's, one file chunk at a time
+    if placement.sharding == "data_parallel":
+        return _Table(config, emb.device, pieces)
+    return _Table(config, emb.device, pieces, emb.strategy, emb.mesh.shard)
+
+
+def _pieces(
+    chunks: list[tuple[int, torch.Tensor]], drop_pages: Callable[[], None] | None
+) -> Chunks:
+    def pieces(rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+        for first, block in chunks:
+            for start in range(0, block.shape[0], rows):
+                if drop_pages is not None:
+                    drop_pages()
+                yield first + start, block[start : start + rows].detach()
+        if drop_pages is not None:
+            drop_pages()
+
+    return pieces
+
+
+# ---- checks and agreement ---------------------------------------------------------------------
+def _check_queries(where: _Table, queries: torch.Tensor) -> str | None:
+    dim = where.config.embedding_dim
+    if (
+        not isinstance(queries, torch.Tensor)
+        or queries.dim() != 2
+        or queries.shape[1] != dim
+        or not queries.is_floating_point()
+    ):
+        shape = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries)
+        dtype = f" {queries.dtype}" if isinstance(queries, torch.Tensor) else ""
+        return (
+            f"queries must be a floating (batch, {dim}) tensor for table "
+            f"{where.config.name!r}, got {shape}{dtype}"
+        )
+    return None
+
+
+def _check_targets(where: _Table, queries: torch.Tensor, targets: torch.Tensor) -> str | None:
+    rows = where.config.num_embeddings
+    if (
+        not isinstance(targets, torch.Tensor)
+        or targets.shape != (queries.shape[0],)
+        or targets.is_floating_point()
+        or targets.dtype == torch.bool
+    ):
+        shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
+        return f"targets must be {queries.shape[0]} integer item ids (one per query), got {shape}"
+    outside = (targets < 0) | (targets >= rows)
+    if outside.any():
+        at = int(outside.nonzero()[0, 0])
+        return (
+            f"target {int(targets[at])} of query {at} is not a row of table "
+            f"{where.config.name!r} [0, {rows})"
+        )
+    return None
+
+
+def _agree(
+    where: _Table, caller: str, queries: torch.Tensor, problem: str | None, k: int | None
+) -> list[int]:
+    """Every rank's batch size; any rank's bad input raises on every rank (no one waits)."""
+    batch = 0 if problem else int(queries.shape[0])
+    if where.strategy is None:
+        if problem:
+            raise EmbeddingInputError(f"{caller}: {problem}")
+        return [batch]
+    reports = where.strategy.all_gather_object((batch, k, problem), group=where.group)
+    bad = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(reports) if p]
+    if not bad and len({report[1] for report in reports}) > 1:
+        bad = [f"ranks passed different k: {[report[1] for report in reports]}"]
+    if bad:
+        raise EmbeddingInputError(
+            f"{caller} on table {where.config.name!r}: " + "; ".join(bad) + " (every rank stops)"
+        )
+    return [report[0] for report in reports]
+
+
+# ---- collectives (none without a strategy) ----------------------------------------------------
+def _gather(where: _Table, tensor: torch.Tensor, batches: list[int]) -> torch.Tensor:
+    if where.strategy is None:
+        return tensor
+    parts = all_gather_uneven(where.strategy, tensor, group=where.group, lengths=batches)
+    return torch.cat(parts)
+
+
+def _sum(where: _Table, tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if where.strategy is None:
+        return tensor
+    name = f"ranking table {where.config.name!r}: {what}"
+    return where.strategy.all_reduce_(tensor, "sum", name=name, group=where.group)
+
+
+def _mine(where: _Table, tensor: torch.Tensor, batches: list[int]) -> torch.Tensor:
+    """This rank's rows of a tensor over every rank's queries."""
+    if where.strategy is None:
+        return tensor
+    index = where.strategy.group_rank(where.group)
+    start = sum(batches[:index])
+    return tensor[start : start + batches[index]]
+
+
+# ---- scoring ----------------------------------------------------------------------------------
+def _check_chunk(scores_per_chunk: int) -> None:
+    if isinstance(scores_per_chunk, bool) or not isinstance(scores_per_chunk, int):
+        raise TypeError(f"scores_per_chunk must be an int, got {scores_per_chunk!r}")
+    if scores_per_chunk < 1:
+        raise ValueError(f"scores_per_chunk must be >= 1, got {scores_per_chunk}")
+
+
+def _queries_per_chunk(queries: int, scores_per_chunk: int) -> int:
+    return max(1, min(queries, QUERIES_PER_CHUNK, scores_per_chunk))
+
+
+def _local_top_k(
+    where: _Table, queries: torch.Tensor, k: int, scores_per_chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's k best among this rank's rows, padded with (-inf, SENTINEL_ID)."""
+    count = len(queries)
+    scores = torch.full((count, k), float("-inf"), device=where.device)
+    ids = torch.full((count, k), SENTINEL_ID, dtype=torch.int64, device=where.device)
+    step = _queries_per_chunk(count, scores_per_chunk)
+    for first, rows in where.chunks(max(1, scores_per_chunk // step)):
+        for q in range(0, count, step):
+            chunk_scores, chunk_ids = chunk_top_k(score_rows(queries[q : q + step], rows), first, k)
+            scores[q : q + step], ids[q : q + step] = best_k(
+                torch.cat([scores[q : q + step], chunk_scores], dim=1),
+                torch.cat([ids[q : q + step], chunk_ids], dim=1),
+                k,
+            )
+    return scores, ids
+
+
+def _merge(
+    where: _Table, scores: torch.Tensor, ids: torch.Tensor, batches: list[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send each rank the candidates of its queries (one all_to_all) and keep the k best."""
+    if where.strategy is None:
+        return scores, ids
+    packed = torch.stack([scores.view(torch.int32).to(torch.int64), ids], dim=-1).reshape(-1)
+    mine = batches[where.strategy.group_rank(where.group)]
+    received = where.strategy.all_to_all(
+        packed,
+        [b * k * 2 for b in batches],
+        [mine * k * 2] * len(batches),
+        name=f"top_k_items on table {where.config.name!r}: candidates",
+        group=where.group,
+    ).view(len(batches), mine, k, 2)
+    candidates = received.permute(1, 0, 2, 3).reshape(mine, len(batches) * k, 2)
+    theirs = candidates[..., 0].to(torch.int32).view(torch.float32)
+    return best_k(theirs, candidates[..., 1].contiguous(), k)
+
+
+def _target_scores(where: _Table, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's score where this rank holds its row, 0 elsewhere (the owner's counts)."""
+    scores = torch.zeros(len(targets), device=where.device)
+    for first, rows in where.chunks(1 << 16):
+        here = ((targets >= first) & (targets < first + len(rows))).nonzero()[:, 0]
+        if len(here):
+            row = rows[targets[here] - first].to(torch.float64)
+            dot = (queries[here] * row).sum(dim=1).to(torch.float32)
+            scores[here] = dot.nan_to_num(
+                nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")
+            )
+    return scores

@@ -1,0 +1,40 @@
+"""The 1-based rank of each query's target among all items, from a full score matrix.
+
+The tie rule (the same as manualpar.embeddings' sharded `target_ranks`): items are ordered by
+score, higher first, then by item id, smaller first; so rank = 1 + #{items scoring higher} +
+#{items scoring the same with a smaller id}. NaN scores count as -inf (they rank last).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["target_ranks_from_scores"]
+
+
+def target_ranks_from_scores(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, N) scores of every item, (B,) target item ids -> (B,) int64 ranks, 1-based."""
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(
+            "target_ranks_from_scores: scores must be a floating (queries, items) matrix, got "
+            f"shape {tuple(scores.shape)} {scores.dtype}"
+        )
+    batch, items = scores.shape
+    if targets.shape != (batch,) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise ValueError(
+            f"target_ranks_from_scores: targets must be {batch} integer item ids (one per row of "
+            f"scores), got shape {tuple(targets.shape)} {targets.dtype}"
+        )
+    targets = targets.to(scores.device, torch.int64)
+    outside = (targets < 0) | (targets >= items)
+    if outside.any():
+        at = int(outside.nonzero()[0, 0])
+        raise ValueError(
+            f"target_ranks_from_scores: target {int(targets[at])} of query {at} is not an item "
+            f"id in [0, {items})"
+        )
+    scores = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    target = scores.gather(1, targets[:, None])
+    ids = torch.arange(items, device=scores.device)
+    before = (scores > target) | ((scores == target) & (ids < targets[:, None]))
+    return 1 + before.sum(dim=1)
