@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,10 +43,14 @@ class JaggedFeature:
 
 @dataclass(frozen=True)
 class SparseFeatures:
+    """A batch of ids: `keys`, then every bag's ids feature-major in `values`, one length per
+    (key, sample) in `lengths`, optional per-id `weights`; validated when built."""
+
     keys: tuple[str, ...]
     values: torch.Tensor
     lengths: torch.Tensor
     weights: torch.Tensor | None = None
+    _sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))
