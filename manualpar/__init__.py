@@ -58,7 +58,7 @@ from manualpar.errors import (
     PlanError,
     StorageError,
 )
-from manualpar.loop import Trainer, check_finite, dataset_batches
+from manualpar.loop import BestCheckpoints, EarlyStopping, Trainer, check_finite, dataset_batches
 from manualpar.meta import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
@@ -69,12 +69,14 @@ __version__ = "0.2.0"
 __all__ = [
     "DEFAULT_TIMEOUT",
     "MANIFEST",
+    "BestCheckpoints",
     "BuilderError",
     "CheckpointError",
     "CheckpointMismatchError",
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "CollectiveError",
+    "EarlyStopping",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",

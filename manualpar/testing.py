@@ -66,6 +66,7 @@ class DistributedTestError(AssertionError):
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT in tests)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -21,7 +21,7 @@ from manualpar.errors import CheckpointError
 __all__ = ["MANIFEST", "latest_checkpoint", "read_manifest"]
 
 log = logging.getLogger("manualpar.checkpoint")
-MANIFEST = "manualpar.json"
+MANIFEST = "manualpar.json"  # a sharded checkpoint folder without this file is incomplete
 FORMAT = "manualpar-checkpoint"
 FULL_KEY = "__manualpar__"  # the manifest inside a full export
 

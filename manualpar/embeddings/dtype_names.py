@@ -8,6 +8,7 @@ from manualpar.errors import EmbeddingInputError
 
 __all__ = ["DTYPE_NAMES", "dtype_name", "table_dtype"]
 
+# Short names of the table dtypes (plan files, `--table-dtype`), and the dtype each means.
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _LONG_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

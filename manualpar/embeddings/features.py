@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,16 +43,46 @@ class JaggedFeature:
 
 @dataclass(frozen=True)
 class SparseFeatures:
+    """A batch of ids: `keys`, then every bag's ids feature-major in `values`, one length per
+    (key, sample) in `lengths`, optional per-id `weights`; validated when built."""
+
     keys: tuple[str, ...]
     values: torch.Tensor
     lengths: torch.Tensor
     weights: torch.Tensor | None = None
+    _sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))
-        _validate(self)
+        sizes = _validate(self)
         object.__setattr__(self, "values", self.values.to(torch.int64))
         object.__setattr__(self, "lengths", self.lengths.to(torch.int64))
+        # Each key's id count, read once here (validation reads the lengths anyway), so that
+        # slicing a feature out needs no host read: eager saves a sync per slice, and
+        # torch.compile traces `batch[key]` and `select` without a graph break.
+        object.__setattr__(self, "_sizes", tuple(sizes))
+
+    @classmethod
+    def _checked(
+        cls,
+        keys: tuple[str, ...],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        sizes: tuple[int, ...],
+    ) -> SparseFeatures:
+        """A batch made of parts of a validated one (int64 tensors, sizes known): skips the
+        validation, whose host reads would break a compiled caller's graph."""
+        batch = object.__new__(cls)
+        for name, value in (
+            ("keys", keys),
+            ("values", values),
+            ("lengths", lengths),
+            ("weights", weights),
+            ("_sizes", sizes),
+        ):
+            object.__setattr__(batch, name, value)
+        return batch
 
     # construction -----------------------------------------------------------------------------
     @classmethod
@@ -171,16 +201,16 @@ class SparseFeatures:
 
     def feature_sizes(self) -> list[int]:
         """Number of ids of each key."""
-        return self.lengths.view(len(self.keys), -1).sum(1).tolist() if self.keys else []
+        return list(self._sizes)
 
     def __getitem__(self, key: str) -> JaggedFeature:
         if key not in self.keys:
             raise EmbeddingInputError(f"no feature {key!r} in this batch; it has {list(self.keys)}")
         index = self.keys.index(key)
         batch = self.batch_size
-        start = int(self.lengths[: index * batch].sum())
+        start = sum(self._sizes[:index])
+        end = start + self._sizes[index]
         lengths = self.lengths[index * batch : (index + 1) * batch]
-        end = start + int(lengths.sum())
         weights = None if self.weights is None else self.weights[start:end]
         return JaggedFeature(self.values[start:end], lengths, weights)
 
@@ -192,8 +222,20 @@ class SparseFeatures:
         return SparseFeatures(self.keys, self.values.to(device), self.lengths.to(device), weights)
 
     def select(self, keys: Sequence[str]) -> SparseFeatures:
-        """The same batch with only `keys`, in that order."""
-        return SparseFeatures.from_features({key: self[key] for key in keys})
+        """The same batch with only `keys`, in that order (a key named twice is kept once)."""
+        keys = tuple(dict.fromkeys(keys))
+        parts = [self[key] for key in keys]
+        if not parts:
+            return SparseFeatures._checked((), self.values[:0], self.lengths[:0], None, ())
+        weighted = [p.weights for p in parts if p.weights is not None]
+        weights = torch.cat(weighted) if self.weights is not None else None
+        return SparseFeatures._checked(
+            keys,
+            torch.cat([p.values for p in parts]),
+            torch.cat([p.lengths for p in parts]),
+            weights,
+            tuple(self._sizes[self.keys.index(key)] for key in keys),
+        )
 
     def to_kjt(self) -> Any:
         """This batch as a TorchRec `KeyedJaggedTensor` sharing its tensors (TorchRec is imported
@@ -230,7 +272,8 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
 # Validation reads values back to the host (.item(), .tolist()); under torch.compile it runs
 # eagerly, once per batch, instead of splitting the caller's graph at every read.
 @eager_only("SparseFeatures validation reads values back to the host")
-def _validate(batch: SparseFeatures) -> None:
+def _validate(batch: SparseFeatures) -> list[int]:
+    """Raise EmbeddingInputError naming what is wrong; return each key's number of ids."""
     keys, values, lengths, weights = batch.keys, batch.values, batch.lengths, batch.weights
     if len(set(keys)) != len(keys):
         raise EmbeddingInputError(f"feature keys must be unique, got {list(keys)}")
@@ -269,15 +312,16 @@ def _validate(batch: SparseFeatures) -> None:
             f"{int(lengths[bad])} for sample {bad % batch.batch_size}; a length counts the ids "
             "of one bag and must be >= 0"
         )
-    total = int(lengths.sum()) if lengths.numel() else 0
+    sizes: list[int] = lengths.view(len(keys), -1).sum(1).tolist() if keys else []
+    total = sum(sizes)
     if total != values.numel():
-        sizes = dict(zip(keys, lengths.view(len(keys), -1).sum(1).tolist(), strict=True))
         raise EmbeddingInputError(
-            f"lengths add up to {total} ids (per feature {sizes}) but values "
-            f"holds {values.numel()}; lengths and ids must describe the same bags"
+            f"lengths add up to {total} ids (per feature {dict(zip(keys, sizes, strict=True))}) "
+            f"but values holds {values.numel()}; lengths and ids must describe the same bags"
         )
     if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
         raise EmbeddingInputError(
             f"weights must be a float tensor with one weight per id (shape "
             f"{tuple(values.shape)}), got {weights.dtype} of shape {tuple(weights.shape)}"
         )
+    return sizes

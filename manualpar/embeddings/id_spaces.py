@@ -21,7 +21,7 @@ __all__ = [
     "raw_ids_to_json",
 ]
 
-EVICTION_POLICIES = ("lru", "lfu")
+EVICTION_POLICIES = ("lru", "lfu")  # ManagedCollisions(policy=...): whose row a new id takes
 _SALT_BITS = 64
 
 
@@ -65,6 +65,7 @@ class ManagedCollisions:
             )
 
 
+# What EmbeddingBagConfig(raw_ids=...) takes: how raw int64 ids become rows.
 RawIds = HashIds | ManagedCollisions
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "table_wise",
 ]
 
+# The placement kinds of a TablePlacement (`kind`), as written in plans and their JSON.
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -162,6 +163,9 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
+    """Where each table lives on `world_size` ranks: table name -> TablePlacement, with the
+    planner's `notes`; `describe(configs)` prints it, `to_json`/`from_json` store it."""
+
     world_size: int
     tables: Mapping[str, TablePlacement] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)  # why the planner chose each placement

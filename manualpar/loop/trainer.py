@@ -11,14 +11,15 @@ rank's batch for that step (`dataset_batches(dataset, global_batch_size)` builds
 map-style dataset), so a resumed run sees exactly the batches the uninterrupted run would have
 seen and, on CPU, reproduces it bit for bit. `data` raises StopIteration when this rank has no
 batch for a step: every rank then stops at that step (see `_fetch`); `val_data` likewise ends
-every rank's validation pass at the same batch (see loop/validation.py).
+every rank's validation pass at the same batch (see loop/validation.py). Each convenience lives in
+its own file beside this one: precision.py, early_stopping.py, best_checkpoints.py,
+tensorboard_log.py, metric_objects.py.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import shutil
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,15 +30,21 @@ from torch import nn
 
 from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
-from manualpar.checkpoint.files import latest_checkpoint, read_manifest
+from manualpar.checkpoint.files import read_manifest
 from manualpar.embeddings import ShardedEmbeddingBagCollection
-from manualpar.loop.configured import optimizer_and_schedulers
+from manualpar.loop.best_checkpoints import BestCheckpoints
+from manualpar.loop.configured import optimizers_of
 from manualpar.loop.data import Data, dataset_batches, step_batches
+from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank, progress_bar
-from manualpar.loop.metrics_file import MetricsFile
+from manualpar.loop.metrics_file import MetricsFile, Window, mean_over_ranks
+from manualpar.loop.precision import Precision
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
-from manualpar.loop.resume_lr import RESUME_LR, learning_rates, report_restored_lrs
+from manualpar.loop.resume_lr import RESUME_LR
+from manualpar.loop.rolling_checkpoints import RollingCheckpoints
+from manualpar.loop.tensorboard_log import TensorBoardLog
 from manualpar.loop.validation import Validation
+from manualpar.loop.validation_watch import ValidationWatch
 from manualpar.module import ParallelModule
 from manualpar.seed import RNGState
 from manualpar.strategy import ManualParallelStrategy
@@ -72,6 +79,13 @@ class Trainer:
             optimizers were created with (to change the learning rate of a run). Either way
             the resume logs which values the checkpoint overrode (a scheduled group only if
             its rate is not what its restored schedule gives).
+        precision: "32", "bf16-mixed" or "fp16-mixed": autocast around training_step and
+            validation_step; fp16 adds a gradient scaler (refused with sharded tables).
+        early_stopping: an EarlyStopping on a validation value (needs val_every).
+        best_checkpoints: a BestCheckpoints: the best checkpoints by a validation value, in
+            `<out_dir>/best/` (needs val_every).
+        tensorboard: also write every metrics record to `<out_dir>/tensorboard/` (rank 0;
+            needs `pip install manualpar[tensorboard]`).
     """
 
     def __init__(
@@ -90,6 +104,10 @@ class Trainer:
         clip_grad_norm: float | None = None,
         resume_lr: str = "checkpoint",
         async_checkpoint: bool = False,
+        precision: str = "32",
+        early_stopping: EarlyStopping | None = None,
+        best_checkpoints: BestCheckpoints | None = None,
+        tensorboard: bool = False,
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -108,16 +126,25 @@ class Trainer:
         log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
         self._metrics = MetricsFile(self.out_dir / "metrics.jsonl", strategy)
+        self._tensorboard = TensorBoardLog(self.out_dir / "tensorboard") if tensorboard else None
+        if self._tensorboard is not None:
+            self._metrics.listeners.append(self._tensorboard.write)
+        self._precision = Precision(precision)
+        self._watch = ValidationWatch(early_stopping, best_checkpoints, self.out_dir, val_every)
+        self.early_stopping, self.best_checkpoints = early_stopping, best_checkpoints
+        self.stopped_early = False  # fit() ended by early stopping
         self.max_steps, self.accumulate, self.log_every = max_steps, accumulate, log_every
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
+        self._checkpoints = RollingCheckpoints(
+            strategy, self.out_dir / "checkpoints", keep_last, async_checkpoint
+        )
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
         self.async_checkpoint = async_checkpoint
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
-        self._validation = Validation(strategy, val_steps)
-        self._saved_at: int | None = None  # the step of the checkpoint last saved or resumed
+        self._validation = Validation(strategy, val_steps, self._metrics, self._precision)
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
         self._sharded: list[ShardedEmbeddingBagCollection] = []
@@ -125,11 +152,24 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
+        return self._checkpoints.directory
 
     @property
     def metrics_path(self) -> Path:
         return self._metrics.path
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint `best_checkpoints` kept (before this Trainer validated: the one
+        `best/best.json` lists), or None."""
+        best = self._watch.best()
+        return None if best is None else best[1]
+
+    @property
+    def best_score(self) -> float | None:
+        """The monitored value of `best_checkpoint`, or None."""
+        best = self._watch.best()
+        return None if best is None else best[0]
 
     @property
     def val_data_ran_out(self) -> dict[int, int]:
@@ -161,24 +201,11 @@ class Trainer:
             )
         if isinstance(model, ParallelModule) and not model.is_setup:
             model.setup(self.strategy)
-        if optimizer is None:
-            if not hasattr(model, "configure_optimizers"):
-                raise TypeError(
-                    f"{type(model).__name__} has no configure_optimizers(); pass "
-                    "optimizer= to fit()"
-                )
-            optimizer, configured = optimizer_and_schedulers(
-                _user(model).configure_optimizers(), type(model).__name__
-            )
-            schedulers = configured if schedulers is None else schedulers
-        if schedulers is None:
-            schedulers = []
-        elif not isinstance(schedulers, Sequence):
-            schedulers = [schedulers]
-        self._schedulers = list(schedulers)
+        optimizer, self._schedulers = optimizers_of(model, optimizer, schedulers)
         self._extra = extra_checkpoint_entries(model)
         self._remappers = raw_id_remappers(model)  # managed-collision tables: rates logged
         self._sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+        self._precision.setup(model, optimizer, self.strategy)
         state = {
             "model": model,
             "optim": optimizer,
@@ -186,16 +213,26 @@ class Trainer:
             "rng": RNGState(),
             **self._extra,
             **{f"scheduler_{i}": s for i, s in enumerate(self._schedulers)},
+            **self._precision.entries(),
+            **self._watch.entries(),
         }
-        self._resume(state)
+        if self._checkpoints.resume(state, self.resume_lr):
+            self._metrics.keep_until(state["step"])
+            self.strategy.barrier("resume")
         self.step = state["step"]
+        self._watch.resumed(self.strategy.is_global_zero)
+        if self._tensorboard is not None:
+            self._tensorboard.start(purge_step=self.step + 1)
         try:
             last = self._loop(model, optimizer, data, val_data, state)
         except BaseException:
-            self._abandon_pending_save()
+            self._checkpoints.abandon_pending()
             raise
+        finally:
+            if self._tensorboard is not None:
+                self._tensorboard.close()
         self.strategy.wait_for_checkpoint()  # the last checkpoint is committed when fit returns
-        self._prune()
+        self._checkpoints.prune()
         return last
 
     def _loop(
@@ -209,45 +246,66 @@ class Trainer:
         model.train()
         shown = self.progress and self.strategy.is_global_zero
         bar = progress_bar(self.max_steps, self.step) if shown else None
-        window: dict[str, list[float]] = {}
-        last = self._metrics.recorded_at(self.step) if self.step >= self.max_steps else {}
-        started, steps_in_window = time.perf_counter(), 0
-        while self.step < self.max_steps:
+        window = Window()
+        self.stopped_early = self._watch.stopped_before(self.step)
+        done = self.step >= self.max_steps or self.stopped_early
+        last = self._metrics.recorded_at(self.step) if done else {}
+        while self.step < self.max_steps and not self.stopped_early:
             batches = self._fetch(data)
             if batches is None:  # a rank's data ran out: every rank ends the run at this step
-                if steps_in_window:
-                    rate = steps_in_window / (time.perf_counter() - started)
-                    last = self._record(window, rate, optimizer)
-                self._metrics.append(
-                    {"step": self.step, "event": "data_ran_out", "ranks": sorted(self.data_ran_out)}
-                )
-                if self._saved_at != self.step:
-                    state["step"] = self.step
-                    self._save(state)
+                ranks = sorted(self.data_ran_out)
+                event = {"step": self.step, "event": "data_ran_out", "ranks": ranks}
+                last = self._stop(state, event, window, optimizer) or last
                 break
-            for name, value in self._train_step(model, optimizer, batches).items():
-                window.setdefault(name, []).append(value)
+            window.add(self._train_step(model, optimizer, batches))
             self.step += 1
-            steps_in_window += 1
             if self.step % self.log_every == 0 or self.step == self.max_steps:
-                rate = steps_in_window / (time.perf_counter() - started)
-                last = self._record(window, rate, optimizer)
-                window, started, steps_in_window = {}, time.perf_counter(), 0
+                last, rate = self._record(window, optimizer), window.rate()
+                window = Window()
                 if bar is not None:
                     rates = {k: f"{last[m]:.1%}" for k, m in POSTFIX.items() if m in last}
                     bar.set_postfix(loss=f"{last['loss']:.4f}", steps_per_s=f"{rate:.1f}", **rates)
             if val_data is not None and self.val_every and self.step % self.val_every == 0:
-                last.update(self._validate(model, val_data))
+                values = self._validation.validate(model, val_data, self.step)
+                last.update(values)
+                self.stopped_early = self._watch.after_validation(
+                    values,
+                    self.step,
+                    functools.partial(self._save, state),
+                    self.strategy.is_global_zero,
+                )
             if bar is not None:
                 bar.update(1)
             if (self.checkpoint_every and self.step % self.checkpoint_every == 0) or (
                 self.step == self.max_steps
             ):
-                state["step"] = self.step
                 self._save(state)
+            if self.stopped_early:
+                assert self.early_stopping is not None
+                event = self.early_stopping.event(self.step)
+                last.update(self._stop(state, event, window, optimizer))
         if bar is not None:
             bar.close()
         return last
+
+    def _stop(
+        self, state: dict[str, Any], event: dict[str, Any], window: Window, optimizer: Any
+    ) -> dict[str, float]:
+        """End the run at this step on every rank: record the open window and `event`, save
+        the checkpoint of this step (unless just saved); the window's values."""
+        recorded = self._record(window, optimizer) if window.steps else {}
+        self._metrics.append(event)
+        if self._checkpoints.saved_at != self.step:
+            self._save(state)
+        return recorded
+
+    def _save(self, state: dict[str, Any], best: Path | None = None) -> None:
+        """A rolling checkpoint of this step, or with `best` a best one (always synchronous)."""
+        state["step"] = self.step
+        if best is None:
+            self._checkpoints.save(state, self.step)
+        else:
+            self.strategy.save_checkpoint(best, state)
 
     def _fetch(self, data: Data) -> list[Any] | None:
         """This step's micro-batches, or None on every rank if any rank's data ran out (then
@@ -259,11 +317,8 @@ class Trainer:
             log.warning(
                 "training data ran out on %s at step %d; every rank stops at step %d (of "
                 "max_steps=%d) and saves a checkpoint there",
-                where,
-                self.step,
-                self.step,
-                self.max_steps,
-            )
+                where, self.step, self.step, self.max_steps,
+            )  # fmt: skip
         return batches
 
     def _train_step(
@@ -274,14 +329,15 @@ class Trainer:
         totals: dict[str, float] = {}
         for micro, batch in enumerate(batches):
             index = self.step * self.accumulate + micro
-            out = _user(model).training_step(batch, index)
+            with self._precision.autocast(self.strategy.device):
+                out = _user(model).training_step(batch, index)
             metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
             if "loss" not in metrics:
                 raise ValueError(
                     f"{type(model).__name__}.training_step must return a loss "
                     "tensor or a dict with 'loss'"
                 )
-            (metrics["loss"] / self.accumulate).backward()
+            self._precision.backward(metrics["loss"] / self.accumulate)
             for name, value in metrics.items():
                 value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
                 totals[name] = totals.get(name, 0.0) + value / self.accumulate
@@ -299,38 +355,40 @@ class Trainer:
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, totals: dict[str, float]) -> None:
         if self.clip_grad_norm is not None:
+            self._precision.unscale(optimizer)  # clip the true gradients
             params = [p for group in optimizer.param_groups for p in group["params"]]
             totals["grad_norm"] = float(clip_grad_norm_(params, self.clip_grad_norm))
-        optimizer.step()
+        totals.update(self._precision.step(optimizer))
 
-    def _validate(self, model: nn.Module, val_data: Data) -> dict[str, float]:
-        """One validation pass (every rank ends it at the same batch if a rank's `val_data` runs
-        out: see loop/validation.py), reduced over ranks and recorded."""
-        model.eval()
+    def validate(
+        self, model: nn.Module, val_data: Data, checkpoint: str | Path | None = None
+    ) -> dict[str, float]:
+        """One validation pass outside fit(), on every rank; returns the reduced values and
+        records them (metrics.jsonl, TensorBoard) at the step of the weights validated.
+
+        Sets up a ParallelModule not yet set up. `checkpoint`: None validates the current
+        weights; "latest" (under checkpoints/), "best" (`best_checkpoint`) or a checkpoint path
+        is loaded into the model first (its model entry and extra entries such as sharded
+        tables' state; not the optimizer)."""
+        if isinstance(model, ParallelModule) and not model.is_setup:
+            model.setup(self.strategy)
+        step = self.step
+        if checkpoint is not None:
+            path = self._watch.checkpoint("validate", checkpoint, self.checkpoint_dir)
+            self.strategy.load_checkpoint(path, {"model": model, **extra_checkpoint_entries(model)})
+            step = int(read_manifest(path)["step"])
+        training = model.training
         try:
-            means, event = self._validation.run(_user(model), val_data, self.step)
+            return self._validation.validate(model, val_data, step)
         finally:
-            model.train()
-        if event is not None:
-            self._metrics.append(event)
-        if not means:  # some rank had no batch at all: nothing to average
-            return {}
-        reduced = self._reduce({f"val/{k}": v for k, v in means.items()})
-        self._metrics.append({"step": self.step, **reduced})
-        return reduced
+            model.train(training)
+            if self._tensorboard is not None:
+                self._tensorboard.close()
 
     # ---- metrics ------------------------------------------------------------------------------
-    def _reduce(self, values: Mapping[str, float]) -> dict[str, float]:
-        """Mean over ranks, in one collective for all names."""
-        names = sorted(values)
-        tensor = torch.tensor([values[n] for n in names], dtype=torch.float64)
-        means = self.strategy.all_reduce(tensor, op="mean").tolist()
-        return dict(zip(names, means, strict=True))
-
-    def _record(
-        self, window: Mapping[str, list[float]], rate: float, optimizer: torch.optim.Optimizer
-    ) -> dict[str, float]:
-        reduced = self._reduce({k: sum(v) / len(v) for k, v in window.items()})
+    def _record(self, window: Window, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        rate = window.rate()
+        reduced = mean_over_ranks(self.strategy, window.means())
         reduced.update(raw_id_rates(self._remappers, self.strategy))
         lr = float(optimizer.param_groups[0].get("lr", 0.0))
         # extra entries with a learning rate (fused optimizers of sharded tables): log it too
@@ -343,59 +401,6 @@ class Trainer:
             {"step": self.step, **reduced, "lr": lr, **extra_lr, "steps_per_s": rate}
         )
         return reduced
-
-    # ---- checkpoints --------------------------------------------------------------------------
-    def _resume(self, state: dict[str, Any]) -> None:
-        latest = latest_checkpoint(self.checkpoint_dir)
-        if latest is None:
-            return
-        configured = learning_rates(state)
-        self.strategy.load_checkpoint(latest, state)
-        self._saved_at = state["step"]
-        log.info(
-            "resumed from %s at step %d: restored %s",
-            latest,
-            state["step"],
-            ", ".join(sorted(state)),
-        )
-        report_restored_lrs(configured, state, keep=self.resume_lr)
-        self._metrics.keep_until(state["step"])
-        self.strategy.barrier("resume")
-
-    def _save(self, state: dict[str, Any]) -> None:
-        path = self.checkpoint_dir / f"step_{self.step:08d}"
-        if self.async_checkpoint:
-            self.strategy.wait_for_checkpoint()  # the previous one commits first
-            self._prune()
-            self.strategy.save_checkpoint_async(path, state)
-        else:
-            self.strategy.save_checkpoint(path, state)
-            self._prune()
-        self._saved_at = self.step
-
-    def _prune(self) -> None:
-        """Keep the `keep_last` newest committed checkpoints (rank 0 deletes the others)."""
-        if self.strategy.is_global_zero and self.checkpoint_dir.is_dir():
-            committed = sorted(
-                (read_manifest(p)["step"], p)
-                for p in self.checkpoint_dir.iterdir()
-                if not p.name.startswith(".") and (p / "manualpar.json").is_file()
-            )
-            for _, old in committed[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _abandon_pending_save(self) -> None:
-        """fit() failed: let a background save finish or fail (bounded by the collective
-        timeout), never replacing the error that stopped fit. A save that cannot finish is
-        never committed, so the previous checkpoint stays the latest."""
-        try:
-            self.strategy.wait_for_checkpoint()
-        except Exception as error:
-            log.warning(
-                "the checkpoint being written when fit() failed was not committed (%s); "
-                "the previous one is still the latest",
-                error,
-            )
 
 
 def _user(model: nn.Module) -> Any:

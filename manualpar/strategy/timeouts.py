@@ -13,6 +13,7 @@ from manualpar.errors import ClusterEnvironmentError
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV_VAR", "resolve_timeout"]
 
+# Every collective's timeout unless the strategy or MANUALPAR_TIMEOUT_S says otherwise.
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 TIMEOUT_ENV_VAR = "MANUALPAR_TIMEOUT_S"
 

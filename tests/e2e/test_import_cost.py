@@ -19,6 +19,8 @@ HEAVY = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "torch.distributed.optim",
+    "tensorboard",  # an optional extra: imported only by Trainer(tensorboard=True)
+    "torch.utils.tensorboard",
 )
 PROBE = (
     "import json, sys\n"

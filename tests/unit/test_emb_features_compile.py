@@ -69,3 +69,25 @@ def test_out_of_range_id_in_compiled_model_is_the_eager_error() -> None:
         compiled(bad)
     assert str(under_compile.value) == str(eager.value)
     assert "id 50 at position 1" in str(eager.value) and "out of range" in str(eager.value)
+
+
+def test_select_and_getitem_compile_without_graph_breaks() -> None:
+    """Slicing a validated batch reads no value back to the host: fullgraph=True would raise
+    at the first graph break (a `.item()`, or re-validating the selected batch)."""
+
+    def pick(batch: SparseFeatures) -> tuple[torch.Tensor, ...]:
+        chosen = batch.select(["c", "a"])
+        assert chosen.weights is not None
+        return batch["b"].values * 2, chosen.values + 1, chosen.lengths, chosen.weights
+
+    compiled = torch.compile(pick, fullgraph=True, backend="eager")
+    for bags in ([[1, 2], [3]], [[1], [2, 3, 4], [5]]):  # a new batch size and new id counts
+        dense = {"a": bags, "b": [[9]] + [[]] * (len(bags) - 1), "c": bags[::-1]}
+        batch = SparseFeatures.from_dict(dense)
+        batch = SparseFeatures(batch.keys, batch.values, batch.lengths, batch.values * 0.5)
+        for got, expected in zip(compiled(batch), pick(batch), strict=True):
+            assert torch.equal(got, expected)
+        assert batch.select(["c", "a"]).feature_sizes() == [
+            batch.feature_sizes()[2],
+            batch.feature_sizes()[0],
+        ]

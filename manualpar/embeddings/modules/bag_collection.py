@@ -114,6 +114,12 @@ def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
 
 
 class EmbeddingBagCollection(nn.Module):
+    """Tables looked up by a SparseFeatures batch, one pooled row per (feature, sample): the
+    unsharded reference, or the input of `shard_embeddings` (build it under `empty_init()`).
+
+    Each table's rows start uniform in [-init_bound, init_bound] (EmbeddingBagConfig), hashed
+    from (`seed`, table, row, column), so every plan gives the same initial values."""
+
     sharded_by = "shard_embeddings"  # meta.SHARD_FIRST (materializing it itself is allowed)
 
     def __init__(

@@ -66,8 +66,12 @@ class JaggedEmbeddings:
 
     def to_padded(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, length, dim) rows, zero after each sample's last id, and the (batch, length)
-        bool mask of real ids (an attention mask). `length` defaults to the longest sample;
-        a sample with more ids keeps its first `length`. Differentiable."""
+        bool mask, True at real ids. `length` defaults to the longest sample; a sample with
+        more ids keeps its first `length`. Differentiable.
+
+        The mask is the opposite of torch's `key_padding_mask` (nn.MultiheadAttention,
+        nn.TransformerEncoder), where True means padding to ignore: pass
+        `src_key_padding_mask=~mask`."""
         batch, dim = self.lengths.numel(), self.values.shape[1]
         longest = int(self.lengths.max()) if batch else 0
         length = longest if length is None else length

@@ -347,6 +347,7 @@ def _tables(sizes: Mapping[str, int]) -> str:
     return f"the {len(sizes)} tables (largest {largest!r}: {format_bytes(sizes[largest])}) hold"
 
 
+# plan_uniform(kind, ...) and `python -m manualpar plan --plan KIND`: one kind for all tables.
 UNIFORM_PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 

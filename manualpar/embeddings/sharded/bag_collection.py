@@ -45,6 +45,11 @@ __all__ = ["ShardedEmbeddingBagCollection"]
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
+    """What `shard_embeddings` returns for an EmbeddingBagCollection: this rank's shards, the
+    sharded step (forward returns PooledEmbeddings) and `fused_optimizer`; build it through
+    `shard_embeddings`, not directly. `plan` and `configs` describe it:
+    `print(emb.plan.describe(emb.configs))`."""
+
     def __init__(
         self,
         ebc: EmbeddingBagCollection | EmbeddingCollection,

@@ -1,0 +1,83 @@
+"""The Trainer's rolling checkpoints, `<out_dir>/checkpoints/step_<n>/`: saved every N steps and
+at the end (synchronously or in the background), the `keep_last` newest kept, a run resumed
+from the latest committed one."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from manualpar.checkpoint.files import latest_checkpoint, read_manifest
+from manualpar.loop.resume_lr import learning_rates, report_restored_lrs
+from manualpar.strategy import ManualParallelStrategy
+
+__all__ = ["RollingCheckpoints"]
+
+log = logging.getLogger("manualpar.trainer")
+
+
+class RollingCheckpoints:
+    def __init__(
+        self,
+        strategy: ManualParallelStrategy,
+        directory: Path,
+        keep_last: int,
+        asynchronous: bool,
+    ) -> None:
+        self.strategy, self.directory = strategy, directory
+        self.keep_last, self.asynchronous = keep_last, asynchronous
+        self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed
+
+    def resume(self, state: dict[str, Any], resume_lr: str) -> bool:
+        """Load the latest committed checkpoint into `state` (collective); False if none."""
+        latest = latest_checkpoint(self.directory)
+        if latest is None:
+            return False
+        configured = learning_rates(state)
+        self.strategy.load_checkpoint(latest, state)
+        self.saved_at = state["step"]
+        log.info(
+            "resumed from %s at step %d: restored %s",
+            latest,
+            state["step"],
+            ", ".join(sorted(state)),
+        )
+        report_restored_lrs(configured, state, keep=resume_lr)
+        return True
+
+    def save(self, state: dict[str, Any], step: int) -> None:
+        path = self.directory / f"step_{step:08d}"
+        if self.asynchronous:
+            self.strategy.wait_for_checkpoint()  # the previous one commits first
+            self.prune()
+            self.strategy.save_checkpoint_async(path, state)
+        else:
+            self.strategy.save_checkpoint(path, state)
+            self.prune()
+        self.saved_at = step
+
+    def prune(self) -> None:
+        """Keep the `keep_last` newest committed checkpoints (rank 0 deletes the others)."""
+        if self.strategy.is_global_zero and self.directory.is_dir():
+            committed = sorted(
+                (read_manifest(p)["step"], p)
+                for p in self.directory.iterdir()
+                if not p.name.startswith(".") and (p / "manualpar.json").is_file()
+            )
+            for _, old in committed[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def abandon_pending(self) -> None:
+        """fit() failed: let a background save finish or fail (bounded by the collective
+        timeout), never replacing the error that stopped fit. A save that cannot finish is
+        never committed, so the previous checkpoint stays the latest."""
+        try:
+            self.strategy.wait_for_checkpoint()
+        except Exception as error:
+            log.warning(
+                "the checkpoint being written when fit() failed was not committed (%s); "
+                "the previous one is still the latest",
+                error,
+            )

@@ -1,0 +1,68 @@
+"""The metrics.jsonl records as TensorBoard scalars, in `<out_dir>/tensorboard/` (rank 0).
+
+tensorboard is an optional extra (`pip install manualpar[tensorboard]`): nothing imports it
+unless a Trainer asks for this log. A resumed run appends a new event file that starts with a
+purge marker at the step after its checkpoint: TensorBoard's readers then drop what the
+interrupted run wrote after that step, as the metrics file drops those lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TensorBoardLog", "require_tensorboard"]
+
+
+def require_tensorboard() -> None:
+    """Fail early, on every rank, when tensorboard is missing."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "Trainer(tensorboard=True) needs the tensorboard package, which is not installed: "
+            "pip install 'manualpar[tensorboard]' (or pass tensorboard=False)"
+        ) from error
+
+
+class TensorBoardLog:
+    """Writes each metrics record it is given: numbers as scalars at the record's step (their
+    metrics.jsonl names are the tags), event records as text under "events"."""
+
+    def __init__(self, directory: Path) -> None:
+        require_tensorboard()
+        self.directory = directory
+        self._writer: Any = None
+        self._purge_step: int | None = None
+
+    def start(self, purge_step: int | None) -> None:
+        """Begin a new event file at the next write; with `purge_step`, readers drop earlier
+        files' events at that step and after."""
+        self.close()
+        self._purge_step = purge_step
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.directory), purge_step=self._purge_step)
+            self._purge_step = None
+        if "event" in record:
+            self._writer.add_text("events", json.dumps(dict(record)), step)
+        else:
+            for name, value in record.items():
+                if (
+                    name != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
+                    self._writer.add_scalar(name, value, step)
+        self._writer.flush()  # a crash loses nothing metrics.jsonl kept
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
