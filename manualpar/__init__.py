@@ -58,7 +58,14 @@ from manualpar.errors import (
     PlanError,
     StorageError,
 )
-from manualpar.loop import BestCheckpoints, EarlyStopping, Trainer, check_finite, dataset_batches
+from manualpar.loop import (
+    BestCheckpoints,
+    EarlyStopping,
+    Prefetched,
+    Trainer,
+    check_finite,
+    dataset_batches,
+)
 from manualpar.meta import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
 from manualpar.seed import RNGState, capture_rng_state, restore_rng_state, seed_everything
@@ -92,6 +99,7 @@ __all__ = [
     "ParallelModule",
     "PendingSave",
     "PlanError",
+    "Prefetched",
     "RNGState",
     "SparseFeatures",
     "StorageError",

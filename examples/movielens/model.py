@@ -11,7 +11,8 @@
   (`target_ranks`: each rank scores its own rows) and ranks the target, ties by item id.
 
 Hyper-parameters follow RecBole's SASRec defaults: hidden size 64, inner size 256, dropout 0.5
-(hidden and attention), layer norm eps 1e-12, weights drawn with std 0.02.
+(hidden and attention), layer norm eps 1e-12, item rows drawn with std 0.02 (the encoder keeps
+torch's default init).
 """
 
 from __future__ import annotations
@@ -62,16 +63,6 @@ class Encoder(nn.Module):
         )
         self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
-    def reset_parameters(self) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-
     def forward(self, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(batch, length, dim) outputs; position t attends to positions <= t of its user."""
         length = rows.shape[1]
@@ -79,6 +70,15 @@ class Encoder(nn.Module):
         x = self.dropout(self.norm(x))
         causal = nn.Transformer.generate_square_subsequent_mask(length, device=rows.device)
         return self.transformer(x, mask=causal, src_key_padding_mask=~mask, is_causal=True)
+
+
+def _attention_init(module: nn.Module) -> bool:
+    """torch's own init of attention projections (MultiheadAttention has no public
+    reset_parameters); every other layer keeps torch's default init."""
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()
+        return True
+    return False
 
 
 class SASRec(mp.ParallelModule):
@@ -110,7 +110,7 @@ class SASRec(mp.ParallelModule):
         )
         if self.dense == "fsdp":
             self.encoder = mp.fsdp(self.encoder, strategy)
-        mp.materialize(self, strategy, seed=self.seed)
+        mp.materialize(self, strategy, seed=self.seed, init_fn=_attention_init)
         if self.dense == "ddp":
             self.encoder = mp.ddp(self.encoder, strategy)
 

@@ -80,15 +80,16 @@ def main() -> None:
         checkpoint_every=per_epoch,
         log_every=per_epoch,
         val_every=per_epoch,
-        val_steps=valid_batches(strategy.world_size),
+        # every rank has the same number of evaluation batches (the last ones short or empty)
+        val_steps=max(valid_batches(strategy.world_size), test_batches(strategy.world_size)),
         early_stopping=mp.EarlyStopping(MONITOR, mode="max", patience=args.patience),
         best_checkpoints=mp.BestCheckpoints(MONITOR, mode="max", keep=1),
         progress=not args.no_progress,
+        prefetch=True,  # the batches draw from their own generators: exact
     )
     trainer.fit(model, training_batches(windows, args.batch, args.seed), val_data=valid)
     trained = time.perf_counter() - started
     best = trainer.validate(model, valid, checkpoint="best")
-    trainer.val_steps = test_batches(strategy.world_size)
     tested = trainer.validate(model, test, checkpoint="best")
     results = {
         "sasrec": {

@@ -1,5 +1,5 @@
 """The optional training loop: Trainer, step-addressed data, rank-prefixed logs, finite checks,
-early stopping and best checkpoints on a validation value.
+early stopping and best checkpoints on a validation value, data read ahead.
 
 Built only on the public API below it (strategy, builders, checkpoint IO); nothing here is needed
 to use the builders in a hand-written loop.
@@ -10,11 +10,13 @@ from manualpar.loop.checks import check_finite
 from manualpar.loop.data import dataset_batches
 from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank
+from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.trainer import Trainer
 
 __all__ = [
     "BestCheckpoints",
     "EarlyStopping",
+    "Prefetched",
     "Trainer",
     "check_finite",
     "dataset_batches",

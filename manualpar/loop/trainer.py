@@ -39,6 +39,7 @@ from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank, progress_bar
 from manualpar.loop.metrics_file import MetricsFile, Window, mean_over_ranks
 from manualpar.loop.precision import Precision
+from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
@@ -86,6 +87,9 @@ class Trainer:
             `<out_dir>/best/` (needs val_every).
         tensorboard: also write every metrics record to `<out_dir>/tensorboard/` (rank 0;
             needs `pip install manualpar[tensorboard]`).
+        prefetch: read the next training batch in a background thread during the step
+            (loop/prefetch.py); the same batches, only for data that draws no numbers from
+            torch's global generator (hence not the default).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class Trainer:
         early_stopping: EarlyStopping | None = None,
         best_checkpoints: BestCheckpoints | None = None,
         tensorboard: bool = False,
+        prefetch: bool = False,
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -141,7 +146,7 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
-        self.async_checkpoint = async_checkpoint
+        self.async_checkpoint, self.prefetch = async_checkpoint, prefetch
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
         self._validation = Validation(strategy, val_steps, self._metrics, self._precision)
@@ -223,12 +228,15 @@ class Trainer:
         self._watch.resumed(self.strategy.is_global_zero)
         if self._tensorboard is not None:
             self._tensorboard.start(purge_step=self.step + 1)
+        read = Prefetched(data) if self.prefetch else data
         try:
-            last = self._loop(model, optimizer, data, val_data, state)
+            last = self._loop(model, optimizer, read, val_data, state)
         except BaseException:
             self._checkpoints.abandon_pending()
             raise
         finally:
+            if isinstance(read, Prefetched):
+                read.close()
             if self._tensorboard is not None:
                 self._tensorboard.close()
         self.strategy.wait_for_checkpoint()  # the last checkpoint is committed when fit returns
