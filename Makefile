@@ -60,9 +60,10 @@ torchrec-peer:
 
 # The RecBole 1.2.1 SASRec peer of the MovieLens example, in its own environment. --no-deps:
 # RecBole's requirements pull ray, plotly, thop, psutil and tabulate, which a SASRec run never
-# calls (peer_recbole.py stands in for the `ray` that recbole/__init__ imports), and
-# tensorboard's its web server (grpcio, werkzeug, markdown): the trainer's SummaryWriter needs
-# only protobuf and absl-py.
+# calls (peer_recbole.py stands in for the `ray` that recbole/__init__ imports), and tensorboard's
+# pull its web server (grpcio, werkzeug, markdown): the trainer's SummaryWriter needs only
+# protobuf and absl-py. Run: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set by the script itself,
+#   .venv-recbole/bin/python examples/movielens/peer_recbole.py --seed 2020 --json out.json
 RECBOLE_PYTHON ?= python3.11
 RECBOLE_VENV := .venv-recbole
 RECBOLE_PIP := $(RECBOLE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
