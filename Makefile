@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install kernels demo demo-strategy test test-unit lint clean torchrec-peer
+.PHONY: install kernels demo demo-strategy test test-unit lint clean torchrec-peer recbole-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,24 @@ torchrec-peer:
 	$(TORCHREC_PIP) "torch==2.13.0"
 	$(TORCHREC_PIP) --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
 	$(TORCHREC_PIP) tensordict torchmetrics==1.0.3 tqdm pyre-extensions numpy
+
+# The RecBole 1.2.1 SASRec peer of the MovieLens example, in its own environment. --no-deps:
+# RecBole's requirements pull ray, plotly, thop, psutil and tabulate, which a SASRec run never
+# calls (peer_recbole.py stands in for the `ray` that recbole/__init__ imports), and tensorboard's
+# pull its web server (grpcio, werkzeug, markdown): the trainer's SummaryWriter needs only
+# protobuf and absl-py. Run: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set by the script itself,
+#   .venv-recbole/bin/python examples/movielens/peer_recbole.py --seed 2020 --json out.json
+RECBOLE_PYTHON ?= python3.11
+RECBOLE_VENV := .venv-recbole
+RECBOLE_PIP := $(RECBOLE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	-c examples/movielens/recbole-constraints.txt
+
+recbole-peer:
+	$(RECBOLE_PYTHON) -m venv $(RECBOLE_VENV)
+	$(RECBOLE_PIP) "torch==2.13.0"
+	$(RECBOLE_PIP) --no-deps recbole==1.2.1 tensorboard
+	$(RECBOLE_PIP) numpy scipy pandas scikit-learn tqdm pyyaml texttable colorlog colorama \
+		protobuf packaging absl-py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
