@@ -2,7 +2,10 @@
 
 - Users and items become ids in order of first appearance in the file (item ids 0..N-1; no
   padding row: histories are jagged, and nothing else is scored).
-- Each user's ratings are sorted by timestamp, equal times kept in file order (a stable sort).
+- Each user's ratings are sorted by time, equal times kept in file order (a stable sort). The
+  time is RecBole's: the timestamp scaled to [0, 1] over the whole file (in float64) and stored
+  as float32, so timestamps a second or two apart tie too; on ml-100k this orders 83 users
+  differently from the raw timestamps (examples/movielens/RECBOLE_PROTOCOL.md, (a)).
 - Leave one out: the last item is the test target (its history holds the validation item),
   the second to last the validation target, the earlier ones training targets. Nothing is
   filtered: no rating threshold, no k-core, no de-duplication.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from ratings import Ratings
 
@@ -39,12 +43,21 @@ class Sequences:
         return len(self.items)
 
 
+def sort_keys(timestamps: list[float]) -> list[float]:
+    """RecBole's sort key: (t - min) / (max - min) in float64, then rounded to float32."""
+    times = np.asarray(timestamps, dtype=np.float64)
+    low, high = times.min(), times.max()
+    scaled = (times - low) / (high - low) if high > low else np.zeros_like(times)
+    return scaled.astype(np.float32).tolist()
+
+
 def user_sequences(ratings: Ratings) -> Sequences:
     """Group by user (in order of first appearance), each sorted by time, ties in file order."""
     item_ids: dict[str, int] = {}
     by_user: dict[str, list[tuple[float, int, int]]] = {}
+    keys = sort_keys(ratings.timestamps)
     for position, (user, item, time) in enumerate(
-        zip(ratings.users, ratings.items, ratings.timestamps, strict=True)
+        zip(ratings.users, ratings.items, keys, strict=True)
     ):
         item_id = item_ids.setdefault(item, len(item_ids))
         by_user.setdefault(user, []).append((time, position, item_id))

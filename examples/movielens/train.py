@@ -37,9 +37,9 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--out", default="runs/movielens", help="run directory (checkpoints, metrics)")
     add("--ratings", default=None, help="a MovieLens ratings file (default: fetch ml-100k)")
-    add("--epochs", type=int, default=200, help="at most this many epochs")
+    add("--epochs", type=int, default=300, help="at most this many epochs")
     add("--patience", type=int, default=10, help="epochs without a better validation NDCG@10")
-    add("--batch", type=int, default=128, help="global batch of training windows")
+    add("--batch", type=int, default=32, help="global batch of training windows")
     add("--eval-batch", type=int, default=512, help="users ranked at once per rank")
     add("--lr", type=float, default=1e-3, help="Adam, for the encoder and the item table")
     add("--dense", choices=("ddp", "fsdp"), default="ddp", help="how the encoder is parallel")

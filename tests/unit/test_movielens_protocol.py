@@ -64,6 +64,21 @@ def test_sequences_sort_by_time_keeping_file_order_for_ties(tmp_path: Path) -> N
     assert sequences.items == [[3, 0, 2, 1], [0, 1, 3]]
 
 
+def test_times_tie_as_recbole_rounds_them() -> None:
+    """RecBole sorts by the timestamp scaled to [0, 1] and stored as float32: over ml-100k's
+    range (18,561,928 s) a float32 step near 1 is about 1.1 s, so some timestamps a second
+    apart tie and keep file order."""
+    read = ratings.Ratings(
+        users=["1", "1", "1", "1"],
+        items=["a", "b", "c", "d"],
+        timestamps=[874_724_710.0, 893_000_005.0, 893_000_004.0, 893_286_638.0],
+        source="memory",
+    )
+    assert protocol.user_sequences(read).items == [[0, 1, 2, 3]]  # b before c: a tie
+    raw = sorted(range(4), key=lambda i: read.timestamps[i])
+    assert raw == [0, 2, 1, 3]  # what a sort by the raw timestamps would give
+
+
 def test_leave_one_out_targets_and_histories() -> None:
     long_user = list(range(60))
     split = protocol.leave_one_out(protocol.Sequences([[3, 0, 2, 1], long_user], ["a"] * 60))
