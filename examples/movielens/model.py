@@ -68,7 +68,8 @@ class Encoder(nn.Module):
         length = rows.shape[1]
         x = rows + self.positions(torch.arange(length, device=rows.device))
         x = self.dropout(self.norm(x))
-        causal = nn.Transformer.generate_square_subsequent_mask(length, device=rows.device)
+        # both masks bool, True = may not attend (torch's convention; `mask` is True at items)
+        causal = torch.ones(length, length, dtype=torch.bool, device=rows.device).triu(1)
         return self.transformer(x, mask=causal, src_key_padding_mask=~mask, is_causal=True)
 
 

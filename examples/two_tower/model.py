@@ -25,6 +25,7 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
+    SparseFeatures,
     row_wise,
     shard_embeddings,
 )
@@ -52,6 +53,7 @@ class TwoTower(mp.ParallelModule):
     ) -> None:
         super().__init__()
         self.temperature, self.lr, self.emb_lr, self.steps = temperature, lr, emb_lr, steps
+        self.items, self.clusters = items, clusters
         self.freeze_tables, self.seed = freeze_tables, seed
         self.user_tables = EmbeddingBagCollection(
             [
@@ -99,7 +101,11 @@ class TwoTower(mp.ParallelModule):
         return F.normalize(self.user_mlp(self.user_tables(pairs.users).values), dim=-1)
 
     def embed_items(self, pairs: Pairs) -> torch.Tensor:
-        return F.normalize(self.item_mlp(self.item_tables(pairs.items).values), dim=-1)
+        return self.item_vectors(pairs.items)
+
+    def item_vectors(self, items: SparseFeatures) -> torch.Tensor:
+        """The item tower: item_id and item_category features to unit vectors."""
+        return F.normalize(self.item_mlp(self.item_tables(items).values), dim=-1)
 
     def scores(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's users against every rank's items: logits (B, W * B) and the labels (the

@@ -8,7 +8,9 @@
 Runs as one process too. The Trainer clips the dense gradients (`--clip`), steps a cosine
 schedule for the dense optimizer and for both tables' fused optimizers, checkpoints to
 OUT/checkpoints and resumes from there when run again. `--finetune-from RUN` starts from RUN's
-latest checkpoint (the model only), freezes the tables and trains the MLPs alone.
+latest checkpoint (the model only), freezes the tables and trains the MLPs alone. At the end,
+every item's vector goes into a row-wise sharded index and each validation user retrieves its 10
+best items over all items (`top_k_items`, retrieval.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import torch
 from data import RetrievalData
 from model import TwoTower
+from retrieval import item_index, precision_at
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
@@ -88,6 +91,12 @@ def main() -> None:
         }
         loss, hit = reduced["loss"], reduced["cluster_hit"]
         say(f"{name}: validation loss {loss:.4f}, cluster hit rate {hit:.3f}")
+    index = item_index(model, strategy)  # every item's vector, sharded row-wise
+    precision = precision_at(model, index, data.validation(0, strategy), 10, strategy)
+    say(
+        f"retrieval over all {args.items} items: precision@10 {precision:.3f} of the user's "
+        f"cluster (chance {1 / args.clusters:.3f})"
+    )
     say(f"checkpoint {mp.latest_checkpoint(trainer.checkpoint_dir)}")
     strategy.teardown()
 

@@ -9,12 +9,14 @@ import re
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from example_modules import EXAMPLES, load_example
 from launch import run_torchrun
 
 import manualpar as mp
+from manualpar.embeddings import SparseFeatures
 
 SMALL = ("--users", "2000", "--items", "512", "--clusters", "8", "--batch", "128")
 SMALL += ("--no-progress", "--log-every", "10", "--val-every", "20", "--seed", "0")
@@ -55,6 +57,9 @@ def test_trains_then_fine_tunes_with_frozen_tables(
         rates = [r[key] for r in train]
         assert rates == sorted(rates, reverse=True) and rates[-1] < 0.1 * rates[0], key
 
+    precision = float(re.search(r"precision@10 (\d\.\d+) of the user's cluster", out)[1])
+    assert precision > 0.9, out  # chance: 1/8
+
     out = _train("--out", str(finetune), "--steps", "20", "--finetune-from", str(pretrain))
     assert "fine-tuning from" in out and "with the tables frozen" in out
     before, after = _load(pretrain, monkeypatch), _load(finetune, monkeypatch)
@@ -66,3 +71,27 @@ def test_trains_then_fine_tunes_with_frozen_tables(
         if name in tables:
             assert torch.equal(param, theirs[name]), f"frozen table {name} changed"
     assert any(not torch.equal(dict(before.named_parameters())[n], theirs[n]) for n in mlps)
+
+    # the retrieval the run printed, redone with plain torch on one process: every item's
+    # vector, each validation user's 10 best by score (ties: smaller id), their clusters
+    data = sys.modules["data"].RetrievalData(2000, 512, 8, 128, seed=0)
+    strategy = mp.ManualParallelStrategy()
+    pairs = data.validation(0, strategy)
+    with torch.no_grad():
+        every = torch.arange(512)
+        items = SparseFeatures(
+            ("item_id", "item_category"),
+            torch.cat([every, every % 8]),
+            torch.ones(1024, dtype=torch.int64),
+        )
+        scores = (
+            before.embed_users(pairs).double() @ before.item_vectors(items).double().T
+        ).float()
+    order = torch.from_numpy(
+        numpy.lexsort((every.numpy()[None].repeat(len(scores), 0), -scores.numpy()))
+    )
+    best = order[:, :10]
+    segments = pairs.users["user_segment"].values
+    assert (best % 8 == segments[:, None]).double().mean().item() == pytest.approx(
+        precision, abs=5e-4
+    )
