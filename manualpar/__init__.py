@@ -63,6 +63,7 @@ from manualpar.loop import (
     EarlyStopping,
     Prefetched,
     Trainer,
+    TrainPipeline,
     check_finite,
     dataset_batches,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "RNGState",
     "SparseFeatures",
     "StorageError",
+    "TrainPipeline",
     "Trainer",
     "capture_rng_state",
     "check_finite",

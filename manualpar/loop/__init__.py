@@ -10,6 +10,7 @@ from manualpar.loop.checks import check_finite
 from manualpar.loop.data import dataset_batches
 from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank
+from manualpar.loop.pipeline import TrainPipeline
 from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.trainer import Trainer
 
@@ -17,6 +18,7 @@ __all__ = [
     "BestCheckpoints",
     "EarlyStopping",
     "Prefetched",
+    "TrainPipeline",
     "Trainer",
     "check_finite",
     "dataset_batches",

@@ -29,8 +29,10 @@ from manualpar.embeddings.modules.table_init import init_rows
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.sharded.in_flight import InFlight
 from manualpar.embeddings.sharded.managed_collisions import sharded_remapper
 from manualpar.embeddings.sharded.table_storage import cache_slots, table_stores
+from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.sharded_step import ShardedStep
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
@@ -134,6 +136,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             layout,
             non_finite,
         )
+        self._in_flight = InFlight(self.tables, [c.name for c in self.configs])
 
     def extra_repr(self) -> str:
         return f"{self.plan}, optimizer={self.fused_optimizer.rule.describe()}"
@@ -145,16 +148,55 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # would have to hide from the compiler (docs/embeddings.md, "torch.compile").
     @eager_only(f"{BUILDER}: the table exchange runs eagerly")
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
+        routed = taken[0] if taken is not None else None
+        if routed is None:
+            features = self._checked(features)
+            if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+                features = self.raw_id_remap(features)
+        else:
+            features = routed.features
+        return PooledEmbeddings(
+            self._lookup(features, routed), self.feature_names, tuple(self.routing.dims)
+        )
+
+    def _lookup(self, features: SparseFeatures, routed: RoutedIds | None) -> torch.Tensor:
+        """The pooled values of checked, row-id `features` (from `routed` if prefetched)."""
+        grad = torch.is_grad_enabled()
+        return _EmbeddingLookup.apply(self._anchor, self, features, routed, grad)
+
+    def _checked(self, features: SparseFeatures) -> SparseFeatures:
+        """Checked against the tables (a bad batch stops every rank), on the device, hashed."""
         try:
             features = check_features(features, self.configs)
         except EmbeddingInputError:
             self._refuse_step()
             raise
-        features = hash_raw_ids(features.to(self.strategy.device), self.configs)
-        if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
-            features = self.raw_id_remap(features)
-        values = _EmbeddingLookup.apply(self._anchor, self, features, torch.is_grad_enabled())
-        return PooledEmbeddings(values, self.feature_names, tuple(self.routing.dims))
+        return hash_raw_ids(features.to(self.strategy.device), self.configs)
+
+    def prefetch(self, features: SparseFeatures) -> None:
+        """Start this batch's input dist now, before the current batch's step (collective:
+        every rank prefetches its own next batch): the checks, the hashing, the size exchange
+        and the ids on their way to their owners. The forward of this very object takes them
+        (sharded/in_flight.py; TrainPipeline calls this for you). Tables with ManagedCollisions
+        are remapped at forward, in order (a remap may reset rows the current step updates),
+        so for them this does nothing."""
+        if self.raw_id_remap is not None:
+            return
+        self._hold(features, self._checked(features))
+
+    def _hold(self, key: SparseFeatures, prepared: SparseFeatures, extra: Any = None) -> None:
+        self._in_flight.check_free()
+        self._in_flight.hold(key, self.step.forward_phases.input_dist(prepared), extra)
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Prefetched batches whose forward has not come yet (0, 1 or 2)."""
+        return self._in_flight.holding
+
+    def drop_prefetched(self) -> None:
+        """Forget a prefetched batch that will not be looked up (nothing is pinned yet)."""
+        self._in_flight.drop()
 
     def _refuse_step(self) -> None:
         """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
@@ -247,9 +289,10 @@ class _EmbeddingLookup(torch.autograd.Function):
         anchor: torch.Tensor,
         module: ShardedEmbeddingBagCollection,
         features: SparseFeatures,
+        routed: RoutedIds | None,
         grad_enabled: bool,
     ) -> torch.Tensor:
-        out, saved = module.step.forward(features)
+        out, saved = module.step.forward(features, routed)
         ctx.step, ctx.saved = module.step, saved
         if not (saved.trains and grad_enabled):  # no backward will unpin its rows
             module.step.release(saved)
@@ -258,13 +301,13 @@ class _EmbeddingLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
         # an empty batch's gradient may be an expanded (stride 0) tensor, which contiguous()
         # keeps as it is (it holds no element): the kernels need real row strides
         grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
         ctx.step.backward(grad, ctx.saved)
         ctx.saved = None
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 def _fill_block(

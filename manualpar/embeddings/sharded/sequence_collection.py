@@ -129,6 +129,20 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
     def forward(  # type: ignore[override]  # the same machinery, another output type
         self, features: SparseFeatures
     ) -> SequenceEmbeddings:
+        taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
+        if taken is not None:
+            routed, counts = taken
+            features = features.to(self.strategy.device)
+            pooled = self._lookup(routed.features, routed)
+        else:
+            features, bags, counts = self._unit(features)
+            pooled = super().forward(bags).values
+        if self.normalize_by == "global_samples":
+            pooled = scale_gradient(pooled, sample_share(self.strategy, features.batch_size))
+        return split_rows(pooled, features, counts, self.routing)
+
+    def _unit(self, features: SparseFeatures) -> tuple[SparseFeatures, SparseFeatures, list[int]]:
+        """Checked (a bad batch stops every rank), on the device, and as one bag per id."""
         try:
             features = check_sequence_features(features, self.configs)
         except EmbeddingInputError:
@@ -136,7 +150,12 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
             raise
         features = features.to(self.strategy.device)
         bags, counts = unit_bags(features)
-        pooled = super().forward(bags).values
-        if self.normalize_by == "global_samples":
-            pooled = scale_gradient(pooled, sample_share(self.strategy, features.batch_size))
-        return split_rows(pooled, features, counts, self.routing)
+        return features, bags, counts
+
+    def prefetch(self, features: SparseFeatures) -> None:
+        """As the bag collection's: this batch's ids start travelling now (collective)."""
+        if self.raw_id_remap is not None:
+            return
+        self._in_flight.check_free()
+        _, bags, counts = self._unit(features)
+        self._hold(features, self._checked(bags), counts)

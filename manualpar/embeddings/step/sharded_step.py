@@ -24,7 +24,7 @@ from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import REFUSED, ExchangeLayout, header_width
 from manualpar.embeddings.step.forward import ForwardPhases
 from manualpar.embeddings.step.parts import StepParts
-from manualpar.embeddings.step.results import SavedForBackward
+from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.tier import TableStores
@@ -72,9 +72,15 @@ class ShardedStep:
         """Backward passes whose sparse update non_finite="skip" dropped (finite_check.py)."""
         return self.backward_phases.finite.skipped
 
-    def forward(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
-        """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
-        return self.forward_phases(features)
+    def forward(
+        self, features: SparseFeatures, routed: RoutedIds | None = None
+    ) -> tuple[torch.Tensor, SavedForBackward]:
+        """Pooled values (batch, total dim) of this rank's batch, and what backward needs;
+        `routed`: the batch's input dist, if it ran ahead (a pipeline's prefetch)."""
+        phases = self.forward_phases
+        if routed is None:
+            return phases(features)
+        return phases.output_dist(phases.lookup(routed))
 
     def backward(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
         """Update this rank's shards from the output gradient of every rank's batch."""

@@ -1,0 +1,254 @@
+"""TrainPipeline: batch i + 1's input dist runs ahead of batch i's step, and the numbers are the
+plain loop's, bit for bit (1, 2, 3 ranks; a 2 x 2 mesh; bag and sequence collections, hashed
+raw ids, frozen and uneven batches); a bad batch, a loader that raises or runs out with a batch
+in flight, a checkpoint taken with one in flight, and a table frozen in flight each end as the
+docs say."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import manualpar as mp
+from manualpar.checkpoint.extra import extra_checkpoint_entries
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    HashIds,
+    RowWiseAdagrad,
+    SparseFeatures,
+    full_tensors,
+    row_wise,
+    shard_embeddings,
+    table_wise,
+)
+from manualpar.errors import EmbeddingInputError
+from manualpar.testing import run_distributed
+
+
+class Model(torch.nn.Module):
+    def __init__(self, strategy: mp.ManualParallelStrategy, mesh: bool) -> None:
+        super().__init__()
+        bags = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig("user", 40, 4),
+                EmbeddingBagConfig("item", 30, 4, pooling="mean"),
+                EmbeddingBagConfig("raw", 25, 4, raw_ids=HashIds(salt=3)),
+            ],
+            seed=1,
+        )
+        sequence = EmbeddingCollection([EmbeddingConfig("history", 35, 4)], seed=2)
+        layout = strategy.mesh(replicate=2, shard=2) if mesh else None
+        shard = 2 if mesh else strategy.world_size
+        self.bags = shard_embeddings(
+            bags,
+            strategy,
+            {"user": row_wise(), "item": table_wise(shard - 1), "raw": row_wise()},
+            RowWiseAdagrad(lr=0.1),
+            mesh=layout,
+        )
+        self.sequence = shard_embeddings(
+            sequence, strategy, {"history": row_wise()}, RowWiseAdagrad(lr=0.1), mesh=layout
+        )
+        self.bags.tables["raw"].weight.requires_grad_(False)  # a frozen table throughout
+
+    def prefetch(self, batch: tuple[SparseFeatures, SparseFeatures]) -> None:
+        self.bags.prefetch(batch[0])
+        self.sequence.prefetch(batch[1])
+
+    def loss(self, batch: tuple[SparseFeatures, SparseFeatures]) -> torch.Tensor:
+        pooled = self.bags(batch[0]).values
+        rows = self.sequence(batch[1])["history"].values
+        return pooled.square().sum() + rows.sin().sum()
+
+
+def _batch(step: int, rank: int, bad: bool = False) -> tuple[SparseFeatures, SparseFeatures]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    size = 2 + (step + rank) % 3  # uneven batches, different on each rank
+
+    def bags(n: int, top: int) -> list[list[int]]:
+        return [
+            torch.randint(
+                0, top, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g
+            ).tolist()
+            for _ in range(n)
+        ]
+
+    pooled = SparseFeatures.from_dict(
+        {
+            "user": bags(size, 99 if bad else 40),  # 99: out of range
+            "item": bags(size, 30),
+            "raw": [[int(x) * 7_919 for x in b] for b in bags(size, 1000)],
+        }
+    )
+    history = SparseFeatures.from_dict({"history": bags(size, 35)})
+    return pooled, history
+
+
+def _batches(rank: int, count: int, bad_at: int | None = None) -> Iterator:
+    for step in range(count):
+        yield _batch(step, rank, bad=step == bad_at)
+
+
+def _snapshot(model: Model) -> dict[str, torch.Tensor]:
+    with full_tensors():
+        tables = {**model.bags.state_dict(), **model.sequence.state_dict()}
+        for name, emb in (("bags", model.bags), ("sequence", model.sequence)):
+            for table, keys in emb.fused_optimizer.state_dict()["state"].items():
+                tables.update({f"{name}/{table}/{k}": v for k, v in keys.items()})
+    return {k: v.clone() for k, v in tables.items()}
+
+
+def _train(pipelined: bool, steps: int, mesh: bool = False) -> dict:
+    strategy = mp.ManualParallelStrategy()
+    model = Model(strategy, mesh)
+    losses, in_flight = [], []
+    batches = _batches(strategy.rank, steps)
+    loop = mp.TrainPipeline(batches, strategy, model.prefetch) if pipelined else batches
+    for batch in loop:
+        in_flight.append((model.bags.batches_in_flight, model.sequence.batches_in_flight))
+        loss = model.loss(batch)
+        loss.backward()
+        losses.append(loss.item())
+    out = {"losses": losses, "tables": _snapshot(model), "in_flight": in_flight}
+    strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "mesh"), [(1, False), (2, False), (3, False), (4, True)])
+def test_pipelined_training_equals_the_plain_loop(world: int, mesh: bool) -> None:
+    plain = run_distributed(_train, world, args=(False, 5, mesh), timeout=90)
+    piped = run_distributed(_train, world, args=(True, 5, mesh), timeout=90)
+    for rank in range(world):
+        # the batch handed out and the next were both sent ahead, but for the last
+        assert piped[rank]["in_flight"] == [(2, 2)] * 4 + [(1, 1)]
+        assert plain[rank]["in_flight"] == [(0, 0)] * 5
+        assert piped[rank]["losses"] == plain[rank]["losses"]
+        assert piped[rank]["tables"].keys() == plain[rank]["tables"].keys()
+        for key, value in plain[rank]["tables"].items():
+            assert torch.equal(piped[rank]["tables"][key], value), key
+
+
+def _until_failure(case: str, directory: str) -> dict:
+    strategy = mp.ManualParallelStrategy()
+    model = Model(strategy, False)
+    rank = strategy.rank
+    if case == "bad batch":
+        batches: Iterator = _batches(rank, 5, bad_at=3 if rank == 1 else None)
+    elif case == "loader raises":
+
+        def failing() -> Iterator:
+            yield from _batches(rank, 3)
+            if rank == 0:
+                raise_in_the_loader()
+            yield from (_batch(step, rank) for step in range(3, 5))
+
+        batches = failing()
+    elif case == "runs out":
+        batches = _batches(rank, 3 if rank == 1 else 5)
+    else:
+        batches = _batches(rank, 5)
+    pipeline = mp.TrainPipeline(batches, strategy, model.prefetch)
+    done, error, frames = 0, None, []
+    try:
+        for step, batch in enumerate(pipeline):
+            if case == "frozen in flight" and step == 1:
+                model.bags.tables["item"].weight.requires_grad_(False)
+            model.loss(batch).backward()
+            done += 1
+            if case == "checkpoint" and step == 2:  # batch 3 is in flight
+                strategy.save_checkpoint(f"{directory}/ckpt", _state(model))
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+        frames = [f.name for f in traceback.extract_tb(raised.__traceback__)]
+    out = {"done": done, "error": error, "frames": frames, "tables": _snapshot(model)}
+    if case == "checkpoint":  # resume from the checkpoint in a fresh model, plain loop
+        fresh = Model(strategy, False)
+        strategy.load_checkpoint(f"{directory}/ckpt", _state(fresh))
+        for batch in (_batch(step, rank) for step in range(3, 5)):
+            fresh.loss(batch).backward()
+        out["resumed"] = _snapshot(fresh)
+    strategy.teardown()
+    return out
+
+
+def _state(model: Model) -> dict:
+    return {"model": model, **extra_checkpoint_entries(model)}  # the fused optimizers too
+
+
+def raise_in_the_loader() -> None:
+    raise ValueError("the loader hit a corrupt shard")
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_batch_in_flight_stops_every_rank_at_its_prefetch() -> None:
+    results = run_distributed(_until_failure, 2, args=("bad batch", ""), timeout=60)
+    for result in results:
+        assert result["done"] == 2, result  # batch 3 is checked when prefetched, in step 2
+        assert result["error"].startswith("EmbeddingInputError"), result["error"]
+    assert "feature 'user' (table 'user', 40 rows): id " in results[1]["error"]
+    assert "rank 1" in results[0]["error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_error_reaches_the_loop_with_its_traceback_after_the_common_batches() -> None:
+    results = run_distributed(_until_failure, 2, args=("loader raises", ""), timeout=60)
+    assert [r["done"] for r in results] == [3, 3]
+    assert results[0]["error"] == "ValueError: the loader hit a corrupt shard"
+    assert "raise_in_the_loader" in results[0]["frames"]
+    assert results[1]["error"].startswith(
+        "RuntimeError: TrainPipeline: the loader of rank 0 raised"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_that_runs_out_stops_every_rank_at_the_same_batch() -> None:
+    ran_out = run_distributed(_until_failure, 2, args=("runs out", ""), timeout=60)
+    plain = run_distributed(_train, 2, args=(False, 3), timeout=60)
+    for rank in range(2):
+        assert ran_out[rank]["done"] == 3 and ran_out[rank]["error"] is None
+        for key, value in plain[rank]["tables"].items():
+            assert torch.equal(ran_out[rank]["tables"][key], value), key
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_with_a_batch_in_flight_resumes_exactly(tmp_path: Path) -> None:
+    results = run_distributed(_until_failure, 2, args=("checkpoint", str(tmp_path)), timeout=60)
+    for result in results:
+        assert result["done"] == 5 and result["error"] is None
+        for key, value in result["tables"].items():
+            assert torch.equal(result["resumed"][key], value), key
+
+
+@pytest.mark.timeout(120)
+def test_a_table_frozen_while_a_batch_is_in_flight_is_refused() -> None:
+    results = run_distributed(_until_failure, 2, args=("frozen in flight", ""), timeout=60)
+    for result in results:
+        assert result["done"] == 1
+        assert (
+            "requires_grad of table(s) ['item'] changed while this batch was in flight"
+            in (result["error"])
+        )
+
+
+def test_prefetch_twice_is_refused_on_one_process() -> None:
+    strategy = mp.ManualParallelStrategy()
+    model = Model(strategy, False)
+    first, second = _batch(0, 0), _batch(1, 0)
+    third = _batch(2, 0)
+    model.bags.prefetch(first[0])
+    model.bags.prefetch(second[0])
+    with pytest.raises(EmbeddingInputError, match="while 2 batches are in flight"):
+        model.bags.prefetch(third[0])
+    model.bags(third[0])  # another batch's forward runs whole meanwhile (validation, say)
+    model.bags(first[0]).values.sum().backward()  # and a held one is taken by its own
+    model.bags.prefetch(third[0])
+    model.bags.drop_prefetched()
+    model.bags.prefetch(third[0])  # free again

@@ -1,0 +1,59 @@
+"""The cost benchmarks (the pipeline, the half-row guard, row checksums) run end to end at toy
+size and write consistent JSON (numbers are not asserted: timing has no place in tests)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from example_modules import EXAMPLES
+from launch import run_python, run_torchrun
+
+TOY = ("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--warmup", "1")
+
+
+@pytest.mark.parametrize(
+    ("script", "variants"),
+    [
+        ("bench_pipeline.py", ("plain", "pipelined")),
+        ("bench_half_guard.py", ("unguarded", "guarded")),
+    ],
+)
+def test_two_rank_cost_benchmarks_report_their_median_ratio(
+    tmp_path: Path, script: str, variants: tuple[str, str]
+) -> None:
+    out = tmp_path / "result.json"
+    run_torchrun(
+        EXAMPLES / "benchmarks" / script,
+        *TOY,
+        *("--repeats", "2", "--json", str(out)),
+        nproc=2,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    base, candidate = variants
+    assert len(result["repeats"]) == 2
+    ratios = [r[f"{candidate}_ms"] / r[f"{base}_ms"] for r in result["repeats"]]
+    assert result["ratio"] == pytest.approx(statistics.median(ratios))
+    assert result[f"{base}_ms"] == pytest.approx(
+        statistics.median(r[f"{base}_ms"] for r in result["repeats"])
+    )
+
+
+def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    run_python(
+        EXAMPLES / "benchmarks" / "bench_row_checksum.py",
+        *("--rows", "5000", "--rows-per-step", "300", "--steps", "2", "--repeats", "2"),
+        *("--json", str(out)),
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    plain, checked = (statistics.median(result[k]) for k in ("plain_ms", "checksum_ms"))
+    assert result["ratio"] == pytest.approx(checked / plain)
+    assert result["extra_ms_per_step"] == pytest.approx(checked - plain)
+    assert result["record_bytes"] == 64 * 4 + 4  # 64 float32 weights and a row-wise sum
