@@ -147,6 +147,11 @@ class DLRM(mp.ParallelModule):
         self.bottom = mp.ddp(self.bottom, strategy)
         self.top = mp.ddp(self.top, strategy)
 
+    def prefetch(self, batch: Batch) -> None:
+        """Send the next batch's ids to their owners now: the Trainer calls this before each
+        step with the next step's batch, so they travel during the step (TrainPipeline)."""
+        self.embeddings.prefetch(batch.sparse)
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits (B,)."""
         device = self.strategy.device if self.strategy is not None else torch.device("cpu")

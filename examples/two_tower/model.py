@@ -97,6 +97,12 @@ class TwoTower(mp.ParallelModule):
             ]
         return {"optimizer": dense, "schedulers": schedulers}
 
+    def prefetch(self, pairs: Pairs) -> None:
+        """The next batch's ids start travelling now (the Trainer calls this before each step
+        with the next step's batch; TrainPipeline)."""
+        self.user_tables.prefetch(pairs.users)
+        self.item_tables.prefetch(pairs.items)
+
     def embed_users(self, pairs: Pairs) -> torch.Tensor:
         return F.normalize(self.user_mlp(self.user_tables(pairs.users).values), dim=-1)
 

@@ -90,6 +90,10 @@ class Trainer:
         prefetch: read the next training batch in a background thread during the step
             (loop/prefetch.py); the same batches, only for data that draws no numbers from
             torch's global generator (hence not the default).
+        pipeline: if the model defines `prefetch(batch)` (calling `emb.prefetch(features)` for
+            each sharded collection), fetch the next step's batch before each step and call
+            it, so its ids travel during the step (loop/pipeline.py; exact, so on by default;
+            only with accumulate=1).
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Trainer:
         best_checkpoints: BestCheckpoints | None = None,
         tensorboard: bool = False,
         prefetch: bool = False,
+        pipeline: bool = True,
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -146,7 +151,7 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
-        self.async_checkpoint, self.prefetch = async_checkpoint, prefetch
+        self.async_checkpoint, self.prefetch, self.pipeline = async_checkpoint, prefetch, pipeline
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
         self._validation = Validation(strategy, val_steps, self._metrics, self._precision)
@@ -235,6 +240,8 @@ class Trainer:
             self._checkpoints.abandon_pending()
             raise
         finally:
+            for module in self._sharded:  # a batch sent ahead of a step that never came
+                module.drop_prefetched()
             if isinstance(read, Prefetched):
                 read.close()
             if self._tensorboard is not None:
@@ -258,8 +265,18 @@ class Trainer:
         self.stopped_early = self._watch.stopped_before(self.step)
         done = self.step >= self.max_steps or self.stopped_early
         last = self._metrics.recorded_at(self.step) if done else {}
+        prefetch = self._prefetcher(model)
+        ahead: tuple[int, list[Any] | None] | None = None  # the next step's batches, if sent
         while self.step < self.max_steps and not self.stopped_early:
-            batches = self._fetch(data)
+            if ahead is not None and ahead[0] == self.step:
+                batches = ahead[1]
+            else:
+                batches = self._fetch(data, self.step)
+            ahead = None
+            if batches is not None and prefetch is not None and self.step + 1 < self.max_steps:
+                ahead = (self.step + 1, self._fetch(data, self.step + 1))
+                if ahead[1] is not None:
+                    prefetch(ahead[1][0])  # its ids travel during this step (TrainPipeline)
             if batches is None:  # a rank's data ran out: every rank ends the run at this step
                 ranks = sorted(self.data_ran_out)
                 event = {"step": self.step, "event": "data_ran_out", "ranks": ranks}
@@ -315,19 +332,28 @@ class Trainer:
         else:
             self.strategy.save_checkpoint(best, state)
 
-    def _fetch(self, data: Data) -> list[Any] | None:
-        """This step's micro-batches, or None on every rank if any rank's data ran out (then
+    def _fetch(self, data: Data, step: int) -> list[Any] | None:
+        """Step `step`'s micro-batches, or None on every rank if any rank's data ran out (then
         `data_ran_out` names the ranks); see `step_batches`."""
-        batches, ran_out = step_batches(self.strategy, data, self.step, self.accumulate)
+        batches, ran_out = step_batches(self.strategy, data, step, self.accumulate)
         if batches is None:
             self.data_ran_out = ran_out
             where = ", ".join(f"rank {r} (batch {i})" for r, i in ran_out.items())
             log.warning(
                 "training data ran out on %s at step %d; every rank stops at step %d (of "
                 "max_steps=%d) and saves a checkpoint there",
-                where, self.step, self.step, self.max_steps,
+                where, step, step, self.max_steps,
             )  # fmt: skip
         return batches
+
+    def _prefetcher(self, model: nn.Module) -> Any:
+        """The model's `prefetch(batch)` if the step is pipelined: asked (pipeline=True, the
+        default), defined by the model, one micro-batch a step (a pipeline holds one batch
+        ahead)."""
+        prefetch = getattr(_user(model), "prefetch", None)
+        if not self.pipeline or self.accumulate != 1 or not callable(prefetch):
+            return None
+        return prefetch
 
     def _train_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
