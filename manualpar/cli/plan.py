@@ -34,6 +34,7 @@ from manualpar.embeddings import (
     raw_ids_from_json,
     table_dtype,
 )
+from manualpar.embeddings.plan_text import per_rank_text
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
@@ -208,10 +209,7 @@ def run(args: argparse.Namespace) -> int:
             if optimizer.STATE
             else f"weights only, {type(optimizer).__name__} keeps no state"
         )
-        print(
-            f"  bytes per rank ({what}): "
-            + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
-        )
+        print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import torch
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.dtype_names import dtype_name
+from manualpar.embeddings.plan_text import per_rank_text, shards_text
 from manualpar.environment import detect_environment
 from manualpar.errors import PlanError
 
@@ -319,11 +320,7 @@ class EmbeddingPlan:
         lines = [f"embedding plan for {self.world_size} ranks"]
         for config in configs:
             shards = (
-                ", ".join(
-                    f"r{s.rank}:rows[{s.row_start}:{s.row_end}]"
-                    + (f"cols[{s.col_start}:{s.col_end}]" if s.cols != config.embedding_dim else "")
-                    for s in self.shards(config)
-                )
+                shards_text(self.shards(config), config.embedding_dim)
                 if config.name in self.tables
                 else "-"
             )
@@ -336,16 +333,12 @@ class EmbeddingPlan:
             )
         per_rank = self.bytes_per_rank(configs)
         lines.append(
-            "  bytes per rank (weights + row-wise state): "
-            + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
+            "  bytes per rank (weights + row-wise state): " + per_rank_text(per_rank, format_bytes)
         )
         disk = [c for c in configs if c.name in self.tables and self.tables[c.name].on_disk]
         if disk:  # those blocks are files; memory holds their caches (disk_tier.py)
             on_disk = EmbeddingPlan(self.world_size, self.tables).bytes_per_rank(disk)
-            lines.append(
-                "  of which on disk: "
-                + ", ".join(f"r{r}: {format_bytes(b)}" for r, b in enumerate(on_disk))
-            )
+            lines.append("  of which on disk: " + per_rank_text(on_disk, format_bytes))
         return "\n".join(lines)
 
     def __str__(self) -> str:

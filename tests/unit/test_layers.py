@@ -39,7 +39,7 @@ LAYERS = [
 # manualpar/embeddings/, bottom up: the shared vocabulary at its root, then one concern each
 EMBEDDINGS = "manualpar.embeddings"
 EMBEDDINGS_LAYERS = [
-    {"config", "dtype_names", "features", "id_spaces", "plan"},
+    {"config", "dtype_names", "features", "id_spaces", "plan", "plan_text"},
     {"kernels"},
     {"ids"},
     {"modules"},
