@@ -45,6 +45,7 @@ class Histories:
     items: torch.Tensor
     targets: torch.Tensor | None = None
     target: torch.Tensor | None = None
+    features: SparseFeatures | None = None  # the lookup's input, built once (SASRec.features)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -137,20 +138,30 @@ class SASRec(mp.ParallelModule):
         return torch.optim.Adam(self.dense_parameters(), lr=self.lr)
 
     # ---- the model -----------------------------------------------------------------------------
+    def features(self, batch: Histories, catalog: bool) -> SparseFeatures:
+        """The item table's input for `batch` (kept on the batch: the object prefetch sends
+        ahead is the object forward looks up): the histories, and every item if `catalog`."""
+        if batch.features is None:
+            real = batch.items >= 0
+            every = torch.arange(self.num_items) if catalog else torch.zeros(0, dtype=torch.int64)
+            catalog_lengths = torch.zeros(len(batch), dtype=torch.int64)
+            if len(batch) and catalog:
+                catalog_lengths[0] = self.num_items  # the whole catalog in the first sample's bag
+            batch.features = SparseFeatures(
+                ("history", "catalog"),
+                torch.cat([batch.items[real], every]),
+                torch.cat([real.sum(1), catalog_lengths]),
+            )
+        return batch.features
+
+    def prefetch(self, batch: Histories) -> None:
+        """The next training batch's ids start travelling now: the Trainer calls this before
+        each step (TrainPipeline; the numbers are those of an unpipelined step)."""
+        self.items.prefetch(self.features(batch, catalog=True))
+
     def encode(self, batch: Histories, catalog: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(batch, MAX_HISTORY, dim) outputs, and every item's row if `catalog`."""
-        real = batch.items >= 0
-        lengths = real.sum(1)
-        every = torch.arange(self.num_items) if catalog else torch.zeros(0, dtype=torch.int64)
-        catalog_lengths = torch.zeros(len(batch), dtype=torch.int64)
-        if len(batch) and catalog:
-            catalog_lengths[0] = self.num_items  # the whole catalog in the first sample's bag
-        features = SparseFeatures(
-            ("history", "catalog"),
-            torch.cat([batch.items[real], every]),
-            torch.cat([lengths, catalog_lengths]),
-        )
-        looked_up = self.items(features)
+        looked_up = self.items(self.features(batch, catalog))
         rows, mask = looked_up["history"].to_padded(MAX_HISTORY)
         out = self.encoder(rows, mask)
         return out, looked_up["catalog"].values if catalog else None

@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--json", default=None, help="write the metrics and times here")
     add("--no-progress", action="store_true", help="hide the progress bar")
+    add("--no-pipeline", action="store_true", help="no batch ids sent ahead (the same numbers)")
     return parser.parse_args()
 
 
@@ -86,6 +87,7 @@ def main() -> None:
         best_checkpoints=mp.BestCheckpoints(MONITOR, mode="max", keep=1),
         progress=not args.no_progress,
         prefetch=True,  # the batches draw from their own generators: exact
+        pipeline=not args.no_pipeline,  # SASRec.prefetch: the next batch's ids sent ahead
     )
     trainer.fit(model, training_batches(windows, args.batch, args.seed), val_data=valid)
     trained = time.perf_counter() - started
