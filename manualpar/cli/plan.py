@@ -14,6 +14,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from manualpar.embeddings import (
     table_dtype,
 )
 from manualpar.embeddings.plan_text import per_rank_text
+from manualpar.embeddings.planning.exchange_bytes import expected_exchange_bytes
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
@@ -104,6 +106,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="for table_row_wise and auto: ranks per node (default: all ranks on one node)",
     )
+    add(
+        "--batch-per-rank",
+        type=int,
+        default=None,
+        help="also print the bytes a step's exchanges send per rank, for this many samples a "
+        "rank and --ids-per-bag ids a sample per feature, spread evenly over the rows",
+    )
+    add("--ids-per-bag", type=float, default=1.0, help="with --batch-per-rank (default 1)")
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
@@ -210,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
             else f"weights only, {type(optimizer).__name__} keeps no state"
         )
         print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
+    if args.batch_per_rank is not None:
+        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, optimizer))
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -218,3 +230,23 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {args.json}: cannot write the plan: {error}") from None
         print(f"plan written to {args.json}")
     return 0
+
+
+def _traffic(
+    tables: list[EmbeddingBagConfig],
+    plan: Any,
+    batch: int,
+    ids_per_bag: float,
+    optimizer: SparseOptimizer,
+) -> str:
+    """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
+    if batch < 1 or not ids_per_bag >= 0:
+        raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
+    per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
+    full_rows = optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+    traffic = expected_exchange_bytes(tables, plan, batch, per_bag, full_rows=full_rows)
+    sent = [int(traffic.sent(r)) for r in range(plan.world_size)]
+    return (
+        f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag): "
+        + per_rank_text(sent, format_bytes)
+    )

@@ -3,6 +3,9 @@ before); past that, runs of equal blocks become ranges and per-rank bytes a summ
 
 from __future__ import annotations
 
+import pytest
+
+from manualpar.cli import main
 from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
@@ -43,3 +46,30 @@ def test_uneven_splits_and_ties_name_their_ranks() -> None:
         "min 5 (r0), median 5, max 9 (r6, r7, r8, ...) over 10 ranks"
     )
     assert per_rank_text([3, 4], str) == "r0: 3, r1: 4"  # few ranks: listed
+
+
+def test_the_plan_command_prints_a_1024_rank_plan_and_its_traffic_quickly(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Issue-sized: a 1,024-rank plan with the expected bytes a step sends (about 3 s)."""
+    code = main(
+        [
+            "plan",
+            "--world-size",
+            "1024",
+            "--table",
+            "users:100000000:64",
+            "--table",
+            "tiny:100:16",
+            "--batch-per-rank",
+            "512",
+            "--ids-per-bag",
+            "20",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert lines[-1].startswith(
+        "  bytes sent per rank and step (512 samples, 20 ids per bag): min "
+    ), lines[-1]
+    assert lines[-1].endswith("over 1024 ranks")

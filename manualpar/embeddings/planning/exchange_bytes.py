@@ -1,0 +1,163 @@
+"""The bytes a sharded step's exchanges send between every pair of ranks: the traffic half of a
+cost model, exact, computed from a plan without a job.
+
+A step of a 1-D plan runs four all_to_alls (step/exchange.py): the sizes (`3 + flag words`
+int64 to every other rank), the ids (per routed feature: its bag lengths, then its ids, then
+its weights' bits, all int64; a row-split table's ids only to the rows' owner), the pooled rows
+back (float32, batch x the columns an owner serves) and, in backward, the output gradient to
+the owners (float32, batch x the columns each owner needs, full rows for a column-split table
+whose rule needs them; none for frozen tables). A rank's own part never travels.
+
+`exchange_bytes(configs, plan, batches)` counts them from each rank's batch (exact: the test
+compares them with the splits the exchanges really send); `expected_exchange_bytes` from batch
+sizes and ids per bag, with ids spread evenly over a table's rows (a plan's expectation).
+Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.step.frozen import num_words
+from manualpar.embeddings.step.routing import Routing
+
+__all__ = ["EXCHANGES", "ExchangeBytes", "exchange_bytes", "expected_exchange_bytes"]
+
+EXCHANGES = ("sizes", "ids", "pooled", "gradients")
+INT64, FLOAT32 = 8, 4
+Matrix = list[list[float]]
+
+
+@dataclass(frozen=True)
+class ExchangeBytes:
+    """Per exchange, `bytes[name][sender][receiver]` of one step (0 on the diagonal)."""
+
+    bytes: dict[str, Matrix]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bytes["sizes"])
+
+    def sent(self, rank: int) -> float:
+        """Bytes `rank` sends in one step, over every exchange."""
+        return sum(sum(matrix[rank]) for matrix in self.bytes.values())
+
+    def received(self, rank: int) -> float:
+        return sum(sum(row[rank] for row in matrix) for matrix in self.bytes.values())
+
+
+def _zeros(world: int) -> Matrix:
+    return [[0.0] * world for _ in range(world)]
+
+
+def _counts_by_group(routing: Routing, table: int, ids: torch.Tensor) -> list[float]:
+    """How many of `ids` fall in each row group of `table` (one group unless split by rows)."""
+    starts = routing.row_start_tensors[table]
+    group = torch.bucketize(ids, starts[1:], right=True)
+    return torch.bincount(group, minlength=len(starts)).tolist()
+
+
+def _step_bytes(
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    batches: Sequence[int],
+    ids_of: Mapping[tuple[int, int], list[float]],
+    weighted: Sequence[bool],
+    frozen: frozenset[str],
+    full_rows: bool,
+) -> ExchangeBytes:
+    """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank."""
+    world = plan.world_size
+    out = {name: _zeros(world) for name in EXCHANGES}
+    width = 3 + num_words(len(configs))
+    frozen_tables = {t for t, c in enumerate(configs) if c.name in frozen}
+    routing = Routing(configs, plan, 0)  # who serves which route: the same from every sender
+    grad_cols = {
+        id(route): routing.dims[route.feature]
+        if full_rows and routing.splits_cols(route.table)
+        else route.cols
+        for routes in routing.routes_to
+        for route in routes
+    }
+    for sender in range(world):
+        batch, copies = batches[sender], 2 if weighted[sender] else 1
+        for owner in range(world):
+            if owner == sender:
+                continue
+            out["sizes"][sender][owner] = width * INT64
+            ids = pooled = grads = 0.0
+            for route in routing.routes_to[owner]:
+                ids += batch + ids_of[(sender, route.feature)][route.row_group] * copies
+                pooled += batch * route.cols
+                if route.table not in frozen_tables:
+                    grads += batch * grad_cols[id(route)]
+            out["ids"][sender][owner] = ids * INT64
+            out["pooled"][owner][sender] = pooled * FLOAT32
+            out["gradients"][sender][owner] = grads * FLOAT32
+    # a feature sent whole to several owners (column blocks) goes once to each: counted above
+    return ExchangeBytes(out)
+
+
+def exchange_bytes(
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    batches: Sequence[SparseFeatures],
+    *,
+    frozen: frozenset[str] = frozenset(),
+    full_rows: bool = False,
+) -> ExchangeBytes:
+    """The exact bytes of one step in which rank r looks up `batches[r]` (features in the
+    collection's order). `full_rows`: the rule needs whole rows' gradients (row-wise Adagrad
+    and clipping do, for column-split tables: FusedOptimizer.needs_full_rows)."""
+    if len(batches) != plan.world_size:
+        raise ValueError(
+            f"exchange_bytes: {len(batches)} batches for a plan of {plan.world_size} ranks; "
+            "give each rank's batch"
+        )
+    routing = Routing(configs, plan, 0)
+    ids_of: dict[tuple[int, int], list[float]] = {}
+    for rank, features in enumerate(batches):
+        for f, (name, table) in enumerate(routing.features):
+            ids_of[(rank, f)] = _counts_by_group(routing, table, features[name].values)
+    return _step_bytes(
+        configs,
+        plan,
+        [b.batch_size for b in batches],
+        ids_of,
+        [b.weights is not None for b in batches],
+        frozen,
+        full_rows,
+    )
+
+
+def expected_exchange_bytes(
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    batch_per_rank: int,
+    ids_per_bag: Mapping[str, float],
+    *,
+    weighted: bool = False,
+    frozen: frozenset[str] = frozenset(),
+    full_rows: bool = False,
+) -> ExchangeBytes:
+    """The expected bytes of a step with `batch_per_rank` samples on every rank and, per
+    feature, `ids_per_bag` ids a sample on average, spread evenly over the table's rows."""
+    routing = Routing(configs, plan, 0)
+    ids_of: dict[tuple[int, int], list[float]] = {}
+    for f, (name, table) in enumerate(routing.features):
+        rows = configs[table].num_embeddings
+        starts = [*routing.row_starts[table], rows]
+        total = batch_per_rank * ids_per_bag.get(name, 1.0)
+        share = [total * (starts[g + 1] - starts[g]) / rows for g in range(len(starts) - 1)]
+        for rank in range(plan.world_size):
+            ids_of[(rank, f)] = share
+    world = plan.world_size
+    return _step_bytes(
+        configs, plan, [batch_per_rank] * world, ids_of, [weighted] * world, frozen, full_rows
+    )
