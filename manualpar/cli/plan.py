@@ -29,14 +29,14 @@ from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseOptimizer,
     check_tables,
+    expected_exchange_bytes,
     format_bytes,
+    per_rank_text,
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
     table_dtype,
 )
-from manualpar.embeddings.plan_text import per_rank_text
-from manualpar.embeddings.planning.exchange_bytes import expected_exchange_bytes
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 

@@ -58,6 +58,12 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.plan_text import per_rank_text
+from manualpar.embeddings.planning.exchange_bytes import (
+    ExchangeBytes,
+    exchange_bytes,
+    expected_exchange_bytes,
+)
 from manualpar.embeddings.planning.planner import (
     UNIFORM_PLANS,
     plan_collections,
@@ -87,6 +93,7 @@ __all__ = [
     "EmbeddingConfig",
     "EmbeddingPlan",
     "EmbeddingTable",
+    "ExchangeBytes",
     "FusedOptimizer",
     "HashIds",
     "JaggedEmbeddings",
@@ -108,9 +115,12 @@ __all__ = [
     "column_wise",
     "data_parallel",
     "dtype_name",
+    "exchange_bytes",
+    "expected_exchange_bytes",
     "format_bytes",
     "full_tensors",
     "on_disk",
+    "per_rank_text",
     "plan_collections",
     "plan_tables",
     "plan_uniform",
