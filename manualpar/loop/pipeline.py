@@ -83,11 +83,7 @@ class TrainPipeline:
 
     def _agreed(self, reading: Future[Any]) -> Any:
         """The next batch, if every rank has one; None on every rank otherwise."""
-        error = reading.exception()
-        status = (
-            _READY if error is None else _ENDED if isinstance(error, StopIteration) else _FAILED
-        )
-        flag = torch.tensor([status], dtype=torch.int64)
+        flag = torch.tensor([_status(reading)], dtype=torch.int64)
         if int(self.strategy.all_reduce(flag, op="max").item()) != _READY:
             return None
         return reading.result()
@@ -95,10 +91,7 @@ class TrainPipeline:
     def _stop(self, reading: Future[Any]) -> None:
         """After the last common batch: re-raise this rank's loader error, name another
         rank's, or log which ranks' loaders ended."""
-        error = reading.exception()
-        status = (
-            _READY if error is None else _ENDED if isinstance(error, StopIteration) else _FAILED
-        )
+        error, status = reading.exception(), _status(reading)
         statuses = self.strategy.all_gather_object(status)
         failed = [rank for rank, s in enumerate(statuses) if s == _FAILED]
         if status == _FAILED:
@@ -118,3 +111,9 @@ class TrainPipeline:
                 ", ".join(map(str, self.ran_out)),
                 self.handed_out,
             )
+
+
+def _status(reading: Future[Any]) -> int:
+    """What this rank's read gave: a batch, the loader's end, or an error (waits for it)."""
+    error = reading.exception()
+    return _READY if error is None else _ENDED if isinstance(error, StopIteration) else _FAILED
