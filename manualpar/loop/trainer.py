@@ -43,6 +43,7 @@ from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
+from manualpar.loop.step_ahead import StepAhead, model_prefetch
 from manualpar.loop.tensorboard_log import TensorBoardLog
 from manualpar.loop.validation import Validation
 from manualpar.loop.validation_watch import ValidationWatch
@@ -265,18 +266,10 @@ class Trainer:
         self.stopped_early = self._watch.stopped_before(self.step)
         done = self.step >= self.max_steps or self.stopped_early
         last = self._metrics.recorded_at(self.step) if done else {}
-        prefetch = self._prefetcher(model)
-        ahead: tuple[int, list[Any] | None] | None = None  # the next step's batches, if sent
+        prefetch = model_prefetch(_user(model), self.pipeline, self.accumulate)
+        steps = StepAhead(functools.partial(self._fetch, data), prefetch, self.max_steps)
         while self.step < self.max_steps and not self.stopped_early:
-            if ahead is not None and ahead[0] == self.step:
-                batches = ahead[1]
-            else:
-                batches = self._fetch(data, self.step)
-            ahead = None
-            if batches is not None and prefetch is not None and self.step + 1 < self.max_steps:
-                ahead = (self.step + 1, self._fetch(data, self.step + 1))
-                if ahead[1] is not None:
-                    prefetch(ahead[1][0])  # its ids travel during this step (TrainPipeline)
+            batches = steps.batches(self.step)  # the next step's sent ahead (step_ahead.py)
             if batches is None:  # a rank's data ran out: every rank ends the run at this step
                 ranks = sorted(self.data_ran_out)
                 event = {"step": self.step, "event": "data_ran_out", "ranks": ranks}
@@ -345,15 +338,6 @@ class Trainer:
                 where, step, step, self.max_steps,
             )  # fmt: skip
         return batches
-
-    def _prefetcher(self, model: nn.Module) -> Any:
-        """The model's `prefetch(batch)` if the step is pipelined: asked (pipeline=True, the
-        default), defined by the model, one micro-batch a step (a pipeline holds one batch
-        ahead)."""
-        prefetch = getattr(_user(model), "prefetch", None)
-        if not self.pipeline or self.accumulate != 1 or not callable(prefetch):
-            return None
-        return prefetch
 
     def _train_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
