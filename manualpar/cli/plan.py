@@ -20,27 +20,37 @@ import torch
 
 from manualpar import EmbeddingInputError, ManualParError
 from manualpar.embeddings import (
+    DEFAULT_BATCH_PER_RANK,
     DTYPE_NAMES,
     SGD,
+    TOPOLOGY_PRESETS,
     UNIFORM_PLANS,
     Adagrad,
     Adam,
     EmbeddingBagConfig,
+    EmbeddingPlan,
     RowWiseAdagrad,
     SparseOptimizer,
+    Topology,
+    Workload,
     check_tables,
+    costs_text,
+    default_topology,
     expected_exchange_bytes,
     format_bytes,
+    load_topology,
     per_rank_text,
+    plan_costs,
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
+    rule_costs,
     table_dtype,
 )
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
-PLANS = ("auto", *UNIFORM_PLANS)
+PLANS = ("auto", "memory", *UNIFORM_PLANS)
 OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
     "rowwise_adagrad": RowWiseAdagrad,
     "adagrad": Adagrad,
@@ -88,7 +98,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "weights are counted in it, optimizer state as float32",
     )
     add("--world-size", type=int, required=True, help="ranks of the job")
-    add("--plan", default="auto", help=f"one of {', '.join(PLANS)} (default auto)")
+    add(
+        "--plan",
+        default="auto",
+        help=f"one of {', '.join(PLANS)} (default auto: the fastest predicted plan; memory: "
+        "the earlier placement by memory alone)",
+    )
+    add(
+        "--topology",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"the machine: a preset ({', '.join(TOPOLOGY_PRESETS)}) or a JSON file from "
+        "`python -m manualpar calibrate`; its device memory is the budget unless "
+        "--memory-budget says otherwise (default: cpu-host, no budget)",
+    )
     add(
         "--memory-budget",
         default=None,
@@ -110,10 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-per-rank",
         type=int,
         default=None,
-        help="also print the bytes a step's exchanges send per rank, for this many samples a "
-        "rank and --ids-per-bag ids a sample per feature, spread evenly over the rows",
+        help="samples a rank per step, for the cost model and the predicted bytes and times "
+        f"(default {DEFAULT_BATCH_PER_RANK}); also prints the bytes of each rank's exchanges",
     )
-    add("--ids-per-bag", type=float, default=1.0, help="with --batch-per-rank (default 1)")
+    add(
+        "--ids-per-bag",
+        type=float,
+        default=1.0,
+        help="mean ids a sample per feature, spread evenly over the rows (default 1)",
+    )
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
@@ -200,13 +228,29 @@ def run(args: argparse.Namespace) -> int:
     tables = [parse_table(spec, dtype) for spec in args.table]
     tables += load_tables(args.tables) if args.tables else []
     check_tables(tables)
+    topology = _topology(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    if budget is None and args.topology is not None:
+        budget = topology.device_memory_bytes
     optimizer = OPTIMIZERS[args.optimizer](lr=0.01)  # only its state's shape matters here
-    place = plan_tables if args.plan == "auto" else functools.partial(plan_uniform, args.plan)
+    batch = args.batch_per_rank or DEFAULT_BATCH_PER_RANK
+    if batch < 1 or not args.ids_per_bag >= 0:
+        raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
+    pooling = {config.name: args.ids_per_bag for config in tables}
+    if args.plan in ("auto", "memory"):
+        place: Any = functools.partial(
+            plan_tables,
+            method="cost" if args.plan == "auto" else "memory",
+            topology=topology,
+            batch_per_rank=batch,
+            pooling_factors=pooling,
+        )
+    else:
+        place = functools.partial(plan_uniform, args.plan)
     plan = place(
         tables,
         args.world_size,
-        ranks_per_node=args.ranks_per_node,
+        ranks_per_node=topology.ranks_per_node,
         memory_budget_bytes=budget,
         optimizer=optimizer,
     )
@@ -222,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
     if args.batch_per_rank is not None:
         print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, optimizer))
+    print(_predicted(tables, plan, topology, batch, pooling, optimizer))
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +277,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.topology is None:  # as before topologies: all ranks on one node unless told
+        return default_topology(args.world_size, args.ranks_per_node or args.world_size)
+    try:
+        return load_topology(args.topology, args.world_size, args.ranks_per_node)
+    except ManualParError as error:
+        raise UsageError(f"--topology: {error}") from None
+
+
+def _predicted(
+    tables: list[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    topology: Topology,
+    batch: int,
+    pooling: dict[str, float],
+    optimizer: SparseOptimizer,
+) -> str:
+    """The cost model's per-rank prediction for the plan (planning/cost_model.py)."""
+    state, full_rows = rule_costs(optimizer)
+    workload = Workload(batch, pooling, state=state, full_rows=full_rows)
+    return costs_text(plan_costs(tables, plan, topology, workload), topology, batch)
+
+
 def _traffic(
     tables: list[EmbeddingBagConfig],
     plan: Any,
@@ -240,10 +308,8 @@ def _traffic(
     optimizer: SparseOptimizer,
 ) -> str:
     """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
-    if batch < 1 or not ids_per_bag >= 0:
-        raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
-    full_rows = optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+    full_rows = rule_costs(optimizer)[1]
     traffic = expected_exchange_bytes(tables, plan, batch, per_bag, full_rows=full_rows)
     sent = [int(traffic.sent(r)) for r in range(plan.world_size)]
     return (

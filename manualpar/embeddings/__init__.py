@@ -59,18 +59,30 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.plan_text import per_rank_text
+from manualpar.embeddings.planning.cost_model import (
+    RankCosts,
+    Workload,
+    placement_costs,
+    plan_costs,
+    rule_costs,
+)
+from manualpar.embeddings.planning.cost_planner import CostPlan, plan_by_cost
+from manualpar.embeddings.planning.cost_text import costs_text
 from manualpar.embeddings.planning.exchange_bytes import (
     ExchangeBytes,
     exchange_bytes,
     expected_exchange_bytes,
 )
 from manualpar.embeddings.planning.planner import (
+    DEFAULT_BATCH_PER_RANK,
     UNIFORM_PLANS,
+    default_topology,
     plan_collections,
     plan_tables,
     plan_uniform,
     table_bytes,
 )
+from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
@@ -78,14 +90,17 @@ from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
 from manualpar.embeddings.storage.disk_tier import DiskTier
 
 __all__ = [
+    "DEFAULT_BATCH_PER_RANK",
     "DTYPE_NAMES",
     "EVICTION_POLICIES",
     "SGD",
     "SHARDING_TYPES",
     "TABLE_DTYPES",
+    "TOPOLOGY_PRESETS",
     "UNIFORM_PLANS",
     "Adagrad",
     "Adam",
+    "CostPlan",
     "DiskTier",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
@@ -101,6 +116,7 @@ __all__ = [
     "LocalShards",
     "ManagedCollisions",
     "PooledEmbeddings",
+    "RankCosts",
     "RawIds",
     "RowWiseAdagrad",
     "SequenceEmbeddings",
@@ -110,23 +126,32 @@ __all__ = [
     "SparseFeatures",
     "SparseOptimizer",
     "TablePlacement",
+    "Topology",
+    "Workload",
     "block_bytes",
     "check_tables",
     "column_wise",
+    "costs_text",
     "data_parallel",
+    "default_topology",
     "dtype_name",
     "exchange_bytes",
     "expected_exchange_bytes",
     "format_bytes",
     "full_tensors",
+    "load_topology",
     "on_disk",
     "per_rank_text",
+    "placement_costs",
+    "plan_by_cost",
     "plan_collections",
+    "plan_costs",
     "plan_tables",
     "plan_uniform",
     "raw_ids_from_json",
     "raw_ids_to_json",
     "row_wise",
+    "rule_costs",
     "shard_embeddings",
     "table_bytes",
     "table_dtype",

@@ -95,16 +95,19 @@ def _run_text(run: list[Shard], dim: int) -> str:
     )
 
 
-def per_rank_text(values: Sequence[int], fmt: Callable[[int], str]) -> str:
+def per_rank_text(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     """`r0: 1.0 MiB, r1: 2.0 MiB`, or with many ranks min / median / max and the busiest."""
     if len(values) <= SPELLED_OUT:
         return ", ".join(f"r{r}: {fmt(v)}" for r, v in enumerate(values))
     low, high = min(values), max(values)
+    middle = statistics.median(values)
+    if all(isinstance(v, int) for v in values):
+        middle = int(middle)  # bytes stay whole
     busiest = [r for r, value in enumerate(values) if value == high]
     named = ", ".join(f"r{r}" for r in busiest[:BUSIEST]) + (
         ", ..." if len(busiest) > BUSIEST else ""
     )
     return (
-        f"min {fmt(low)} (r{values.index(low)}), median {fmt(int(statistics.median(values)))}, "
+        f"min {fmt(low)} (r{values.index(low)}), median {fmt(middle)}, "
         f"max {fmt(high)} ({named}) over {len(values)} ranks"
     )

@@ -69,7 +69,17 @@ def test_the_plan_command_prints_a_1024_rank_plan_and_its_traffic_quickly(
     )
     lines = capsys.readouterr().out.splitlines()
     assert code == 0
-    assert lines[-1].startswith(
-        "  bytes sent per rank and step (512 samples, 20 ids per bag): min "
-    ), lines[-1]
-    assert lines[-1].endswith("over 1024 ranks")
+    sent = next(line for line in lines if line.startswith("  bytes sent per rank and step"))
+    assert sent.startswith("  bytes sent per rank and step (512 samples, 20 ids per bag): min ")
+    assert sent.endswith("over 1024 ranks")
+    predicted = lines[lines.index(sent) + 1 :]
+    assert predicted[0] == (
+        "predicted per step on cpu-host (1024 ranks, 1024 a node; 512 samples a rank)"
+    )
+    assert [line.split(":")[0] for line in predicted[1:]] == [
+        "  step time (embeddings)",
+        "  memory",
+        "  sent on the node's links",
+        "  received",
+    ]
+    assert all(line.endswith("over 1024 ranks") for line in predicted[1:])

@@ -48,11 +48,11 @@ def _bytes_per_rank(plans: dict, towers: dict) -> list[int]:
 def test_two_towers_share_the_ranks_evenly_where_separate_plans_do_not() -> None:
     towers = _two_towers()
     table = table_bytes(towers["user"].configs[0])
-    separate = {name: plan_tables(ebc.configs, 2) for name, ebc in towers.items()}
+    separate = {name: plan_tables(ebc.configs, 2, method="memory") for name, ebc in towers.items()}
     assert _tables_per_rank(separate, 2) == [4, 2]  # each tower starts from empty ranks
     assert _bytes_per_rank(separate, towers) == [4 * table, 2 * table]
 
-    plans = plan_collections(towers, 2)
+    plans = plan_collections(towers, 2, method="memory")
     assert list(plans) == ["user", "item"]
     assert _tables_per_rank(plans, 2) == [3, 3]
     per_rank = _bytes_per_rank(plans, towers)
@@ -81,7 +81,7 @@ def test_odd_counts_and_sizes_stay_within_one_table_per_rank() -> None:
 def test_big_tables_are_split_by_rows_and_tiny_ones_replicated_across_collections() -> None:
     user = [*_tables("user_", 400_000, 40_000), EmbeddingBagConfig("user_tiny", 100, 8)]
     item = _tables("item_", 40_000, 30_000)
-    plans = plan_collections({"user": user, "item": item}, 2)
+    plans = plan_collections({"user": user, "item": item}, 2, method="memory")
     assert plans["user"].tables["user_0"] == TablePlacement("row_wise")
     assert "larger than an even share" in plans["user"].notes["user_0"]
     assert plans["user"].tables["user_tiny"] == TablePlacement("data_parallel")
@@ -117,14 +117,19 @@ def test_one_collection_gets_the_plan_plan_tables_makes() -> None:
 def test_each_collection_may_have_its_own_optimizer() -> None:
     user, item = _tables("u", 10_000), _tables("i", 10_000)
     plans = plan_collections(
-        {"user": user, "item": item}, 2, optimizer={"user": SGD(lr=0.1), "item": Adam(lr=0.1)}
+        {"user": user, "item": item},
+        2,
+        optimizer={"user": SGD(lr=0.1), "item": Adam(lr=0.1)},
+        method="memory",
     )
     # Adam's two moments triple the item table: more than an even share of the two, so split
     assert plans["item"].notes["i0"] == (
         "rows split over all 2 ranks (larger than an even share; 937.5 KiB each)"
     )
     assert plans["user"].notes["u0"] == "whole on rank 0 (625.0 KiB; least-loaded rank)"
-    shared = plan_collections({"user": user, "item": item}, 2, optimizer=RowWiseAdagrad(lr=0.1))
+    shared = plan_collections(
+        {"user": user, "item": item}, 2, optimizer=RowWiseAdagrad(lr=0.1), method="memory"
+    )
     assert shared["user"].notes["u0"] == "whole on rank 0 (664.1 KiB; least-loaded rank)"
     assert shared["item"].notes["i0"] == "whole on rank 1 (664.1 KiB; least-loaded rank)"
 
@@ -151,7 +156,7 @@ def test_a_table_no_split_can_fit_is_named_with_its_collection() -> None:
         match=r"^table 'b\.b0' needs 298\.8 KiB per rank split over 2 ranks, but ranks already "
         r"hold \['796\.9 KiB', '597\.7 KiB'\] of a 996\.1 KiB budget",
     ):
-        plan_collections({"a": first, "b": second}, 2, memory_budget_bytes=budget)
+        plan_collections({"a": first, "b": second}, 2, memory_budget_bytes=budget, method="memory")
 
 
 def test_measured_budget_says_where_it_came_from() -> None:

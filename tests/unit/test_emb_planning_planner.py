@@ -41,10 +41,10 @@ def test_plan_bytes_per_rank_sums_the_blocks_each_rank_holds() -> None:
     )
 
 
-def test_auto_replicates_small_tables_and_splits_one_larger_than_an_even_share() -> None:
+def test_memory_method_replicates_small_tables_and_splits_one_larger_than_an_even_share() -> None:
     tables = _tables(("huge", 200_000, 64), ("mid_a", 40_000, 64), ("mid_b", 30_000, 64))
     tables.append(EmbeddingBagConfig("tiny", 100, 8))
-    plan = plan_tables(tables, 2)
+    plan = plan_tables(tables, 2, method="memory")
     assert plan.tables["tiny"] == TablePlacement("data_parallel")
     assert plan.tables["huge"] == TablePlacement("row_wise")
     # the two mid tables go whole to the least-loaded ranks: one each
@@ -54,9 +54,9 @@ def test_auto_replicates_small_tables_and_splits_one_larger_than_an_even_share()
     plan.validate(tables, 2)
 
 
-def test_auto_keeps_a_large_table_on_one_node_when_it_fits_there() -> None:
+def test_memory_method_keeps_a_large_table_on_one_node_when_it_fits_there() -> None:
     tables = _tables(("huge", 400_000, 64), ("a", 20_000, 64), ("b", 20_000, 64))
-    plan = plan_tables(tables, 4, ranks_per_node=2)
+    plan = plan_tables(tables, 4, ranks_per_node=2, method="memory")
     assert plan.tables["huge"].sharding == "table_row_wise"
     assert plan.tables["huge"].ranks in {(0, 1), (2, 3)}
     assert plan.notes["huge"].startswith("rows split over node")

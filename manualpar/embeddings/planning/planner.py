@@ -1,9 +1,10 @@
 """Plans from table sizes: `plan_tables` (plan="auto"), `plan_collections` (plan="auto" for
 several collections together) and `plan_uniform` (one placement kind).
 
-plan="auto": place each table from its size, its lookups and a per-rank memory budget.
-
-Rules, in order (each table's note says which applied):
+plan="auto" places by predicted step time (method="cost", the default: cost_planner.py, with
+the cost model of cost_model.py on a Topology). method="memory" keeps the earlier placement by
+size, lookups and a per-rank memory budget, whose rules, in order (each table's note says which
+applied), are:
 1. A table of at most `replicate_bytes` (weights + state) is replicated (data_parallel): its
    lookups need no communication, and its all-reduce is small.
 2. Tables go whole to one rank (table_wise: the cheapest communication, one pooled row per bag)
@@ -24,6 +25,7 @@ and pile their largest tables onto the same ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,18 +50,41 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.planning.cost_model import Workload, rule_costs
+from manualpar.embeddings.planning.cost_planner import plan_by_cost
 from manualpar.embeddings.planning.disk_budget import place_on_disk
 from manualpar.embeddings.planning.remapper_budget import budget_after_remappers
+from manualpar.embeddings.planning.topology import Topology, load_topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import PlanError
 from manualpar.strategy import ManualParallelStrategy
 
 Collection = EmbeddingBagCollection | EmbeddingCollection | Sequence[EmbeddingBagConfig]
 
-__all__ = ["UNIFORM_PLANS", "plan_collections", "plan_tables", "plan_uniform", "table_bytes"]
+__all__ = [
+    "METHODS",
+    "UNIFORM_PLANS",
+    "default_topology",
+    "plan_collections",
+    "plan_tables",
+    "plan_uniform",
+    "table_bytes",
+]
 
 GiB = 2**30
 REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replicated
+METHODS = ("cost", "memory")
+DEFAULT_BATCH_PER_RANK = 1024  # samples a rank per step, when the caller does not say
+
+
+def default_topology(
+    world_size: int, ranks_per_node: int | None = None, device_type: str = "cpu"
+) -> Topology:
+    """The topology a plan assumes when none is given: the measured CPU host for CPU jobs, an
+    A100 node (datasheet numbers) for GPU jobs; pass your own (`load_topology`) to plan for
+    another machine."""
+    preset = "cpu-host" if device_type == "cpu" else "a100-nvlink-hdr"
+    return load_topology(preset, world_size, ranks_per_node)
 
 
 def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
@@ -78,8 +103,13 @@ def plan_tables(
     pooling_factors: Mapping[str, float] | None = None,
     replicate_bytes: int = REPLICATE_BYTES,
     disk_tier: DiskTier | None = None,
+    method: str = "cost",
+    topology: Topology | None = None,
+    batch_per_rank: int | None = None,
 ) -> EmbeddingPlan:
-    """A plan for `tables` on `world_size` ranks; see the module docstring for the rules."""
+    """A plan for `tables` on `world_size` ranks; see the module docstring. With method="cost",
+    `topology` (default: default_topology) prices the plan for `batch_per_rank` samples a rank
+    and `pooling_factors` ({table: mean ids per bag}) ids a sample."""
     placements, notes = _place(
         {c.name: c for c in tables},
         {c.name: table_bytes(c, optimizer) for c in tables},
@@ -89,6 +119,7 @@ def plan_tables(
         memory_budget_bytes,
         replicate_bytes,
         disk_tier,
+        _Cost(method, topology, batch_per_rank, optimizer),
     )
     return EmbeddingPlan(world_size, placements, notes)
 
@@ -104,6 +135,9 @@ def plan_collections(
     replicate_bytes: int = REPLICATE_BYTES,
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
+    method: str = "cost",
+    topology: Topology | None = None,
+    batch_per_rank: int | None = None,
 ) -> dict[str, EmbeddingPlan]:
     """One plan per collection, made together: plan="auto"'s rules applied to the tables of all
     `collections` at once, so memory and lookups balance over every table of the model (planned
@@ -116,7 +150,8 @@ def plan_collections(
     `mesh` (with the strategy): the shard dim of a 2-D mesh, e.g. `mesh["shard"]`; the plans are
     then for its ranks, and `ranks_per_node` defaults to those of its ranks on one node.
     `optimizer` (whose state is counted) and `pooling_factors` ({table: mean ids per bag}) are
-    one for all, or given per collection name. Hand each plan to
+    one for all, or given per collection name. `method`, `topology` and `batch_per_rank` as for
+    `plan_tables` (with the strategy, the default topology follows its device). Hand each plan to
     `shard_embeddings(ebc, strategy, plan=plans[name], optimizer=...)`. With several
     collections, notes and errors name a table "collection.table".
     """
@@ -159,6 +194,14 @@ def plan_collections(
             budget,
             replicate_bytes,
             disk_tier,
+            _Cost(
+                method,
+                topology,
+                batch_per_rank,
+                None,
+                {labels[c, t.name]: rules[c] for c, ts in configs.items() for t in ts},
+                world.device.type if isinstance(world, ManualParallelStrategy) else "cpu",
+            ),
         )
     except PlanError as error:
         if not measured:
@@ -247,12 +290,75 @@ def _place(
     ranks_per_node: int,
     budget: int | None,
     replicate_bytes: int,
-    disk_tier: DiskTier | None = None,
+    disk_tier: DiskTier | None,
+    cost: _Cost,
 ) -> tuple[dict[str, TablePlacement], dict[str, str]]:
     """Placements and notes by the module docstring's rules, keyed (and named in errors) by the
     keys of `tables`, in their order."""
+    if cost.method not in METHODS:
+        raise PlanError(f"plan method must be one of {METHODS}, got {cost.method!r}")
+    net = budget_after_remappers(tables.values(), world_size, budget)  # (its error first)
+    if cost.method == "cost":
+        if disk_tier is None or budget is None:
+            _check_fits(sizes, world_size, net)
+        topology = cost.topology_for(world_size, ranks_per_node)
+        planned = plan_by_cost(
+            tables,
+            topology,
+            cost.workload(tables, pooling),
+            memory_budget_bytes=budget,
+            replicate_bytes=replicate_bytes,
+            disk_tier=disk_tier,
+        )
+        return dict(planned.plan.tables), dict(planned.plan.notes)
+    return _place_by_memory(
+        tables, sizes, pooling, world_size, ranks_per_node, net, replicate_bytes, disk_tier
+    )
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """How plan_tables/plan_collections were asked to price plans (method="cost")."""
+
+    method: str
+    topology: Topology | None
+    batch_per_rank: int | None
+    optimizer: SparseOptimizer | None
+    rules: Mapping[str, SparseOptimizer | None] = field(default_factory=dict)
+    device_type: str = "cpu"
+
+    def topology_for(self, world_size: int, ranks_per_node: int) -> Topology:
+        if self.topology is None:
+            return default_topology(world_size, ranks_per_node, self.device_type)
+        if self.topology.world_size != world_size:
+            return self.topology.with_world(world_size, ranks_per_node)
+        return self.topology
+
+    def workload(
+        self, tables: Mapping[str, EmbeddingBagConfig], pooling: Mapping[str, float]
+    ) -> Workload:
+        state, full_rows = rule_costs(self.optimizer)
+        return Workload(
+            batch_per_rank=self.batch_per_rank or DEFAULT_BATCH_PER_RANK,
+            ids_per_bag=dict(pooling),
+            state=state,
+            full_rows=full_rows,
+            rules={name: rule_costs(self.rules.get(name, self.optimizer)) for name in tables},
+        )
+
+
+def _place_by_memory(
+    tables: Mapping[str, EmbeddingBagConfig],
+    sizes: Mapping[str, int],
+    pooling: Mapping[str, float],
+    world_size: int,
+    ranks_per_node: int,
+    budget: int | None,
+    replicate_bytes: int,
+    disk_tier: DiskTier | None,
+) -> tuple[dict[str, TablePlacement], dict[str, str]]:
+    """method="memory": the rules of the module docstring."""
     order = list(tables)
-    budget = budget_after_remappers(tables.values(), world_size, budget)
     on_disk, disk_notes, budget = place_on_disk(tables, sizes, world_size, budget, disk_tier)
     if on_disk:
         tables = {k: c for k, c in tables.items() if k not in on_disk}

@@ -1,0 +1,364 @@
+"""What one table's placement costs each rank in a step: memory, bytes per link, rows, seconds.
+
+    costs = placement_costs(config, row_wise(), topology, workload)
+    costs.seconds(topology)        # predicted time per rank (a tensor of world_size)
+
+The bytes are those of the step's exchanges (exchange_bytes.py explains them) for a batch whose
+ids are spread evenly over the table's rows, summed per rank, split by direction and by whether
+the peer is on the same node; a test checks them against exchange_bytes and against the splits
+a real step sends. They are computed per rank in closed form (no rank x rank matrix), so a plan
+for thousands of ranks and hundreds of tables costs seconds.
+
+Seconds per rank = exchanges + memory traffic + disk, one after another (a step runs its phases
+in order; the train pipeline overlaps the input only):
+- exchanges: max(bytes over intra-node links / their bandwidth, bytes over inter-node links /
+  theirs), each direction's larger side, plus one latency per all_to_all;
+- memory: the rows the rank looks up and updates (weights, gradients and optimizer state, read
+  and written) at the memory bandwidth, plus a fixed cost per row touched;
+- disk: for a disk-tier table, the rows its cache misses (every lookup the cache cannot hold,
+  assuming uniform ids: an upper bound under skew) read, and as many dirty rows written back.
+Known errors: skewed ids touch fewer distinct rows than assumed (the update and disk terms are
+upper bounds); collectives are taken as fully using their links; compute of the dense model and
+the overlap of phases on GPUs are not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from manualpar.embeddings.config import ROW_WISE_STATE, STATE_BYTES, EmbeddingBagConfig
+from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, SparseOptimizer
+from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
+from manualpar.embeddings.planning.topology import Topology
+from manualpar.embeddings.step.frozen import num_words
+from manualpar.embeddings.storage.disk_tier import DiskTier
+
+__all__ = [
+    "RankCosts",
+    "Workload",
+    "collection_costs",
+    "placement_costs",
+    "plan_costs",
+    "rule_costs",
+]
+
+INT64, FLOAT32 = 8, 4
+# Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
+# pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
+# replicated tables' gradients (step/data_parallel.py).
+CALLS = {"exchanges": 4, "all_reduce": 1}
+
+
+def rule_costs(optimizer: SparseOptimizer | None) -> tuple[Mapping[str, bool], bool]:
+    """(optimizer state per row, whether it needs whole rows' gradients) of an update rule; by
+    default shard_embeddings' row-wise Adagrad's, which does."""
+    if optimizer is None:
+        return ROW_WISE_STATE, RowWiseAdagrad.needs_full_rows
+    return optimizer.STATE, optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step looks up: `batch_per_rank` samples a rank, `ids_per_bag[table]` ids per
+    sample in each of the table's features (default 1), and the update rule's needs."""
+
+    batch_per_rank: int = 512
+    ids_per_bag: Mapping[str, float] = field(default_factory=dict)
+    weighted: bool = False
+    frozen: frozenset[str] = frozenset()
+    full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
+    state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
+    rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
+
+    def rule(self, table: str) -> tuple[Mapping[str, bool], bool]:
+        """(optimizer state, needs full rows) of `table`: its own in `rules`, else the shared."""
+        return self.rules.get(table, (self.state, self.full_rows))
+
+    def ids(self, config: EmbeddingBagConfig, name: str | None = None) -> float:
+        """Ids a rank looks up in `config`'s table (`name`: its key here) per step, over all
+        its features."""
+        per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
+        return self.batch_per_rank * per_bag * len(config.feature_names)
+
+
+@dataclass
+class RankCosts:
+    """Per-rank totals (float64 tensors of world_size) of one table or of a whole plan."""
+
+    memory: torch.Tensor  # bytes held in memory: weights + state, caches
+    disk: torch.Tensor  # bytes held on disk
+    sent_intra: torch.Tensor
+    sent_inter: torch.Tensor
+    received_intra: torch.Tensor
+    received_inter: torch.Tensor
+    memory_traffic: torch.Tensor  # bytes read and written in memory by lookups and updates
+    rows_touched: torch.Tensor  # rows looked up plus rows updated
+    disk_traffic: torch.Tensor  # bytes read from and written to disk
+    disk_rows: torch.Tensor  # rows read from or written to disk
+    users: dict[str, int] = field(default_factory=dict)  # tables per kind of collective (CALLS)
+
+    @classmethod
+    def zeros(cls, world_size: int) -> RankCosts:
+        tensors: dict[str, Any] = {
+            f.name: torch.zeros(world_size, dtype=torch.float64)
+            for f in fields(cls)
+            if f.name != "users"
+        }
+        return cls(**tensors)
+
+    def __add__(self, other: RankCosts) -> RankCosts:
+        sums: dict[str, Any] = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "users"
+        }
+        users = {
+            k: self.users.get(k, 0) + other.users.get(k, 0) for k in {*self.users, *other.users}
+        }
+        return RankCosts(**sums, users=users)
+
+    def __sub__(self, other: RankCosts) -> RankCosts:
+        """These costs without `other`'s (a table taken out of a plan's total)."""
+        rest: dict[str, Any] = {
+            f.name: getattr(self, f.name) - getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "users"
+        }
+        users = {k: self.users.get(k, 0) - other.users.get(k, 0) for k in self.users}
+        return RankCosts(**rest, users=users)
+
+    @property
+    def collectives(self) -> int:
+        """Collective calls per step: each kind some table uses runs once for all of them."""
+        return sum(CALLS[kind] for kind, tables in self.users.items() if tables > 0)
+
+    @property
+    def sent(self) -> torch.Tensor:
+        return self.sent_intra + self.sent_inter
+
+    @property
+    def received(self) -> torch.Tensor:
+        return self.received_intra + self.received_inter
+
+    def seconds(self, topology: Topology, latency: bool = True) -> torch.Tensor:
+        """The predicted step time of each rank (module docstring); without the collectives'
+        `latency`, which a step pays once however many tables share its collectives."""
+        intra = torch.maximum(self.sent_intra, self.received_intra)
+        inter = torch.maximum(self.sent_inter, self.received_inter)
+        links = torch.maximum(
+            intra / topology.intra_node_bandwidth, inter / topology.inter_node_bandwidth
+        )
+        per_call = (
+            topology.inter_node_latency if topology.nodes > 1 else topology.intra_node_latency
+        )
+        memory = (
+            self.memory_traffic / topology.memory_bandwidth
+            + self.rows_touched * topology.row_seconds
+        )
+        disk = (
+            self.disk_traffic / topology.disk_bandwidth if topology.disk_bandwidth > 0 else 0.0
+        ) + self.disk_rows * topology.disk_row_seconds
+        calls = self.collectives if latency else 0
+        return links + calls * per_call + memory + disk
+
+
+def _owner_traffic(
+    costs: RankCosts, to_owner: torch.Tensor, from_owner: torch.Tensor, per_node: int
+) -> None:
+    """Add all-to-all traffic where every rank sends `to_owner[o]` bytes to each other rank o and
+    each rank o sends `from_owner[o]` bytes to every other rank (uniform batches)."""
+    world = to_owner.numel()
+    node_of = torch.arange(world) // per_node
+    nodes = world // per_node
+
+    def node_sums(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(nodes, dtype=torch.float64).index_add_(0, node_of, values)[node_of]
+
+    for send, receive in ((to_owner, "to"), (from_owner, "from")):
+        on_my_node = node_sums(send) - send  # what my node's other ranks take or give each
+        elsewhere = send.sum() - node_sums(send)
+        if receive == "to":  # I send to the others; each other rank sends `send[me]` to me
+            costs.sent_intra += on_my_node
+            costs.sent_inter += elsewhere
+            costs.received_intra += send * (per_node - 1)
+            costs.received_inter += send * (world - per_node)
+        else:  # I send `send[me]` to each other rank; each other rank sends me its own
+            costs.sent_intra += send * (per_node - 1)
+            costs.sent_inter += send * (world - per_node)
+            costs.received_intra += on_my_node
+            costs.received_inter += elsewhere
+
+
+def _distinct(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Expected distinct rows among `ids` uniform draws from `rows` rows, per block."""
+    return rows * -torch.expm1(-ids / rows.clamp(min=1))
+
+
+def placement_costs(
+    config: EmbeddingBagConfig,
+    placement: TablePlacement,
+    topology: Topology,
+    workload: Workload,
+    disk_tier: DiskTier | None = None,
+    name: str | None = None,
+) -> RankCosts:
+    """One table's costs per rank under `placement` (module docstring); `name`: the table's key
+    in `workload` (default its config's name)."""
+    name = name or config.name
+    world, per_node = topology.world_size, topology.ranks_per_node
+    costs = RankCosts.zeros(world)
+    plan = EmbeddingPlan(world, {config.name: placement})
+    shards = plan.shards(config)
+    ids = workload.ids(config, name)  # per rank and step, all features of the table
+    features = len(config.feature_names)
+    batch = workload.batch_per_rank
+    state, full_rows = workload.rule(name)
+    row_state, col_state = _state_widths(state)
+    frozen = name in workload.frozen
+    if placement.sharding == "data_parallel":
+        _replicated(costs, config, world, per_node, ids, row_state, col_state, frozen)
+        return costs
+    copies = 2 if workload.weighted else 1
+    owners = torch.tensor([s.rank for s in shards])
+    rows = torch.tensor([s.rows for s in shards], dtype=torch.float64)
+    cols = torch.tensor([s.cols for s in shards], dtype=torch.float64)
+    fraction = rows / config.num_embeddings
+    grad_cols = (
+        torch.full_like(cols, config.embedding_dim)
+        if full_rows and placement.sharding == "column_wise"
+        else cols
+    )
+    sent_to = (batch * features + ids * fraction * copies) * INT64
+    if not frozen:
+        sent_to = sent_to + batch * features * grad_cols * FLOAT32
+    to_owner = torch.zeros(world, dtype=torch.float64).index_add_(0, owners, sent_to)
+    from_owner = torch.zeros(world, dtype=torch.float64).index_add_(
+        0, owners, batch * features * cols * FLOAT32
+    )
+    _owner_traffic(costs, to_owner, from_owner, per_node)
+    _block_work(
+        costs,
+        config,
+        name,
+        owners,
+        rows,
+        cols,
+        ids * fraction * world,
+        placement,
+        workload,
+        disk_tier,
+    )
+    costs.users["exchanges"] = 1
+    return costs
+
+
+def _state_widths(state: Mapping[str, bool]) -> tuple[int, int]:
+    """(state floats per row, state floats per element) of an update rule's STATE."""
+    per_row = sum(1 for whole_row in state.values() if whole_row)
+    return per_row, len(state) - per_row
+
+
+def _block_work(
+    costs: RankCosts,
+    config: EmbeddingBagConfig,
+    name: str,
+    owners: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    lookups: torch.Tensor,
+    placement: TablePlacement,
+    workload: Workload,
+    disk_tier: DiskTier | None,
+) -> None:
+    """Memory, lookups, updates and disk IO of a table's blocks (block i: `rows[i]` x `cols[i]`
+    on rank `owners[i]`, serving `lookups[i]` ids a step)."""
+    row_state, col_state = _state_widths(workload.rule(name)[0])
+    row_bytes = cols * config.dtype.itemsize + (row_state + col_state * cols) * STATE_BYTES
+    held = rows * row_bytes
+    frozen = name in workload.frozen
+    distinct = _distinct(lookups, rows)
+    updated = torch.zeros_like(distinct) if frozen else distinct
+    # lookups read rows; an update reads and writes a row and its state and reads its gradient
+    traffic = lookups * cols * config.dtype.itemsize + updated * (2 * row_bytes + cols * FLOAT32)
+    costs.memory_traffic.index_add_(0, owners, traffic)
+    costs.rows_touched.index_add_(0, owners, lookups + updated)
+    if not placement.on_disk or disk_tier is None:  # (no tier given: counted as in memory)
+        costs.memory.index_add_(0, owners, held)
+        return
+    slots = torch.tensor(
+        [
+            disk_tier.slots({name: (int(r), int(w))})[name]
+            for r, w in zip(rows.tolist(), row_bytes.tolist(), strict=True)
+        ],
+        dtype=torch.float64,
+    )
+    costs.memory.index_add_(0, owners, slots * row_bytes)
+    costs.disk.index_add_(0, owners, held)
+    missed = distinct * (1.0 - slots / rows).clamp(min=0.0)  # uniform ids: the cache holds slots
+    written = torch.zeros_like(missed) if frozen else missed  # dirty rows evicted
+    costs.disk_traffic.index_add_(0, owners, (missed + written) * row_bytes)
+    costs.disk_rows.index_add_(0, owners, missed + written)
+
+
+def _replicated(
+    costs: RankCosts,
+    config: EmbeddingBagConfig,
+    world: int,
+    per_node: int,
+    ids: float,
+    row_state: int,
+    col_state: int,
+    frozen: bool,
+) -> None:
+    """A data-parallel table: a full copy everywhere, its dense gradient all-reduced (a ring:
+    each rank sends and receives 2 (W - 1) / W of the buffer, across nodes when there are
+    several; step/data_parallel.py)."""
+    rows, dim = config.num_embeddings, config.embedding_dim
+    row_bytes = dim * config.dtype.itemsize + (row_state + col_state * dim) * STATE_BYTES
+    costs.memory += rows * row_bytes
+    updated = 0.0 if frozen else float(_distinct(torch.tensor(ids * world), torch.tensor(rows)))
+    costs.memory_traffic += ids * dim * config.dtype.itemsize + updated * (
+        2 * row_bytes + dim * FLOAT32
+    )
+    costs.rows_touched += ids + updated
+    if frozen or world == 1:
+        return
+    ring = 2 * (world - 1) / world * rows * (dim + 1) * FLOAT32
+    across = world > per_node
+    (costs.sent_inter if across else costs.sent_intra).add_(ring)
+    (costs.received_inter if across else costs.received_intra).add_(ring)
+    costs.users["all_reduce"] = 1
+
+
+def collection_costs(
+    configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, topology: Topology
+) -> RankCosts:
+    """Costs shared by a collection's tables: the sizes all_to_all (3 + flag words int64 to every
+    other rank), when any table is sharded."""
+    costs = RankCosts.zeros(topology.world_size)
+    if all(plan.tables[c.name].sharding == "data_parallel" for c in configs):
+        return costs
+    words = (3 + num_words(len(configs))) * INT64
+    to_owner = torch.full((topology.world_size,), float(words), dtype=torch.float64)
+    _owner_traffic(costs, to_owner, torch.zeros_like(to_owner), topology.ranks_per_node)
+    return costs
+
+
+def plan_costs(
+    configs: list[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    topology: Topology,
+    workload: Workload,
+    disk_tier: DiskTier | None = None,
+) -> RankCosts:
+    """A whole plan's costs per rank: its tables' plus the collection's."""
+    total = collection_costs(configs, plan, topology)
+    for config in configs:
+        total = total + placement_costs(
+            config, plan.tables[config.name], topology, workload, disk_tier
+        )
+    return total

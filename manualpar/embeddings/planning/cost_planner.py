@@ -1,0 +1,370 @@
+"""plan="auto": the placement of every table that keeps the slowest rank's predicted step shortest.
+
+Tables are placed one at a time, the costliest first (its row-wise cost on the busiest rank). For
+each, every candidate placement is costed by the model (cost_model.py) on top of the tables
+already placed: replicated (for tables up to `replicate_bytes`), whole on one of the least-busy
+ranks, rows split over all ranks or over one of the least-busy nodes, columns split over the
+least-busy 2, 4 or 8 ranks, and on disk when a DiskTier is given. The candidate whose plan has the
+smallest predicted slowest rank wins (then the smallest total time, then the least memory on the
+fullest rank), among those that keep every rank within the memory budget. Each table's note says
+what it costs and which candidate came second and by how much.
+
+The greedy order is TorchRec's (its greedy partitioner also places the largest first, each where
+the running maximum grows least); it is not an exhaustive search, and the notes make it
+checkable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
+from manualpar.embeddings.plan import (
+    EmbeddingPlan,
+    TablePlacement,
+    column_wise,
+    data_parallel,
+    format_bytes,
+    on_disk,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning.cost_model import (
+    RankCosts,
+    Workload,
+    collection_costs,
+    placement_costs,
+)
+from manualpar.embeddings.planning.topology import Topology
+from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import PlanError
+
+__all__ = ["CostPlan", "plan_by_cost"]
+
+LEAST_BUSY = 4  # ranks (and nodes) tried for a whole table or a node's row split
+COLUMN_SPLITS = (2, 4, 8)
+MIN_COLUMNS = 16  # a column block narrower than this costs more in ids than it saves
+REFINE_ROUNDS = 3  # passes of single-table moves after the greedy (more rarely moved anything)
+TIGHTEN_STEPS = 8  # bisection steps of the target time (each places every table once)
+TIGHTEN_TOLERANCE = 0.01  # stop bisecting within 1% of the best time found
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """The chosen plan, its predicted costs per rank, and each table's cost on its own."""
+
+    plan: EmbeddingPlan
+    costs: RankCosts
+    topology: Topology
+    table_seconds: dict[str, float]  # each table's added time on the slowest rank
+
+    @property
+    def seconds(self) -> torch.Tensor:
+        return self.costs.seconds(self.topology)
+
+
+@dataclass(frozen=True)
+class _Score:
+    """What a candidate leaves the job with; lower is better under either ordering."""
+
+    bound: float  # the least the slowest rank can end at (see _score)
+    slowest: float  # the slowest rank now
+    hot: float  # time above 90% of the slowest, summed over ranks
+    summed: float  # all ranks' time
+    fullest: float  # the fullest rank's memory
+
+    def greedy(self) -> tuple[float, ...]:
+        """While placing: the bound, then the slowest rank, then the least work in all."""
+        return (self.bound, self.slowest, self.summed, self.fullest)
+
+    def final(self) -> tuple[float, ...]:
+        """With every table placed: the slowest rank, then how many ranks are nearly as slow
+        (several equally slow ranks must all cool before the maximum falls), then all work."""
+        return (self.slowest, self.hot, self.summed, self.fullest)
+
+
+@dataclass(frozen=True)
+class _Option:
+    placement: TablePlacement
+    costs: RankCosts
+    score: _Score
+
+
+def _score(total: RankCosts, topology: Topology, still_to_place: float) -> _Score:
+    """The bound is at least today's slowest rank, and at least the mean once the tables still
+    to place add their least total time: a table whole on one rank is not refused for an
+    imbalance the next tables will even out."""
+    seconds = total.seconds(topology)
+    slowest, summed = float(seconds.max()), float(seconds.sum())
+    bound = max(slowest, (summed + still_to_place) / topology.world_size)
+    hot = float((seconds - 0.9 * slowest).clamp(min=0).sum())
+    return _Score(bound, slowest, hot, summed, float(total.memory.max()))
+
+
+def _least_busy(values: torch.Tensor, count: int) -> list[int]:
+    return torch.argsort(values, stable=True)[:count].tolist()
+
+
+def _candidates(
+    config: EmbeddingBagConfig,
+    size: int,
+    topology: Topology,
+    busy: torch.Tensor,
+    replicate_bytes: int,
+    disk_tier: DiskTier | None,
+) -> Iterator[TablePlacement]:
+    world, per_node = topology.world_size, topology.ranks_per_node
+    if world > 1 and size <= replicate_bytes:
+        yield data_parallel()
+    for rank in _least_busy(busy, LEAST_BUSY):
+        yield table_wise(rank)
+    if world > 1 and config.num_embeddings >= world:
+        yield row_wise()
+    if disk_tier is not None and config.num_embeddings >= world:
+        yield on_disk(row_wise())
+    nodes = topology.nodes
+    if nodes > 1 and config.num_embeddings >= per_node:
+        node_busy = busy.view(nodes, per_node).max(dim=1).values
+        for node in _least_busy(node_busy, LEAST_BUSY):
+            yield table_row_wise(node, per_node)
+    for split in COLUMN_SPLITS:
+        if split <= world and config.embedding_dim // split >= MIN_COLUMNS:
+            yield column_wise(sorted(_least_busy(busy, split)))
+
+
+def plan_by_cost(
+    tables: Mapping[str, EmbeddingBagConfig],
+    topology: Topology,
+    workload: Workload,
+    *,
+    memory_budget_bytes: int | None = None,
+    replicate_bytes: int = 256 * 2**10,
+    disk_tier: DiskTier | None = None,
+) -> CostPlan:
+    """Place `tables` (keyed by the names used in notes and errors, e.g. "collection.table") on
+    `topology` for `workload`, within `memory_budget_bytes` per rank (managed-collision
+    remappers' state included); see the module docstring."""
+    search = _Search(tables, topology, workload, memory_budget_bytes, replicate_bytes, disk_tier)
+    search.greedy()
+    search.tighten()
+    search.refine()
+    plan = EmbeddingPlan(topology.world_size, dict(search.placements), search.notes())
+    added = {
+        key: float(search.total.seconds(topology).max())
+        - float((search.total - search.chosen[key]).seconds(topology).max())
+        for key in tables
+    }
+    return CostPlan(plan, search.total, topology, added)
+
+
+class _Search:
+    """The greedy placement and its refinement, with each (table, placement)'s costs cached."""
+
+    def __init__(
+        self,
+        tables: Mapping[str, EmbeddingBagConfig],
+        topology: Topology,
+        workload: Workload,
+        budget: int | None,
+        replicate_bytes: int,
+        disk_tier: DiskTier | None,
+    ) -> None:
+        self.tables, self.topology, self.workload = tables, topology, workload
+        self.budget, self.replicate_bytes, self.disk_tier = budget, replicate_bytes, disk_tier
+        self.sizes = {
+            k: block_bytes(c.num_embeddings, c.embedding_dim, workload.rule(k)[0], c.dtype)
+            for k, c in tables.items()
+        }
+        configs = list(tables.values())
+        first = EmbeddingPlan(topology.world_size, {c.name: row_wise() for c in configs})
+        self.start = collection_costs(configs, first, topology)
+        self.start.memory += remapper_bytes_per_rank(configs, topology.world_size)
+        self.total = self.start
+        self.alone = {key: _cheapest(c, key, topology, workload) for key, c in tables.items()}
+        self.order = sorted(tables, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True)
+        self.placements: dict[str, TablePlacement] = {}
+        self.chosen: dict[str, RankCosts] = {}
+        self._cache: dict[tuple[str, TablePlacement], RankCosts] = {}
+
+    def costs(self, key: str, placement: TablePlacement) -> RankCosts:
+        found = self._cache.get((key, placement))
+        if found is None:
+            found = placement_costs(
+                self.tables[key], placement, self.topology, self.workload, self.disk_tier, key
+            )
+            self._cache[(key, placement)] = found
+        return found
+
+    def options(
+        self, key: str, base: RankCosts, still_to_place: float, final: bool = False
+    ) -> list[_Option]:
+        """Every candidate for `key` on top of `base` that fits the budget, best first (by the
+        greedy's ordering, or with every other table placed, the `final` one)."""
+        busy = base.seconds(self.topology)
+        options = []
+        for placement in _candidates(
+            self.tables[key],
+            self.sizes[key],
+            self.topology,
+            busy,
+            self.replicate_bytes,
+            self.disk_tier,
+        ):
+            costs = self.costs(key, placement)
+            after = base + costs
+            if self.budget is not None and float(after.memory.max()) > self.budget:
+                continue
+            options.append(_Option(placement, costs, _score(after, self.topology, still_to_place)))
+        if not options:
+            raise _no_room(
+                key, self.sizes[key], base, self.budget, self.topology.world_size, self.disk_tier
+            )
+        return sorted(options, key=lambda o: o.score.final() if final else o.score.greedy())
+
+    def place(self, key: str, option: _Option) -> None:
+        if key in self.chosen:
+            self.total = self.total - self.chosen[key]
+        self.total = self.total + option.costs
+        self.placements[key], self.chosen[key] = option.placement, option.costs
+
+    def greedy(self) -> None:
+        """Costliest table first, each where the job's slowest rank can end least late."""
+        still_to_place = sum(summed for _, summed in self.alone.values())
+        for key in self.order:
+            still_to_place -= self.alone[key][1]
+            self.place(key, self.options(key, self.total, still_to_place)[0])
+
+    def pack(self, target: float) -> bool:
+        """Place every table anew, costliest first, each at its least time over all ranks that
+        keeps every rank within `target` seconds; False if some table cannot."""
+        self.total, self.placements, self.chosen = self.start, {}, {}
+        still_to_place = sum(summed for _, summed in self.alone.values())
+        for key in self.order:
+            still_to_place -= self.alone[key][1]
+            options = self.options(key, self.total, still_to_place)
+            within = [o for o in options if o.score.slowest <= target]
+            if not within:
+                return False
+            self.place(key, min(within, key=lambda o: (o.score.summed, o.score.slowest)))
+        return True
+
+    def tighten(self, steps: int = TIGHTEN_STEPS) -> None:
+        """Bisect the slowest rank's time between the mean and the greedy's result, keeping the
+        best plan `pack` finds. The greedy spends other ranks' time freely to shorten the slowest
+        one now (a split over a node's 8 ranks sends 8 times the bytes of a whole table);
+        packing to a target spends it only where the target needs it."""
+        best = (dict(self.placements), dict(self.chosen), self.total)
+        high = float(self.total.seconds(self.topology).max())
+        low = float(self.start.seconds(self.topology).max())
+        low = max(low, sum(summed for _, summed in self.alone.values()) / self.topology.world_size)
+        for _ in range(steps):
+            target = (low + high) / 2
+            if self.pack(target):
+                high = float(self.total.seconds(self.topology).max())
+                best = (dict(self.placements), dict(self.chosen), self.total)
+            else:
+                low = target
+            if high - low <= TIGHTEN_TOLERANCE * high:
+                break
+        self.placements, self.chosen, self.total = best
+
+    def refine(self, rounds: int = REFINE_ROUNDS) -> None:
+        """Move single tables while that makes the slowest rank (then all ranks) faster: the
+        greedy commits early and cannot see that, say, splitting its first table by columns
+        would have evened out the ranks better."""
+        for _ in range(rounds):
+            moved = False
+            for key in self.order:
+                base = self.total - self.chosen[key]
+                now = _score(self.total, self.topology, 0.0).final()
+                best = self.options(key, base, 0.0, final=True)[0]
+                if best.score.final() < now and best.placement != self.placements[key]:
+                    self.place(key, best)
+                    moved = True
+            if not moved:
+                return
+
+    def notes(self) -> dict[str, str]:
+        """Per table: what it adds to the slowest rank, and the runner-up given the others."""
+        notes = {}
+        for key in self.tables:
+            base = self.total - self.chosen[key]
+            placement = self.placements[key]
+            costs = self.chosen[key]
+            chosen = _Option(placement, costs, _score(base + costs, self.topology, 0.0))
+            rest = [o for o in self.options(key, base, 0.0, final=True) if o.placement != placement]
+            before = float(base.seconds(self.topology).max())
+            notes[key] = _note(chosen, rest, before, self.budget)
+        return notes
+
+
+def _cheapest(
+    config: EmbeddingBagConfig, key: str, topology: Topology, workload: Workload
+) -> tuple[float, float]:
+    """A table's slowest rank whole on one rank (its place in the greedy order), and its least
+    time over all ranks, whole or split by rows, without the collectives' latency that it
+    shares with the other tables (its least share of the job's time)."""
+    whole = placement_costs(config, table_wise(0), topology, workload, name=key)
+    summed = float(whole.seconds(topology, latency=False).sum())
+    if topology.world_size > 1 and config.num_embeddings >= topology.world_size:
+        split = placement_costs(config, row_wise(), topology, workload, name=key)
+        summed = min(summed, float(split.seconds(topology, latency=False).sum()))
+    return float(whole.seconds(topology).max()), summed
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _note(best: _Option, rest: list[_Option], before: float, budget: int | None) -> str:
+    """What `best` adds to the slowest rank and sends, and why the runner-up lost."""
+    sent = float(best.costs.sent.max())
+    ours = best.score
+    text = f"slowest rank +{_ms(ours.slowest - before)}, up to {format_bytes(sent)} sent a rank"
+    if best.placement.on_disk and not any(not o.placement.on_disk for o in rest):
+        text = (
+            f"on disk: in memory it would exceed the {format_bytes(budget or 0)} budget per "
+            f"rank; rows split over all ranks, cached in memory; {text}"
+        )
+    if not rest:
+        return text + "; the only candidate that fits"
+    runner = rest[0]
+    theirs = runner.score
+    if theirs.slowest > ours.slowest:
+        why = f"slowest rank {_ms(theirs.slowest - ours.slowest)} slower"
+    elif theirs.hot > ours.hot:
+        why = "as slow a slowest rank, and more ranks nearly as slow"
+    elif theirs.summed > ours.summed:
+        why = f"as slow a slowest rank, {_ms(theirs.summed - ours.summed)} more over all ranks"
+    else:
+        why = f"same times, {format_bytes(theirs.fullest - ours.fullest)} more on the fullest rank"
+    return f"{text}; runner-up {runner.placement}: {why}"
+
+
+def _no_room(
+    name: str,
+    size: int,
+    total: RankCosts,
+    budget: int | None,
+    world: int,
+    disk_tier: DiskTier | None,
+) -> PlanError:
+    low, high = float(total.memory.min()), float(total.memory.max())
+    held = (
+        f"{format_bytes(low)} each"
+        if low == high
+        else f"{format_bytes(low)} to {format_bytes(high)}"
+    )
+    share = -(-size // world)
+    fix = "" if disk_tier is not None else ", or give a DiskTier (disk_tier=) to keep it on disk"
+    return PlanError(
+        f"table {name!r} ({format_bytes(size)} with optimizer state) fits no rank: split "
+        f"over all {world} ranks it needs {format_bytes(share)} each, but ranks already hold "
+        f"{held} of a {format_bytes(budget or 0)} budget. Raise the memory budget, add ranks, "
+        f"or shrink the tables{fix}"
+    )

@@ -1,0 +1,147 @@
+"""The cost model's bytes per rank are exchange_bytes' matrices summed, without the matrices: per
+direction, split by node, on 2, 3 and 4 ranks and every placement kind (the matrices themselves
+are checked against real exchanges in tests/dist/test_emb_planning_exchange_bytes_ranks.py).
+Its memory is the plan's bytes per rank; its seconds follow the topology."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manualpar.embeddings import (
+    Adam,
+    DiskTier,
+    EmbeddingBagConfig,
+    EmbeddingPlan,
+    column_wise,
+    data_parallel,
+    on_disk,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning.cost_model import Workload, placement_costs, plan_costs
+from manualpar.embeddings.planning.exchange_bytes import EXCHANGES, expected_exchange_bytes
+from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
+from manualpar.errors import PlanError
+
+CONFIGS = [
+    EmbeddingBagConfig("user", 60, 8),
+    EmbeddingBagConfig("item", 40, 6, feature_names=("item", "last_item")),
+    EmbeddingBagConfig("wide", 30, 12),
+    EmbeddingBagConfig("cold", 20, 4, dtype=torch.float16),
+    EmbeddingBagConfig("site", 48, 4),
+]
+PER_BAG = {"user": 2.0, "item": 1.5, "wide": 3.0, "cold": 1.0, "site": 2.5}
+
+
+def _plan(world: int, per_node: int) -> EmbeddingPlan:
+    return EmbeddingPlan(
+        world,
+        {
+            "user": row_wise(),
+            "item": table_wise(world - 1),
+            "wide": column_wise(list(range(world))),
+            "cold": row_wise(),
+            "site": table_row_wise(world // per_node - 1, per_node),
+        },
+    )
+
+
+def _topology(world: int, per_node: int) -> Topology:
+    return load_topology("cpu-host", world, per_node)
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "weighted", "full_rows"),
+    [(2, 2, False, False), (3, 3, True, True), (4, 2, False, True), (4, 1, True, False)],
+)
+def test_bytes_per_rank_are_the_exact_matrices_summed(
+    world: int, per_node: int, weighted: bool, full_rows: bool
+) -> None:
+    plan, topology = _plan(world, per_node), _topology(world, per_node)
+    frozen = frozenset({"cold"})
+    workload = Workload(16, PER_BAG, weighted=weighted, frozen=frozen, full_rows=full_rows)
+    per_feature = {f: PER_BAG[c.name] for c in CONFIGS for f in c.feature_names}
+    matrix = expected_exchange_bytes(
+        CONFIGS, plan, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
+    )
+    costs = plan_costs(CONFIGS, plan, topology, workload)
+    for rank in range(world):
+        node = rank // per_node
+
+        def total(sender: int, receiver: int) -> float:
+            return sum(matrix.bytes[k][sender][receiver] for k in EXCHANGES)
+
+        same = [r for r in range(world) if r // per_node == node and r != rank]
+        other = [r for r in range(world) if r // per_node != node]
+        assert costs.sent_intra[rank].item() == pytest.approx(sum(total(rank, r) for r in same))
+        assert costs.sent_inter[rank].item() == pytest.approx(sum(total(rank, r) for r in other))
+        assert costs.received_intra[rank].item() == pytest.approx(sum(total(r, rank) for r in same))
+        assert costs.received_inter[rank].item() == pytest.approx(
+            sum(total(r, rank) for r in other)
+        )
+        assert costs.sent[rank].item() == pytest.approx(matrix.sent(rank))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_memory_per_rank_is_the_plans_bytes(world: int) -> None:
+    plan = _plan(world, 1 if world == 4 else world)
+    workload = Workload(8, state=Adam.STATE)
+    costs = plan_costs(CONFIGS, plan, _topology(world, 1 if world == 4 else world), workload)
+    assert costs.memory.tolist() == plan.bytes_per_rank(CONFIGS, Adam.STATE)
+
+
+def test_a_replicated_table_all_reduces_its_dense_gradient() -> None:
+    config = EmbeddingBagConfig("tiny", 10, 4)
+    topology = _topology(4, 2)
+    costs = placement_costs(config, data_parallel(), topology, Workload(8))
+    ring = 2 * 3 / 4 * 10 * 5 * 4  # rows x (dim + count) float32
+    assert costs.sent_inter.tolist() == [ring] * 4 and costs.sent_intra.sum() == 0
+    frozen = placement_costs(
+        config, data_parallel(), topology, Workload(8, frozen=frozenset({"tiny"}))
+    )
+    assert frozen.sent.sum() == 0 and frozen.memory.tolist() == costs.memory.tolist()
+
+
+def test_a_disk_table_holds_its_cache_in_memory_and_reads_its_misses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = EmbeddingBagConfig("huge", 1000, 8)
+    topology = _topology(2, 2)
+    tier = DiskTier(tmp_path, cache_rows=100)
+    memory = placement_costs(config, row_wise(), topology, Workload(64))
+    disk = placement_costs(config, on_disk(row_wise()), topology, Workload(64), tier)
+    row_bytes = 8 * 4 + 4  # weights + the row-wise state float
+    assert disk.memory.tolist() == [100 * row_bytes] * 2
+    assert disk.disk.tolist() == memory.memory.tolist() == [500 * row_bytes] * 2
+    assert disk.sent.tolist() == memory.sent.tolist()  # the same exchanges
+    assert (disk.disk_rows > 0).all() and memory.disk_rows.sum() == 0
+    assert (disk.seconds(topology) > memory.seconds(topology)).all()
+
+
+def test_seconds_follow_the_slower_link() -> None:
+    config = EmbeddingBagConfig("big", 10_000, 64)
+    one_node = load_topology("h100-nvlink-ndr", 16, 16)
+    two_nodes = load_topology("h100-nvlink-ndr", 16, 8)
+    work = Workload(4096, {"big": 20.0})
+    fast = placement_costs(config, row_wise(), one_node, work).seconds(one_node)
+    slow = placement_costs(config, row_wise(), two_nodes, work).seconds(two_nodes)
+    assert (slow > fast).all()
+
+
+def test_topologies_load_from_presets_and_files_and_say_what_is_wrong(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    topology = load_topology("a100-nvlink-hdr", 64)
+    assert (topology.ranks_per_node, topology.nodes) == (8, 8)
+    assert load_topology("a100-nvlink-hdr", 4).ranks_per_node == 4  # one partial node
+    path = tmp_path / "mine.json"
+    path.write_text(topology.to_json())
+    assert load_topology(path, 64) == topology
+    mine = load_topology(path, 16, 4)
+    assert (mine.name, mine.world_size, mine.ranks_per_node) == ("a100-nvlink-hdr", 16, 4)
+    with pytest.raises(PlanError, match=r"neither a preset .* nor a file; make one with"):
+        load_topology("no-such", 4)
+    path.write_text('{"memory_bandwidth": 1}')
+    with pytest.raises(PlanError, match=r"missing fields .*device_memory_bytes"):
+        load_topology(path, 4)
+    with pytest.raises(PlanError, match="ranks_per_node=3 must divide world_size=4"):
+        load_topology("cpu-host", 4, 3)
+    assert set(TOPOLOGY_PRESETS) >= {"cpu-host", "a100-nvlink-hdr", "h100-nvlink-ndr"}

@@ -1,0 +1,133 @@
+"""plan="auto" minimises the predicted slowest rank: by the cost model, its plan is at least as
+fast as every uniform plan and the earlier memory-only placement, on one node and across nodes;
+it keeps the memory budget, says why it chose and what came second, and plans 1,024 ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from manualpar.embeddings import (
+    DiskTier,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    Workload,
+    load_topology,
+    plan_by_cost,
+    plan_costs,
+    plan_tables,
+    plan_uniform,
+    rule_costs,
+)
+from manualpar.errors import PlanError
+
+MiB = 2**20
+
+
+def _tables(count: int, seed: int) -> list[EmbeddingBagConfig]:
+    rng = random.Random(seed)
+    return [
+        EmbeddingBagConfig(f"t{i}", int(10 ** rng.uniform(2, 6.5)), rng.choice([16, 32, 64, 128]))
+        for i in range(count)
+    ]
+
+
+def _slowest(tables, plan, topology, workload) -> float:  # type: ignore[no-untyped-def]
+    return float(plan_costs(tables, plan, topology, workload).seconds(topology).max())
+
+
+@pytest.mark.parametrize(
+    ("preset", "world", "per_node", "count", "per_bag"),
+    [
+        ("cpu-host", 2, 2, 6, 1.0),
+        ("cpu-host", 4, 4, 12, 8.0),
+        ("a100-nvlink-hdr", 16, 8, 24, 4.0),
+        ("h100-nvlink-ndr", 64, 8, 40, 2.0),
+    ],
+)
+def test_the_pick_is_no_slower_than_any_uniform_plan_or_the_memory_placement(
+    preset: str, world: int, per_node: int, count: int, per_bag: float
+) -> None:
+    tables = _tables(count, seed=world)
+    topology = load_topology(preset, world, per_node)
+    state, full_rows = rule_costs(RowWiseAdagrad(lr=0.1))
+    pooling = {t.name: per_bag for t in tables}
+    workload = Workload(256, pooling, state=state, full_rows=full_rows)
+    options = {"ranks_per_node": per_node}
+    auto = plan_tables(
+        tables, world, topology=topology, batch_per_rank=256, pooling_factors=pooling, **options
+    )  # type: ignore[arg-type]
+    ours = _slowest(tables, auto, topology, workload)
+    others = {
+        "memory": plan_tables(tables, world, method="memory", pooling_factors=pooling, **options),  # type: ignore[arg-type]
+        **{
+            kind: plan_uniform(kind, tables, world, **options)
+            for kind in ("table_wise", "row_wise", "table_row_wise")
+        },  # type: ignore[arg-type]
+    }
+    for name, plan in others.items():
+        assert ours <= _slowest(tables, plan, topology, workload) * (1 + 1e-9), name
+
+
+def test_the_budget_holds_and_a_table_that_fits_nowhere_is_named() -> None:
+    tables = [
+        EmbeddingBagConfig("big", 400_000, 64),
+        *(EmbeddingBagConfig(f"mid{i}", 50_000, 32) for i in range(6)),
+    ]
+    topology = load_topology("cpu-host", 4, 4)
+    workload = Workload(128)
+    roomy = plan_by_cost({t.name: t for t in tables}, topology, workload)
+    fullest = float(roomy.costs.memory.max())
+    tight = int(fullest * 0.6)
+    planned = plan_by_cost(
+        {t.name: t for t in tables}, topology, workload, memory_budget_bytes=tight
+    )
+    assert float(planned.costs.memory.max()) <= tight
+    assert planned.costs.memory.tolist() == planned.plan.bytes_per_rank(tables)
+    with pytest.raises(
+        PlanError,
+        match=r"^table 'big' \(99\.2 MiB with optimizer state\) fits no rank: split over all 4 "
+        r"ranks it needs 24\.8 MiB each, but ranks already hold 0 bytes each of a 1\.0 MiB "
+        r"budget\. Raise the memory budget, add ranks, or shrink the tables, or give a DiskTier",
+    ):
+        plan_by_cost({t.name: t for t in tables}, topology, workload, memory_budget_bytes=MiB)
+
+
+def test_tables_over_the_budget_go_on_disk_with_a_note() -> None:
+    tables = [EmbeddingBagConfig("huge", 1_000_000, 64), EmbeddingBagConfig("small", 50_000, 64)]
+    topology = load_topology("cpu-host", 2, 2)
+    tier = DiskTier("unused", cache_bytes=16 * MiB)
+    planned = plan_by_cost(
+        {t.name: t for t in tables},
+        topology,
+        Workload(256),
+        memory_budget_bytes=60 * MiB,
+        disk_tier=tier,
+    )
+    assert planned.plan.tables["huge"].on_disk and not planned.plan.tables["small"].on_disk
+    assert planned.plan.notes["huge"].startswith(
+        "on disk: in memory it would exceed the 60.0 MiB budget per rank;"
+    )
+    assert float(planned.costs.disk.sum()) > 0 and float(planned.costs.disk_rows.sum()) > 0
+
+
+def test_every_note_says_what_the_table_costs_and_why_the_runner_up_lost() -> None:
+    tables = _tables(8, seed=3)
+    planned = plan_by_cost(
+        {t.name: t for t in tables}, load_topology("cpu-host", 4, 2), Workload(256)
+    )
+    for name, note in planned.plan.notes.items():
+        assert note.startswith("slowest rank +"), (name, note)
+        assert "sent a rank; runner-up " in note, (name, note)
+    assert set(planned.table_seconds) == {t.name for t in tables}
+
+
+def test_a_thousand_ranks_plan_without_a_job() -> None:
+    tables = _tables(40, seed=7)
+    topology = load_topology("h100-nvlink-ndr", 1024)
+    planned = plan_by_cost({t.name: t for t in tables}, topology, Workload(512))
+    planned.plan.validate(tables, 1024)
+    slowest = float(planned.seconds.max())
+    whole = plan_uniform("table_wise", tables, 1024)
+    assert slowest <= _slowest(tables, whole, topology, Workload(512)) * (1 + 1e-9)
