@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from manualpar import EmbeddingInputError, ManualParError
+from manualpar import EmbeddingInputError, ManualParError, PlanError
 from manualpar.embeddings import (
     DEFAULT_BATCH_PER_RANK,
     DTYPE_NAMES,
@@ -38,6 +38,7 @@ from manualpar.embeddings import (
     default_topology,
     expected_exchange_bytes,
     format_bytes,
+    format_seconds,
     load_topology,
     per_rank_text,
     plan_costs,
@@ -142,6 +143,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="mean ids a sample per feature, spread evenly over the rows (default 1)",
     )
+    add(
+        "--replicas",
+        default="1",
+        metavar="N|auto",
+        help="plan for the shard dim of an N x (world / N) mesh (each shard group a full copy "
+        "of the tables, gradients summed across the copies); auto compares 1, 2, 4 and 8 and "
+        "keeps the fastest predicted (default 1: a 1-D plan)",
+    )
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
@@ -237,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     if batch < 1 or not args.ids_per_bag >= 0:
         raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
     pooling = {config.name: args.ids_per_bag for config in tables}
+    state, full_rows = rule_costs(optimizer)
+    workload = Workload(batch, pooling, state=state, full_rows=full_rows)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
             plan_tables,
@@ -247,14 +258,29 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         place = functools.partial(plan_uniform, args.plan)
-    plan = place(
-        tables,
-        args.world_size,
-        ranks_per_node=topology.ranks_per_node,
-        memory_budget_bytes=budget,
-        optimizer=optimizer,
-    )
-    plan.validate(tables, args.world_size)
+    layouts, refused = [], []
+    for replicas in _replica_choices(args.replicas, topology):
+        options = {"replicas": replicas} if args.plan in ("auto", "memory") else {}
+        try:
+            plan = place(
+                tables,
+                args.world_size // replicas,
+                ranks_per_node=min(topology.ranks_per_node, args.world_size // replicas),
+                memory_budget_bytes=budget,
+                optimizer=optimizer,
+                **options,
+            )
+        except PlanError as error:  # e.g. a full copy per 1/replicas of the ranks does not fit
+            refused.append((replicas, error))
+            continue
+        costs = plan_costs(tables, plan, topology, workload, replicas=replicas)
+        layouts.append((replicas, plan, costs))
+    if not layouts:
+        raise refused[0][1]
+    replicas, plan, costs = min(layouts, key=lambda x: float(x[2].seconds(topology).max()))
+    if len(layouts) + len(refused) > 1:
+        print(_layouts_text(layouts, refused, topology, replicas))
+    plan.validate(tables, args.world_size // replicas)
     per_rank = plan.bytes_per_rank(tables, optimizer.STATE)
     print(plan.describe(tables))
     if not isinstance(optimizer, RowWiseAdagrad):
@@ -264,9 +290,9 @@ def run(args: argparse.Namespace) -> int:
             else f"weights only, {type(optimizer).__name__} keeps no state"
         )
         print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
-    if args.batch_per_rank is not None:
+    if args.batch_per_rank is not None and replicas == 1:
         print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, optimizer))
-    print(_predicted(tables, plan, topology, batch, pooling, optimizer))
+    print(costs_text(costs, topology, batch, replicas))
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -286,18 +312,48 @@ def _topology(args: argparse.Namespace) -> Topology:
         raise UsageError(f"--topology: {error}") from None
 
 
-def _predicted(
-    tables: list[EmbeddingBagConfig],
-    plan: EmbeddingPlan,
+def _replica_choices(text: str, topology: Topology) -> list[int]:
+    """--replicas: one count, or "auto": every count that splits the job into shard groups of
+    whole nodes (or of equal parts of one), up to 8."""
+    world, per_node = topology.world_size, topology.ranks_per_node
+
+    def fits(replicas: int) -> bool:
+        shard = world // replicas
+        return world % replicas == 0 and (shard % per_node == 0 or per_node % shard == 0)
+
+    if text == "auto":
+        return [r for r in (1, 2, 4, 8) if r <= world and fits(r)]
+    if not text.isdigit() or int(text) < 1 or not fits(int(text)):
+        raise UsageError(
+            f"--replicas {text!r}: expected auto or a count that divides --world-size {world} "
+            f"into shard groups of whole nodes ({per_node} ranks) or of equal parts of one"
+        )
+    return [int(text)]
+
+
+def _layouts_text(
+    layouts: list[tuple[int, EmbeddingPlan, Any]],
+    refused: list[tuple[int, PlanError]],
     topology: Topology,
-    batch: int,
-    pooling: dict[str, float],
-    optimizer: SparseOptimizer,
+    best: int,
 ) -> str:
-    """The cost model's per-rank prediction for the plan (planning/cost_model.py)."""
-    state, full_rows = rule_costs(optimizer)
-    workload = Workload(batch, pooling, state=state, full_rows=full_rows)
-    return costs_text(plan_costs(tables, plan, topology, workload), topology, batch)
+    """One line per layout tried: its predicted slowest rank and memory on the fullest rank,
+    or why it cannot be planned."""
+    lines = ["layouts (predicted slowest rank, fullest rank's memory):"]
+    world = topology.world_size
+
+    def name(replicas: int) -> str:
+        return "1-D" if replicas == 1 else f"2-D {replicas} x {world // replicas}"
+
+    for replicas, _, costs in layouts:
+        mark = "  <- chosen" if replicas == best else ""
+        slowest = format_seconds(float(costs.seconds(topology).max()))
+        lines.append(
+            f"  {name(replicas):<14} {slowest:>10}  {format_bytes(float(costs.memory.max()))}{mark}"
+        )
+    for replicas, error in refused:
+        lines.append(f"  {name(replicas):<14} does not fit: {str(error).split(';')[0]}")
+    return "\n".join(lines)
 
 
 def _traffic(

@@ -67,7 +67,7 @@ from manualpar.embeddings.planning.cost_model import (
     rule_costs,
 )
 from manualpar.embeddings.planning.cost_planner import CostPlan, plan_by_cost
-from manualpar.embeddings.planning.cost_text import costs_text
+from manualpar.embeddings.planning.cost_text import costs_text, format_seconds
 from manualpar.embeddings.planning.exchange_bytes import (
     ExchangeBytes,
     exchange_bytes,
@@ -138,6 +138,7 @@ __all__ = [
     "exchange_bytes",
     "expected_exchange_bytes",
     "format_bytes",
+    "format_seconds",
     "full_tensors",
     "load_topology",
     "on_disk",

@@ -36,6 +36,7 @@ from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.step.frozen import num_words
 from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import PlanError
 
 __all__ = [
     "RankCosts",
@@ -44,13 +45,15 @@ __all__ = [
     "placement_costs",
     "plan_costs",
     "rule_costs",
+    "shard_group",
 ]
 
 INT64, FLOAT32 = 8, 4
 # Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
 # pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
-# replicated tables' gradients (step/data_parallel.py).
-CALLS = {"exchanges": 4, "all_reduce": 1}
+# replicated tables' gradients (step/data_parallel.py), and on a 2-D mesh the two all_to_alls
+# that sum the touched rows' gradients across the replicas (step/replica_combine.py).
+CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2}
 
 
 def rule_costs(optimizer: SparseOptimizer | None) -> tuple[Mapping[str, bool], bool]:
@@ -198,6 +201,21 @@ def _distinct(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return rows * -torch.expm1(-ids / rows.clamp(min=1))
 
 
+def shard_group(topology: Topology, replicas: int) -> Topology:
+    """The topology of one shard group of a 2-D mesh (`replicas` x world / replicas, groups of
+    consecutive ranks, as strategy.mesh(replicate=R, shard=S) lays them out)."""
+    world, per_node = topology.world_size, topology.ranks_per_node
+    if replicas < 1 or world % replicas:
+        raise PlanError(f"replicas={replicas} must divide the world size {world}")
+    shard = world // replicas
+    if shard % per_node and per_node % shard:
+        raise PlanError(
+            f"a shard group of {shard} ranks must fill whole nodes of {per_node} ranks or divide "
+            f"one; choose replicas so that world / replicas does (world {world})"
+        )
+    return topology.with_world(shard, min(per_node, shard))
+
+
 def placement_costs(
     config: EmbeddingBagConfig,
     placement: TablePlacement,
@@ -205,10 +223,16 @@ def placement_costs(
     workload: Workload,
     disk_tier: DiskTier | None = None,
     name: str | None = None,
+    replicas: int = 1,
 ) -> RankCosts:
     """One table's costs per rank under `placement` (module docstring); `name`: the table's key
-    in `workload` (default its config's name)."""
+    in `workload` (default its config's name). With `replicas` > 1 (a 2-D mesh), `placement` is
+    for one shard group and the costs are those of its ranks, the same in every group: the
+    group's own exchanges plus the sum of the touched rows' gradients across the replicas
+    (replica_combine.py)."""
     name = name or config.name
+    if replicas > 1:
+        return _two_d(config, placement, topology, workload, disk_tier, name, replicas)
     world, per_node = topology.world_size, topology.ranks_per_node
     costs = RankCosts.zeros(world)
     plan = EmbeddingPlan(world, {config.name: placement})
@@ -254,6 +278,62 @@ def placement_costs(
     )
     costs.users["exchanges"] = 1
     return costs
+
+
+def _two_d(
+    config: EmbeddingBagConfig,
+    placement: TablePlacement,
+    topology: Topology,
+    workload: Workload,
+    disk_tier: DiskTier | None,
+    name: str,
+    replicas: int,
+) -> RankCosts:
+    group = shard_group(topology, replicas)
+    shard, per_node = group.world_size, topology.ranks_per_node
+    if placement.sharding == "data_parallel":  # replicated over the whole job
+        state, _ = workload.rule(name)
+        costs = RankCosts.zeros(shard)
+        row_state, col_state = _state_widths(state)
+        frozen = name in workload.frozen
+        ids = workload.ids(config, name)
+        _replicated(costs, config, topology.world_size, per_node, ids, row_state, col_state, frozen)
+        return costs
+    costs = placement_costs(config, placement, group, workload, disk_tier, name)
+    if name in workload.frozen:
+        return costs
+    _, full_rows = workload.rule(name)
+    shards = EmbeddingPlan(shard, {config.name: placement}).shards(config)
+    owners = torch.tensor([s.rank for s in shards])
+    rows = torch.tensor([s.rows for s in shards], dtype=torch.float64)
+    cols = torch.tensor([s.cols for s in shards], dtype=torch.float64)
+    widths = (
+        torch.full_like(cols, config.embedding_dim)
+        if full_rows and placement.sharding == "column_wise"
+        else cols
+    )
+    lookups = workload.ids(config, name) * rows / config.num_embeddings * shard
+    touched = _distinct(lookups, rows)  # by this group's batches
+    payload = (touched * (widths + 2) * FLOAT32 + INT64) * (replicas - 1)
+    combine = torch.zeros(shard, dtype=torch.float64).index_add_(0, owners, payload)
+    same_node = max(per_node // shard - 1, 0)  # replicas of my block on my node
+    intra = combine * same_node / (replicas - 1)
+    costs.sent_intra += intra
+    costs.received_intra += intra
+    costs.sent_inter += combine - intra
+    costs.received_inter += combine - intra
+    # every replica updates the union of the rows all replicas touched
+    union = _distinct(lookups * replicas, rows) - touched
+    row_bytes = cols * config.dtype.itemsize + _state_bytes(workload.rule(name)[0], cols)
+    costs.memory_traffic.index_add_(0, owners, union * (2 * row_bytes + widths * FLOAT32))
+    costs.rows_touched.index_add_(0, owners, union)
+    costs.users["combine"] = 1
+    return costs
+
+
+def _state_bytes(state: Mapping[str, bool], cols: torch.Tensor) -> torch.Tensor:
+    row_state, col_state = _state_widths(state)
+    return (row_state + col_state * cols) * STATE_BYTES
 
 
 def _state_widths(state: Mapping[str, bool]) -> tuple[int, int]:
@@ -335,10 +415,11 @@ def _replicated(
 
 
 def collection_costs(
-    configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, topology: Topology
+    configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, topology: Topology, replicas: int = 1
 ) -> RankCosts:
     """Costs shared by a collection's tables: the sizes all_to_all (3 + flag words int64 to every
-    other rank), when any table is sharded."""
+    other rank of the shard group), when any table is sharded."""
+    topology = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(topology.world_size)
     if all(plan.tables[c.name].sharding == "data_parallel" for c in configs):
         return costs
@@ -354,11 +435,14 @@ def plan_costs(
     topology: Topology,
     workload: Workload,
     disk_tier: DiskTier | None = None,
+    replicas: int = 1,
 ) -> RankCosts:
-    """A whole plan's costs per rank: its tables' plus the collection's."""
-    total = collection_costs(configs, plan, topology)
+    """A whole plan's costs per rank: its tables' plus the collection's (with `replicas`, per
+    rank of a shard group, the plan being for that group)."""
+    total = collection_costs(configs, plan, topology, replicas)
     for config in configs:
+        placement = plan.tables[config.name]
         total = total + placement_costs(
-            config, plan.tables[config.name], topology, workload, disk_tier
+            config, placement, topology, workload, disk_tier, replicas=replicas
         )
     return total

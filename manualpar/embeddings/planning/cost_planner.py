@@ -39,6 +39,7 @@ from manualpar.embeddings.planning.cost_model import (
     Workload,
     collection_costs,
     placement_costs,
+    shard_group,
 )
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -58,10 +59,11 @@ TIGHTEN_TOLERANCE = 0.01  # stop bisecting within 1% of the best time found
 class CostPlan:
     """The chosen plan, its predicted costs per rank, and each table's cost on its own."""
 
-    plan: EmbeddingPlan
-    costs: RankCosts
-    topology: Topology
+    plan: EmbeddingPlan  # for one shard group when replicas > 1
+    costs: RankCosts  # per rank of the plan (the same in every shard group)
+    topology: Topology  # the whole job
     table_seconds: dict[str, float]  # each table's added time on the slowest rank
+    replicas: int = 1
 
     @property
     def seconds(self) -> torch.Tensor:
@@ -101,7 +103,7 @@ def _score(total: RankCosts, topology: Topology, still_to_place: float) -> _Scor
     imbalance the next tables will even out."""
     seconds = total.seconds(topology)
     slowest, summed = float(seconds.max()), float(seconds.sum())
-    bound = max(slowest, (summed + still_to_place) / topology.world_size)
+    bound = max(slowest, (summed + still_to_place) / seconds.numel())
     hot = float((seconds - 0.9 * slowest).clamp(min=0).sum())
     return _Score(bound, slowest, hot, summed, float(total.memory.max()))
 
@@ -145,21 +147,25 @@ def plan_by_cost(
     memory_budget_bytes: int | None = None,
     replicate_bytes: int = 256 * 2**10,
     disk_tier: DiskTier | None = None,
+    replicas: int = 1,
 ) -> CostPlan:
     """Place `tables` (keyed by the names used in notes and errors, e.g. "collection.table") on
     `topology` for `workload`, within `memory_budget_bytes` per rank (managed-collision
-    remappers' state included); see the module docstring."""
-    search = _Search(tables, topology, workload, memory_budget_bytes, replicate_bytes, disk_tier)
+    remappers' state included); see the module docstring. With `replicas` > 1 the plan is for
+    one shard group of a 2-D mesh (world / replicas ranks), costed with the replicas' sums."""
+    search = _Search(
+        tables, topology, workload, memory_budget_bytes, replicate_bytes, disk_tier, replicas
+    )
     search.greedy()
     search.tighten()
     search.refine()
-    plan = EmbeddingPlan(topology.world_size, dict(search.placements), search.notes())
+    plan = EmbeddingPlan(search.group.world_size, dict(search.placements), search.notes())
     added = {
         key: float(search.total.seconds(topology).max())
         - float((search.total - search.chosen[key]).seconds(topology).max())
         for key in tables
     }
-    return CostPlan(plan, search.total, topology, added)
+    return CostPlan(plan, search.total, topology, added, replicas)
 
 
 class _Search:
@@ -173,29 +179,49 @@ class _Search:
         budget: int | None,
         replicate_bytes: int,
         disk_tier: DiskTier | None,
+        replicas: int = 1,
     ) -> None:
         self.tables, self.topology, self.workload = tables, topology, workload
+        self.replicas = replicas
+        self.group = shard_group(topology, replicas) if replicas > 1 else topology
         self.budget, self.replicate_bytes, self.disk_tier = budget, replicate_bytes, disk_tier
         self.sizes = {
             k: block_bytes(c.num_embeddings, c.embedding_dim, workload.rule(k)[0], c.dtype)
             for k, c in tables.items()
         }
         configs = list(tables.values())
-        first = EmbeddingPlan(topology.world_size, {c.name: row_wise() for c in configs})
-        self.start = collection_costs(configs, first, topology)
+        first = EmbeddingPlan(self.group.world_size, {c.name: row_wise() for c in configs})
+        self.start = collection_costs(configs, first, topology, replicas)
         self.start.memory += remapper_bytes_per_rank(configs, topology.world_size)
         self.total = self.start
-        self.alone = {key: _cheapest(c, key, topology, workload) for key, c in tables.items()}
+        self._cache: dict[tuple[str, TablePlacement], RankCosts] = {}
+        self.alone = {key: self._cheapest(key) for key in tables}
         self.order = sorted(tables, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True)
         self.placements: dict[str, TablePlacement] = {}
         self.chosen: dict[str, RankCosts] = {}
-        self._cache: dict[tuple[str, TablePlacement], RankCosts] = {}
+
+    def _cheapest(self, key: str) -> tuple[float, float]:
+        """A table's slowest rank whole on one rank (its place in the greedy order), and its
+        least time over all ranks, whole or split by rows, without the collectives' latency
+        that it shares with the other tables (its least share of the job's time)."""
+        whole = self.costs(key, table_wise(0))
+        summed = float(whole.seconds(self.topology, latency=False).sum())
+        if self.group.world_size > 1 and self.tables[key].num_embeddings >= self.group.world_size:
+            split = self.costs(key, row_wise())
+            summed = min(summed, float(split.seconds(self.topology, latency=False).sum()))
+        return float(whole.seconds(self.topology).max()), summed
 
     def costs(self, key: str, placement: TablePlacement) -> RankCosts:
         found = self._cache.get((key, placement))
         if found is None:
             found = placement_costs(
-                self.tables[key], placement, self.topology, self.workload, self.disk_tier, key
+                self.tables[key],
+                placement,
+                self.topology,
+                self.workload,
+                self.disk_tier,
+                key,
+                self.replicas,
             )
             self._cache[(key, placement)] = found
         return found
@@ -210,7 +236,7 @@ class _Search:
         for placement in _candidates(
             self.tables[key],
             self.sizes[key],
-            self.topology,
+            self.group,
             busy,
             self.replicate_bytes,
             self.disk_tier,
@@ -222,7 +248,7 @@ class _Search:
             options.append(_Option(placement, costs, _score(after, self.topology, still_to_place)))
         if not options:
             raise _no_room(
-                key, self.sizes[key], base, self.budget, self.topology.world_size, self.disk_tier
+                key, self.sizes[key], base, self.budget, self.group.world_size, self.disk_tier
             )
         return sorted(options, key=lambda o: o.score.final() if final else o.score.greedy())
 
@@ -261,7 +287,7 @@ class _Search:
         best = (dict(self.placements), dict(self.chosen), self.total)
         high = float(self.total.seconds(self.topology).max())
         low = float(self.start.seconds(self.topology).max())
-        low = max(low, sum(summed for _, summed in self.alone.values()) / self.topology.world_size)
+        low = max(low, sum(summed for _, summed in self.alone.values()) / self.group.world_size)
         for _ in range(steps):
             target = (low + high) / 2
             if self.pack(target):
@@ -301,20 +327,6 @@ class _Search:
             before = float(base.seconds(self.topology).max())
             notes[key] = _note(chosen, rest, before, self.budget)
         return notes
-
-
-def _cheapest(
-    config: EmbeddingBagConfig, key: str, topology: Topology, workload: Workload
-) -> tuple[float, float]:
-    """A table's slowest rank whole on one rank (its place in the greedy order), and its least
-    time over all ranks, whole or split by rows, without the collectives' latency that it
-    shares with the other tables (its least share of the job's time)."""
-    whole = placement_costs(config, table_wise(0), topology, workload, name=key)
-    summed = float(whole.seconds(topology, latency=False).sum())
-    if topology.world_size > 1 and config.num_embeddings >= topology.world_size:
-        split = placement_costs(config, row_wise(), topology, workload, name=key)
-        summed = min(summed, float(split.seconds(topology, latency=False).sum()))
-    return float(whole.seconds(topology).max()), summed
 
 
 def _ms(seconds: float) -> str:

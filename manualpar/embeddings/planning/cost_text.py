@@ -19,15 +19,17 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def costs_text(costs: RankCosts, topology: Topology, batch_per_rank: int) -> str:
-    """The predicted per-rank lines of `python -m manualpar plan` (and CostPlan.describe)."""
+def costs_text(costs: RankCosts, topology: Topology, batch_per_rank: int, replicas: int = 1) -> str:
+    """The predicted per-rank lines of `python -m manualpar plan`. With `replicas`, `costs` are
+    one shard group's (plan_costs(..., replicas=)), the same in every group."""
 
     def line(label: str, values: list[float], fmt: Callable[[float], str] = format_bytes) -> str:
-        return f"  {label}: " + per_rank_text(values, fmt)
+        return f"  {label}: " + per_rank_text(values * replicas, fmt)
 
     nodes = topology.nodes
+    mesh = f" as a {replicas} x {topology.world_size // replicas} mesh" if replicas > 1 else ""
     lines = [
-        f"predicted per step on {topology.name} ({topology.world_size} ranks, "
+        f"predicted per step on {topology.name} ({topology.world_size} ranks{mesh}, "
         f"{topology.ranks_per_node} a node; {batch_per_rank} samples a rank)",
         line("step time (embeddings)", costs.seconds(topology).tolist(), format_seconds),
         line("memory", costs.memory.tolist()),

@@ -106,10 +106,12 @@ def plan_tables(
     method: str = "cost",
     topology: Topology | None = None,
     batch_per_rank: int | None = None,
+    replicas: int = 1,
 ) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring. With method="cost",
     `topology` (default: default_topology) prices the plan for `batch_per_rank` samples a rank
-    and `pooling_factors` ({table: mean ids per bag}) ids a sample."""
+    and `pooling_factors` ({table: mean ids per bag}) ids a sample. `replicas` > 1: the plan is
+    for the shard dim (`world_size` ranks) of a replicas x world_size mesh."""
     placements, notes = _place(
         {c.name: c for c in tables},
         {c.name: table_bytes(c, optimizer) for c in tables},
@@ -119,7 +121,7 @@ def plan_tables(
         memory_budget_bytes,
         replicate_bytes,
         disk_tier,
-        _Cost(method, topology, batch_per_rank, optimizer),
+        _Cost(method, topology, batch_per_rank, optimizer, replicas=replicas),
     )
     return EmbeddingPlan(world_size, placements, notes)
 
@@ -201,6 +203,10 @@ def plan_collections(
                 None,
                 {labels[c, t.name]: rules[c] for c, ts in configs.items() for t in ts},
                 world.device.type if isinstance(world, ManualParallelStrategy) else "cpu",
+                _replicas(world, world_size),
+                world.environment.local_world_size
+                if isinstance(world, ManualParallelStrategy)
+                else None,
             ),
         )
     except PlanError as error:
@@ -218,6 +224,13 @@ def plan_collections(
         )
         for c, tables in configs.items()
     }
+
+
+def _replicas(world: int | ManualParallelStrategy, plan_size: int) -> int:
+    """Shard groups in the job: 1 unless the plan is for one dim of a 2-D mesh."""
+    if isinstance(world, ManualParallelStrategy):
+        return world.world_size // plan_size
+    return 1
 
 
 def _ranks_per_node(strategy: ManualParallelStrategy, mesh: DeviceMesh | None) -> int:
@@ -309,6 +322,7 @@ def _place(
             memory_budget_bytes=budget,
             replicate_bytes=replicate_bytes,
             disk_tier=disk_tier,
+            replicas=cost.replicas,
         )
         return dict(planned.plan.tables), dict(planned.plan.notes)
     return _place_by_memory(
@@ -326,12 +340,17 @@ class _Cost:
     optimizer: SparseOptimizer | None
     rules: Mapping[str, SparseOptimizer | None] = field(default_factory=dict)
     device_type: str = "cpu"
+    replicas: int = 1  # shard groups of a 2-D mesh (the plan is for one)
+    job_ranks_per_node: int | None = None  # the launcher's, when the plan is for a mesh dim
 
     def topology_for(self, world_size: int, ranks_per_node: int) -> Topology:
+        """The whole job's topology (`world_size` ranks per shard group, `replicas` groups)."""
+        world = world_size * self.replicas
+        per_node = self.job_ranks_per_node or ranks_per_node
         if self.topology is None:
-            return default_topology(world_size, ranks_per_node, self.device_type)
-        if self.topology.world_size != world_size:
-            return self.topology.with_world(world_size, ranks_per_node)
+            return default_topology(world, per_node, self.device_type)
+        if self.topology.world_size != world:
+            return self.topology.with_world(world, per_node)
         return self.topology
 
     def workload(
