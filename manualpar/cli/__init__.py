@@ -1,4 +1,5 @@
-"""Command line: `python -m manualpar inspect CKPT | plot RUN_DIR | launch ... | plan ...`.
+"""Command line: `python -m manualpar inspect CKPT | plot RUN_DIR | launch ... | plan ... |
+calibrate`.
 
 Each command is a module with `add_arguments(parser)` and `run(args) -> int`; this module only
 builds the parser and turns manualpar's own errors into one-line messages (exit code 2).
@@ -10,7 +11,7 @@ import argparse
 import sys
 
 from manualpar import ManualParError
-from manualpar.cli import inspect, launch, plan, plot
+from manualpar.cli import calibrate, inspect, launch, plan, plot
 
 __all__ = ["main"]
 
@@ -19,6 +20,7 @@ COMMANDS = {
     "plot": (plot, "metrics.jsonl of a Trainer run -> PNG"),
     "launch": (launch, "run a script on N local processes (torchrun)"),
     "plan": (plan, "an embedding sharding plan for tables on N ranks"),
+    "calibrate": (calibrate, "measure this host for the planner (writes a topology file)"),
 }
 
 

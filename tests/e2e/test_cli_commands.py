@@ -10,7 +10,7 @@ import pytest
 from launch import output_tail, run_python
 
 from manualpar.cli import main
-from manualpar.embeddings import EmbeddingPlan
+from manualpar.embeddings import EmbeddingPlan, load_topology
 
 RECSYS_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "recsys" / "train.py"
 
@@ -91,4 +91,26 @@ def test_plan_reads_raw_ids_and_dtype_from_tables_json(tmp_path: Path) -> None:
         f"error: --tables {tables}: entry 0: raw_ids must be null or an object with kind "
         '\'hash\' or \'managed\' and its settings, e.g. {"kind": "hash", "salt": 0}; got '
         "{'kind': 'modulo'}\n"
+    )
+
+
+def test_calibrate_writes_a_topology_the_planner_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "host.json"
+    args = ("--out", str(out), "--repeats", "1", "--size-mib", "16", "--disk-dir", str(tmp_path))
+    result = run_python("-m", "manualpar", "calibrate", "--ranks-per-node", "2", *args, timeout=120)
+    assert result.returncode == 0, output_tail(result)
+    assert f"topology written to {out}" in result.stdout
+    topology = load_topology(out, 4)
+    assert (topology.name, topology.world_size, topology.ranks_per_node) == ("host", 4, 2)
+    for field in ("memory_bandwidth", "intra_node_bandwidth", "disk_bandwidth"):
+        assert getattr(topology, field) > 0, field
+    assert list(tmp_path.iterdir()) == [out]  # the disk probe's file is gone
+    code = main(["plan", "--world-size", "4", "--topology", str(out), "--table", "t:1000:8"])
+    assert code == 0
+    capsys.readouterr()
+    assert main(["calibrate", "--repeats", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: calibrate: --ranks-per-node and --repeats must be >= 1, --size-mib >= 16\n"
     )
