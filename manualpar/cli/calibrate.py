@@ -5,6 +5,7 @@ Writes a topology file (the hardware fields of `Topology`) that `python -m manua
 
 - memory bandwidth: a large tensor copied (bytes read + written per second);
 - per-row cost: random rows gathered, less what their bytes cost at that bandwidth;
+- per-block cost: a one-process training step of 64 tiny tables against one of a single table;
 - links: two local processes exchange all_to_alls through the strategy (gloo here, NCCL on
   GPUs): the small message's time is the latency, a large one's bytes per second the bandwidth.
   One host has no inter-node link: it is written equal to the local one; edit it for a cluster;
@@ -104,6 +105,43 @@ def measure_links(size: int, repeats: int) -> tuple[float, float]:
     return large / max(slowest - latency, 1e-9), latency
 
 
+def _tiny_tables_step(count: int, repeats: int) -> float:
+    """Median seconds of a one-process training step of `count` 8-row tables, 1 id each."""
+    import manualpar as mp
+    from manualpar.embeddings import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        RowWiseAdagrad,
+        SparseFeatures,
+        shard_embeddings,
+        table_wise,
+    )
+
+    strategy = mp.ManualParallelStrategy()
+    configs = [EmbeddingBagConfig(f"t{i}", 8, 8) for i in range(count)]
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(configs, seed=0)
+    plan = {c.name: table_wise(0) for c in configs}
+    emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.01))
+    features = SparseFeatures.from_dict({c.name: [[1], [2]] for c in configs})
+
+    def step() -> None:
+        emb(features).values.sum().backward()
+
+    seconds = _median_seconds(step, 3 * repeats)
+    strategy.teardown()
+    return seconds
+
+
+def measure_blocks(repeats: int) -> float:
+    """Seconds a step spends per table block beyond its rows: 64 tiny tables against one."""
+    one, many = (
+        run_distributed(_tiny_tables_step, 1, args=(count, repeats), timeout=300)[0]
+        for count in (1, 64)
+    )
+    return max(many - one, 0.0) / 63
+
+
 def measure_disk(folder: Path, size: int, repeats: int) -> tuple[float, float]:
     """(bytes per second of a large read, seconds per random 256-byte row read) of a file in
     `folder`, its pages dropped from the cache before each read."""
@@ -150,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"calibrating this host ({args.repeats} runs a figure, {args.size_mib} MiB buffers)")
     bandwidth, row_seconds = measure_memory(size, args.repeats)
     print(f"  memory: {bandwidth / 1e9:.2f} GB/s, {row_seconds * 1e9:.1f} ns a row")
+    block = measure_blocks(args.repeats)
+    print(f"  a table block's fixed cost in a step: {block * 1e6:.0f} us")
     link, latency = measure_links(size, args.repeats)
     print(f"  two local processes: {link / 1e9:.2f} GB/s each way, {latency * 1e6:.0f} us a call")
     disk, disk_row = measure_disk(folder, size, args.repeats)
@@ -167,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         "inter_node_latency": latency,
         "row_seconds": row_seconds,
         "disk_row_seconds": disk_row,
+        "block_seconds": block,
     }
     out = Path(args.out)
     try:

@@ -14,7 +14,8 @@ in order; the train pipeline overlaps the input only):
 - exchanges: max(bytes over intra-node links / their bandwidth, bytes over inter-node links /
   theirs), each direction's larger side, plus one latency per all_to_all;
 - memory: the rows the rank looks up and updates (weights, gradients and optimizer state, read
-  and written) at the memory bandwidth, plus a fixed cost per row touched;
+  and written) at the memory bandwidth, plus a fixed cost per row touched and per block held
+  (a table split over 8 ranks launches its kernels on each of them);
 - disk: for a disk-tier table, the rows its cache misses (every lookup the cache cannot hold,
   assuming uniform ids: an upper bound under skew) read, and as many dirty rows written back.
 Known errors: skewed ids touch fewer distinct rows than assumed (the update and disk terms are
@@ -102,6 +103,7 @@ class RankCosts:
     rows_touched: torch.Tensor  # rows looked up plus rows updated
     disk_traffic: torch.Tensor  # bytes read from and written to disk
     disk_rows: torch.Tensor  # rows read from or written to disk
+    blocks: torch.Tensor  # table blocks the rank looks up and updates (fixed costs each)
     users: dict[str, int] = field(default_factory=dict)  # tables per kind of collective (CALLS)
 
     @classmethod
@@ -161,6 +163,7 @@ class RankCosts:
         memory = (
             self.memory_traffic / topology.memory_bandwidth
             + self.rows_touched * topology.row_seconds
+            + self.blocks * topology.block_seconds
         )
         disk = (
             self.disk_traffic / topology.disk_bandwidth if topology.disk_bandwidth > 0 else 0.0
@@ -366,6 +369,7 @@ def _block_work(
     traffic = lookups * cols * config.dtype.itemsize + updated * (2 * row_bytes + cols * FLOAT32)
     costs.memory_traffic.index_add_(0, owners, traffic)
     costs.rows_touched.index_add_(0, owners, lookups + updated)
+    costs.blocks.index_add_(0, owners, torch.ones_like(rows))
     if not placement.on_disk or disk_tier is None:  # (no tier given: counted as in memory)
         costs.memory.index_add_(0, owners, held)
         return
@@ -405,6 +409,7 @@ def _replicated(
         2 * row_bytes + dim * FLOAT32
     )
     costs.rows_touched += ids + updated
+    costs.blocks += 1
     if frozen or world == 1:
         return
     ring = 2 * (world - 1) / world * rows * (dim + 1) * FLOAT32

@@ -34,7 +34,9 @@ class Topology:
     Bandwidths are bytes per second per rank and direction; latencies are seconds per
     collective. `row_seconds` is the fixed cost of touching one row in memory (a random access,
     beyond its bytes at `memory_bandwidth`); `disk_row_seconds` the same for one row read from or
-    written to disk (a system call on a page the cache missed).
+    written to disk (a system call on a page the cache missed); `block_seconds` the fixed cost
+    of one table block in a step, whatever its size (launching its lookup, gradient and update
+    kernels, and their bookkeeping).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Topology:
     inter_node_latency: float
     row_seconds: float
     disk_row_seconds: float
+    block_seconds: float
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -95,7 +98,8 @@ class Topology:
 # - GPU nodes: NVIDIA DGX A100 / DGX H100 datasheets (HBM capacity and bandwidth; NVLink's total
 #   bidirectional bandwidth per GPU, halved for one direction; one 200 Gb/s HDR or 400 Gb/s NDR
 #   InfiniBand port per GPU; 2 TB of host memory and NVMe RAID read speed per node, shared by 8).
-#   Latencies are typical NCCL small-message all_to_all times, an assumption.
+#   Latencies are typical NCCL small-message all_to_all times, and block_seconds a few kernel
+#   launches (about 5 us each) per block: assumptions.
 # - "cpu-host": the project's 2-core test machine (gloo over loopback, local SSD), measured by
 #   `python -m manualpar calibrate` (docs/embeddings.md has the command and its output).
 TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
@@ -111,6 +115,7 @@ TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
         "inter_node_latency": 50e-6,
         "row_seconds": 0.0,
         "disk_row_seconds": 20e-6,
+        "block_seconds": 30e-6,
     },
     "h100-nvlink-ndr": {
         "ranks_per_node": 8,
@@ -124,6 +129,7 @@ TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
         "inter_node_latency": 40e-6,
         "row_seconds": 0.0,
         "disk_row_seconds": 20e-6,
+        "block_seconds": 30e-6,
     },
     "cpu-host": {
         "ranks_per_node": 2,
@@ -137,6 +143,7 @@ TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
         "inter_node_latency": 60e-6,
         "row_seconds": 9e-9,
         "disk_row_seconds": 2.5e-6,
+        "block_seconds": 100e-6,
     },
 }
 
