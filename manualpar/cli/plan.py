@@ -144,6 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mean ids a sample per feature, spread evenly over the rows (default 1)",
     )
     add(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="Zipf exponent of the ids' popularity, e.g. 1.05 (default 0: uniform); skewed ids "
+        "touch fewer distinct rows, which favours caches and 2-D meshes",
+    )
+    add(
         "--replicas",
         default="1",
         metavar="N|auto",
@@ -247,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
     pooling = {config.name: args.ids_per_bag for config in tables}
     state, full_rows = rule_costs(optimizer)
-    workload = Workload(batch, pooling, state=state, full_rows=full_rows)
+    if not args.skew >= 0:
+        raise UsageError(f"--skew {args.skew}: expected 0 (uniform) or a Zipf exponent > 0")
+    workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
             plan_tables,
@@ -255,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             topology=topology,
             batch_per_rank=batch,
             pooling_factors=pooling,
+            skew=args.skew,
         )
     else:
         place = functools.partial(plan_uniform, args.plan)

@@ -16,15 +16,18 @@ in order; the train pipeline overlaps the input only):
 - memory: the rows the rank looks up and updates (weights, gradients and optimizer state, read
   and written) at the memory bandwidth, plus a fixed cost per row touched and per block held
   (a table split over 8 ranks launches its kernels on each of them);
-- disk: for a disk-tier table, the rows its cache misses (every lookup the cache cannot hold,
-  assuming uniform ids: an upper bound under skew) read, and as many dirty rows written back.
-Known errors: skewed ids touch fewer distinct rows than assumed (the update and disk terms are
-upper bounds); collectives are taken as fully using their links; compute of the dense model and
-the overlap of phases on GPUs are not modelled.
+- disk: for a disk-tier table, the rows its cache misses (the distinct rows a step touches
+  beyond the most popular ones the cache holds) read, and as many dirty rows written back.
+Distinct rows follow the ids' popularity: uniform, or Zipf with the exponent `Workload.skew`
+(the popular rows spread over the blocks, as hashed or remapped ids are).
+Known errors: collectives are taken as fully using their links; the cache is taken to hold the
+most popular rows (LRU and LFU come close under Zipf); compute of the dense model and the
+overlap of phases on GPUs are not modelled.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -77,6 +80,12 @@ class Workload:
     full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
     state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
     rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
+    skew: float | Mapping[str, float] = 0.0  # Zipf exponent of the ids (0: uniform), or per table
+
+    def skew_of(self, table: str) -> float:
+        if isinstance(self.skew, Mapping):
+            return float(self.skew.get(table, 0.0))
+        return float(self.skew)
 
     def rule(self, table: str) -> tuple[Mapping[str, bool], bool]:
         """(optimizer state, needs full rows) of `table`: its own in `rules`, else the shared."""
@@ -199,9 +208,60 @@ def _owner_traffic(
             costs.received_inter += elsewhere
 
 
-def _distinct(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Expected distinct rows among `ids` uniform draws from `rows` rows, per block."""
-    return rows * -torch.expm1(-ids / rows.clamp(min=1))
+EXACT_TERMS = 512  # Zipf ranks summed one by one; past them, LOG_BINS log-spaced bins
+LOG_BINS = 256
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_grid(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points and weights that sum a smooth function of the rank over ranks first..last: every
+    rank up to EXACT_TERMS past `first`, then log-spaced bins (midpoint, weighted by width)."""
+    exact_end = min(last, first + EXACT_TERMS - 1)
+    points = torch.arange(first, exact_end + 1, dtype=torch.float64)
+    weights = torch.ones_like(points)
+    if exact_end < last:
+        edges = torch.logspace(
+            torch.log10(torch.tensor(exact_end + 0.5)).item(),
+            torch.log10(torch.tensor(last + 0.5)).item(),
+            LOG_BINS + 1,
+            dtype=torch.float64,
+        )
+        points = torch.cat([points, (edges[1:] * edges[:-1]).sqrt()])
+        weights = torch.cat([weights, edges[1:] - edges[:-1]])
+    return points, weights
+
+
+@functools.lru_cache(maxsize=256)
+def _zipf_norm(rows: int, skew: float) -> float:
+    points, weights = _rank_grid(1, rows)
+    return float((weights * points.pow(-skew)).sum())
+
+
+def distinct_rows(
+    draws: torch.Tensor, rows: int, skew: float = 0.0, beyond: int = 0
+) -> torch.Tensor:
+    """Expected distinct rows among `draws` ids drawn from a table of `rows` rows, uniformly
+    (`skew` 0) or with Zipf(`skew`) popularity, counting only rows past the `beyond` most
+    popular (those a cache of `beyond` rows would hold)."""
+    draws = torch.as_tensor(draws, dtype=torch.float64)
+    if beyond >= rows or rows <= 0:
+        return torch.zeros_like(draws)
+    if skew == 0:
+        return (rows - beyond) * -torch.expm1(-draws / rows)
+    norm = _zipf_norm(rows, skew)
+    points, weights = _rank_grid(beyond + 1, rows)
+    chance = points.pow(-skew) / norm
+    return (weights * -torch.expm1(-draws.unsqueeze(-1) * chance)).sum(-1)
+
+
+def _distinct(
+    lookups: torch.Tensor, rows: torch.Tensor, table_rows: int, skew: float
+) -> torch.Tensor:
+    """Expected distinct rows a step touches in each block (`rows[i]` of a `table_rows` table,
+    serving `lookups[i]` ids): the popular rows are spread over the blocks (ids are scattered by
+    the remap or the data), so a block sees its share of the table's distinct rows."""
+    share = rows / table_rows
+    return share * distinct_rows(lookups / share.clamp(min=1e-30), table_rows, skew)
 
 
 def shard_group(topology: Topology, replicas: int) -> Topology:
@@ -247,7 +307,8 @@ def placement_costs(
     row_state, col_state = _state_widths(state)
     frozen = name in workload.frozen
     if placement.sharding == "data_parallel":
-        _replicated(costs, config, world, per_node, ids, row_state, col_state, frozen)
+        skew = workload.skew_of(name)
+        _replicated(costs, config, skew, world, per_node, ids, row_state, col_state, frozen)
         return costs
     copies = 2 if workload.weighted else 1
     owners = torch.tensor([s.rank for s in shards])
@@ -300,7 +361,10 @@ def _two_d(
         row_state, col_state = _state_widths(state)
         frozen = name in workload.frozen
         ids = workload.ids(config, name)
-        _replicated(costs, config, topology.world_size, per_node, ids, row_state, col_state, frozen)
+        skew = workload.skew_of(name)
+        _replicated(
+            costs, config, skew, topology.world_size, per_node, ids, row_state, col_state, frozen
+        )
         return costs
     costs = placement_costs(config, placement, group, workload, disk_tier, name)
     if name in workload.frozen:
@@ -316,7 +380,8 @@ def _two_d(
         else cols
     )
     lookups = workload.ids(config, name) * rows / config.num_embeddings * shard
-    touched = _distinct(lookups, rows)  # by this group's batches
+    skew = workload.skew_of(name)
+    touched = _distinct(lookups, rows, config.num_embeddings, skew)  # by this group's batches
     payload = (touched * (widths + 2) * FLOAT32 + INT64) * (replicas - 1)
     combine = torch.zeros(shard, dtype=torch.float64).index_add_(0, owners, payload)
     same_node = max(per_node // shard - 1, 0)  # replicas of my block on my node
@@ -326,7 +391,7 @@ def _two_d(
     costs.sent_inter += combine - intra
     costs.received_inter += combine - intra
     # every replica updates the union of the rows all replicas touched
-    union = _distinct(lookups * replicas, rows) - touched
+    union = _distinct(lookups * replicas, rows, config.num_embeddings, skew) - touched
     row_bytes = cols * config.dtype.itemsize + _state_bytes(workload.rule(name)[0], cols)
     costs.memory_traffic.index_add_(0, owners, union * (2 * row_bytes + widths * FLOAT32))
     costs.rows_touched.index_add_(0, owners, union)
@@ -363,7 +428,8 @@ def _block_work(
     row_bytes = cols * config.dtype.itemsize + (row_state + col_state * cols) * STATE_BYTES
     held = rows * row_bytes
     frozen = name in workload.frozen
-    distinct = _distinct(lookups, rows)
+    skew = workload.skew_of(name)
+    distinct = _distinct(lookups, rows, config.num_embeddings, skew)
     updated = torch.zeros_like(distinct) if frozen else distinct
     # lookups read rows; an update reads and writes a row and its state and reads its gradient
     traffic = lookups * cols * config.dtype.itemsize + updated * (2 * row_bytes + cols * FLOAT32)
@@ -382,7 +448,14 @@ def _block_work(
     )
     costs.memory.index_add_(0, owners, slots * row_bytes)
     costs.disk.index_add_(0, owners, held)
-    missed = distinct * (1.0 - slots / rows).clamp(min=0.0)  # uniform ids: the cache holds slots
+    # the cache keeps the block's most popular rows (LRU and LFU both, near enough)
+    share = rows / config.num_embeddings
+    missed = torch.stack(
+        [
+            f * distinct_rows(n / f, config.num_embeddings, skew, int(k / f))
+            for n, f, k in zip(lookups.tolist(), share.tolist(), slots.tolist(), strict=True)
+        ]
+    )
     written = torch.zeros_like(missed) if frozen else missed  # dirty rows evicted
     costs.disk_traffic.index_add_(0, owners, (missed + written) * row_bytes)
     costs.disk_rows.index_add_(0, owners, missed + written)
@@ -391,6 +464,7 @@ def _block_work(
 def _replicated(
     costs: RankCosts,
     config: EmbeddingBagConfig,
+    skew: float,
     world: int,
     per_node: int,
     ids: float,
@@ -404,7 +478,7 @@ def _replicated(
     rows, dim = config.num_embeddings, config.embedding_dim
     row_bytes = dim * config.dtype.itemsize + (row_state + col_state * dim) * STATE_BYTES
     costs.memory += rows * row_bytes
-    updated = 0.0 if frozen else float(_distinct(torch.tensor(ids * world), torch.tensor(rows)))
+    updated = 0.0 if frozen else float(distinct_rows(torch.tensor(ids * world), rows, skew))
     costs.memory_traffic += ids * dim * config.dtype.itemsize + updated * (
         2 * row_bytes + dim * FLOAT32
     )

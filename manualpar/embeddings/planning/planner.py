@@ -107,11 +107,13 @@ def plan_tables(
     topology: Topology | None = None,
     batch_per_rank: int | None = None,
     replicas: int = 1,
+    skew: float = 0.0,
 ) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring. With method="cost",
     `topology` (default: default_topology) prices the plan for `batch_per_rank` samples a rank
-    and `pooling_factors` ({table: mean ids per bag}) ids a sample. `replicas` > 1: the plan is
-    for the shard dim (`world_size` ranks) of a replicas x world_size mesh."""
+    and `pooling_factors` ({table: mean ids per bag}) ids a sample, drawn uniformly or with
+    Zipf(`skew`) popularity. `replicas` > 1: the plan is for the shard dim (`world_size` ranks)
+    of a replicas x world_size mesh."""
     placements, notes = _place(
         {c.name: c for c in tables},
         {c.name: table_bytes(c, optimizer) for c in tables},
@@ -121,7 +123,7 @@ def plan_tables(
         memory_budget_bytes,
         replicate_bytes,
         disk_tier,
-        _Cost(method, topology, batch_per_rank, optimizer, replicas=replicas),
+        _Cost(method, topology, batch_per_rank, optimizer, replicas=replicas, skew=skew),
     )
     return EmbeddingPlan(world_size, placements, notes)
 
@@ -342,6 +344,7 @@ class _Cost:
     device_type: str = "cpu"
     replicas: int = 1  # shard groups of a 2-D mesh (the plan is for one)
     job_ranks_per_node: int | None = None  # the launcher's, when the plan is for a mesh dim
+    skew: float = 0.0  # Zipf exponent of the ids
 
     def topology_for(self, world_size: int, ranks_per_node: int) -> Topology:
         """The whole job's topology (`world_size` ranks per shard group, `replicas` groups)."""
@@ -363,6 +366,7 @@ class _Cost:
             state=state,
             full_rows=full_rows,
             rules={name: rule_costs(self.rules.get(name, self.optimizer)) for name in tables},
+            skew=self.skew,
         )
 
 
