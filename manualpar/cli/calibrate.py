@@ -29,8 +29,16 @@ from typing import Any
 
 import torch
 
-from manualpar import ManualParError
-from manualpar.embeddings.kernels.row_memory import available_bytes
+from manualpar import ManualParallelStrategy, ManualParError, empty_init
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    SparseFeatures,
+    available_bytes,
+    shard_embeddings,
+    table_wise,
+)
 from manualpar.testing import run_distributed
 
 __all__ = ["add_arguments", "measure_links", "run"]
@@ -76,8 +84,6 @@ def measure_memory(size: int, repeats: int) -> tuple[float, float]:
 def _exchange(sizes: list[int], repeats: int) -> list[float]:
     """On each of two ranks: the median seconds of an all_to_all sending `size` bytes to the
     other rank, per size (run by run_distributed; the strategy does the collective)."""
-    from manualpar.strategy import ManualParallelStrategy
-
     strategy = ManualParallelStrategy()
     results = []
     for size in sizes:
@@ -107,19 +113,9 @@ def measure_links(size: int, repeats: int) -> tuple[float, float]:
 
 def _tiny_tables_step(count: int, repeats: int) -> float:
     """Median seconds of a one-process training step of `count` 8-row tables, 1 id each."""
-    import manualpar as mp
-    from manualpar.embeddings import (
-        EmbeddingBagCollection,
-        EmbeddingBagConfig,
-        RowWiseAdagrad,
-        SparseFeatures,
-        shard_embeddings,
-        table_wise,
-    )
-
-    strategy = mp.ManualParallelStrategy()
+    strategy = ManualParallelStrategy()
     configs = [EmbeddingBagConfig(f"t{i}", 8, 8) for i in range(count)]
-    with mp.empty_init():
+    with empty_init():
         ebc = EmbeddingBagCollection(configs, seed=0)
     plan = {c.name: table_wise(0) for c in configs}
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.01))

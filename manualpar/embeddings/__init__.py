@@ -26,6 +26,7 @@ from manualpar.embeddings.id_spaces import (
     raw_ids_from_json,
     raw_ids_to_json,
 )
+from manualpar.embeddings.kernels.row_memory import available_bytes
 from manualpar.embeddings.modules.bag_collection import (
     EmbeddingBagCollection,
     EmbeddingTable,
@@ -128,6 +129,7 @@ __all__ = [
     "TablePlacement",
     "Topology",
     "Workload",
+    "available_bytes",
     "block_bytes",
     "check_tables",
     "column_wise",

@@ -12,11 +12,15 @@ import pytest
 
 import manualpar
 import manualpar.embeddings as emb
-from manualpar import errors
+from manualpar import errors, testing
 from manualpar.deprecated import DEPRECATED
 
 CLI = Path(manualpar.__file__).parent / "cli"
-PUBLIC = {"manualpar": set(manualpar.__all__), "manualpar.embeddings": set(emb.__all__)}
+PUBLIC = {
+    "manualpar": set(manualpar.__all__),
+    "manualpar.embeddings": set(emb.__all__),
+    "manualpar.testing": set(testing.__all__),
+}
 
 
 @pytest.mark.parametrize("module", [manualpar, emb], ids=lambda m: m.__name__)
