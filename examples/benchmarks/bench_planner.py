@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2048, help="global batch (all ranks)")
     parser.add_argument("--mesh", default=None, metavar="RxS", help="a 2-D mesh, e.g. 2x2")
     parser.add_argument("--topology", default="cpu-host", help="preset or calibrated file")
+    parser.add_argument(
+        "--row-scale", type=float, default=1.0, help="scale every table's rows (toy runs)"
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -77,8 +80,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def configs() -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(f"t{i}", rows, dim) for i, (rows, dim, _) in enumerate(TABLES)]
+def table_rows(args: argparse.Namespace) -> list[int]:
+    return [max(int(rows * args.row_scale), 64) for rows, _, _ in TABLES]
+
+
+def configs(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(f"t{i}", rows, dim)
+        for i, (rows, (_, dim, _)) in enumerate(zip(table_rows(args), TABLES, strict=True))
+    ]
 
 
 def per_bag() -> dict[str, float]:
@@ -90,7 +100,7 @@ def batches(args: argparse.Namespace, rank: int, local: int, count: int) -> list
     out = []
     for step in range(count):
         values, lengths = [], []
-        for i, (rows, _, k) in enumerate(TABLES):
+        for i, (rows, (_, _, k)) in enumerate(zip(table_rows(args), TABLES, strict=True)):
             seed = 1_000_003 * rank + 7919 * step + i
             if args.ids == "zipf":
                 drawn = zipf_ids(rows, local * k, seed, 1.05)
@@ -156,7 +166,7 @@ def main() -> None:
     mesh = strategy.mesh(replicate=replicas, shard=shards) if args.mesh else None
     per_node = strategy.environment.local_world_size
     topology = load_topology(args.topology, world, per_node)
-    tables = configs()
+    tables = configs(args)
     local = args.batch // world
     state, full_rows = rule_costs(RowWiseAdagrad(lr=0.01))
     workload = Workload(local, per_bag(), state=state, full_rows=full_rows)

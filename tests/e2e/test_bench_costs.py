@@ -57,3 +57,27 @@ def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> Non
     assert result["ratio"] == pytest.approx(checked / plain)
     assert result["extra_ms_per_step"] == pytest.approx(checked - plain)
     assert result["record_bytes"] == 64 * 4 + 4  # 64 float32 weights and a row-wise sum
+
+
+def test_planner_benchmark_measures_the_pick_beside_the_plans_it_ranked_lower(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "result.json"
+    run_torchrun(
+        EXAMPLES / "benchmarks" / "bench_planner.py",
+        *("--row-scale", "0.001", "--batch", "64", "--steps", "1", "--warmup", "1"),
+        *("--repeats", "2", "--json", str(out)),
+        nproc=2,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    names = list(result["plans"])
+    assert names[0] == "auto" and {"memory", "table_wise", "row_wise", "column_wise"} <= set(names)
+    assert result["ratio_to_pick"]["auto"] == 1.0
+    for name in names:
+        assert result["measured_ms"][name] == pytest.approx(
+            statistics.median(r[name] for r in result["repeats_ms"])
+        )
+        assert result["predicted_ms"][name] > 0
+        assert result["plans"][name]["world_size"] == 2
