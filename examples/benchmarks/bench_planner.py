@@ -13,7 +13,8 @@ in the same processes; repeats run the variants in rotating order, each timing -
 to the planner's pick, and the model's predicted slowest rank for the same plan.
 
 With --mesh RxS the job runs as a R x S mesh: every plan is for the shard dim, and the pick is
-the planner's for R replicas.
+the planner's for R replicas. --extra-plan NAME=FILE adds a plan from a file (another planner's,
+e.g. TorchRec's converted by peer_torchrec_planner.py).
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--extra-plan",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="also run a plan from a JSON file (EmbeddingPlan.to_json), e.g. another planner's",
+    )
     parser.add_argument("--json")
     return parser.parse_args()
 
@@ -171,6 +179,9 @@ def main() -> None:
     state, full_rows = rule_costs(RowWiseAdagrad(lr=0.01))
     workload = Workload(local, per_bag(), state=state, full_rows=full_rows)
     plans = candidates(tables, shards, replicas, topology, workload)
+    for extra in args.extra_plan:
+        name, _, path = extra.partition("=")
+        plans[name] = EmbeddingPlan.from_json(Path(path).read_text())
     data = batches(args, strategy.rank, local, args.warmup + args.steps)
     steps: dict[str, Callable[[], None]] = {}
     for name, plan in plans.items():
