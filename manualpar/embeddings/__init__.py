@@ -60,13 +60,7 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.plan_text import per_rank_text
-from manualpar.embeddings.planning.cost_model import (
-    RankCosts,
-    Workload,
-    placement_costs,
-    plan_costs,
-    rule_costs,
-)
+from manualpar.embeddings.planning.cost_model import placement_costs, plan_costs
 from manualpar.embeddings.planning.cost_planner import CostPlan, plan_by_cost
 from manualpar.embeddings.planning.cost_text import costs_text, format_seconds
 from manualpar.embeddings.planning.exchange_bytes import (
@@ -83,6 +77,7 @@ from manualpar.embeddings.planning.planner import (
     plan_uniform,
     table_bytes,
 )
+from manualpar.embeddings.planning.rank_costs import RankCosts, Workload, rule_costs
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items

@@ -20,13 +20,10 @@ from manualpar.embeddings import (
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.planning.cost_model import (
-    Workload,
-    distinct_rows,
-    placement_costs,
-    plan_costs,
-)
+from manualpar.embeddings.planning.cost_model import placement_costs, plan_costs
 from manualpar.embeddings.planning.exchange_bytes import EXCHANGES, expected_exchange_bytes
+from manualpar.embeddings.planning.popularity import distinct_rows
+from manualpar.embeddings.planning.rank_costs import Workload
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
 from manualpar.errors import PlanError
 

@@ -35,12 +35,11 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.planning.cost_model import (
-    RankCosts,
-    Workload,
     collection_costs,
     placement_costs,
     shard_group,
 )
+from manualpar.embeddings.planning.rank_costs import RankCosts, Workload
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import PlanError

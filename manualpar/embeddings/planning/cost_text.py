@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from manualpar.embeddings.plan import format_bytes
 from manualpar.embeddings.plan_text import per_rank_text
-from manualpar.embeddings.planning.cost_model import RankCosts
+from manualpar.embeddings.planning.rank_costs import RankCosts
 from manualpar.embeddings.planning.topology import Topology
 
 __all__ = ["costs_text", "format_seconds"]

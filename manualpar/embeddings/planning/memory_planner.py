@@ -1,0 +1,215 @@
+"""Plans by memory alone: method="memory" of plan_tables / plan_collections, and plan_uniform
+(one placement kind for every table). The rules of method="memory", in order (each table's note
+says which applied):
+1. A table of at most `replicate_bytes` (weights + state) is replicated (data_parallel): its
+   lookups need no communication, and its all-reduce is small.
+2. Tables go whole to one rank (table_wise: the cheapest communication, one pooled row per bag)
+   largest first, each to the rank with the least estimated load, where load mixes memory and
+   lookup work (pooling factor x dim).
+3. A table that fits no rank's remaining budget, or is larger than an even share of all tables
+   (it would leave one rank the straggler), is split by rows over every rank (row_wise), or
+   over one node's ranks (table_row_wise) when that fits, keeping its traffic on the node.
+4. If even an even split cannot fit the budget, PlanError says how much memory is needed.
+0. Before these, with a `disk_tier`: when all tables do not fit the budget, the largest go on
+   disk (row-split, `on_disk`), until the others plus the caches fit (disk_budget.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.plan import (
+    EmbeddingPlan,
+    TablePlacement,
+    column_wise,
+    data_parallel,
+    format_bytes,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning.disk_budget import place_on_disk
+from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.errors import PlanError
+
+__all__ = ["UNIFORM_PLANS", "check_fits", "place_by_memory", "plan_uniform", "table_bytes"]
+
+
+def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
+    """A whole table's weights plus `optimizer`'s state (row-wise Adagrad's if none given)."""
+    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+    return block_bytes(config.num_embeddings, config.embedding_dim, state, config.dtype)
+
+
+def place_by_memory(
+    tables: Mapping[str, EmbeddingBagConfig],
+    sizes: Mapping[str, int],
+    pooling: Mapping[str, float],
+    world_size: int,
+    ranks_per_node: int,
+    budget: int | None,
+    replicate_bytes: int,
+    disk_tier: DiskTier | None,
+) -> tuple[dict[str, TablePlacement], dict[str, str]]:
+    """method="memory": the rules of the module docstring."""
+    order = list(tables)
+    on_disk, disk_notes, budget = place_on_disk(tables, sizes, world_size, budget, disk_tier)
+    if on_disk:
+        tables = {k: c for k, c in tables.items() if k not in on_disk}
+        sizes = {k: b for k, b in sizes.items() if k not in on_disk}
+    check_fits(sizes, world_size, budget)
+    memory = [0] * world_size
+    work = [0.0] * world_size
+    total_work = sum(pooling[k] * c.embedding_dim * len(c.feature_names) for k, c in tables.items())
+    placements: dict[str, TablePlacement] = {}
+    notes: dict[str, str] = {}
+    even_share = sum(sizes.values()) / world_size
+
+    def load(rank: int) -> float:
+        return memory[rank] / max(even_share, 1) + work[rank] / max(total_work, 1)
+
+    for name in sorted(tables, key=lambda k: sizes[k], reverse=True):
+        config, size = tables[name], sizes[name]
+        lookups = pooling[name] * config.embedding_dim * len(config.feature_names)
+        if (
+            size <= replicate_bytes
+            and (budget is None or max(memory) + size <= budget)
+            and world_size > 1
+        ):
+            placements[name] = data_parallel()
+            notes[name] = f"replicated: {format_bytes(size)} <= {format_bytes(replicate_bytes)}"
+            memory = [m + size for m in memory]
+            continue
+        fits = [r for r in range(world_size) if budget is None or memory[r] + size <= budget]
+        too_big = world_size > 1 and size > even_share * 1.0001
+        if fits and not too_big:
+            rank = min(fits, key=load)
+            placements[name] = table_wise(rank)
+            notes[name] = f"whole on rank {rank} ({format_bytes(size)}; least-loaded rank)"
+            memory[rank] += size
+            work[rank] += lookups
+            continue
+        reason = "fits no single rank's budget" if not fits else "larger than an even share"
+        nodes = world_size // ranks_per_node
+        node_share = -(-size // ranks_per_node)
+        if nodes > 1:
+            node = min(
+                range(nodes),
+                key=lambda n: max(memory[n * ranks_per_node : (n + 1) * ranks_per_node]),
+            )
+            node_ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+            if budget is None or all(memory[r] + node_share <= budget for r in node_ranks):
+                placements[name] = table_row_wise(node, ranks_per_node)
+                notes[name] = f"rows split over node {node} ({reason})"
+                for r in node_ranks:
+                    memory[r] += node_share
+                    work[r] += lookups / ranks_per_node
+                continue
+        share = -(-size // world_size)
+        if budget is not None and any(m + share > budget for m in memory):
+            held = [format_bytes(m) for m in memory]
+            least = format_bytes(-(-sum(sizes.values()) // world_size))
+            raise PlanError(
+                f"table {name!r} needs {format_bytes(share)} per rank split over {world_size} "
+                f"ranks, but ranks already hold {held} of a {format_bytes(budget)} budget; all "
+                f"tables need at least {least} per rank. Raise the memory budget, add ranks, or "
+                "shrink the tables"
+            )
+        placements[name] = row_wise()
+        notes[name] = (
+            f"rows split over all {world_size} ranks ({reason}; {format_bytes(share)} each)"
+        )
+        memory = [m + share for m in memory]
+        work = [w + lookups / world_size for w in work]
+    placements.update(on_disk)
+    notes.update(disk_notes)
+    return {k: placements[k] for k in order}, {k: notes[k] for k in order}
+
+
+def check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:
+    if budget is None:
+        return
+    need = -(-sum(sizes.values()) // world_size)
+    if need > budget:
+        raise PlanError(
+            f"{_tables(sizes)} {format_bytes(sum(sizes.values()))} with optimizer state: at "
+            f"least {format_bytes(need)} per rank on {world_size} ranks, more than the budget of "
+            f"{format_bytes(budget)}; raise the memory budget to {format_bytes(need)} or more, use "
+            f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables"
+        )
+
+
+def _tables(sizes: Mapping[str, int]) -> str:
+    """Who holds the bytes: the table by name, or how many tables and the largest."""
+    largest = max(sizes, key=lambda name: sizes[name])
+    if len(sizes) == 1:
+        return f"table {largest!r} holds"
+    return f"the {len(sizes)} tables (largest {largest!r}: {format_bytes(sizes[largest])}) hold"
+
+
+# plan_uniform(kind, ...) and `python -m manualpar plan --plan KIND`: one kind for all tables.
+UNIFORM_PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+def plan_uniform(
+    sharding: str,
+    tables: Sequence[EmbeddingBagConfig],
+    world_size: int,
+    *,
+    ranks_per_node: int | None = None,
+    memory_budget_bytes: int | None = None,
+    optimizer: SparseOptimizer | None = None,
+) -> EmbeddingPlan:
+    """Every table placed the same way: table_wise and table_row_wise put the largest tables
+    first on the least-loaded rank (node); the others split every table over all ranks.
+
+    Unlike `plan_tables`, the placement does not adapt to the budget: a rank it overflows
+    raises PlanError naming the rank.
+    """
+    if sharding not in UNIFORM_PLANS:
+        raise PlanError(f"sharding must be one of {UNIFORM_PLANS}, got {sharding!r}")
+    per_node = ranks_per_node or world_size
+    if sharding == "table_wise":
+        placements = _least_loaded(tables, world_size, optimizer, table_wise)
+    elif sharding == "table_row_wise":
+        placements = _least_loaded(
+            tables, world_size // per_node, optimizer, lambda node: table_row_wise(node, per_node)
+        )
+    else:
+        make: Callable[[], TablePlacement] = {
+            "row_wise": row_wise,
+            "data_parallel": data_parallel,
+            "column_wise": lambda: column_wise(range(world_size)),
+        }[sharding]
+        placements = {c.name: make() for c in tables}
+    plan = EmbeddingPlan(world_size, placements)
+    plan.validate(tables, world_size)
+    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+    per_rank = plan.bytes_per_rank(tables, state)
+    budget = memory_budget_bytes
+    over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
+    if over:
+        rank = max(over, key=lambda r: per_rank[r])
+        raise PlanError(
+            f"plan {sharding} puts {format_bytes(per_rank[rank])} on rank {rank}, more than the "
+            f"memory budget of {format_bytes(budget or 0)}; try plan 'auto', more ranks or a "
+            "larger budget"
+        )
+    return plan
+
+
+def _least_loaded(
+    tables: Sequence[EmbeddingBagConfig],
+    bins: int,
+    optimizer: SparseOptimizer | None,
+    place: Callable[[int], TablePlacement],
+) -> dict[str, TablePlacement]:
+    """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""
+    load, placements = [0] * bins, {}
+    for config in sorted(tables, key=lambda c: table_bytes(c, optimizer), reverse=True):
+        target = load.index(min(load))
+        placements[config.name] = place(target)
+        load[target] += table_bytes(config, optimizer)
+    return {c.name: placements[c.name] for c in tables}

@@ -1,0 +1,148 @@
+"""What a step costs each rank (`RankCosts`), and what the step does (`Workload`).
+
+`RankCosts` holds per-rank totals as float64 tensors, adds and subtracts (a plan's total is the
+sum of its tables'; the planner takes a table out to try another placement) and turns them into
+seconds on a `Topology`. `Workload` says how many ids a step looks up per table, how popular
+they are, and what the update rule needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
+from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, SparseOptimizer
+from manualpar.embeddings.planning.topology import Topology
+
+__all__ = ["CALLS", "RankCosts", "Workload", "rule_costs"]
+
+# Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
+# pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
+# replicated tables' gradients (step/data_parallel.py), and on a 2-D mesh the two all_to_alls
+# that sum the touched rows' gradients across the replicas (step/replica_combine.py).
+CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2}
+
+
+def rule_costs(optimizer: SparseOptimizer | None) -> tuple[Mapping[str, bool], bool]:
+    """(optimizer state per row, whether it needs whole rows' gradients) of an update rule; by
+    default shard_embeddings' row-wise Adagrad's, which does."""
+    if optimizer is None:
+        return ROW_WISE_STATE, RowWiseAdagrad.needs_full_rows
+    return optimizer.STATE, optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step looks up: `batch_per_rank` samples a rank, `ids_per_bag[table]` ids per
+    sample in each of the table's features (default 1), and the update rule's needs."""
+
+    batch_per_rank: int = 512
+    ids_per_bag: Mapping[str, float] = field(default_factory=dict)
+    weighted: bool = False
+    frozen: frozenset[str] = frozenset()
+    full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
+    state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
+    rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
+    skew: float | Mapping[str, float] = 0.0  # Zipf exponent of the ids (0: uniform), or per table
+
+    def skew_of(self, table: str) -> float:
+        if isinstance(self.skew, Mapping):
+            return float(self.skew.get(table, 0.0))
+        return float(self.skew)
+
+    def rule(self, table: str) -> tuple[Mapping[str, bool], bool]:
+        """(optimizer state, needs full rows) of `table`: its own in `rules`, else the shared."""
+        return self.rules.get(table, (self.state, self.full_rows))
+
+    def ids(self, config: EmbeddingBagConfig, name: str | None = None) -> float:
+        """Ids a rank looks up in `config`'s table (`name`: its key here) per step, over all
+        its features."""
+        per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
+        return self.batch_per_rank * per_bag * len(config.feature_names)
+
+
+@dataclass
+class RankCosts:
+    """Per-rank totals (float64 tensors of world_size) of one table or of a whole plan."""
+
+    memory: torch.Tensor  # bytes held in memory: weights + state, caches
+    disk: torch.Tensor  # bytes held on disk
+    sent_intra: torch.Tensor
+    sent_inter: torch.Tensor
+    received_intra: torch.Tensor
+    received_inter: torch.Tensor
+    memory_traffic: torch.Tensor  # bytes read and written in memory by lookups and updates
+    rows_touched: torch.Tensor  # rows looked up plus rows updated
+    disk_traffic: torch.Tensor  # bytes read from and written to disk
+    disk_rows: torch.Tensor  # rows read from or written to disk
+    blocks: torch.Tensor  # table blocks the rank looks up and updates (fixed costs each)
+    users: dict[str, int] = field(default_factory=dict)  # tables per kind of collective (CALLS)
+
+    @classmethod
+    def zeros(cls, world_size: int) -> RankCosts:
+        tensors: dict[str, Any] = {
+            f.name: torch.zeros(world_size, dtype=torch.float64)
+            for f in fields(cls)
+            if f.name != "users"
+        }
+        return cls(**tensors)
+
+    def __add__(self, other: RankCosts) -> RankCosts:
+        sums: dict[str, Any] = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "users"
+        }
+        users = {
+            k: self.users.get(k, 0) + other.users.get(k, 0) for k in {*self.users, *other.users}
+        }
+        return RankCosts(**sums, users=users)
+
+    def __sub__(self, other: RankCosts) -> RankCosts:
+        """These costs without `other`'s (a table taken out of a plan's total)."""
+        rest: dict[str, Any] = {
+            f.name: getattr(self, f.name) - getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "users"
+        }
+        users = {k: self.users.get(k, 0) - other.users.get(k, 0) for k in self.users}
+        return RankCosts(**rest, users=users)
+
+    @property
+    def collectives(self) -> int:
+        """Collective calls per step: each kind some table uses runs once for all of them."""
+        return sum(CALLS[kind] for kind, tables in self.users.items() if tables > 0)
+
+    @property
+    def sent(self) -> torch.Tensor:
+        return self.sent_intra + self.sent_inter
+
+    @property
+    def received(self) -> torch.Tensor:
+        return self.received_intra + self.received_inter
+
+    def seconds(self, topology: Topology, latency: bool = True) -> torch.Tensor:
+        """The predicted step time of each rank (module docstring); without the collectives'
+        `latency`, which a step pays once however many tables share its collectives."""
+        intra = torch.maximum(self.sent_intra, self.received_intra)
+        inter = torch.maximum(self.sent_inter, self.received_inter)
+        links = torch.maximum(
+            intra / topology.intra_node_bandwidth, inter / topology.inter_node_bandwidth
+        )
+        per_call = (
+            topology.inter_node_latency if topology.nodes > 1 else topology.intra_node_latency
+        )
+        memory = (
+            self.memory_traffic / topology.memory_bandwidth
+            + self.rows_touched * topology.row_seconds
+            + self.blocks * topology.block_seconds
+        )
+        disk = (
+            self.disk_traffic / topology.disk_bandwidth if topology.disk_bandwidth > 0 else 0.0
+        ) + self.disk_rows * topology.disk_row_seconds
+        calls = self.collectives if latency else 0
+        return links + calls * per_call + memory + disk
