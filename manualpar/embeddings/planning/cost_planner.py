@@ -1,17 +1,19 @@
 """plan="auto": the placement of every table that keeps the slowest rank's predicted step shortest.
 
-Tables are placed one at a time, the costliest first (its row-wise cost on the busiest rank). For
-each, every candidate placement is costed by the model (cost_model.py) on top of the tables
-already placed: replicated (for tables up to `replicate_bytes`), whole on one of the least-busy
-ranks, rows split over all ranks or over one of the least-busy nodes, columns split over the
-least-busy 2, 4 or 8 ranks, and on disk when a DiskTier is given. The candidate whose plan has the
-smallest predicted slowest rank wins (then the smallest total time, then the least memory on the
-fullest rank), among those that keep every rank within the memory budget. Each table's note says
-what it costs and which candidate came second and by how much.
-
-The greedy order is TorchRec's (its greedy partitioner also places the largest first, each where
-the running maximum grows least); it is not an exhaustive search, and the notes make it
-checkable.
+Candidates per table, each costed by the model (cost_model.py) on top of the tables already
+placed: replicated (tables up to `replicate_bytes`), whole on one of the least-busy ranks, rows
+over all ranks or over one of the least-busy nodes, columns over the least-busy 2, 4 or 8 ranks,
+and on disk when a DiskTier is given. Candidates that overflow the memory budget are dropped.
+Three passes:
+1. greedy: costliest table first (whole on one rank), each where the least the slowest rank can
+   end at grows least (_score); TorchRec's greedy partitioner also goes largest first;
+2. tighten: bisect a target time between the mean and the greedy's result, placing every table
+   anew at its cheapest time over all ranks that keeps every rank under the target (the greedy
+   spends other ranks' time freely to shorten the slowest one now);
+3. refine: move single tables while the slowest rank, then the number of nearly-as-slow ranks,
+   falls.
+It is a heuristic, not an exhaustive search; each table's note says what it adds to the slowest
+rank and which candidate came second and why, so a plan can be checked.
 """
 
 from __future__ import annotations
