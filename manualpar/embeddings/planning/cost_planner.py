@@ -41,6 +41,7 @@ from manualpar.embeddings.planning.cost_model import (
     placement_costs,
     shard_group,
 )
+from manualpar.embeddings.planning.memory_planner import REPLICATE_BYTES, place_by_memory
 from manualpar.embeddings.planning.rank_costs import RankCosts, Workload
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -49,6 +50,9 @@ from manualpar.errors import PlanError
 __all__ = ["CostPlan", "plan_by_cost"]
 
 LEAST_BUSY = 4  # ranks (and nodes) tried for a whole table or a node's row split
+# Replication is a candidate up to this size (weights + state): the model weighs its gradient
+# all_reduce against the exchanges it saves (the memory-only planner stops at 256 KiB)
+COST_REPLICATE_BYTES = 64 * 2**20
 COLUMN_SPLITS = (2, 4, 8)
 MIN_COLUMNS = 16  # a column block narrower than this costs more in ids than it saves
 REFINE_ROUNDS = 3  # passes of single-table moves after the greedy (more rarely moved anything)
@@ -146,7 +150,7 @@ def plan_by_cost(
     workload: Workload,
     *,
     memory_budget_bytes: int | None = None,
-    replicate_bytes: int = 256 * 2**10,
+    replicate_bytes: int = COST_REPLICATE_BYTES,
     disk_tier: DiskTier | None = None,
     replicas: int = 1,
 ) -> CostPlan:
@@ -159,6 +163,7 @@ def plan_by_cost(
     )
     search.greedy()
     search.tighten()
+    search.try_seeds()
     search.refine()
     plan = EmbeddingPlan(search.group.world_size, dict(search.placements), search.notes())
     added = {
@@ -299,6 +304,56 @@ class _Search:
             if high - low <= TIGHTEN_TOLERANCE * high:
                 break
         self.placements, self.chosen, self.total = best
+
+    def adopt(self, placements: Mapping[str, TablePlacement]) -> bool:
+        """Take `placements` (every table) if they fit the budget and beat the current plan."""
+        chosen = {key: self.costs(key, placements[key]) for key in self.tables}
+        total = self.start
+        for costs in chosen.values():
+            total = total + costs
+        if self.budget is not None and float(total.memory.max()) > self.budget:
+            return False
+        now = _score(self.total, self.topology, 0.0).final()
+        if _score(total, self.topology, 0.0).final() >= now:
+            return False
+        self.placements, self.chosen, self.total = dict(placements), chosen, total
+        return True
+
+    def try_seeds(self) -> None:
+        """Start the refinement from the best of the plan so far and simple ones: every table
+        whole, costliest first on the least-busy rank (or replicated where that costs less in
+        all, as TorchRec's planner would choose), and the memory-only placement.
+        Single-table moves cannot turn one layout into another (three tables on a rank where
+        two belong need two moves, the first of which makes things worse)."""
+        world = self.group.world_size
+        for replicate in (False, True):  # also: replicated where that costs less in all
+            busy = [0.0] * world
+            whole = {}
+            for key in self.order:
+                if replicate and world > 1 and self.sizes[key] <= self.replicate_bytes:
+                    copies = self.costs(key, data_parallel()).seconds(self.topology, False)
+                    if float(copies.sum()) < self.alone[key][1]:
+                        whole[key] = data_parallel()
+                        continue
+                rank = busy.index(min(busy))
+                whole[key] = table_wise(rank)
+                busy[rank] += self.alone[key][0]
+            self.adopt(whole)
+        per_bag = {key: float(self.workload.ids_per_bag.get(key, 1.0)) for key in self.tables}
+        try:
+            by_memory, _ = place_by_memory(
+                self.tables,
+                self.sizes,
+                per_bag,
+                world,
+                self.group.ranks_per_node,
+                self.budget,
+                REPLICATE_BYTES,
+                self.disk_tier,
+            )
+        except PlanError:  # it cannot fit where the search did: nothing to try
+            return
+        self.adopt(by_memory)
 
     def refine(self, rounds: int = REFINE_ROUNDS) -> None:
         """Move single tables while that makes the slowest rank (then all ranks) faster: the

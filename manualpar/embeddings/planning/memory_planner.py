@@ -34,7 +34,16 @@ from manualpar.embeddings.planning.disk_budget import place_on_disk
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import PlanError
 
-__all__ = ["UNIFORM_PLANS", "check_fits", "place_by_memory", "plan_uniform", "table_bytes"]
+REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replicated
+
+__all__ = [
+    "REPLICATE_BYTES",
+    "UNIFORM_PLANS",
+    "check_fits",
+    "place_by_memory",
+    "plan_uniform",
+    "table_bytes",
+]
 
 
 def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
