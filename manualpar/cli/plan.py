@@ -41,6 +41,7 @@ from manualpar.embeddings import (
     format_seconds,
     load_topology,
     per_rank_text,
+    plan_by_cost,
     plan_costs,
     plan_tables,
     plan_uniform,
@@ -142,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="mean ids a sample per feature, spread evenly over the rows (default 1)",
+    )
+    add(
+        "--precisions",
+        default=None,
+        metavar="DTYPE,...",
+        help="row dtypes the planner may choose per table, most precise first, e.g. fp32,bf16: "
+        "a table takes a less precise one only where memory forces it, before going to disk",
     )
     add(
         "--skew",
@@ -268,26 +276,45 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         place = functools.partial(plan_uniform, args.plan)
+    precisions = _precisions(args)
     layouts, refused = [], []
     for replicas in _replica_choices(args.replicas, topology):
-        options = {"replicas": replicas} if args.plan in ("auto", "memory") else {}
+        shard = args.world_size // replicas
         try:
-            plan = place(
-                tables,
-                args.world_size // replicas,
-                ranks_per_node=min(topology.ranks_per_node, args.world_size // replicas),
-                memory_budget_bytes=budget,
-                optimizer=optimizer,
-                **options,
-            )
+            if precisions:
+                planned = plan_by_cost(
+                    {t.name: t for t in tables},
+                    topology,
+                    workload,
+                    memory_budget_bytes=budget,
+                    replicas=replicas,
+                    precisions=precisions,
+                )
+                plan = planned.plan
+                stored = [
+                    dataclasses.replace(t, dtype=planned.dtypes.get(t.name, t.dtype))
+                    for t in tables
+                ]
+            else:
+                options = {"replicas": replicas} if args.plan in ("auto", "memory") else {}
+                per_node = min(topology.ranks_per_node, shard)
+                plan = place(
+                    tables,
+                    shard,
+                    ranks_per_node=per_node,
+                    memory_budget_bytes=budget,
+                    optimizer=optimizer,
+                    **options,
+                )
+                stored = tables
         except PlanError as error:  # e.g. a full copy per 1/replicas of the ranks does not fit
             refused.append((replicas, error))
             continue
-        costs = plan_costs(tables, plan, topology, workload, replicas=replicas)
-        layouts.append((replicas, plan, costs))
+        costs = plan_costs(stored, plan, topology, workload, replicas=replicas)
+        layouts.append((replicas, plan, costs, stored))
     if not layouts:
         raise refused[0][1]
-    replicas, plan, costs = min(layouts, key=lambda x: float(x[2].seconds(topology).max()))
+    replicas, plan, costs, tables = min(layouts, key=lambda x: float(x[2].seconds(topology).max()))
     if len(layouts) + len(refused) > 1:
         print(_layouts_text(layouts, refused, topology, replicas))
     plan.validate(tables, args.world_size // replicas)
@@ -322,6 +349,18 @@ def _topology(args: argparse.Namespace) -> Topology:
         raise UsageError(f"--topology: {error}") from None
 
 
+def _precisions(args: argparse.Namespace) -> tuple[torch.dtype, ...]:
+    """--precisions fp32,bf16: the row dtypes the planner may give a table, most precise first."""
+    if not args.precisions:
+        return ()
+    if args.plan != "auto":
+        raise UsageError("--precisions: only --plan auto chooses precisions")
+    try:
+        return tuple(table_dtype(name) for name in args.precisions.split(",") if name)
+    except EmbeddingInputError as error:
+        raise UsageError(f"--precisions: {error}") from None
+
+
 def _replica_choices(text: str, topology: Topology) -> list[int]:
     """--replicas: one count, or "auto": every count that splits the job into shard groups of
     whole nodes (or of equal parts of one), up to 8."""
@@ -342,7 +381,7 @@ def _replica_choices(text: str, topology: Topology) -> list[int]:
 
 
 def _layouts_text(
-    layouts: list[tuple[int, EmbeddingPlan, Any]],
+    layouts: list[tuple[int, EmbeddingPlan, Any, Any]],
     refused: list[tuple[int, PlanError]],
     topology: Topology,
     best: int,
@@ -355,7 +394,7 @@ def _layouts_text(
     def name(replicas: int) -> str:
         return "1-D" if replicas == 1 else f"2-D {replicas} x {world // replicas}"
 
-    for replicas, _, costs in layouts:
+    for replicas, _, costs, _ in layouts:
         mark = "  <- chosen" if replicas == best else ""
         slowest = format_seconds(float(costs.seconds(topology).max()))
         lines.append(

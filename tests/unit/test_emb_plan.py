@@ -178,3 +178,20 @@ def test_plan_errors_are_one_line(
 ) -> None:
     code, out, err = _plan(capsys, "--world-size", "2", *args)
     assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_plan_lowers_a_precision_only_where_the_budget_forces_it(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    tables = ("--table", "huge:1000000:64", "--table", "small:50000:64")
+    args = ("--world-size", "2", *tables, "--memory-budget", "100MiB")
+    code, out, _ = _plan(capsys, *args, "--precisions", "fp32,bf16")
+    assert code == 0
+    huge, small = out.splitlines()[1:3]
+    assert huge.split()[:5] == ["huge", "1000000", "x", "64", "bf16"]
+    assert "(in bf16: in fp32 it would exceed the 100.0 MiB budget per rank;" in huge
+    assert small.split()[4] != "bf16"  # fp32 fits for it
+    code, _, err = _plan(capsys, *args)
+    assert code == 2 and "budget" in err
+    code, _, err = _plan(capsys, *args, "--plan", "row_wise", "--precisions", "fp32,bf16")
+    assert (code, err) == (2, "error: --precisions: only --plan auto chooses precisions\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from manualpar.embeddings import (
     DiskTier,
@@ -131,3 +132,32 @@ def test_a_thousand_ranks_plan_without_a_job() -> None:
     slowest = float(planned.seconds.max())
     whole = plan_uniform("table_wise", tables, 1024)
     assert slowest <= _slowest(tables, whole, topology, Workload(512)) * (1 + 1e-9)
+
+
+def test_asked_precisions_are_lowered_only_where_memory_forces_and_before_disk() -> None:
+    tables = {
+        "huge": EmbeddingBagConfig("huge", 1_000_000, 64),
+        "small": EmbeddingBagConfig("small", 50_000, 64),
+    }
+    topology = load_topology("cpu-host", 2, 2)
+    budget = 100 * MiB  # huge split in two: 124 MiB a rank in fp32, 63 MiB in bf16
+    precisions = (torch.float32, torch.bfloat16)
+    with pytest.raises(PlanError, match="fits no rank"):
+        plan_by_cost(tables, topology, Workload(256), memory_budget_bytes=budget)
+    tier = DiskTier("unused", cache_bytes=16 * MiB)
+    planned = plan_by_cost(
+        tables,
+        topology,
+        Workload(256),
+        memory_budget_bytes=budget,
+        disk_tier=tier,
+        precisions=precisions,
+    )
+    assert planned.dtypes == {"huge": torch.bfloat16}
+    assert not any(p.on_disk for p in planned.plan.tables.values())
+    assert planned.plan.notes["huge"].startswith(
+        "in bf16: in fp32 it would exceed the 100.0 MiB budget per rank; "
+    )
+    assert float(planned.costs.memory.max()) <= budget
+    roomy = plan_by_cost(tables, topology, Workload(256), precisions=precisions)
+    assert roomy.dtypes == {}  # nothing forces a lower precision

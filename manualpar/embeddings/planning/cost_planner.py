@@ -18,12 +18,13 @@ rank and which candidate came second and why, so a plan can be checked.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.dtype_names import dtype_name
 from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -69,6 +70,7 @@ class CostPlan:
     topology: Topology  # the whole job
     table_seconds: dict[str, float]  # each table's added time on the slowest rank
     replicas: int = 1
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # rows stored in another dtype
 
     @property
     def seconds(self) -> torch.Tensor:
@@ -100,6 +102,7 @@ class _Option:
     placement: TablePlacement
     costs: RankCosts
     score: _Score
+    dtype: torch.dtype
 
 
 def _score(total: RankCosts, topology: Topology, still_to_place: float) -> _Score:
@@ -153,13 +156,24 @@ def plan_by_cost(
     replicate_bytes: int = COST_REPLICATE_BYTES,
     disk_tier: DiskTier | None = None,
     replicas: int = 1,
+    precisions: Sequence[torch.dtype] | None = None,
 ) -> CostPlan:
     """Place `tables` (keyed by the names used in notes and errors, e.g. "collection.table") on
     `topology` for `workload`, within `memory_budget_bytes` per rank (managed-collision
     remappers' state included); see the module docstring. With `replicas` > 1 the plan is for
-    one shard group of a 2-D mesh (world / replicas ranks), costed with the replicas' sums."""
+    one shard group of a 2-D mesh (world / replicas ranks), costed with the replicas' sums.
+    `precisions` (e.g. float32, bfloat16): the row dtypes a table may take, most precise first;
+    a table takes a less precise one only where no placement of a more precise one fits the
+    budget, and before any goes on disk (`CostPlan.dtypes` lists the tables it changed)."""
     search = _Search(
-        tables, topology, workload, memory_budget_bytes, replicate_bytes, disk_tier, replicas
+        tables,
+        topology,
+        workload,
+        memory_budget_bytes,
+        replicate_bytes,
+        disk_tier,
+        replicas,
+        tuple(precisions or ()),
     )
     search.greedy()
     search.tighten()
@@ -171,7 +185,8 @@ def plan_by_cost(
         - float((search.total - search.chosen[key]).seconds(topology).max())
         for key in tables
     }
-    return CostPlan(plan, search.total, topology, added, replicas)
+    changed = {k: d for k, d in search.dtype.items() if d != tables[k].dtype}
+    return CostPlan(plan, search.total, topology, added, replicas, changed)
 
 
 class _Search:
@@ -186,8 +201,10 @@ class _Search:
         replicate_bytes: int,
         disk_tier: DiskTier | None,
         replicas: int = 1,
+        precisions: tuple[torch.dtype, ...] = (),
     ) -> None:
         self.tables, self.topology, self.workload = tables, topology, workload
+        self.precisions = precisions
         self.replicas = replicas
         self.group = shard_group(topology, replicas) if replicas > 1 else topology
         self.budget, self.replicate_bytes, self.disk_tier = budget, replicate_bytes, disk_tier
@@ -200,7 +217,8 @@ class _Search:
         self.start = collection_costs(configs, first, topology, replicas)
         self.start.memory += remapper_bytes_per_rank(configs, topology.world_size)
         self.total = self.start
-        self._cache: dict[tuple[str, TablePlacement], RankCosts] = {}
+        self._cache: dict[tuple[str, TablePlacement, torch.dtype], RankCosts] = {}
+        self.dtype: dict[str, torch.dtype] = {}
         self.alone = {key: self._cheapest(key) for key in tables}
         self.order = sorted(tables, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True)
         self.placements: dict[str, TablePlacement] = {}
@@ -217,11 +235,15 @@ class _Search:
             summed = min(summed, float(split.seconds(self.topology, latency=False).sum()))
         return float(whole.seconds(self.topology).max()), summed
 
-    def costs(self, key: str, placement: TablePlacement) -> RankCosts:
-        found = self._cache.get((key, placement))
+    def costs(
+        self, key: str, placement: TablePlacement, dtype: torch.dtype | None = None
+    ) -> RankCosts:
+        config = self.tables[key]
+        dtype = dtype or self.dtype.get(key, config.dtype)
+        found = self._cache.get((key, placement, dtype))
         if found is None:
             found = placement_costs(
-                self.tables[key],
+                config if dtype == config.dtype else replace(config, dtype=dtype),
                 placement,
                 self.topology,
                 self.workload,
@@ -229,7 +251,7 @@ class _Search:
                 key,
                 self.replicas,
             )
-            self._cache[(key, placement)] = found
+            self._cache[(key, placement, dtype)] = found
         return found
 
     def options(
@@ -238,31 +260,43 @@ class _Search:
         """Every candidate for `key` on top of `base` that fits the budget, best first (by the
         greedy's ordering, or with every other table placed, the `final` one)."""
         busy = base.seconds(self.topology)
-        options = []
-        for placement in _candidates(
-            self.tables[key],
-            self.sizes[key],
-            self.group,
-            busy,
-            self.replicate_bytes,
-            self.disk_tier,
-        ):
-            costs = self.costs(key, placement)
-            after = base + costs
-            if self.budget is not None and float(after.memory.max()) > self.budget:
-                continue
-            options.append(_Option(placement, costs, _score(after, self.topology, still_to_place)))
-        if not options:
-            raise _no_room(
-                key, self.sizes[key], base, self.budget, self.group.world_size, self.disk_tier
+        candidates = list(
+            _candidates(
+                self.tables[key],
+                self.sizes[key],
+                self.group,
+                busy,
+                self.replicate_bytes,
+                self.disk_tier,
             )
-        return sorted(options, key=lambda o: o.score.final() if final else o.score.greedy())
+        )
+        # in memory before disk, and the most precise dtype that fits
+        for to_disk in (False, True):
+            for dtype in self.precisions or (self.tables[key].dtype,):
+                options = []
+                for placement in candidates:
+                    if placement.on_disk != to_disk:
+                        continue
+                    costs = self.costs(key, placement, dtype)
+                    after = base + costs
+                    if self.budget is not None and float(after.memory.max()) > self.budget:
+                        continue
+                    score = _score(after, self.topology, still_to_place)
+                    options.append(_Option(placement, costs, score, dtype))
+                if options:
+                    return sorted(
+                        options, key=lambda o: o.score.final() if final else o.score.greedy()
+                    )
+        raise _no_room(
+            key, self.sizes[key], base, self.budget, self.group.world_size, self.disk_tier
+        )
 
     def place(self, key: str, option: _Option) -> None:
         if key in self.chosen:
             self.total = self.total - self.chosen[key]
         self.total = self.total + option.costs
         self.placements[key], self.chosen[key] = option.placement, option.costs
+        self.dtype[key] = option.dtype
 
     def greedy(self) -> None:
         """Costliest table first, each where the job's slowest rank can end least late."""
@@ -376,12 +410,21 @@ class _Search:
         notes = {}
         for key in self.tables:
             base = self.total - self.chosen[key]
-            placement = self.placements[key]
-            costs = self.chosen[key]
-            chosen = _Option(placement, costs, _score(base + costs, self.topology, 0.0))
-            rest = [o for o in self.options(key, base, 0.0, final=True) if o.placement != placement]
+            placement, costs, dtype = self.placements[key], self.chosen[key], self.dtype[key]
+            chosen = _Option(placement, costs, _score(base + costs, self.topology, 0.0), dtype)
+            rest = [
+                o
+                for o in self.options(key, base, 0.0, final=True)
+                if (o.placement, o.dtype) != (placement, dtype)
+            ]
             before = float(base.seconds(self.topology).max())
-            notes[key] = _note(chosen, rest, before, self.budget)
+            note = _note(chosen, rest, before, self.budget)
+            if dtype != self.tables[key].dtype:
+                note = (
+                    f"in {dtype_name(dtype)}: in {dtype_name(self.tables[key].dtype)} it would "
+                    f"exceed the {format_bytes(self.budget or 0)} budget per rank; {note}"
+                )
+            notes[key] = note
         return notes
 
 
