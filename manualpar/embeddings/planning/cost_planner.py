@@ -356,7 +356,8 @@ class _Search:
     def try_seeds(self) -> None:
         """Start the refinement from the best of the plan so far and simple ones: every table
         whole, costliest first on the least-busy rank (or replicated where that costs less in
-        all, as TorchRec's planner would choose), and the memory-only placement.
+        all), every table's rows over one node (what TorchRec's planner chose at 64 and 512
+        ranks), and the memory-only placement.
         Single-table moves cannot turn one layout into another (three tables on a rank where
         two belong need two moves, the first of which makes things worse)."""
         world = self.group.world_size
@@ -373,6 +374,17 @@ class _Search:
                 whole[key] = table_wise(rank)
                 busy[rank] += self.alone[key][0]
             self.adopt(whole)
+        per_node, nodes = self.group.ranks_per_node, self.group.nodes
+        if nodes > 1:  # every table's rows over one node, the costliest first to the least busy
+            node_busy = [0.0] * nodes
+            split = {}
+            for key in self.order:
+                if self.tables[key].num_embeddings < per_node:
+                    split[key] = table_wise(node_busy.index(min(node_busy)) * per_node)
+                else:
+                    split[key] = table_row_wise(node_busy.index(min(node_busy)), per_node)
+                node_busy[node_busy.index(min(node_busy))] += self.alone[key][0]
+            self.adopt(split)
         per_bag = {key: float(self.workload.ids_per_bag.get(key, 1.0)) for key in self.tables}
         try:
             by_memory, _ = place_by_memory(
