@@ -242,6 +242,24 @@ def table_text(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def table_markdown(result: dict[str, Any]) -> str:
+    """The same comparison as a markdown table (what docs/planning-peer.md shows)."""
+    planners = result["planners"]
+    lines = [
+        f"**{result['world_size']} ranks** ({result['batch_per_rank']} samples a rank)",
+        "",
+        "| | " + " | ".join(planners) + " |",
+        "|---|" + "---|" * len(planners),
+    ]
+    for label, value in ROWS:
+        lines.append(f"| {label} | " + " | ".join(value(s) for s in planners.values()) + " |")
+    first = next(iter(planners.values()))
+    for table in first["biggest"]:
+        cells = " | ".join(f"`{s['biggest'][table]}`" for s in planners.values())
+        lines.append(f"| {table} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", default=str(HERE.parent / "plans" / "criteo_1tb_tables.json"))
@@ -255,6 +273,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per TorchRec plan")
     parser.add_argument("--keep-plans", metavar="DIR", help="also write every plan's JSON here")
     parser.add_argument("--out", help="write the comparison's JSON here")
+    parser.add_argument("--markdown", help="also write the tables as markdown here")
     args = parser.parse_args()
     if args.peer_python and not Path(args.peer_python).exists():
         raise SystemExit(
@@ -271,6 +290,10 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
         print(f"wrote {args.out}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text("\n".join(table_markdown(r) for r in results))
+        print(f"wrote {args.markdown}")
 
 
 if __name__ == "__main__":
