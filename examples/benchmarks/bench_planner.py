@@ -20,6 +20,7 @@ e.g. TorchRec's converted by peer_torchrec_planner.py).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--write-tables",
+        metavar="FILE",
+        help="write the tables (with each one's ids_per_bag) as JSON for another planner, and exit",
+    )
     parser.add_argument(
         "--extra-plan",
         action="append",
@@ -167,6 +173,14 @@ def _runner_up(note: str, shards: int) -> TablePlacement | None:
 
 def main() -> None:
     args = parse_args()
+    if args.write_tables:
+        entries = [
+            {"name": c.name, "num_embeddings": c.num_embeddings, "embedding_dim": c.embedding_dim}
+            | {"ids_per_bag": per_bag()[c.name]}
+            for c in configs(args)
+        ]
+        Path(args.write_tables).write_text(json.dumps(entries, indent=1) + "\n")
+        return
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     world = strategy.world_size

@@ -220,7 +220,12 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--batch-per-rank", type=int, required=True)
-    parser.add_argument("--ids-per-bag", type=float, default=1.0, help="pooling factor")
+    parser.add_argument(
+        "--ids-per-bag",
+        type=float,
+        default=1.0,
+        help="pooling factor (a table's own `ids_per_bag` field in --tables wins)",
+    )
     parser.add_argument("--topology", help="JSON of manualpar's Topology fields")
     for flag in ("--hbm-cap", "--ddr-cap", "--hbm-bw", "--intra-bw", "--inter-bw"):
         parser.add_argument(flag, type=float, help="bytes (caps) or bytes per second")
@@ -247,7 +252,10 @@ def main() -> None:
         topology=topology,
         batch_size=args.batch_per_rank,
         constraints={
-            t["name"]: ParameterConstraints(pooling_factors=[args.ids_per_bag]) for t in tables
+            t["name"]: ParameterConstraints(
+                pooling_factors=[float(t.get("ids_per_bag", args.ids_per_bag))]
+            )
+            for t in tables
         },
         debug=False,
     )
