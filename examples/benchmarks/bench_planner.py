@@ -51,6 +51,7 @@ from manualpar.embeddings import (
     table_wise,
 )
 
+ZIPF = 1.05  # the exponent of --ids zipf
 # (rows, dim, ids a bag): a few large hot tables, mid-sized ones, small ones
 TABLES = [
     (2_000_000, 64, 10),
@@ -117,7 +118,7 @@ def batches(args: argparse.Namespace, rank: int, local: int, count: int) -> list
         for i, (rows, (_, _, k)) in enumerate(zip(table_rows(args), TABLES, strict=True)):
             seed = 1_000_003 * rank + 7919 * step + i
             if args.ids == "zipf":
-                drawn = zipf_ids(rows, local * k, seed, 1.05)
+                drawn = zipf_ids(rows, local * k, seed, ZIPF)
             else:
                 drawn = torch.randint(
                     0, rows, (local * k,), generator=torch.Generator().manual_seed(seed)
@@ -191,7 +192,8 @@ def main() -> None:
     tables = configs(args)
     local = args.batch // world
     state, full_rows = rule_costs(RowWiseAdagrad(lr=0.01))
-    workload = Workload(local, per_bag(), state=state, full_rows=full_rows)
+    skew = ZIPF if args.ids == "zipf" else 0.0  # the planner is told how popular ids are
+    workload = Workload(local, per_bag(), state=state, full_rows=full_rows, skew=skew)
     plans = candidates(tables, shards, replicas, topology, workload)
     for extra in args.extra_plan:
         name, _, path = extra.partition("=")

@@ -11,7 +11,8 @@ Writes a topology file (the hardware fields of `Topology`) that `python -m manua
   One host has no inter-node link: it is written equal to the local one; edit it for a cluster;
 - disk: a file written and synced, read back in large blocks (bandwidth) and as random rows
   (cost per row), in --disk-dir (default: the system's temporary folder);
-- memory per rank: what the host can allocate now, divided by --ranks-per-node.
+- memory per rank: what the host can allocate now, divided by --ranks-per-node; and the host's
+  cores, which ranks beyond them share.
 Each figure is the median of --repeats runs; the machine should be otherwise idle.
 """
 
@@ -70,7 +71,17 @@ def _median_seconds(action: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_memory(size: int, repeats: int) -> tuple[float, float]:
-    """(bytes per second of a copy, seconds per randomly gathered row beyond its bytes)."""
+    """(bytes per second of a copy, seconds per randomly gathered row beyond its bytes), on one
+    thread, as each rank of a job runs (torchrun sets OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _memory_figures(size, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _memory_figures(size: int, repeats: int) -> tuple[float, float]:
     source = torch.rand(size // 4)
     target = torch.empty_like(source)
     bandwidth = 2 * size / _median_seconds(lambda: target.copy_(source), repeats)
@@ -204,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         "row_seconds": row_seconds,
         "disk_row_seconds": disk_row,
         "block_seconds": block,
+        "cores_per_node": os.cpu_count() or 1,
     }
     out = Path(args.out)
     try:

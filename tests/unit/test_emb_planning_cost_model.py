@@ -5,6 +5,8 @@ Its memory is the plan's bytes per rank; its seconds follow the topology."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -181,3 +183,15 @@ def test_skewed_ids_update_fewer_rows_and_miss_the_cache_less(tmp_path) -> None:
     assert (zipf.rows_touched < uniform.rows_touched).all()
     assert (zipf.disk_rows < 0.5 * uniform.disk_rows).all()
     assert zipf.sent.tolist() == uniform.sent.tolist()  # the same ids travel
+
+
+def test_ranks_sharing_a_nodes_cores_take_at_least_their_share_of_its_work() -> None:
+    config = EmbeddingBagConfig("big", 100_000, 32)
+    own = dataclasses.replace(load_topology("cpu-host", 4, 4), cores_per_node=0)
+    shared = dataclasses.replace(own, cores_per_node=2)
+    costs = placement_costs(config, table_wise(0), own, Workload(512, {"big": 10.0}))
+    alone, together = costs.seconds(own), costs.seconds(shared)
+    assert together.tolist() == pytest.approx(
+        torch.clamp(alone, min=float(alone.sum()) / 2).tolist()
+    )
+    assert together[0] == alone[0] and (together[1:] > alone[1:]).all()  # the owner is busiest

@@ -36,7 +36,8 @@ class Topology:
     beyond its bytes at `memory_bandwidth`); `disk_row_seconds` the same for one row read from or
     written to disk (a system call on a page the cache missed); `block_seconds` the fixed cost
     of one table block in a step, whatever its size (launching its lookup, gradient and update
-    kernels, and their bookkeeping).
+    kernels, and their bookkeeping). `cores_per_node` matters for CPU jobs with more ranks than
+    cores on a node: they share them (0: a GPU each, nothing shared).
     """
 
     name: str
@@ -53,6 +54,7 @@ class Topology:
     row_seconds: float
     disk_row_seconds: float
     block_seconds: float
+    cores_per_node: int = 0  # CPU jobs: cores the node's ranks share (0: each rank has its own)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -131,19 +133,20 @@ TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
         "disk_row_seconds": 20e-6,
         "block_seconds": 30e-6,
     },
-    "cpu-host": {
+    "cpu-host": {  # medians of 3 calibrations on an idle machine (docs/embeddings.md)
         "ranks_per_node": 2,
-        "device_memory_bytes": 10 * GiB,
-        "host_memory_bytes": 10 * GiB,
-        "memory_bandwidth": 5.6 * GB,
-        "intra_node_bandwidth": 1.9 * GB,
-        "inter_node_bandwidth": 1.9 * GB,
-        "disk_bandwidth": 1.1 * GB,
-        "intra_node_latency": 60e-6,
-        "inter_node_latency": 60e-6,
-        "row_seconds": 9e-9,
-        "disk_row_seconds": 2.5e-6,
-        "block_seconds": 100e-6,
+        "device_memory_bytes": 11922583552,
+        "host_memory_bytes": 11922583552,
+        "memory_bandwidth": 21.3e9,
+        "intra_node_bandwidth": 0.53e9,
+        "inter_node_bandwidth": 0.53e9,
+        "disk_bandwidth": 2.5e9,
+        "intra_node_latency": 370e-6,
+        "inter_node_latency": 370e-6,
+        "row_seconds": 169e-9,
+        "disk_row_seconds": 63e-6,
+        "block_seconds": 78e-6,
+        "cores_per_node": 2,
     },
 }
 
@@ -172,7 +175,8 @@ def load_topology(
         fields = {"name": path.stem, **fields}
     known = {f.name for f in dataclasses.fields(Topology)}
     unknown = sorted(set(fields) - known)
-    missing = sorted(known - {"world_size", "ranks_per_node"} - set(fields))
+    optional = {"world_size", "ranks_per_node", "cores_per_node"}
+    missing = sorted(known - optional - set(fields))
     if unknown or missing:
         raise PlanError(
             f"topology {text!r}: unknown fields {unknown}, missing fields {missing}; the fields "
