@@ -458,11 +458,15 @@ def _note(best: _Option, rest: list[_Option], before: float, budget: int | None)
         return text + "; the only candidate that fits"
     runner = rest[0]
     theirs = runner.score
-    if theirs.slowest > ours.slowest:
+
+    def more(a: float, b: float) -> bool:  # beyond rounding
+        return a > b + 1e-9 * max(abs(b), 1e-12)
+
+    if more(theirs.slowest, ours.slowest):
         why = f"slowest rank {_ms(theirs.slowest - ours.slowest)} slower"
-    elif theirs.hot > ours.hot:
+    elif more(theirs.hot, ours.hot):
         why = "as slow a slowest rank, and more ranks nearly as slow"
-    elif theirs.summed > ours.summed:
+    elif more(theirs.summed, ours.summed):
         why = f"as slow a slowest rank, {_ms(theirs.summed - ours.summed)} more over all ranks"
     else:
         why = f"same times, {format_bytes(theirs.fullest - ours.fullest)} more on the fullest rank"

@@ -12,6 +12,8 @@ and pile their largest tables onto the same ranks.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,11 +69,13 @@ DEFAULT_BATCH_PER_RANK = 1024  # samples a rank per step, when the caller does n
 def default_topology(
     world_size: int, ranks_per_node: int | None = None, device_type: str = "cpu"
 ) -> Topology:
-    """The topology a plan assumes when none is given: the measured CPU host for CPU jobs, an
-    A100 node (datasheet numbers) for GPU jobs; pass your own (`load_topology`) to plan for
-    another machine."""
-    preset = "cpu-host" if device_type == "cpu" else "a100-nvlink-hdr"
-    return load_topology(preset, world_size, ranks_per_node)
+    """The topology a plan assumes when none is given: for CPU jobs the measured CPU host with
+    this machine's cores, for GPU jobs an A100 node (datasheet numbers); pass your own
+    (`load_topology`) to plan for another machine."""
+    if device_type != "cpu":
+        return load_topology("a100-nvlink-hdr", world_size, ranks_per_node)
+    measured = load_topology("cpu-host", world_size, ranks_per_node)
+    return dataclasses.replace(measured, cores_per_node=os.cpu_count() or 1)  # this host's
 
 
 def plan_tables(
