@@ -45,8 +45,14 @@ lint: install
 kernels: install
 	$(PY) -c "from manualpar.embeddings.kernels.native import native_kernels; native_kernels()"
 
+# The whole suite on 2 worker processes (pytest-xdist): a test's ranks and launched jobs spend
+# part of their time starting and waiting, which the other worker's test fills. loadscope keeps
+# each test file on one worker, so a module-scoped fixture (e.g. one training run shared by a
+# file's tests) runs once.
+TEST_WORKERS ?= 2
+
 test: install lint kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The single-process tests only (tests/unit: no process is started), in about 30 s.
 test-unit: install kernels

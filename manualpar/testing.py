@@ -108,11 +108,25 @@ def _child(
     sys.stderr.flush()
 
 
+# Loaded once in the fork server, so every rank starts with them. `import manualpar` leaves the
+# heavy parts of torch unloaded (docs/benchmarks.md, "Import time"); the ranks of most tests use
+# them (FSDP, DTensor, the distributed checkpoint; torch._dynamo through any torch Optimizer),
+# and importing them took each rank about 1 s of CPU, most of what a short test's ranks spend.
+_PRELOAD = [
+    "torch",
+    "manualpar",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+]
+
+
 def _context() -> Any:
     method = os.environ.get("MANUALPAR_TEST_START_METHOD", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "manualpar"])
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
