@@ -19,8 +19,8 @@ def test_two_towers_planned_together_match_the_reference_on_2_ranks() -> None:
     ranks_used = set()
     for rank, got in enumerate(per_rank):
         assert got["plans"] == {n: p.to_dict() for n, p in expected_plans.items()}, rank
-    for plan in expected_plans.values():
-        ranks_used |= {p.ranks[0] for p in plan.tables.values()}
+    for name, plan in expected_plans.items():
+        ranks_used |= {s.rank for config in TOWERS[name] for s in plan.shards(config)}
     assert ranks_used == {0, 1}  # the towers' tables spread over both ranks
     ref_first, ref_tables, ref_state = reference("rowwise", batch_sizes)
     for rank, got in enumerate(per_rank):

@@ -14,6 +14,7 @@ __all__ = ["costs_text", "format_seconds"]
 
 
 def format_seconds(seconds: float) -> str:
+    """A duration as `1.25 ms` (three significant digits) or, from a second, `1.25 s`."""
     if seconds >= 1:
         return f"{seconds:.2f} s"
     return f"{seconds * 1e3:.3g} ms"
