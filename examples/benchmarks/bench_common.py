@@ -83,6 +83,19 @@ def compare_builders(
     }
 
 
+def cycling_step(emb: Any, data: list) -> Callable[[], None]:
+    """A training step of the sharded collection `emb` on the next batch of `data` (cycling),
+    with a loss that touches every pooled value."""
+    position = [0]
+
+    def step() -> None:
+        features = data[position[0] % len(data)]
+        position[0] += 1
+        emb(features).values.square().mean().backward()
+
+    return step
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -11,24 +11,11 @@ times and the extra milliseconds per step are reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
+from bench_common import cycling_step
 from paired_steps import build_tables, compare, parse_args, workload
 
 import manualpar as mp
-
-
-def stepper(emb: Any, data: list) -> Callable[[], None]:
-    position = [0]
-
-    def step() -> None:
-        features = data[position[0] % len(data)]
-        position[0] += 1
-        emb(features).values.square().mean().backward()
-
-    return step
 
 
 def main() -> None:
@@ -37,7 +24,7 @@ def main() -> None:
     strategy = mp.ManualParallelStrategy()
     data = workload(args, strategy, args.warmup + args.steps)
     steps = {
-        variant: stepper(
+        variant: cycling_step(
             build_tables(args, strategy, torch.float16, guard_half_rows=variant == "guarded"),
             data,
         )

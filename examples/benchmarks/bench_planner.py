@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import environment_info, median, time_steps, write_json
+from bench_common import cycling_step, environment_info, median, time_steps, write_json
 from bench_disk_tier import zipf_ids
 
 import manualpar as mp
@@ -204,7 +204,7 @@ def main() -> None:
         with mp.empty_init():
             ebc = EmbeddingBagCollection(tables, seed=0)
         emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.01), mesh=mesh)
-        steps[name] = _stepper(emb, data)
+        steps[name] = cycling_step(emb, data)
     names = list(plans)
     repeats = []
     for repeat in range(args.repeats):
@@ -238,17 +238,6 @@ def main() -> None:
             )
         write_json(args.json, result)
     strategy.teardown()
-
-
-def _stepper(emb: Any, data: list[SparseFeatures]) -> Callable[[], None]:
-    position = [0]
-
-    def step() -> None:
-        features = data[position[0] % len(data)]
-        position[0] += 1
-        emb(features).values.square().mean().backward()
-
-    return step
 
 
 if __name__ == "__main__":

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from bench_common import environment_info, median, time_steps, write_json
+from bench_common import cycling_step, environment_info, median, time_steps, write_json
 from embedding_workload import batch_ids, local_batch
 
 import manualpar as mp
@@ -95,24 +93,13 @@ def batches(
     return out
 
 
-def stepper(emb: Any, data: list[SparseFeatures]) -> Callable[[], None]:
-    position = [0]
-
-    def step() -> None:
-        features = data[position[0] % len(data)]
-        position[0] += 1
-        emb(features).values.square().mean().backward()
-
-    return step
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     raw, rows = batches(args, strategy, raw=True), batches(args, strategy, raw=False)
     modules = {v: make_variant(args, strategy, v) for v in VARIANTS}
-    steps = {v: stepper(modules[v], rows if v == "rows" else raw) for v in VARIANTS}
+    steps = {v: cycling_step(modules[v], rows if v == "rows" else raw) for v in VARIANTS}
     repeats = []
     for repeat in range(args.repeats):
         order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]

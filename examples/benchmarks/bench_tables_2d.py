@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import environment_info, median, time_steps, write_json
+from bench_common import cycling_step, environment_info, median, time_steps, write_json
 from embedding_workload import batch_ids, local_batch
 
 import manualpar as mp
@@ -139,17 +139,7 @@ def main() -> None:
             mesh=variant_mesh,
         )
 
-    def stepper(emb: Any) -> Callable[[], None]:
-        position = [0]
-
-        def step() -> None:
-            features = batches[position[0] % len(batches)]
-            position[0] += 1
-            emb(features).values.square().mean().backward()
-
-        return step
-
-    steps = {name: stepper(emb) for name, emb in variants.items()}
+    steps = {name: cycling_step(emb, batches) for name, emb in variants.items()}
     bytes_per_rank: dict[str, list[Counts]] = {}
     for name, step in steps.items():
         step()  # warm

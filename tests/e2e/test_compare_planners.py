@@ -75,7 +75,7 @@ def test_torchrec_plans_the_same_tables_and_both_models_price_every_plan(tmp_pat
     planners = result["planners"]
     torchrec = planners["torchrec"]
     assert torchrec["plan"]["world_size"] == 8
-    assert torchrec["planner_seconds"] > 0
+    assert isinstance(torchrec["planner_seconds"], float)  # recorded, not judged
     for summary in planners.values():  # TorchRec's estimators priced all three plans
         assert summary["torchrec_max_perf_ms"] > 0
         assert summary["torchrec_max_hbm"] * 8 >= WEIGHT_BYTES
