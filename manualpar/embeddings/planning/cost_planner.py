@@ -6,7 +6,7 @@ over all ranks or over one of the least-busy nodes, columns over the least-busy 
 and on disk when a DiskTier is given. Candidates that overflow the memory budget are dropped.
 Three passes:
 1. greedy: costliest table first (whole on one rank), each where the least the slowest rank can
-   end at grows least (_score); TorchRec's greedy partitioner also goes largest first;
+   end at grows least (plan_score.py); TorchRec's greedy partitioner also goes largest first;
 2. tighten: bisect a target time between the mean and the greedy's result, placing every table
    anew at its cheapest time over all ranks that keeps every rank under the target (the greedy
    spends other ranks' time freely to shorten the slowest one now);
@@ -18,7 +18,7 @@ rank and which candidate came second and why, so a plan can be checked.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,20 +29,21 @@ from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
-    column_wise,
     data_parallel,
     format_bytes,
-    on_disk,
     row_wise,
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.planning.candidates import COST_REPLICATE_BYTES, candidates
 from manualpar.embeddings.planning.cost_model import (
     collection_costs,
     placement_costs,
     shard_group,
 )
 from manualpar.embeddings.planning.memory_planner import REPLICATE_BYTES, place_by_memory
+from manualpar.embeddings.planning.plan_notes import no_room, table_note
+from manualpar.embeddings.planning.plan_score import Option, plan_score
 from manualpar.embeddings.planning.rank_costs import RankCosts, Workload
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -50,12 +51,6 @@ from manualpar.errors import PlanError
 
 __all__ = ["CostPlan", "plan_by_cost"]
 
-LEAST_BUSY = 4  # ranks (and nodes) tried for a whole table or a node's row split
-# Replication is a candidate up to this size (weights + state): the model weighs its gradient
-# all_reduce against the exchanges it saves (the memory-only planner stops at 256 KiB)
-COST_REPLICATE_BYTES = 64 * 2**20
-COLUMN_SPLITS = (2, 4, 8)
-MIN_COLUMNS = 16  # a column block narrower than this costs more in ids than it saves
 REFINE_ROUNDS = 3  # passes of single-table moves after the greedy (more rarely moved anything)
 TIGHTEN_STEPS = 8  # bisection steps of the target time (each places every table once)
 TIGHTEN_TOLERANCE = 0.01  # stop bisecting within 1% of the best time found
@@ -75,76 +70,6 @@ class CostPlan:
     @property
     def seconds(self) -> torch.Tensor:
         return self.costs.seconds(self.topology)
-
-
-@dataclass(frozen=True)
-class _Score:
-    """What a candidate leaves the job with; lower is better under either ordering."""
-
-    bound: float  # the least the slowest rank can end at (see _score)
-    slowest: float  # the slowest rank now
-    hot: float  # time above 90% of the slowest, summed over ranks
-    summed: float  # all ranks' time
-    fullest: float  # the fullest rank's memory
-
-    def greedy(self) -> tuple[float, ...]:
-        """While placing: the bound, then the slowest rank, then the least work in all."""
-        return (self.bound, self.slowest, self.summed, self.fullest)
-
-    def final(self) -> tuple[float, ...]:
-        """With every table placed: the slowest rank, then how many ranks are nearly as slow
-        (several equally slow ranks must all cool before the maximum falls), then all work."""
-        return (self.slowest, self.hot, self.summed, self.fullest)
-
-
-@dataclass(frozen=True)
-class _Option:
-    placement: TablePlacement
-    costs: RankCosts
-    score: _Score
-    dtype: torch.dtype
-
-
-def _score(total: RankCosts, topology: Topology, still_to_place: float) -> _Score:
-    """The bound is at least today's slowest rank, and at least the mean once the tables still
-    to place add their least total time: a table whole on one rank is not refused for an
-    imbalance the next tables will even out."""
-    seconds = total.seconds(topology)
-    slowest, summed = float(seconds.max()), float(seconds.sum())
-    bound = max(slowest, (summed + still_to_place) / seconds.numel())
-    hot = float((seconds - 0.9 * slowest).clamp(min=0).sum())
-    return _Score(bound, slowest, hot, summed, float(total.memory.max()))
-
-
-def _least_busy(values: torch.Tensor, count: int) -> list[int]:
-    return torch.argsort(values, stable=True)[:count].tolist()
-
-
-def _candidates(
-    config: EmbeddingBagConfig,
-    size: int,
-    topology: Topology,
-    busy: torch.Tensor,
-    replicate_bytes: int,
-    disk_tier: DiskTier | None,
-) -> Iterator[TablePlacement]:
-    world, per_node = topology.world_size, topology.ranks_per_node
-    if world > 1 and size <= replicate_bytes:
-        yield data_parallel()
-    for rank in _least_busy(busy, LEAST_BUSY):
-        yield table_wise(rank)
-    if world > 1 and config.num_embeddings >= world:
-        yield row_wise()
-    if disk_tier is not None and config.num_embeddings >= world:
-        yield on_disk(row_wise())
-    nodes = topology.nodes
-    if nodes > 1 and config.num_embeddings >= per_node:
-        node_busy = busy.view(nodes, per_node).max(dim=1).values
-        for node in _least_busy(node_busy, LEAST_BUSY):
-            yield table_row_wise(node, per_node)
-    for split in COLUMN_SPLITS:
-        if split <= world and config.embedding_dim // split >= MIN_COLUMNS:
-            yield column_wise(sorted(_least_busy(busy, split)))
 
 
 def plan_by_cost(
@@ -256,42 +181,47 @@ class _Search:
 
     def options(
         self, key: str, base: RankCosts, still_to_place: float, final: bool = False
-    ) -> list[_Option]:
+    ) -> list[Option]:
         """Every candidate for `key` on top of `base` that fits the budget, best first (by the
         greedy's ordering, or with every other table placed, the `final` one)."""
         busy = base.seconds(self.topology)
-        candidates = list(
-            _candidates(
-                self.tables[key],
-                self.sizes[key],
-                self.group,
-                busy,
-                self.replicate_bytes,
-                self.disk_tier,
+        config = self.tables[key]
+        weighed = list(
+            candidates(
+                config, self.sizes[key], self.group, busy, self.replicate_bytes, self.disk_tier
             )
         )
+        order = (lambda o: o.score.final()) if final else (lambda o: o.score.greedy())
         # in memory before disk, and the most precise dtype that fits
         for to_disk in (False, True):
-            for dtype in self.precisions or (self.tables[key].dtype,):
-                options = []
-                for placement in candidates:
-                    if placement.on_disk != to_disk:
-                        continue
-                    costs = self.costs(key, placement, dtype)
-                    after = base + costs
-                    if self.budget is not None and float(after.memory.max()) > self.budget:
-                        continue
-                    score = _score(after, self.topology, still_to_place)
-                    options.append(_Option(placement, costs, score, dtype))
+            tier = [p for p in weighed if p.on_disk == to_disk]
+            for dtype in self.precisions or (config.dtype,):
+                options = self._fitting(key, base, tier, dtype, still_to_place)
                 if options:
-                    return sorted(
-                        options, key=lambda o: o.score.final() if final else o.score.greedy()
-                    )
-        raise _no_room(
+                    return sorted(options, key=order)
+        raise no_room(
             key, self.sizes[key], base, self.budget, self.group.world_size, self.disk_tier
         )
 
-    def place(self, key: str, option: _Option) -> None:
+    def _fitting(
+        self,
+        key: str,
+        base: RankCosts,
+        placements: list[TablePlacement],
+        dtype: torch.dtype,
+        still_to_place: float,
+    ) -> list[Option]:
+        """`placements` of `key` in `dtype` that keep every rank within the budget."""
+        options = []
+        for placement in placements:
+            costs = self.costs(key, placement, dtype)
+            after = base + costs
+            if self.budget is None or float(after.memory.max()) <= self.budget:
+                score = plan_score(after, self.topology, still_to_place)
+                options.append(Option(placement, costs, score, dtype))
+        return options
+
+    def place(self, key: str, option: Option) -> None:
         if key in self.chosen:
             self.total = self.total - self.chosen[key]
         self.total = self.total + option.costs
@@ -347,8 +277,8 @@ class _Search:
             total = total + costs
         if self.budget is not None and float(total.memory.max()) > self.budget:
             return False
-        now = _score(self.total, self.topology, 0.0).final()
-        if _score(total, self.topology, 0.0).final() >= now:
+        now = plan_score(self.total, self.topology, 0.0).final()
+        if plan_score(total, self.topology, 0.0).final() >= now:
             return False
         self.placements, self.chosen, self.total = dict(placements), chosen, total
         return True
@@ -409,7 +339,7 @@ class _Search:
             moved = False
             for key in self.order:
                 base = self.total - self.chosen[key]
-                now = _score(self.total, self.topology, 0.0).final()
+                now = plan_score(self.total, self.topology, 0.0).final()
                 best = self.options(key, base, 0.0, final=True)[0]
                 if best.score.final() < now and best.placement != self.placements[key]:
                     self.place(key, best)
@@ -423,14 +353,14 @@ class _Search:
         for key in self.tables:
             base = self.total - self.chosen[key]
             placement, costs, dtype = self.placements[key], self.chosen[key], self.dtype[key]
-            chosen = _Option(placement, costs, _score(base + costs, self.topology, 0.0), dtype)
+            chosen = Option(placement, costs, plan_score(base + costs, self.topology, 0.0), dtype)
             rest = [
                 o
                 for o in self.options(key, base, 0.0, final=True)
                 if (o.placement, o.dtype) != (placement, dtype)
             ]
             before = float(base.seconds(self.topology).max())
-            note = _note(chosen, rest, before, self.budget)
+            note = table_note(chosen, rest, before, self.budget)
             if dtype != self.tables[key].dtype:
                 note = (
                     f"in {dtype_name(dtype)}: in {dtype_name(self.tables[key].dtype)} it would "
@@ -438,60 +368,3 @@ class _Search:
                 )
             notes[key] = note
         return notes
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
-
-
-def _note(best: _Option, rest: list[_Option], before: float, budget: int | None) -> str:
-    """What `best` adds to the slowest rank and sends, and why the runner-up lost."""
-    sent = float(best.costs.sent.max())
-    ours = best.score
-    text = f"slowest rank +{_ms(ours.slowest - before)}, up to {format_bytes(sent)} sent a rank"
-    if best.placement.on_disk and not any(not o.placement.on_disk for o in rest):
-        text = (
-            f"on disk: in memory it would exceed the {format_bytes(budget or 0)} budget per "
-            f"rank; rows split over all ranks, cached in memory; {text}"
-        )
-    if not rest:
-        return text + "; the only candidate that fits"
-    runner = rest[0]
-    theirs = runner.score
-
-    def more(a: float, b: float) -> bool:  # beyond rounding
-        return a > b + 1e-9 * max(abs(b), 1e-12)
-
-    if more(theirs.slowest, ours.slowest):
-        why = f"slowest rank {_ms(theirs.slowest - ours.slowest)} slower"
-    elif more(theirs.hot, ours.hot):
-        why = "as slow a slowest rank, and more ranks nearly as slow"
-    elif more(theirs.summed, ours.summed):
-        why = f"as slow a slowest rank, {_ms(theirs.summed - ours.summed)} more over all ranks"
-    else:
-        why = f"same times, {format_bytes(theirs.fullest - ours.fullest)} more on the fullest rank"
-    return f"{text}; runner-up {runner.placement}: {why}"
-
-
-def _no_room(
-    name: str,
-    size: int,
-    total: RankCosts,
-    budget: int | None,
-    world: int,
-    disk_tier: DiskTier | None,
-) -> PlanError:
-    low, high = float(total.memory.min()), float(total.memory.max())
-    held = (
-        f"{format_bytes(low)} each"
-        if low == high
-        else f"{format_bytes(low)} to {format_bytes(high)}"
-    )
-    share = -(-size // world)
-    fix = "" if disk_tier is not None else ", or give a DiskTier (disk_tier=) to keep it on disk"
-    return PlanError(
-        f"table {name!r} ({format_bytes(size)} with optimizer state) fits no rank: split "
-        f"over all {world} ranks it needs {format_bytes(share)} each, but ranks already hold "
-        f"{held} of a {format_bytes(budget or 0)} budget. Raise the memory budget, add ranks, "
-        f"or shrink the tables{fix}"
-    )

@@ -1,0 +1,62 @@
+"""The placements the cost planner weighs for one table, given how busy each rank already is:
+replicated, whole on one of the least-busy ranks, rows over all ranks or over one of the
+least-busy nodes, columns over the least-busy 2, 4 or 8 ranks, and on disk with a DiskTier."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.plan import (
+    TablePlacement,
+    column_wise,
+    data_parallel,
+    on_disk,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning.topology import Topology
+from manualpar.embeddings.storage.disk_tier import DiskTier
+
+__all__ = ["COST_REPLICATE_BYTES", "candidates"]
+
+LEAST_BUSY = 4  # ranks (and nodes) tried for a whole table or a node's row split
+# Replication is a candidate up to this size (weights + state): the model weighs its gradient
+# all_reduce against the exchanges it saves (the memory-only planner stops at 256 KiB)
+COST_REPLICATE_BYTES = 64 * 2**20
+COLUMN_SPLITS = (2, 4, 8)
+MIN_COLUMNS = 16  # a column block narrower than this costs more in ids than it saves
+
+
+def least_busy(values: torch.Tensor, count: int) -> list[int]:
+    return torch.argsort(values, stable=True)[:count].tolist()
+
+
+def candidates(
+    config: EmbeddingBagConfig,
+    size: int,
+    topology: Topology,
+    busy: torch.Tensor,
+    replicate_bytes: int,
+    disk_tier: DiskTier | None,
+) -> Iterator[TablePlacement]:
+    world, per_node = topology.world_size, topology.ranks_per_node
+    if world > 1 and size <= replicate_bytes:
+        yield data_parallel()
+    for rank in least_busy(busy, LEAST_BUSY):
+        yield table_wise(rank)
+    if world > 1 and config.num_embeddings >= world:
+        yield row_wise()
+    if disk_tier is not None and config.num_embeddings >= world:
+        yield on_disk(row_wise())
+    nodes = topology.nodes
+    if nodes > 1 and config.num_embeddings >= per_node:
+        node_busy = busy.view(nodes, per_node).max(dim=1).values
+        for node in least_busy(node_busy, LEAST_BUSY):
+            yield table_row_wise(node, per_node)
+    for split in COLUMN_SPLITS:
+        if split <= world and config.embedding_dim // split >= MIN_COLUMNS:
+            yield column_wise(sorted(least_busy(busy, split)))
