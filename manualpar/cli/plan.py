@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from manualpar import EmbeddingInputError, ManualParError, PlanError
+from manualpar import EmbeddingInputError, ManualParError
+from manualpar.cli.plan_layouts import layouts_text, plan_layouts
 from manualpar.embeddings import (
     DEFAULT_BATCH_PER_RANK,
     DTYPE_NAMES,
@@ -28,7 +29,6 @@ from manualpar.embeddings import (
     Adagrad,
     Adam,
     EmbeddingBagConfig,
-    EmbeddingPlan,
     RowWiseAdagrad,
     SparseOptimizer,
     Topology,
@@ -38,11 +38,8 @@ from manualpar.embeddings import (
     default_topology,
     expected_exchange_bytes,
     format_bytes,
-    format_seconds,
     load_topology,
     per_rank_text,
-    plan_by_cost,
-    plan_costs,
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
@@ -276,47 +273,20 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         place = functools.partial(plan_uniform, args.plan)
-    precisions = _precisions(args)
-    layouts, refused = [], []
-    for replicas in _replica_choices(args.replicas, topology):
-        shard = args.world_size // replicas
-        try:
-            if precisions:
-                planned = plan_by_cost(
-                    {t.name: t for t in tables},
-                    topology,
-                    workload,
-                    memory_budget_bytes=budget,
-                    replicas=replicas,
-                    precisions=precisions,
-                )
-                plan = planned.plan
-                stored = [
-                    dataclasses.replace(t, dtype=planned.dtypes.get(t.name, t.dtype))
-                    for t in tables
-                ]
-            else:
-                options = {"replicas": replicas} if args.plan in ("auto", "memory") else {}
-                per_node = min(topology.ranks_per_node, shard)
-                plan = place(
-                    tables,
-                    shard,
-                    ranks_per_node=per_node,
-                    memory_budget_bytes=budget,
-                    optimizer=optimizer,
-                    **options,
-                )
-                stored = tables
-        except PlanError as error:  # e.g. a full copy per 1/replicas of the ranks does not fit
-            refused.append((replicas, error))
-            continue
-        costs = plan_costs(stored, plan, topology, workload, replicas=replicas)
-        layouts.append((replicas, plan, costs, stored))
-    if not layouts:
-        raise refused[0][1]
-    replicas, plan, costs, tables = min(layouts, key=lambda x: float(x[2].seconds(topology).max()))
+    layouts, refused = plan_layouts(
+        tables,
+        _replica_choices(args.replicas, topology),
+        topology,
+        workload,
+        budget,
+        _precisions(args),
+        functools.partial(place, memory_budget_bytes=budget, optimizer=optimizer),
+        cost_kwargs=args.plan in ("auto", "memory"),
+    )
+    best = min(layouts, key=lambda layout: layout.slowest(topology))
+    replicas, plan, costs, tables = best.replicas, best.plan, best.costs, best.tables
     if len(layouts) + len(refused) > 1:
-        print(_layouts_text(layouts, refused, topology, replicas))
+        print(layouts_text(layouts, refused, topology, replicas))
     plan.validate(tables, args.world_size // replicas)
     per_rank = plan.bytes_per_rank(tables, optimizer.STATE)
     print(plan.describe(tables))
@@ -378,31 +348,6 @@ def _replica_choices(text: str, topology: Topology) -> list[int]:
             f"into shard groups of whole nodes ({per_node} ranks) or of equal parts of one"
         )
     return [int(text)]
-
-
-def _layouts_text(
-    layouts: list[tuple[int, EmbeddingPlan, Any, Any]],
-    refused: list[tuple[int, PlanError]],
-    topology: Topology,
-    best: int,
-) -> str:
-    """One line per layout tried: its predicted slowest rank and memory on the fullest rank,
-    or why it cannot be planned."""
-    lines = ["layouts (predicted slowest rank, fullest rank's memory):"]
-    world = topology.world_size
-
-    def name(replicas: int) -> str:
-        return "1-D" if replicas == 1 else f"2-D {replicas} x {world // replicas}"
-
-    for replicas, _, costs, _ in layouts:
-        mark = "  <- chosen" if replicas == best else ""
-        slowest = format_seconds(float(costs.seconds(topology).max()))
-        lines.append(
-            f"  {name(replicas):<14} {slowest:>10}  {format_bytes(float(costs.memory.max()))}{mark}"
-        )
-    for replicas, error in refused:
-        lines.append(f"  {name(replicas):<14} does not fit: {str(error).split(';')[0]}")
-    return "\n".join(lines)
 
 
 def _traffic(

@@ -195,3 +195,22 @@ def test_plan_lowers_a_precision_only_where_the_budget_forces_it(
     assert code == 2 and "budget" in err
     code, _, err = _plan(capsys, *args, "--plan", "row_wise", "--precisions", "fp32,bf16")
     assert (code, err) == (2, "error: --precisions: only --plan auto chooses precisions\n")
+
+
+def test_replicas_auto_compares_layouts_and_names_those_that_do_not_fit(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    args = ("--world-size", "4", "--table", "a:400000:64", "--table", "b:100000:64")
+    code, out, _ = _plan(capsys, *args, "--replicas", "auto", "--memory-budget", "64MiB")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "layouts (predicted slowest rank, fullest rank's memory):"
+    names = [
+        line.split()[0] + (" " + line.split()[1] if line.startswith("  2-D") else "")
+        for line in lines[1:4]
+    ]
+    assert names == ["1-D", "2-D 2", "2-D 4"]
+    assert sum("<- chosen" in line for line in lines[1:4]) == 1
+    assert "does not fit: the 2 tables" in lines[3]  # a whole copy on every rank: 124 MiB
+    code, _, err = _plan(capsys, *args, "--replicas", "3")
+    assert code == 2 and err.startswith("error: --replicas '3': expected auto or a count")
