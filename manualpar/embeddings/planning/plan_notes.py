@@ -4,6 +4,7 @@ sends, the runner-up and why it lost) and the error when a table fits nowhere.""
 from __future__ import annotations
 
 from manualpar.embeddings.plan import format_bytes
+from manualpar.embeddings.planning.cost_text import format_seconds
 from manualpar.embeddings.planning.plan_score import Option
 from manualpar.embeddings.planning.rank_costs import RankCosts
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -12,15 +13,12 @@ from manualpar.errors import PlanError
 __all__ = ["no_room", "table_note"]
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
-
-
 def table_note(best: Option, rest: list[Option], before: float, budget: int | None) -> str:
     """What `best` adds to the slowest rank and sends, and why the runner-up lost."""
     sent = float(best.costs.sent.max())
     ours = best.score
-    text = f"slowest rank +{_ms(ours.slowest - before)}, up to {format_bytes(sent)} sent a rank"
+    added = format_seconds(ours.slowest - before)
+    text = f"slowest rank +{added}, up to {format_bytes(sent)} sent a rank"
     if best.placement.on_disk and not any(not o.placement.on_disk for o in rest):
         text = (
             f"on disk: in memory it would exceed the {format_bytes(budget or 0)} budget per "
@@ -35,11 +33,12 @@ def table_note(best: Option, rest: list[Option], before: float, budget: int | No
         return a > b + 1e-9 * max(abs(b), 1e-12)
 
     if more(theirs.slowest, ours.slowest):
-        why = f"slowest rank {_ms(theirs.slowest - ours.slowest)} slower"
+        why = f"slowest rank {format_seconds(theirs.slowest - ours.slowest)} slower"
     elif more(theirs.hot, ours.hot):
         why = "as slow a slowest rank, and more ranks nearly as slow"
     elif more(theirs.summed, ours.summed):
-        why = f"as slow a slowest rank, {_ms(theirs.summed - ours.summed)} more over all ranks"
+        more_in_all = format_seconds(theirs.summed - ours.summed)
+        why = f"as slow a slowest rank, {more_in_all} more over all ranks"
     else:
         why = f"same times, {format_bytes(theirs.fullest - ours.fullest)} more on the fullest rank"
     return f"{text}; runner-up {runner.placement}: {why}"
