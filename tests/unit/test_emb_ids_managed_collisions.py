@@ -10,7 +10,12 @@ import torch
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
-from manualpar.embeddings.ids.managed_collisions import ManagedCollisionRemapper, buckets_of
+from manualpar.embeddings.ids.managed_collisions import (
+    ManagedCollisionRemapper,
+    ManagedCollisionTable,
+    buckets_of,
+)
+from manualpar.embeddings.kernels.native import native_kernels
 from manualpar.errors import EmbeddingInputError
 
 MASK = 2**64 - 1
@@ -57,10 +62,18 @@ STATS = [  # ids, new, collisions, evictions per step (the same under both polic
 ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_exact_mapping_and_stats_per_step(policy: str) -> None:
+def test_exact_mapping_and_stats_per_step(
+    policy: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """lru step 4: 11 and 12 were seen at step 2, 14 at step 3: 15 takes 11's row (the lower
-    one). lfu step 4: 14 was seen once, 11 and 12 twice: 15 takes 14's row."""
+    one). lfu step 4: 14 was seen once, 11 and 12 twice: 15 takes 14's row. Both the C++ remap
+    and the torch path (the GPU's)."""
+    if not native:
+        monkeypatch.setattr(ManagedCollisionTable, "_native_takes", lambda self, ids: False)
+    elif native_kernels() is None:
+        pytest.skip("the C++ kernels could not be built on this machine")
     ebc = _one_bucket(policy)
     assert ebc.raw_id_remap is not None
     for step, ids in enumerate(STEPS):

@@ -37,7 +37,14 @@ from torch import nn
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.id_spaces import ManagedCollisions
-from manualpar.embeddings.ids.hashing import hash_ids, table_ids, unsigned_mod, with_table_ids
+from manualpar.embeddings.ids.hashing import (
+    hash_ids,
+    salt_key,
+    table_ids,
+    unsigned_mod,
+    with_table_ids,
+)
+from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.splitmix import mix64
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "ManagedCollisionRemapper",
     "ManagedCollisionTable",
     "managed_remapper",
+    "managed_setting",
     "managed_tables",
     "remapper_bytes_per_rank",
 ]
@@ -54,6 +62,11 @@ __all__ = [
 STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
 STATS = ("ids", "new", "collisions", "evictions")
 _STATE_BYTES = 8  # each STATE entry is one int64 per row
+# The C++ remap scans an id's bucket for its row, so its cost grows with the bucket: one step
+# of 10k distinct ids on a 100k-row table took 0.94 ms with 64-row buckets (the default), 2.9 ms
+# with 1,024 and 4.3 ms with 2,048, against 10.7-11.5 ms on the torch path (one thread). Its
+# packed keys hold a row's offset in 11 bits: larger buckets take the torch path.
+NATIVE_BUCKET_ROWS = 2048
 
 
 def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
@@ -88,30 +101,24 @@ class BucketLayout:
     def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
         return buckets[0] * self.bucket_rows, min(buckets[1] * self.bucket_rows, self.rows)
 
-    def owners(self, bucket: torch.Tensor, world_size: int) -> torch.Tensor:
-        """The rank remapping each bucket (the inverse of `owned`)."""
-        ends = torch.tensor(
-            [self.owned(r, world_size)[1] for r in range(world_size)], device=bucket.device
-        )
-        return torch.searchsorted(ends, bucket, right=True)
-
 
 def managed_tables(configs: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
     return [c for c in configs if isinstance(c.raw_ids, ManagedCollisions)]
 
 
-def _setting(config: EmbeddingBagConfig) -> ManagedCollisions:
+def managed_setting(config: EmbeddingBagConfig) -> ManagedCollisions:
+    """A managed table's ManagedCollisions (its raw_ids)."""
     assert isinstance(config.raw_ids, ManagedCollisions), config.name
     return config.raw_ids
 
 
 def layout_of(config: EmbeddingBagConfig) -> BucketLayout:
-    return BucketLayout(config.num_embeddings, _setting(config).bucket_rows)
+    return BucketLayout(config.num_embeddings, managed_setting(config).bucket_rows)
 
 
 def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
     """Each raw id's bucket in its table."""
-    return unsigned_mod(hash_ids(ids, _setting(config).salt), layout_of(config).num_buckets)
+    return unsigned_mod(hash_ids(ids, managed_setting(config).salt), layout_of(config).num_buckets)
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ class ManagedCollisionTable(nn.Module):
                 buffer.zero_()
 
     def extra_repr(self) -> str:
-        setting = _setting(self.config)
+        setting = managed_setting(self.config)
         return (
             f"{self.config.name!r}, policy={setting.policy!r}, buckets={self.buckets} of "
             f"{self.layout.num_buckets} ({setting.bucket_rows} rows)"
@@ -171,6 +178,8 @@ class ManagedCollisionTable(nn.Module):
         """Table rows of distinct, ascending raw `ids` (as torch.unique returns them; all in
         this block's buckets) seen `counts` times this step; in training mode the step is
         taken: rows assigned, stats counted."""
+        if self._native_takes(ids):
+            return self._remap_native(ids, counts) + self.row_start
         local = self._held_rows(ids)
         if self.training:
             step = int(self.step) + 1
@@ -193,10 +202,52 @@ class ManagedCollisionTable(nn.Module):
             local[shared] = self._shared_rows(*self._local_buckets(ids[shared]))
         return local + self.row_start
 
+    def _native_takes(self, ids: torch.Tensor) -> bool:
+        """The C++ remap (kernels/csrc/managed_remap.cpp): CPU tensors, buckets of at most
+        NATIVE_BUCKET_ROWS rows."""
+        return self.layout.bucket_rows <= NATIVE_BUCKET_ROWS and native_kernels_take(ids, self.ids)
+
+    def remap_counted(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """`remap` for ids in any order with repeats (a repeat is the id seen again), position
+        i seen counts[i] times (once without `counts`): a row per position."""
+        if self._native_takes(ids):
+            return self._remap_native(ids, counts) + self.row_start
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        if counts is None:
+            summed = torch.bincount(inverse, minlength=distinct.numel())
+        else:
+            summed = torch.zeros_like(distinct).index_add_(0, inverse, counts)
+        return self.remap(distinct, summed)[inverse]
+
+    def _remap_native(self, ids: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """A step in one C++ pass (kernels/csrc/managed_remap.cpp), with the torch path's
+        rows, state and stats bit for bit."""
+        step = int(self.step) + 1 if self.training else 0
+        setting = managed_setting(self.config)
+        rows, stats = loaded_kernels().managed_remap(
+            ids.contiguous(),
+            None if counts is None else counts.to(torch.int64).contiguous(),
+            self.ids,
+            self.last_seen,
+            self.counts,
+            salt_key(setting.salt),
+            self.layout.num_buckets,
+            self.buckets[0],
+            self.layout.bucket_rows,
+            step,
+            setting.policy == "lfu",
+        )
+        if self.training:
+            self.step.fill_(step)
+            self._index = None  # the state was written through its pointers, unversioned
+            for key, value in zip(STATS, stats.tolist(), strict=True):
+                self.stats[key] += value
+        return rows
+
     def _local_buckets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(H, bucket in this block) of `ids`; only for the ids that need them (new or shared,
         about a tenth of a step's ids in bench_raw_ids), as hashing is a dozen ops per id."""
-        h = hash_ids(ids, _setting(self.config).salt)
+        h = hash_ids(ids, managed_setting(self.config).salt)
         return h, unsigned_mod(h, self.layout.num_buckets) - self.buckets[0]
 
     def _bucket_rows(self, buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +354,7 @@ class ManagedCollisionTable(nn.Module):
         # count are 0), then the others; stable sorts keep ties in row order. Keys pack the
         # criteria into one int64 (steps and counts below 2**62), one sort per criterion less.
         blocked = unusable.to(torch.int64) << 62
-        if _setting(self.config).policy == "lfu":
+        if managed_setting(self.config).policy == "lfu":
             order = torch.argsort(last, dim=1, stable=True)
             key = (blocked + seen.clamp(max=_BELOW_62)).gather(1, order)
             order = order.gather(1, torch.argsort(key, dim=1, stable=True))
@@ -370,8 +421,7 @@ class ManagedCollisionRemapper(nn.Module):
         rows = {}
         managed = managed_tables(self.configs)
         for name, ids in table_ids(features, self.configs, managed).items():
-            distinct, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            rows[name] = self.table(name).remap(distinct, counts)[inverse]
+            rows[name] = self.table(name).remap_counted(ids)
         return with_table_ids(features, self.configs, rows)
 
     def raw_id_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:

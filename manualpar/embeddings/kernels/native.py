@@ -1,6 +1,6 @@
 """Optional C++ kernels for the CPU backward and init, compiled at first use and cached.
 
-torch's extension loader builds `csrc/sparse_rows.cpp` once per machine and source version
+torch's extension loader builds the files of `csrc/` once per machine and source version
 (about 40 s, under torch's extensions cache; `TORCH_EXTENSIONS_DIR` moves it). Each version has
 its own directory, named by a hash of the source, the torch version and the flags, so a built
 library is imported directly (milliseconds, no compiler or ninja run) and two versions never
@@ -25,7 +25,10 @@ import torch
 
 __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take"]
 
-SOURCE = Path(__file__).parent / "csrc" / "sparse_rows.cpp"
+# sparse_rows.cpp holds the module definition; the other files register their functions in it
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("sparse_rows.cpp", "managed_remap.cpp")
+)
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -39,7 +42,9 @@ _tried = False
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
     return f"manualpar_sparse_rows_{digest.hexdigest()[:16]}"
 
@@ -101,7 +106,7 @@ def native_kernels() -> ModuleType | None:
             clear_stale_lock(directory)
             _loaded = load(
                 name,
-                [str(SOURCE)],
+                [str(source) for source in SOURCES],
                 extra_cflags=CFLAGS,
                 build_directory=str(directory),
                 verbose=False,

@@ -22,15 +22,17 @@ import torch
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.ids.hashing import table_ids, with_table_ids
+from manualpar.embeddings.ids.hashing import salt_key, table_ids, with_table_ids
 from manualpar.embeddings.ids.managed_collisions import (
     STATE,
     ManagedCollisionRemapper,
     ManagedCollisionTable,
     buckets_of,
     layout_of,
+    managed_setting,
     managed_tables,
 )
+from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.step.exchange import REFUSED, check_refusals
 
 if TYPE_CHECKING:
@@ -61,13 +63,18 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
             table._register_state_dict_hook(self._state_dict_hook)
             table._register_load_state_dict_pre_hook(self._load_pre_hook)
             self.tables[config.name] = table
+        # per table, the end of each rank's buckets (where the ids of a bucket are sent)
+        self._owner_ends = {
+            c.name: torch.tensor([layout_of(c).owned(r, world)[1] for r in range(world)])
+            for c in managed_tables(configs)
+        }
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> SparseFeatures:
         world = self.strategy.world_size
         names = list(self.tables)
         raw = table_ids(features, self.configs, managed_tables(self.configs))
-        sends = [_Sent(raw[name], self.table(name).config, world) for name in names]
+        sends = [_Sent(raw[name], self.table(name).config, self._owner_ends) for name in names]
         sizes_out = [[sent.per_rank[r] for sent in sends] for r in range(world)]  # [owner][table]
         header = torch.tensor([[0, *sizes] for sizes in sizes_out], device=self.device)
         got = self._exchange_headers(header).tolist()
@@ -103,9 +110,7 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         rows_per_table = []
         for t, name in enumerate(names):
             ids, counts = torch.cat(ids_parts[t]), torch.cat(count_parts[t])
-            distinct, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros_like(distinct).index_add_(0, inverse, counts)
-            rows = self.table(name).remap(distinct, summed)[inverse]
+            rows = self.table(name).remap_counted(ids, counts)
             rows_per_table.append(rows.split([s[t] for s in sizes_in]))
         return torch.cat(
             [rows_per_table[t][s] for s in range(len(sizes_in)) for t in range(len(names))]
@@ -173,12 +178,26 @@ class _Sent:
     """One table's distinct ids of this rank's batch (with their counts), ordered by owner
     rank; `per_rank[r]` of them go to rank r."""
 
-    def __init__(self, raw: torch.Tensor, config: EmbeddingBagConfig, world: int) -> None:
+    def __init__(
+        self, raw: torch.Tensor, config: EmbeddingBagConfig, owner_ends: dict[str, torch.Tensor]
+    ) -> None:
+        layout, ends = layout_of(config), owner_ends[config.name]
+        world = ends.numel()
+        if native_kernels_take(raw):  # one C++ pass (kernels/csrc/managed_remap.cpp)
+            salt = salt_key(managed_setting(config).salt)
+            self.ids, self.counts, self.inverse, per_rank = loaded_kernels().managed_route(
+                raw.contiguous(), salt, layout.num_buckets, ends
+            )
+            self.order: torch.Tensor | None = None
+            self.per_rank: list[int] = per_rank.tolist()
+            return
         distinct, self.inverse, counts = torch.unique(raw, return_inverse=True, return_counts=True)
-        owner = layout_of(config).owners(buckets_of(distinct, config), world)
+        owner = torch.searchsorted(
+            ends.to(distinct.device), buckets_of(distinct, config), right=True
+        )
         self.order = torch.argsort(owner, stable=True)
         self.ids, self.counts = distinct[self.order], counts[self.order]
-        self.per_rank: list[int] = torch.bincount(owner, minlength=world).tolist()
+        self.per_rank = torch.bincount(owner, minlength=world).tolist()
 
     def to_owner(self, owner: int) -> list[torch.Tensor]:
         """[ids, counts] going to rank `owner`."""
@@ -188,6 +207,8 @@ class _Sent:
 
     def rows(self, owner_ordered: torch.Tensor) -> torch.Tensor:
         """The rows of the raw ids (in their batch order) from the owners' replies."""
+        if self.order is None:  # the inverse indexes the owner-ordered ids already
+            return owner_ordered[self.inverse]
         distinct_rows = torch.empty_like(owner_ordered)
         distinct_rows[self.order] = owner_ordered
         return distinct_rows[self.inverse]

@@ -11,6 +11,7 @@
 //   split_by_rows                             step/exchange.py
 //   rowwise_adagrad_update[_rounded]          optim/fused_rowwise.py
 //   sum_squares_versions                      tests (the AVX and portable sums agree)
+// and registers the functions of the other files of csrc/ (managed_remap.cpp).
 // The float and half row-wise Adagrad updates (rowwise_adagrad_row and _rounded) repeat one
 // body: a shared template measured 5-15% slower in the update (the kernel benchmark and a
 // profiled step), so they stay apart until that is understood.
@@ -1062,7 +1063,10 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
   });
 }
 
+void register_managed_remap(pybind11::module& m);  // managed_remap.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_managed_remap(m);
   m.def("segment_sum", &segment_sum);
   m.def("group_rows", &group_rows);
   m.def("rowwise_adagrad_update", &rowwise_adagrad_update);
