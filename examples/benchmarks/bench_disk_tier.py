@@ -2,6 +2,7 @@
 
     python examples/benchmarks/bench_disk_tier.py --disk-gb 36 --memory-gb 8 --cache-gb 2 \
         --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
+        [--baseline-src ../manualpar-before --variants memory lru]
 
 Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
 `--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
@@ -81,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     placement = on_disk(row_wise()) if disk else row_wise()
     plan = EmbeddingPlan(world, {t.name: placement for t in tables})
     tier = (
-        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=args.variant)
+        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=policy_of(args.variant))
         if disk
         else None
     )
@@ -148,6 +149,15 @@ def worker(args: argparse.Namespace) -> None:
     strategy.teardown()
 
 
+def policy_of(variant: str) -> str:
+    """The cache policy of a disk variant ("lru", "lfu", "lru-baseline": LRU on the baseline
+    source tree)."""
+    return variant.removesuffix(BASELINE)
+
+
+BASELINE = "-baseline"
+
+
 def launch(args: argparse.Namespace, variant: str) -> dict:
     directory = Path(args.dir) / f"{variant}-{os.getpid()}-{time.monotonic_ns()}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,7 +194,8 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
                 )
             ],
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+        source = args.baseline_src if variant.endswith(BASELINE) else str(HERE.parent.parent)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": source}
         try:
             run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
         finally:
@@ -215,11 +226,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=["memory", "lru", "lfu"])
     parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
+    parser.add_argument(
+        "--baseline-src",
+        default=None,
+        help="another checkout of the project (say, the commit before a change): adds the "
+        "variant lru-baseline, the LRU disk tier run from that source, in the same rotation",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.baseline_src is not None and "lru" + BASELINE not in args.variants:
+        args.variants.append("lru" + BASELINE)
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for repeat in range(args.repeats):
         order = (

@@ -21,6 +21,7 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.id_spaces import HashIds
+from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.splitmix import mix64, mix64_int
 
 __all__ = [
@@ -68,12 +69,36 @@ def hash_raw_ids(features: SparseFeatures, tables: Sequence[EmbeddingBagConfig])
     hashed = [t for t in tables if isinstance(t.raw_ids, HashIds)]
     if not hashed:
         return features
+    if native_kernels_take(features.values):
+        return _hash_natively(features, tables)
     ids = table_ids(features, tables, hashed)
     rows = {}
     for table in hashed:
         assert isinstance(table.raw_ids, HashIds)
         rows[table.name] = hashed_rows(ids[table.name], table.raw_ids.salt, table.num_embeddings)
     return with_table_ids(features, tables, rows)
+
+
+def _hash_natively(
+    features: SparseFeatures, tables: Sequence[EmbeddingBagConfig]
+) -> SparseFeatures:
+    """`hash_raw_ids` in one C++ pass over the batch (kernels/csrc/raw_ids.cpp): no split,
+    concatenation or dozen ops per table."""
+    keys, rows = [], []
+    for table in tables:
+        salt, size = (
+            (table.raw_ids.salt, table.num_embeddings)
+            if isinstance(table.raw_ids, HashIds)
+            else (0, 0)  # rows 0: the feature's ids are kept
+        )
+        keys += [salt_key(salt)] * len(table.feature_names)
+        rows += [size] * len(table.feature_names)
+    sizes = torch.tensor(features.feature_sizes())
+    bounds = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])
+    values = loaded_kernels().hash_feature_ids(
+        features.values.to(torch.int64).contiguous(), bounds, torch.tensor(keys), torch.tensor(rows)
+    )
+    return SparseFeatures(features.keys, values, features.lengths, features.weights)
 
 
 def table_ids(

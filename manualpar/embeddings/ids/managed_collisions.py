@@ -203,7 +203,7 @@ class ManagedCollisionTable(nn.Module):
         return local + self.row_start
 
     def _native_takes(self, ids: torch.Tensor) -> bool:
-        """The C++ remap (kernels/csrc/managed_remap.cpp): CPU tensors, buckets of at most
+        """The C++ remap (kernels/csrc/raw_ids.cpp): CPU tensors, buckets of at most
         NATIVE_BUCKET_ROWS rows."""
         return self.layout.bucket_rows <= NATIVE_BUCKET_ROWS and native_kernels_take(ids, self.ids)
 
@@ -220,7 +220,7 @@ class ManagedCollisionTable(nn.Module):
         return self.remap(distinct, summed)[inverse]
 
     def _remap_native(self, ids: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        """A step in one C++ pass (kernels/csrc/managed_remap.cpp), with the torch path's
+        """A step in one C++ pass (kernels/csrc/raw_ids.cpp), with the torch path's
         rows, state and stats bit for bit."""
         step = int(self.step) + 1 if self.training else 0
         setting = managed_setting(self.config)

@@ -27,7 +27,8 @@ __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take"]
 
 # sparse_rows.cpp holds the module definition; the other files register their functions in it
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("sparse_rows.cpp", "managed_remap.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp")
 )
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine

@@ -183,7 +183,7 @@ class _Sent:
     ) -> None:
         layout, ends = layout_of(config), owner_ends[config.name]
         world = ends.numel()
-        if native_kernels_take(raw):  # one C++ pass (kernels/csrc/managed_remap.cpp)
+        if native_kernels_take(raw):  # one C++ pass (kernels/csrc/raw_ids.cpp)
             salt = salt_key(managed_setting(config).salt)
             self.ids, self.counts, self.inverse, per_rank = loaded_kernels().managed_route(
                 raw.contiguous(), salt, layout.num_buckets, ends

@@ -97,6 +97,7 @@ def table_stores(
             Path(disk_tier.directory),
             rank,
             disk_tier.policy,
+            disk_tier.io_threads,
         )
         real = table_of(source.tables, config.name).weight
         if not real.is_meta:

@@ -10,7 +10,9 @@ float32), and in memory a cache of slots: the module's weight and the fused opti
 mapped to slots (fetching missing rows, evicting unpinned ones, writing dirty victims back), so
 the lookup, the row grouping and the fused update run unchanged on the cache; the step's slots
 stay pinned from forward to backward, and the update writes through the cache (its rows are
-marked dirty, written back when evicted and before a checkpoint).
+marked dirty, written back when evicted and before a checkpoint). Evicted rows are written in
+the background while the step goes on (background_writes.py); a read waits for a write only when
+it needs one of its rows.
 
 Rows never written are generated on first use by table_init with the optimizer's initial state,
 so the file starts reserved but unwritten. Rows move with pread/pwrite, so resident memory
@@ -29,6 +31,7 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.table_init import init_rows, init_rows_at
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.storage.background_writes import BackgroundWrites
 from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
 from manualpar.embeddings.storage.row_file import RowFile
 from manualpar.errors import BuilderError, EmbeddingInputError
@@ -52,13 +55,15 @@ class DiskTier:
     `cache_rows`: slots per table block on each rank; or `cache_bytes`: the rank's cache for all
     its disk tables together (weights + optimizer state), split in proportion to their blocks.
     `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
-    docs/embeddings.md) or "lfu".
+    docs/embeddings.md) or "lfu". `io_threads`: threads reading a step's missing rows (reads
+    that wait on the device overlap; writes go one at a time, see DiskTable).
     """
 
     directory: str | os.PathLike[str]
     cache_rows: int | None = None
     cache_bytes: int | None = None
     policy: str = "lru"
+    io_threads: int = 4
 
     def __post_init__(self) -> None:
         if (self.cache_rows is None) == (self.cache_bytes is None):
@@ -66,7 +71,7 @@ class DiskTier:
                 "DiskTier: give exactly one of cache_rows= (slots per table block) or "
                 "cache_bytes= (each rank's cache for all its disk tables)"
             )
-        for name in ("cache_rows", "cache_bytes"):
+        for name in ("cache_rows", "cache_bytes", "io_threads"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -113,6 +118,7 @@ class DiskTable:
         directory: Path,
         rank: int,
         policy: str,
+        io_threads: int = 1,
     ) -> None:
         self.config, self.seed, self.shard, self.rank = config, seed, shard, rank
         self.weight, self.state = weight, state  # the cache tensors (module's and optimizer's)
@@ -127,7 +133,9 @@ class DiskTable:
             weight.dtype,
             {key: tensor.dim() == 1 for key, tensor in state.items()},
             f"table {config.name!r} (rank {rank})",
+            io_threads,
         )
+        self.write_back = BackgroundWrites(self.file)
         self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
         self.checkpoint_rows = max(1, CHECKPOINT_CHUNK_BYTES // self.file.record)
         self.flush_rows = max(1, FLUSH_CHUNK_BYTES // self.file.record)
@@ -165,19 +173,25 @@ class DiskTable:
         slots = assignment.slots.to(ids.device)
         return slots[inverse], slots
 
-    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor, wait: bool = False) -> None:
+        """Dirty victims to the file: their records are copied out of the cache now (the slots
+        are reused at once) and written in the background (BackgroundWrites), or now if
+        `wait`."""
         rows, order = torch.sort(rows)  # ascending offsets
         device_slots = slots[order].to(self.weight.device)
         records = self.file.empty(rows.numel())
         self.file.weight_of(records).copy_(self.weight.index_select(0, device_slots))
         for key, tensor in self.state.items():
             self.file.state_of(records, key).copy_(tensor.index_select(0, device_slots))
-        self.file.write(rows, records)
+        self.write_back.submit(rows, records)
+        if wait:
+            self.write_back.settle()
 
     def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
         device = self.weight.device
         if bool(stored.any()):
             old, into = rows[stored], slots[stored].to(device)
+            self.write_back.settle_if_writing(old)  # a row evicted a step ago, still on its way
             records = self.file.empty(old.numel())
             self.file.read(old, records)
             self.weight.index_copy_(0, into, self.file.weight_of(records).to(device))
@@ -203,7 +217,8 @@ class DiskTable:
         written generated (before a checkpoint reads the file)."""
         rows, slots = self.cache.dirty_entries()
         if rows.numel():
-            self._write_back(rows, slots)
+            self._write_back(rows, slots, wait=True)
+        self.write_back.settle()
         shard = self.shard
         for start in range(0, shard.rows, self.flush_rows):  # bounded: see FLUSH_CHUNK_BYTES
             end = min(start + self.flush_rows, shard.rows)
@@ -247,12 +262,14 @@ class DiskTable:
     def loaded(self) -> None:
         """The file was just written by a checkpoint load: drop the cache (a state_dict()
         before the load flushed it, so nothing is lost)."""
+        self.write_back.settle()
         self.cache.drop_all()
         self.file.release_pages()
 
     @torch.no_grad()
     def fill_from(self, source: torch.Tensor) -> None:
         """Start from a real (materialized) table's block, written in chunks."""
+        self.write_back.settle()
         shard = self.shard
         for start in range(0, shard.rows, self.chunk_rows):
             end = min(start + self.chunk_rows, shard.rows)

@@ -11,7 +11,7 @@
 //   split_by_rows                             step/exchange.py
 //   rowwise_adagrad_update[_rounded]          optim/fused_rowwise.py
 //   sum_squares_versions                      tests (the AVX and portable sums agree)
-// and registers the functions of the other files of csrc/ (managed_remap.cpp).
+// and registers the functions of the other files of csrc/ (raw_ids.cpp, row_io.cpp).
 // The float and half row-wise Adagrad updates (rowwise_adagrad_row and _rounded) repeat one
 // body: a shared template measured 5-15% slower in the update (the kernel benchmark and a
 // profiled step), so they stay apart until that is understood.
@@ -1063,10 +1063,12 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
   });
 }
 
-void register_managed_remap(pybind11::module& m);  // managed_remap.cpp
+void register_raw_ids(pybind11::module& m);  // raw_ids.cpp
+void register_row_io(pybind11::module& m);   // row_io.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_managed_remap(m);
+  register_raw_ids(m);
+  register_row_io(m);
   m.def("segment_sum", &segment_sum);
   m.def("group_rows", &group_rows);
   m.def("rowwise_adagrad_update", &rowwise_adagrad_update);

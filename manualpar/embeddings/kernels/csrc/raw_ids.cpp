@@ -1,6 +1,7 @@
-// Managed collisions (ids/managed_collisions.py) in one pass per table and step, the same rows,
-// state and stats as the torch path bit for bit. The torch path costs about a hundred small eager
-// ops per table and step (unique, sorts of the held ids, per-bucket argsorts, scatters); here:
+// Raw ids to rows in one pass, the same bits as the torch path (the GPU's), which costs a dozen
+// eager ops per table for a hash and about a hundred per table and step for managed collisions
+// (unique, sorts of the held ids, per-bucket argsorts, scatters). Here:
+//   hash_feature_ids  HashIds (ids/hashing.py): every hashed feature of a batch in one call;
 //   managed_route  a rank's raw ids of one table: distinct ids with counts, grouped by the rank
 //                  remapping their bucket (sharded/managed_collisions.py, before the exchange);
 //   managed_remap  the ids a block received (repeats allowed): each touched bucket read once,
@@ -344,7 +345,38 @@ std::vector<torch::Tensor> managed_route(torch::Tensor raw, int64_t salt_key, in
   return {ids, counts, inverse, per_owner};
 }
 
-void register_managed_remap(pybind11::module& m) {
+// `values` with the ids of each feature f whose rows[f] > 0 replaced by their rows in its table:
+// H(id, salt) mod rows[f], H = mix(id XOR salt_keys[f]) (ids/hashing.py). `bounds`: each
+// feature's first value and the end (features + 1 offsets).
+torch::Tensor hash_feature_ids(torch::Tensor values, torch::Tensor bounds, torch::Tensor salt_keys,
+                               torch::Tensor rows) {
+  check_ids(values, "values");
+  check_ids(bounds, "bounds");
+  check_ids(salt_keys, "salt keys");
+  check_ids(rows, "rows");
+  const int64_t features = rows.numel();
+  TORCH_CHECK(bounds.numel() == features + 1 && salt_keys.numel() == features,
+              "hash_feature_ids: bounds, salt_keys and rows disagree on the features");
+  const int64_t* bound = bounds.data_ptr<int64_t>();
+  TORCH_CHECK(bound[0] >= 0 && bound[features] <= values.numel(), "hash_feature_ids: bounds");
+  auto out = values.clone();
+  const int64_t* in = values.data_ptr<int64_t>();
+  int64_t* hashed = out.data_ptr<int64_t>();
+  const int64_t* key = salt_keys.data_ptr<int64_t>();
+  const int64_t* size = rows.data_ptr<int64_t>();
+  for (int64_t f = 0; f < features; ++f) {
+    if (size[f] <= 0) continue;
+    const uint64_t salt = static_cast<uint64_t>(key[f]);
+    const uint64_t modulus = static_cast<uint64_t>(size[f]);
+    for (int64_t i = bound[f]; i < bound[f + 1]; ++i) {
+      hashed[i] = static_cast<int64_t>(mix(static_cast<uint64_t>(in[i]) ^ salt) % modulus);
+    }
+  }
+  return out;
+}
+
+void register_raw_ids(pybind11::module& m) {
+  m.def("hash_feature_ids", &hash_feature_ids);
   m.def("managed_remap", &managed_remap);
   m.def("managed_route", &managed_route);
 }

@@ -1,14 +1,16 @@
-"""The C++ managed-collision kernels (kernels/csrc/managed_remap.cpp) against the torch path,
-the GPU's: the same rows, state and stats step by step, under both policies, for whole tables
-and blocks of buckets, short last buckets, repeated ids and eval steps; and the routing of a
-rank's raw ids to the buckets' owners."""
+"""The C++ raw-id kernels (kernels/csrc/raw_ids.cpp) against the torch path, the GPU's:
+HashIds rows of a batch mixing hashed, managed and plain tables; managed collisions' rows, state
+and stats step by step, under both policies, for whole tables and blocks of buckets, short last
+buckets, repeated ids and eval steps; and the routing of a rank's raw ids to the buckets'
+owners."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from manualpar.embeddings import EmbeddingBagConfig, ManagedCollisions
+from manualpar.embeddings import EmbeddingBagConfig, HashIds, ManagedCollisions, SparseFeatures
+from manualpar.embeddings.ids import hashing
 from manualpar.embeddings.ids.hashing import salt_key
 from manualpar.embeddings.ids.managed_collisions import (
     ManagedCollisionTable,
@@ -132,3 +134,25 @@ def test_the_sharded_senders_route_equals_the_torch_route(world, monkeypatch):
     # an owner's reply per sent id: each raw id reads back the reply for itself
     assert torch.equal(cpp.rows(cpp.ids * 7), raw * 7)
     assert torch.equal(torch_route.rows(torch_route.ids * 7), raw * 7)
+
+
+def test_hashing_a_batch_equals_the_torch_path(monkeypatch):
+    tables = [
+        EmbeddingBagConfig("a", 1000, 4, feature_names=["a1", "a2"], raw_ids=HashIds(salt=7)),
+        EmbeddingBagConfig("plain", 50, 4),  # ids are rows already: kept
+        EmbeddingBagConfig("m", 64, 4, raw_ids=ManagedCollisions()),  # remapped later: kept
+        EmbeddingBagConfig("b", 3, 4, raw_ids=HashIds()),
+    ]
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 6, (5 * 4,), generator=generator)
+    values = torch.randint(-(2**63), 2**63 - 1, (int(lengths.sum()),), generator=generator)
+    batch = SparseFeatures(["a1", "a2", "plain", "m", "b"], values, lengths)
+    got = hashing.hash_raw_ids(batch, tables)
+    monkeypatch.setattr(hashing, "native_kernels_take", lambda *tensors: False)
+    want = hashing.hash_raw_ids(batch, tables)
+    assert torch.equal(got.values, want.values)
+    assert torch.equal(got.lengths, batch.lengths)
+    kept = batch["plain"].values
+    assert torch.equal(got["plain"].values, kept)
+    assert torch.equal(got["m"].values, batch["m"].values)
+    assert int(got["b"].values.max()) < 3 and int(got["a2"].values.max()) < 1000

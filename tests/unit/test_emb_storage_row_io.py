@@ -1,0 +1,82 @@
+"""The disk tier's row IO: batches of records through the C++ pread/pwrite loop (one or several
+threads) give the bytes the Python loop gives; evicted rows written in the background are read
+back new, and a write that fails is raised in the caller's thread naming the file and row."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from manualpar.embeddings import DiskTier
+from manualpar.embeddings.kernels.native import native_kernels
+from manualpar.embeddings.storage import row_file
+from manualpar.embeddings.storage.background_writes import BackgroundWrites
+from manualpar.embeddings.storage.row_file import RowFile
+from manualpar.errors import BuilderError
+
+needs_kernels = pytest.mark.skipif(
+    native_kernels() is None, reason="the C++ kernels could not be built on this machine"
+)
+
+
+def _file(path: Path, threads: int = 1) -> RowFile:
+    return RowFile(path, 5000, 6, torch.float16, {"sum": True}, "table 't' (rank 0)", threads)
+
+
+def _records(file: RowFile, count: int, seed: int) -> torch.Tensor:
+    records = file.empty(count)
+    records.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    return records
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 4])
+def test_cpp_batches_move_the_bytes_the_python_loop_moves(tmp_path, monkeypatch, threads):
+    cpp, python = _file(tmp_path / "cpp.rows", threads), _file(tmp_path / "py.rows")
+    rows = torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:1500]
+    records = _records(cpp, 1500, 1)
+    cpp.write(rows, records)
+    got = cpp.empty(1500)
+    cpp.read(rows.flip(0), got)
+    assert torch.equal(got, records.flip(0))
+    monkeypatch.setattr(row_file, "native_kernels_take", lambda *tensors: False)
+    python.write(rows, records)
+    assert (tmp_path / "cpp.rows").read_bytes() == (tmp_path / "py.rows").read_bytes()
+
+
+@needs_kernels
+def test_a_row_evicted_a_moment_ago_is_read_back_new(tmp_path):
+    file = _file(tmp_path / "t.rows")
+    writes = BackgroundWrites(file)
+    for round_ in range(20):  # the read may start while the write is still on its way
+        rows = torch.arange(round_, 5000, 7)
+        records = _records(file, rows.numel(), round_)
+        writes.submit(rows, records.clone())
+        wanted = rows[::3]
+        writes.settle_if_writing(wanted)
+        got = file.empty(wanted.numel())
+        file.read(wanted, got)
+        assert torch.equal(got, records[::3]), round_
+    writes.settle()
+
+
+@needs_kernels
+def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
+    file = _file(tmp_path / "t.rows")
+    writes = BackgroundWrites(file)
+    os.close(file.fd)  # the descriptor is gone: every write fails
+    read_only = os.open(tmp_path / "t.rows", os.O_RDONLY)
+    file.fd = read_only
+    writes.submit(torch.tensor([3, 9]), _records(file, 2, 0))
+    with pytest.raises(OSError, match=re.escape("cannot write row 3 of ") + ".*t.rows"):
+        writes.settle()
+    writes.settle()  # raised once; nothing is left in flight
+
+
+def test_io_threads_is_checked():
+    with pytest.raises(BuilderError, match=re.escape("io_threads must be a positive int, got 0")):
+        DiskTier("x", cache_rows=8, io_threads=0)
