@@ -3,11 +3,12 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
         examples/benchmarks/bench_raw_ids.py --json runs/bench_raw_ids.json
 
-Three variants train the same tables (RowWiseAdagrad, the workload of embedding_workload.py:
+Four variants train the same tables (RowWiseAdagrad, the workload of embedding_workload.py:
 rank r's ids of step s drawn uniformly) in the same processes: "rows" gets ids already in
 [0, rows); "hash" gets raw ids (the same draws over an id space --id-space times larger,
 spread over int64) and hashes them; "managed" gets those raw ids and remaps them
-(ManagedCollisions, --policy, --bucket-rows). Repeats cycle through the variants in rotating
+(ManagedCollisions, --policy, --bucket-rows) with the C++ kernels; "managed-torch" the same
+on the torch path (the GPU's), for the kernels' gain. Repeats cycle through the variants in rotating
 order; each variant's median step time is divided by the "rows" one of the same repeat, and the
 median ratio and the extra milliseconds per step are reported.
 """
@@ -36,7 +37,7 @@ from manualpar.embeddings import (
     table_wise,
 )
 
-VARIANTS = ("rows", "hash", "managed")
+VARIANTS = ("rows", "hash", "managed", "managed-torch")
 SPREAD = 0x5851F42D4C957F2D  # an odd multiplier: raw ids spread over int64 (wrapping)
 
 
@@ -66,6 +67,7 @@ def make_variant(
         "rows": None,
         "hash": HashIds(),
         "managed": ManagedCollisions(policy=args.policy, bucket_rows=args.bucket_rows),
+        "managed-torch": ManagedCollisions(policy=args.policy, bucket_rows=args.bucket_rows),
     }[variant]
     configs = [
         EmbeddingBagConfig(f"t{i}", args.rows, args.dim, raw_ids=raw_ids)
@@ -76,7 +78,12 @@ def make_variant(
     plan = EmbeddingPlan(world, {c.name: place(i) for i, c in enumerate(configs)})
     with mp.empty_init():
         ebc = EmbeddingBagCollection(configs, seed=0)
-    return shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=args.lr))
+    emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=args.lr))
+    if variant == "managed-torch":  # the torch path (the GPU's) instead of the C++ kernels
+        assert emb.raw_id_remap is not None
+        for table in emb.raw_id_remap.tables.values():
+            table.native = False
+    return emb
 
 
 def batches(
@@ -102,7 +109,8 @@ def main() -> None:
     steps = {v: cycling_step(modules[v], rows if v == "rows" else raw) for v in VARIANTS}
     repeats = []
     for repeat in range(args.repeats):
-        order = VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]
+        shift = repeat % len(VARIANTS)
+        order = VARIANTS[shift:] + VARIANTS[:shift]
         ms = {
             v: 1000 * median(time_steps(strategy, steps[v], args.steps, args.warmup)) for v in order
         }

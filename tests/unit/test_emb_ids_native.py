@@ -28,8 +28,7 @@ def _table(policy: str, rows: int, bucket_rows: int, buckets: tuple[int, int] | 
     setting = ManagedCollisions(policy=policy, bucket_rows=bucket_rows, salt=5)
     config = EmbeddingBagConfig("t", rows, 4, raw_ids=setting)
     table = ManagedCollisionTable(config, buckets)
-    if not native:
-        table._native_takes = lambda ids: False  # type: ignore[method-assign]
+    table.native = native
     return config, table
 
 
@@ -114,7 +113,7 @@ def test_route_sends_each_distinct_id_once_to_its_buckets_owner(world):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_the_sharded_senders_route_equals_the_torch_route(world, monkeypatch):
+def test_the_sharded_senders_route_equals_the_torch_route(world):
     """What a rank sends each owner (ids and counts, as sets) and how it reads the replies back."""
     from manualpar.embeddings.sharded import managed_collisions as sharded
 
@@ -124,8 +123,7 @@ def test_the_sharded_senders_route_equals_the_torch_route(world, monkeypatch):
     ends = {"t": torch.tensor([layout.owned(r, world)[1] for r in range(world)])}
     raw = torch.randint(0, 3000, (900,), generator=torch.Generator().manual_seed(4))
     cpp = sharded._Sent(raw, config, ends)
-    monkeypatch.setattr(sharded, "native_kernels_take", lambda *tensors: False)
-    torch_route = sharded._Sent(raw, config, ends)
+    torch_route = sharded._Sent(raw, config, ends, native=False)
     assert cpp.per_rank == torch_route.per_rank
     for owner in range(world):
         got = dict(zip(*(t.tolist() for t in cpp.to_owner(owner)), strict=True))

@@ -159,6 +159,8 @@ class ManagedCollisionTable(nn.Module):
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.stats = dict.fromkeys(STATS, 0)
         self._index: _HeldIndex | None = None
+        # False: always the torch path (the GPU's), for tests and benchmarks to compare with
+        self.native = True
 
     def reset_parameters(self) -> None:
         """Every row free, no step taken (materialize() calls it on meta-built tables)."""
@@ -205,7 +207,11 @@ class ManagedCollisionTable(nn.Module):
     def _native_takes(self, ids: torch.Tensor) -> bool:
         """The C++ remap (kernels/csrc/raw_ids.cpp): CPU tensors, buckets of at most
         NATIVE_BUCKET_ROWS rows."""
-        return self.layout.bucket_rows <= NATIVE_BUCKET_ROWS and native_kernels_take(ids, self.ids)
+        return (
+            self.native
+            and self.layout.bucket_rows <= NATIVE_BUCKET_ROWS
+            and native_kernels_take(ids, self.ids)
+        )
 
     def remap_counted(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """`remap` for ids in any order with repeats (a repeat is the id seen again), position

@@ -74,7 +74,10 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         world = self.strategy.world_size
         names = list(self.tables)
         raw = table_ids(features, self.configs, managed_tables(self.configs))
-        sends = [_Sent(raw[name], self.table(name).config, self._owner_ends) for name in names]
+        sends = [
+            _Sent(raw[name], self.table(name).config, self._owner_ends, self.table(name).native)
+            for name in names
+        ]
         sizes_out = [[sent.per_rank[r] for sent in sends] for r in range(world)]  # [owner][table]
         header = torch.tensor([[0, *sizes] for sizes in sizes_out], device=self.device)
         got = self._exchange_headers(header).tolist()
@@ -179,11 +182,15 @@ class _Sent:
     rank; `per_rank[r]` of them go to rank r."""
 
     def __init__(
-        self, raw: torch.Tensor, config: EmbeddingBagConfig, owner_ends: dict[str, torch.Tensor]
+        self,
+        raw: torch.Tensor,
+        config: EmbeddingBagConfig,
+        owner_ends: dict[str, torch.Tensor],
+        native: bool = True,
     ) -> None:
         layout, ends = layout_of(config), owner_ends[config.name]
         world = ends.numel()
-        if native_kernels_take(raw):  # one C++ pass (kernels/csrc/raw_ids.cpp)
+        if native and native_kernels_take(raw):  # one C++ pass (kernels/csrc/raw_ids.cpp)
             salt = salt_key(managed_setting(config).salt)
             self.ids, self.counts, self.inverse, per_rank = loaded_kernels().managed_route(
                 raw.contiguous(), salt, layout.num_buckets, ends
