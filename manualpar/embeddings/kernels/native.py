@@ -30,6 +30,7 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp")
 )
+HEADERS = (Path(__file__).parent / "csrc" / "avx2_rows.h",)  # included: part of the version
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -44,7 +45,7 @@ _tried = False
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
     return f"manualpar_sparse_rows_{digest.hexdigest()[:16]}"

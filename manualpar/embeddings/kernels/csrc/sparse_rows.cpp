@@ -488,6 +488,35 @@ void uniform_row(scalar_t* row, int64_t cols, uint64_t key, uint64_t base, float
   }
 }
 
+// The widest vector loops this CPU runs: 2 AVX-512 (F, DQ, BW), 1 AVX2 with F16C, 0 the
+// portable loops. set_simd_level lowers it: the tests compare every level's bits, and a
+// benchmark can time an AVX2-only host's path on an AVX-512 one.
+int detected_simd_level() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw")) {
+    return 2;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+  return 0;
+}
+
+int simd_limit = 2;
+
+inline int simd_level() {
+  static const int detected = detected_simd_level();
+  return std::min(detected, simd_limit);
+}
+
+// At most `level` from now on (this process); returns the level in effect.
+int64_t set_simd_level(int64_t level) {
+  simd_limit = static_cast<int>(std::clamp<int64_t>(level, 0, 2));
+  return simd_level();
+}
+
+#include "avx2_rows.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 // The same values sixteen at a time where the CPU has AVX-512 (64-bit multiplies in vectors):
 // integer steps are exact and the float steps are the same single operations, so the bits agree.
@@ -530,9 +559,8 @@ void uniform_row_fastest(scalar_t* row, int64_t cols, uint64_t key, uint64_t bas
                          float bound) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) {
-    static const bool avx512 =
-        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-    if (avx512) return uniform_row_avx512(row, cols, key, base, width, bound);
+    if (simd_level() == 2) return uniform_row_avx512(row, cols, key, base, width, bound);
+    if (simd_level() == 1) return uniform_row_avx2(row, cols, key, base, width, bound);
   }
 #endif
   uniform_row(row, cols, key, base, width, bound);
@@ -690,12 +718,6 @@ inline bool has_f16c() {
   return found;
 }
 
-inline bool has_avx512_bf16_rounding() {
-  static const bool found = __builtin_cpu_supports("avx512f") &&
-                            __builtin_cpu_supports("avx512dq") &&
-                            __builtin_cpu_supports("avx512bw");
-  return found;
-}
 
 // Whole rows sixteen elements at a time with AVX-512: widen, multiply, add (no fused
 // multiply-add: the same two roundings as the portable loops), narrow. Each returns how many
@@ -846,7 +868,8 @@ inline void accumulate_row(const weight_t* __restrict__ row, float* __restrict__
                            float scale, bool scaled) {
   int64_t c = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx512_bf16_rounding()) c = accumulate_avx512(row, acc, n, scale, scaled);
+  if (simd_level() == 2) c = accumulate_avx512(row, acc, n, scale, scaled);
+  if (simd_level() == 1) c = accumulate_avx2(row, acc, n, scale, scaled);
 #endif
   if (c == n) return;
   float* __restrict__ widened = scratch_row(n);
@@ -865,9 +888,10 @@ inline void axpy_round_row(weight_t* __restrict__ w, const float* __restrict__ s
   int64_t c = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool draws = std::is_same_v<weight_t, at::BFloat16> && r.stochastic;
-  if (has_avx512_bf16_rounding() && (draws || std::is_same_v<weight_t, at::Half>)) {
+  if (simd_level() > 0 && (draws || std::is_same_v<weight_t, at::Half>)) {
     const uint64_t base = static_cast<uint64_t>(r.table_row(row) * r.dim + r.col_start);
-    c = axpy_round_avx512(w, src, a, n, r.key, base);
+    c = simd_level() == 2 ? axpy_round_avx512(w, src, a, n, r.key, base)
+                          : axpy_round_avx2(w, src, a, n, r.key, base);
   }
 #endif
   if (c == n) return;
@@ -904,8 +928,11 @@ torch::Tensor pooled_sum_half_impl(const torch::Tensor& weight, const torch::Ten
   float* o = out.data_ptr<float>();
   at::parallel_for(0, bags, 64, [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (has_avx512_bf16_rounding()) {
+    if (simd_level() == 2) {
       return pool_bags_avx512(w, cols, id, start.data(), n, per_id, o, begin, end);
+    }
+    if (simd_level() == 1) {
+      return pool_bags_avx2(w, cols, id, start.data(), n, per_id, o, begin, end);
     }
 #endif
     for (int64_t b = begin; b < end; ++b) {
@@ -1076,6 +1103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_rows", &uniform_rows);
   m.def("split_by_rows", &split_by_rows);
   m.def("sum_squares_versions", &sum_squares_versions);
+  m.def("set_simd_level", &set_simd_level);
   m.def("pooled_sum_half", &pooled_sum_half);
   m.def("add_to_rows_rounded", &add_to_rows_rounded);
   m.def("rowwise_adagrad_update_rounded", &rowwise_adagrad_update_rounded);
