@@ -5,6 +5,7 @@
     python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json \
         [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
     ... --floor     # also manualpar's step with no exchanges: the floor its kernels set
+    ... --sequence --peer-python .venv-torchrec/bin/python   # EmbeddingCollection, unpooled
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
                     # half tables: manualpar fp16 vs TorchRec FP16, manualpar bf16 vs FP32
@@ -47,6 +48,8 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     from manualpar.embeddings import (
         EmbeddingBagCollection,
         EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
         EmbeddingPlan,
         RowWiseAdagrad,
         SparseFeatures,
@@ -59,8 +62,9 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
     dtype = table_dtype(args.dtype)
+    config = EmbeddingConfig if args.sequence else EmbeddingBagConfig
     tables = [
-        EmbeddingBagConfig(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",), dtype=dtype)
+        config(f"t{i}", args.rows, args.dim, feature_names=(f"f{i}",), dtype=dtype)
         for i in range(args.tables)
     ]
     placement = {
@@ -70,18 +74,24 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     strategy.barrier()
     started = time.perf_counter()
     with mp.empty_init():
-        ebc = EmbeddingBagCollection(tables)
+        ebc = (EmbeddingCollection if args.sequence else EmbeddingBagCollection)(tables)
     emb = shard_embeddings(
         ebc, strategy, EmbeddingPlan(world, placement), RowWiseAdagrad(lr=args.lr, eps=1e-8)
     )
     init_s = max_over_ranks(time.perf_counter() - started)
     keys = tuple(f"f{i}" for i in range(args.tables))
+    if args.padded:  # the exchange before compact layouts: every bag, every owner
+        emb.step.parts.layout.compact = False
 
     def step(index: int) -> None:
         ids = batch_ids(args, rank, world, index)
         lengths = torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag)
         out = emb(SparseFeatures(keys, ids.flatten(), lengths))
-        out.values.square().mean().backward()
+        if args.sequence:  # every id's row: the same loss as the peer's
+            values = torch.cat([out[key].values.reshape(-1, args.dim) for key in keys])
+        else:
+            values = out.values
+        values.square().mean().backward()
 
     write_result(args, "manualpar", time_steps(step, args), init_s, sharding=args.plan)
     strategy.teardown()
@@ -301,6 +311,7 @@ def launch(
             str(args.lr),
             "--result",
             result,
+            *(["--sequence"] if args.sequence else []),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -329,8 +340,10 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
     }
     if args.peer_python:
         found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
-    if args.skip_baseline:
+    if args.skip_baseline or args.sequence:  # the plain-torch baseline pools
         del found["baseline"]
+    if args.sequence:  # the sequence exchange as it was: padded, every owner's rows
+        found["padded"] = (sys.executable, Path(__file__), ["--worker", "manualpar", "--padded"])
     if args.floor:
         found["local"] = (sys.executable, Path(__file__), ["--worker", "local"])
     return found
@@ -505,6 +518,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=("manualpar", "baseline", "local"))
     if "--worker" in sys.argv:
         add_workload_args(parser)
+        parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
         args = parser.parse_args()
         {"manualpar": worker_manualpar, "baseline": worker_baseline, "local": worker_local}[
             args.worker
@@ -525,6 +539,11 @@ def main() -> None:
     )
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument(
+        "--sequence",
+        action="store_true",
+        help="unpooled tables (EmbeddingCollection against TorchRec's): manualpar and the peer",
+    )
+    parser.add_argument(
         "--precision",
         action="store_true",
         help="half tables: manualpar fp16/bf16/fp32 against TorchRec FP16/FP32 (PRECISION_RATIOS)",
@@ -543,6 +562,8 @@ def main() -> None:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
+    if args.sequence and (args.floor or args.scale or args.precision):
+        raise SystemExit("--sequence compares manualpar with --peer-python only (no --floor, ...)")
     payload = scale(args) if args.scale else precision(args) if args.precision else compare(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

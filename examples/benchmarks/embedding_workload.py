@@ -38,6 +38,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="how the tables store rows"
     )
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    parser.add_argument(
+        "--sequence",
+        action="store_true",
+        help="unpooled tables (EmbeddingCollection): a sample's ids are a sequence, one row each",
+    )
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:

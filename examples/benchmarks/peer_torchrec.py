@@ -36,7 +36,13 @@ from embedding_workload import (
     write_result,
 )
 from torch.distributed.optim import _apply_optimizer_in_backward
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -52,20 +58,35 @@ DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
 def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedModelParallel:
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=args.dim,
-                num_embeddings=args.rows,
-                feature_names=[f"f{i}"],
-                pooling=PoolingType.SUM,
-                data_type=DATA_TYPES[args.dtype],
-            )
-            for i in range(args.tables)
-        ],
-        device=torch.device("meta"),
-    )
+    if args.sequence:  # unpooled: a row per id
+        ebc: EmbeddingBagCollection | EmbeddingCollection = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=f"t{i}",
+                    embedding_dim=args.dim,
+                    num_embeddings=args.rows,
+                    feature_names=[f"f{i}"],
+                    data_type=DATA_TYPES[args.dtype],
+                )
+                for i in range(args.tables)
+            ],
+            device=torch.device("meta"),
+        )
+    else:
+        ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name=f"t{i}",
+                    embedding_dim=args.dim,
+                    num_embeddings=args.rows,
+                    feature_names=[f"f{i}"],
+                    pooling=PoolingType.SUM,
+                    data_type=DATA_TYPES[args.dtype],
+                )
+                for i in range(args.tables)
+            ],
+            device=torch.device("meta"),
+        )
     # Before planning: the plan's compute kernel is FUSED only for parameters that carry an
     # in-backward optimizer (torchrec.distributed.sharding_plan._get_compute_kernel).
     _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.lr, "eps": 1e-8})
@@ -124,8 +145,12 @@ def main() -> None:
         features = KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=batch_ids(args, rank, world, index).reshape(-1), lengths=lengths
         )
-        pooled = model(features)  # KeyedTensor (local_batch, tables * dim), keys in plan order
-        loss = pooled.values().square().mean()
+        out = model(features)  # KeyedTensor (local_batch, tables * dim), keys in plan order
+        if args.sequence:  # {feature: JaggedTensor}: every id's row
+            values = torch.cat([out[key].values().reshape(-1, args.dim) for key in keys])
+        else:
+            values = out.values()
+        loss = values.square().mean()
         loss.backward()  # the fused row-wise Adagrad updates the touched rows here
 
     step_ms = time_steps(step, args)

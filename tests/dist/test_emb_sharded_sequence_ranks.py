@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from embedding_cases import OPTIMIZERS, SEED, STEPS, assert_close, optimizer
-from sequence_cases import TABLES, local_loss, make_batch, plan_named, reference
+from sequence_cases import FEATURES, TABLES, local_loss, make_batch, plan_named, reference
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
@@ -163,3 +163,63 @@ def test_weighted_batch_on_one_rank_stops_both_ranks_at_that_step():
     assert "carry per-id weights, but sequence embeddings return one row per id" in bad.error
     assert peer.error_type == "EmbeddingInputError", peer.describe()
     assert peer.error.startswith("rank 1 refused its batch"), peer.error
+
+
+def compact_against_padded(batch_sizes: list[int]) -> dict:
+    """Row-wise on every rank: the same steps with the compact exchange (the default) and the
+    padded one; per run, the step-0 rows, tables after 3 steps, and the floats this rank
+    received in each pooled-output exchange."""
+    strategy = mp.ManualParallelStrategy()
+    rank, batch = strategy.rank, batch_sizes[strategy.rank]
+    out: dict = {}
+    for compact in (True, False):
+        with mp.empty_init():
+            ec = EmbeddingCollection(TABLES, seed=SEED)
+        emb = shard_embeddings(
+            ec, strategy, plan_named("row_wise", strategy.world_size), optimizer("rowwise")
+        )
+        emb.step.parts.layout.compact = compact
+        received: list[int] = []
+        exchange = emb.step.parts.exchange
+
+        def counting(tensor, send, receive, what, exchange=exchange, received=received):
+            if what == "pooled output":
+                received.append(sum(receive))
+            return exchange(tensor, send, receive, what)
+
+        emb.step.parts.__dict__["exchange"] = counting  # StepParts is frozen: bypass it
+        first = {}
+        for step in range(STEPS):
+            features = make_batch(rank, step, batch)
+            rows = emb(features)
+            if step == 0:
+                first = {k: v.values.detach().clone() for k, v in rows.to_dict().items()}
+                ids = features
+            local_loss(rows, rank, step, batch).backward()
+        with full_tensors():
+            tables = {k: v.clone() for k, v in emb.state_dict().items()}
+        out[compact] = {"first": first, "tables": tables, "received": received, "ids": ids}
+    strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_row_wise_sequences_exchange_only_each_ids_owner_row_on_3_ranks():
+    per_rank = run_distributed(compact_against_padded, 3, args=([4, 2, 3],))
+    dims = {f: t.embedding_dim for t in TABLES for f in t.feature_names}
+    rows_of = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
+    for rank, runs in enumerate(per_rank):
+        compact, padded = runs[True], runs[False]
+        for feature, rows in padded["first"].items():  # bit for bit
+            assert torch.equal(compact["first"][feature], rows), (rank, feature)
+        for name, table in padded["tables"].items():
+            assert torch.equal(compact["tables"][name], table), (rank, name)
+        # step 0: each other owner sent one row per id of ours it holds, nothing for the rest
+        features = compact["ids"]
+        expected = 0
+        for feature in FEATURES:
+            block = -(-rows_of[feature] // 3)  # row-wise blocks of ceil(rows / 3)
+            owners = features[feature].values // block
+            expected += int((owners != rank).sum()) * dims[feature]
+        assert compact["received"][0] == expected, rank
+        assert padded["received"][0] > expected, rank

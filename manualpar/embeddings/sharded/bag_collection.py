@@ -135,6 +135,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             device,
             layout,
             non_finite,
+            # a sequence collection's bags hold one id each: exchange only those with ids
+            compact_bags=isinstance(ebc, EmbeddingCollection),
         )
         self._in_flight = InFlight(self.tables, [c.name for c in self.configs])
 

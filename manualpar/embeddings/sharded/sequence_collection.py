@@ -12,10 +12,11 @@ The bag machinery weighs ranks by their bag counts under normalize_by="global_sa
 here would be padded id counts: the sequence collection runs it with "world_size" (an average
 over ranks) and multiplies each rank's output gradient by world size x its sample share.
 
-The price of the reuse, per step: every feature's rows (and their gradients) are padded to the
-largest feature's id count; a length (1 or 0) travels with each id; a row-split table sends
-back one (partial) row per id from each row block, world size times the rows a table-wise
-table sends.
+The exchanges are compact (step/exchange.py, ExchangeLayout.compact): an owner sends back rows
+only for the bags that have ids there, and receives gradients only for those, so a row-split
+table returns each id's row from its owning block alone and the padding bags never travel.
+What remains of the reuse, per step: a length (1 or 0) travels with each padded id slot, and
+each rank's own lookup computes its padding rows.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class BackwardPhases:
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
         if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
-            flat, splits = layout.pack_output_grad(grad, full, frozen)
-            receive = layout.grad_receive_splits(saved.batch_sizes, full, frozen)
+            flat, splits = layout.pack_output_grad(grad, full, frozen, saved.kept)
+            receive = layout.grad_receive_splits(saved.bag_counts, full, frozen)
             grads_in = parts.exchange(flat, splits, receive, "output gradient")
         own = layout.own_grad_blocks(grad, full, frozen)
         return RoutedGradients(grad, own, grads_in, non_finite)
@@ -101,7 +101,7 @@ class BackwardPhases:
         ]
         others = (
             parts.layout.grad_blocks(
-                routed.grads_in.wait(), saved.batch_sizes, optimizer.needs_full_rows, frozen
+                routed.grads_in.wait(), saved.bag_counts, optimizer.needs_full_rows, frozen
             )
             if routed.grads_in is not None
             else []

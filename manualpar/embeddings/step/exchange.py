@@ -145,8 +145,12 @@ class ExchangeLayout:
     """One plan's exchange layout, bound to its Routing: what this rank packs for each other
     rank, and how it reads what they send (ids, pooled rows, output gradients)."""
 
-    def __init__(self, routing: Routing) -> None:
+    def __init__(self, routing: Routing, compact: bool = False) -> None:
         self.routing = routing
+        # compact: bags with no ids on an owner are left out of its pooled rows and gradients
+        # (see `kept_bags`); a sequence collection's bags hold one id each, so a row-split
+        # table's owner serves a bag out of every world-size, and every feature is padded
+        self.compact = compact
 
     def pack_ids(
         self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
@@ -192,13 +196,31 @@ class ExchangeLayout:
             for d in range(world)
         ]
 
+    def kept_bags(
+        self, payloads: list[torch.Tensor], batch: int
+    ) -> list[list[torch.Tensor] | None] | None:
+        """Sender side, compact layouts: per owner (None for ourselves), per route to it, the
+        bags of our batch it serves, those with ids there (None: not compact)."""
+        if not self.compact:
+            return None
+        kept: list[list[torch.Tensor] | None] = []
+        for owner, routes in enumerate(self.routing.routes_to):
+            if owner == self.routing.rank:
+                kept.append(None)
+                continue
+            lens = payloads[owner][: len(routes) * batch].view(len(routes), batch)
+            kept.append([torch.nonzero(row).flatten() for row in lens])
+        return kept
+
     def unpack_ids(
         self,
         payload: torch.Tensor,
         batch: int,
         weighted: bool,
+        compact: bool = False,
     ) -> list[SenderBags]:
-        """One sender's payload to us -> its bags for each of our routed local shards."""
+        """One sender's payload to us -> its bags for each of our routed local shards
+        (`compact`: the bags with ids only)."""
         local = self.routing.routed_local_shards()
         routes = len(self.routing.routes_to[self.routing.rank])
         lens = payload[: routes * batch].view(routes, batch)
@@ -211,10 +233,11 @@ class ExchangeLayout:
         for shard in local:
             count = len(shard.features)
             n_ids = sum(route_ids[row : row + count])
+            shard_lens = lens[row : row + count].flatten()
             bags.append(
                 (
                     ids[id_start : id_start + n_ids],
-                    lens[row : row + count].flatten(),
+                    shard_lens[shard_lens > 0] if compact else shard_lens,
                     None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
                 )
             )
@@ -227,28 +250,47 @@ class ExchangeLayout:
         owner: int,
         received: torch.Tensor,
         batch: int,
-    ) -> list[tuple[Route, torch.Tensor]]:
-        """Receiver side: an owner's pooled buffer for our batch -> (route, (batch, cols))
-        blocks."""
+        kept: list[torch.Tensor] | None = None,
+    ) -> list[tuple[Route, torch.Tensor, torch.Tensor | None]]:
+        """Receiver side: an owner's pooled buffer for our batch -> (route, (bags, cols) block,
+        the batch rows of its bags: None for all of them) per route (`kept`: kept_bags')."""
         blocks = []
         offset = 0
-        for route in self.routing.routes_to[owner]:
-            size = batch * route.cols
-            blocks.append((route, received[offset : offset + size].view(batch, route.cols)))
+        for r, route in enumerate(self.routing.routes_to[owner]):
+            rows = None if kept is None else kept[r]
+            bags = batch if rows is None else rows.numel()
+            size = bags * route.cols
+            blocks.append((route, received[offset : offset + size].view(bags, route.cols), rows))
             offset += size
         return blocks
 
-    def output_splits(self, batch: int) -> list[int]:
+    def output_splits(
+        self, batch: int, kept: list[list[torch.Tensor] | None] | None = None
+    ) -> list[int]:
         """Receiver side: how many floats each other owner sends back for our batch."""
-        return [
-            0 if owner == self.routing.rank else batch * sum(r.cols for r in routes)
-            for owner, routes in enumerate(self.routing.routes_to)
-        ]
+        splits = []
+        for owner, routes in enumerate(self.routing.routes_to):
+            owner_kept = None if kept is None else kept[owner]
+            if owner == self.routing.rank:
+                splits.append(0)
+            elif owner_kept is None:
+                splits.append(batch * sum(r.cols for r in routes))
+            else:
+                splits.append(
+                    sum(k.numel() * r.cols for k, r in zip(owner_kept, routes, strict=True))
+                )
+        return splits
 
-    def add_block(self, out: torch.Tensor, route: Route, block: torch.Tensor) -> None:
-        """Add one route's pooled (batch, cols) block into its columns of the output."""
+    def add_block(
+        self, out: torch.Tensor, route: Route, block: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
+        """Add one route's pooled block into its columns of the output: (batch, cols), or the
+        batch rows `rows` of a compact layout."""
         start = self.routing.feature_offsets[route.feature] + route.shard.col_start
-        out[:, start : start + route.cols] += block
+        if rows is None:
+            out[:, start : start + route.cols] += block
+        else:
+            out[:, start : start + route.cols].index_add_(0, rows, block)
 
     def grad_columns(self, route: Route, full_rows: bool) -> tuple[int, int]:
         """The output-gradient columns an owner needs for one route."""
@@ -263,9 +305,11 @@ class ExchangeLayout:
         grad: torch.Tensor,
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
+        kept: list[list[torch.Tensor] | None] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Sender side: the output-gradient blocks each other owner needs, in its route order, and
-        the send splits (0 to ourselves); none for `frozen` tables."""
+        the send splits (0 to ourselves); none for `frozen` tables; the rows of `kept` bags only
+        in a compact layout."""
         blocks: list[torch.Tensor] = []
         splits = []
         for owner, routes in enumerate(self.routing.routes_to):
@@ -273,11 +317,15 @@ class ExchangeLayout:
                 splits.append(0)
                 continue
             start_len = len(blocks)
-            for route in routes:
+            owner_kept = None if kept is None else kept[owner]
+            for r, route in enumerate(routes):
                 if route.table in frozen:
                     continue
                 start, end = self.grad_columns(route, full_rows)
-                blocks.append(grad[:, start:end].flatten())
+                columns = grad[:, start:end]
+                if owner_kept is not None:
+                    columns = columns.index_select(0, owner_kept[r])
+                blocks.append(columns.flatten())
             splits.append(sum(b.numel() for b in blocks[start_len:]))
         flat = torch.cat(blocks) if blocks else grad.new_empty(0)
         return flat, splits
@@ -314,22 +362,30 @@ class ExchangeLayout:
 
     def grad_receive_splits(
         self,
-        batch_sizes: list[int],
+        bag_counts: list[list[int]],
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
     ) -> list[int]:
-        """Owner side: how many gradient floats each other sender sends for our shards."""
-        local = [s for s in self.routing.routed_local_shards() if s.table not in frozen]
-        per_sample = sum(len(s.features) * self.grad_width(s, full_rows) for s in local)
+        """Owner side: how many gradient floats each other sender sends for our shards;
+        `bag_counts[k][sender]`: the bags of our k-th shard that sender's ids filled (each a
+        gradient row)."""
+        local = self.routing.routed_local_shards()
+        senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
         return [
-            0 if sender == self.routing.rank else b * per_sample
-            for sender, b in enumerate(batch_sizes)
+            0
+            if sender == self.routing.rank
+            else sum(
+                bag_counts[k][sender] * self.grad_width(shard, full_rows)
+                for k, shard in enumerate(local)
+                if shard.table not in frozen
+            )
+            for sender in range(senders)
         ]
 
     def grad_blocks(
         self,
         received: torch.Tensor,
-        batch_sizes: list[int],
+        bag_counts: list[list[int]],
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
     ) -> list[list[torch.Tensor | None]]:
@@ -337,15 +393,16 @@ class ExchangeLayout:
         sender sent (None for ourselves, and for `frozen` tables)."""
         local = self.routing.routed_local_shards()
         widths = [self.grad_width(s, full_rows) for s in local]
-        per_shard: list[list[torch.Tensor | None]] = [[None] * len(batch_sizes) for _ in local]
+        senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
+        per_shard: list[list[torch.Tensor | None]] = [[None] * senders for _ in local]
         offset = 0
-        for sender, batch in enumerate(batch_sizes):
+        for sender in range(senders):
             if sender == self.routing.rank:
                 continue
             for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
                 if shard.table in frozen:
                     continue
-                rows = len(shard.features) * batch
+                rows = bag_counts[k][sender]
                 per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
                 offset += rows * width
         return per_shard

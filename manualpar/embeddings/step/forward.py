@@ -89,7 +89,8 @@ class ForwardPhases:
         job_batches = [h[0] for h in headers]
         if self.warn_uneven and len(set(job_batches)) > 1:
             self._warn_uneven(job_batches)
-        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, job_batches)
+        kept = layout.kept_bags(payloads, features.batch_size)
+        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, job_batches, kept)
 
     def _warn_uneven(self, batches: list[int]) -> None:
         """Once per collection: under normalize_by="world_size" each rank's loss counts the
@@ -130,7 +131,8 @@ class ForwardPhases:
         except Exception:
             stores.release(pins, updated=False)
             raise
-        pooled_in = self._send_pooled(senders, out) if world > 1 else None
+        pooled_in = self._send_pooled(senders, out, routed.kept) if world > 1 else None
+        bag_counts = [[senders[s][k][1].numel() for s in range(world)] for k in range(len(local))]
         bags = [
             combine_senders([senders[s][k] for s in range(world)], rank) for k in range(len(local))
         ]
@@ -138,7 +140,7 @@ class ForwardPhases:
             for shard, shard_bags in zip(local, bags, strict=True):
                 if shard.table not in routed.frozen:
                     shard_bags.groups = group_rows(shard_bags, parts.block_rows(shard))
-        return LookedUp(routed, out, bags, pooled_in, pins)
+        return LookedUp(routed, out, bags, pooled_in, pins, bag_counts)
 
     def _unpack_others(
         self, received: torch.Tensor, sizes: list[list[int]], senders: list[list[SenderBags]]
@@ -148,7 +150,9 @@ class ForwardPhases:
         for sender, (batch, length, weighted) in enumerate(sizes):
             if sender != rank:
                 payload = received[offset : offset + length]
-                senders[sender] = layout.unpack_ids(payload, batch, bool(weighted))
+                senders[sender] = layout.unpack_ids(
+                    payload, batch, bool(weighted), compact=layout.compact
+                )
                 offset += length
 
     def _add_own_pooled(self, own: list[SenderBags], out: torch.Tensor, batch: int) -> None:
@@ -161,9 +165,15 @@ class ForwardPhases:
             for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
                 parts.layout.add_block(out, next(routes), block)
 
-    def _send_pooled(self, senders: list[list[SenderBags]], out: torch.Tensor) -> PendingCollective:
+    def _send_pooled(
+        self,
+        senders: list[list[SenderBags]],
+        out: torch.Tensor,
+        kept: list[list[torch.Tensor] | None] | None,
+    ) -> PendingCollective:
         """Look up the other ranks' bags and send them their pooled rows (in flight on
-        return; `out`, this rank's output, gives the batch size, dtype and device)."""
+        return; `out`, this rank's output, gives the batch size, dtype and device; `kept`,
+        the bags the other owners send us back in a compact layout)."""
         parts = self.parts
         routing = parts.routing
         local = routing.routed_local_shards()
@@ -177,7 +187,7 @@ class ForwardPhases:
             for s in range(routing.world_size)
         ]
         flat, splits = pack_pooled(pooled, like=out)
-        receive = parts.layout.output_splits(out.shape[0])
+        receive = parts.layout.output_splits(out.shape[0], kept)
         return parts.exchange(flat, splits, receive, "pooled output")
 
     # output dist ------------------------------------------------------------------------------
@@ -189,11 +199,17 @@ class ForwardPhases:
         if looked.pooled_in is not None:
             received = looked.pooled_in.wait()
             offset = 0
-            for owner, size in enumerate(layout.output_splits(batch)):
+            kept = routed.kept
+            for owner, size in enumerate(layout.output_splits(batch, kept)):
                 if size:
-                    blocks = layout.pooled_blocks(owner, received[offset : offset + size], batch)
-                    for route, block in blocks:
-                        layout.add_block(out, route, block)
+                    blocks = layout.pooled_blocks(
+                        owner,
+                        received[offset : offset + size],
+                        batch,
+                        None if kept is None else kept[owner],
+                    )
+                    for route, block, rows in blocks:
+                        layout.add_block(out, route, block, rows)
                 offset += size
         feature_ids = self.data_parallel.lookup(routed.features, out)
         mean_scale = self._mean_scale(routed.lengths, out.dtype)
@@ -209,6 +225,8 @@ class ForwardPhases:
             frozen=routed.frozen,
             trains=len(routed.frozen) < len(parts.routing.tables),
             pins=looked.pins,
+            bag_counts=looked.bag_counts,
+            kept=routed.kept,
         )
 
     def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -35,6 +35,8 @@ class RoutedIds:
     ids_in: PendingCollective  # the other ranks' bags for our shards
     frozen: frozenset[int]  # tables every rank froze for this step
     job_batches: list[int]  # every job rank's batch size
+    # compact layouts: per owner, per route, the bags of our batch with ids there
+    kept: list[list[torch.Tensor] | None] | None = None
 
     @property
     def batch(self) -> int:
@@ -50,6 +52,7 @@ class LookedUp:
     bags: list[ShardBags]  # per local shard: every sender's bags (slots), in rank order
     pooled_in: PendingCollective | None  # pooled rows from the other owners (None alone)
     pins: Pins  # slots held until backward (or release on a failed or gradient-free step)
+    bag_counts: list[list[int]]  # per local shard, per sender: its bags here (gradient rows)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class SavedForBackward:
     frozen: frozenset[int]
     trains: bool  # False: every table frozen, no backward
     pins: Pins
+    bag_counts: list[list[int]]  # LookedUp's: the gradient rows each sender sends us
+    kept: list[list[torch.Tensor] | None] | None  # RoutedIds': the gradient rows we send
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,11 @@ class ShardedStep:
         device: torch.device,
         mesh: TableMesh,
         non_finite: str = "raise",
+        compact_bags: bool = False,
     ) -> None:
         self.parts = StepParts(
             routing,
-            ExchangeLayout(routing),
+            ExchangeLayout(routing, compact_bags),
             tables,
             optimizer,
             stores,
