@@ -26,6 +26,7 @@ from manualpar.errors import EmbeddingInputError
 __all__ = [
     "REFUSED",
     "ExchangeLayout",
+    "Kept",
     "SenderBags",
     "check_refusals",
     "combine_senders",
@@ -38,6 +39,8 @@ __all__ = [
 REFUSED = -1  # the sizes a rank sends when its own batch failed validation
 
 SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
+# compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)
+Kept = list[list[torch.Tensor | None] | None] | None
 
 
 def _weight_bits(weights: torch.Tensor) -> torch.Tensor:
@@ -196,20 +199,20 @@ class ExchangeLayout:
             for d in range(world)
         ]
 
-    def kept_bags(
-        self, payloads: list[torch.Tensor], batch: int
-    ) -> list[list[torch.Tensor] | None] | None:
+    def kept_bags(self, payloads: list[torch.Tensor], batch: int) -> Kept:
         """Sender side, compact layouts: per owner (None for ourselves), per route to it, the
-        bags of our batch it serves, those with ids there (None: not compact)."""
+        bags of our batch with ids there (None: all of them, as in a layout that is not
+        compact: the whole (batch, cols) block travels, with no index to apply)."""
         if not self.compact:
             return None
-        kept: list[list[torch.Tensor] | None] = []
+        kept: list[list[torch.Tensor | None] | None] = []
         for owner, routes in enumerate(self.routing.routes_to):
             if owner == self.routing.rank:
                 kept.append(None)
                 continue
             lens = payloads[owner][: len(routes) * batch].view(len(routes), batch)
-            kept.append([torch.nonzero(row).flatten() for row in lens])
+            rows = [torch.nonzero(row).flatten() for row in lens]
+            kept.append([None if r.numel() == batch else r for r in rows])
         return kept
 
     def unpack_ids(
@@ -250,7 +253,7 @@ class ExchangeLayout:
         owner: int,
         received: torch.Tensor,
         batch: int,
-        kept: list[torch.Tensor] | None = None,
+        kept: list[torch.Tensor | None] | None = None,
     ) -> list[tuple[Route, torch.Tensor, torch.Tensor | None]]:
         """Receiver side: an owner's pooled buffer for our batch -> (route, (bags, cols) block,
         the batch rows of its bags: None for all of them) per route (`kept`: kept_bags')."""
@@ -264,9 +267,7 @@ class ExchangeLayout:
             offset += size
         return blocks
 
-    def output_splits(
-        self, batch: int, kept: list[list[torch.Tensor] | None] | None = None
-    ) -> list[int]:
+    def output_splits(self, batch: int, kept: Kept = None) -> list[int]:
         """Receiver side: how many floats each other owner sends back for our batch."""
         splits = []
         for owner, routes in enumerate(self.routing.routes_to):
@@ -277,7 +278,10 @@ class ExchangeLayout:
                 splits.append(batch * sum(r.cols for r in routes))
             else:
                 splits.append(
-                    sum(k.numel() * r.cols for k, r in zip(owner_kept, routes, strict=True))
+                    sum(
+                        (batch if k is None else k.numel()) * r.cols
+                        for k, r in zip(owner_kept, routes, strict=True)
+                    )
                 )
         return splits
 
@@ -305,7 +309,7 @@ class ExchangeLayout:
         grad: torch.Tensor,
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
-        kept: list[list[torch.Tensor] | None] | None = None,
+        kept: Kept = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Sender side: the output-gradient blocks each other owner needs, in its route order, and
         the send splits (0 to ourselves); none for `frozen` tables; the rows of `kept` bags only
@@ -323,8 +327,9 @@ class ExchangeLayout:
                     continue
                 start, end = self.grad_columns(route, full_rows)
                 columns = grad[:, start:end]
-                if owner_kept is not None:
-                    columns = columns.index_select(0, owner_kept[r])
+                rows = None if owner_kept is None else owner_kept[r]
+                if rows is not None:
+                    columns = columns.index_select(0, rows)
                 blocks.append(columns.flatten())
             splits.append(sum(b.numel() for b in blocks[start_len:]))
         flat = torch.cat(blocks) if blocks else grad.new_empty(0)

@@ -19,6 +19,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import (
+    Kept,
     SenderBags,
     check_refusals,
     combine_senders,
@@ -169,7 +170,7 @@ class ForwardPhases:
         self,
         senders: list[list[SenderBags]],
         out: torch.Tensor,
-        kept: list[list[torch.Tensor] | None] | None,
+        kept: Kept,
     ) -> PendingCollective:
         """Look up the other ranks' bags and send them their pooled rows (in flight on
         return; `out`, this rank's output, gives the batch size, dtype and device; `kept`,

@@ -14,7 +14,7 @@ import torch
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.step.data_parallel import FeatureIds
-from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.step.exchange import Kept, SenderBags
 from manualpar.embeddings.storage.tier import Pins
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class RoutedIds:
     frozen: frozenset[int]  # tables every rank froze for this step
     job_batches: list[int]  # every job rank's batch size
     # compact layouts: per owner, per route, the bags of our batch with ids there
-    kept: list[list[torch.Tensor] | None] | None = None
+    kept: Kept = None
 
     @property
     def batch(self) -> int:
@@ -68,7 +68,7 @@ class SavedForBackward:
     trains: bool  # False: every table frozen, no backward
     pins: Pins
     bag_counts: list[list[int]]  # LookedUp's: the gradient rows each sender sends us
-    kept: list[list[torch.Tensor] | None] | None  # RoutedIds': the gradient rows we send
+    kept: Kept  # RoutedIds': the gradient rows we send
 
 
 @dataclass(frozen=True)
