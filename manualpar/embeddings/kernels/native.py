@@ -30,7 +30,8 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp")
 )
-HEADERS = (Path(__file__).parent / "csrc" / "avx2_rows.h",)  # included: part of the version
+# included by the sources: part of the version too
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("avx2_rows.h", "prefetch.h"))
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]

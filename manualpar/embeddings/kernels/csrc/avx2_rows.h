@@ -4,8 +4,18 @@
 // 0.78x where AVX-512 ran). Eight floats at a time; the same single operations in the same order
 // as the portable loops, so the same bits (tested at every level a CPU has, set_simd_level).
 // AVX2 has no 64-bit multiply in vectors: splitmix64's are built from three 32-bit ones, exact
-// modulo 2**64. Included by sparse_rows.cpp (inside its anonymous namespace), after splitmix.
+// modulo 2**64. Included by sparse_rows.cpp, which falls back to its portable loops for what
+// these leave (each returns how many leading elements it did).
 #pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "prefetch.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MANUALPAR_AVX2 __attribute__((target("avx2,f16c")))
@@ -35,9 +45,9 @@ MANUALPAR_AVX2 inline __m128i low_words_avx2(__m256i x) {
       _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
 }
 
-// uniform_row for float rows, eight values a step
-MANUALPAR_AVX2 void uniform_row_avx2(float* row, int64_t cols, uint64_t key, uint64_t base,
-                                     float width, float bound) {
+// uniform_row (sparse_rows.cpp) for float rows, eight values a step; returns the values done
+MANUALPAR_AVX2 int64_t uniform_row_avx2(float* row, int64_t cols, uint64_t key, uint64_t base,
+                                        float width, float bound) {
   const __m256i keys = _mm256_set1_epi64x(static_cast<int64_t>(key));
   const __m256i lanes = _mm256_setr_epi64x(0, 1, 2, 3);
   const __m256 unit = _mm256_set1_ps(0x1.0p-24f), widths = _mm256_set1_ps(width),
@@ -53,7 +63,7 @@ MANUALPAR_AVX2 void uniform_row_avx2(float* row, int64_t cols, uint64_t key, uin
     const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_set_m128i(high, low)), unit);
     _mm256_storeu_ps(row + j, _mm256_sub_ps(_mm256_mul_ps(u, widths), bounds));
   }
-  uniform_row(row + j, cols - j, key, base + static_cast<uint64_t>(j), width, bound);
+  return j;
 }
 
 MANUALPAR_AVX2 inline __m256 widen8(const at::BFloat16* p) {
@@ -134,16 +144,10 @@ template <typename weight_t>
 MANUALPAR_AVX2 void pool_bags_avx2(const weight_t* w, int64_t cols, const int64_t* id,
                                    const int64_t* start, int64_t n, const float* per_id,
                                    float* out, int64_t begin, int64_t end) {
-  const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(weight_t));
   for (int64_t b = begin; b < end; ++b) {
     float* acc = out + b * cols;
     for (int64_t k = start[b]; k < start[b + 1]; ++k) {
-      if (k + kPrefetchFar < n) {
-        const char* ahead = reinterpret_cast<const char*>(w + id[k + kPrefetchFar] * cols);
-        for (int64_t offset = 0; offset < row_bytes; offset += kCacheLine) {
-          _mm_prefetch(ahead + offset, _MM_HINT_T0);
-        }
-      }
+      if (k + kPrefetchFar < n) prefetch_row_to_read(w + id[k + kPrefetchFar] * cols, cols);
       const weight_t* row = w + id[k] * cols;
       const bool scaled = per_id != nullptr;
       const float scale = scaled ? per_id[k] : 1.0f;

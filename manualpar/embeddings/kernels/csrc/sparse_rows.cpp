@@ -30,25 +30,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_rows.h"
+#include "prefetch.h"
+
 namespace {
 
 constexpr int64_t kRadixBits = 11;
-// Rows to be written are prefetched in two stages: far ahead into the outer caches (many misses
-// in flight), then a few rows ahead into L1 (within its few miss buffers). Measured on a random
-// row update: about 1.3x faster than one stage 8 rows ahead.
-constexpr int64_t kPrefetchNear = 4;
-constexpr int64_t kPrefetchFar = 16;
-constexpr int64_t kCacheLine = 64;
-
-// Ask for every cache line of a row that will be written soon; Locality 3: into L1, 1: outer.
-template <int Locality, typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t cols) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < cols * static_cast<int64_t>(sizeof(scalar_t));
-       offset += kCacheLine) {
-    __builtin_prefetch(bytes + offset, 1, Locality);
-  }
-}
 
 // Positions of `keys` (all in [0, max_key]) ordered by key into `order`, stable: LSD radix sort.
 void order_by_key(const int64_t* keys, int64_t n, int64_t max_key, int64_t* order) {
@@ -515,8 +502,6 @@ int64_t set_simd_level(int64_t level) {
   return simd_level();
 }
 
-#include "avx2_rows.h"
-
 #if defined(__x86_64__) && defined(__GNUC__)
 // The same values sixteen at a time where the CPU has AVX-512 (64-bit multiplies in vectors):
 // integer steps are exact and the float steps are the same single operations, so the bits agree.
@@ -560,7 +545,11 @@ void uniform_row_fastest(scalar_t* row, int64_t cols, uint64_t key, uint64_t bas
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (simd_level() == 2) return uniform_row_avx512(row, cols, key, base, width, bound);
-    if (simd_level() == 1) return uniform_row_avx2(row, cols, key, base, width, bound);
+    if (simd_level() == 1) {
+      const int64_t done = uniform_row_avx2(row, cols, key, base, width, bound);
+      return uniform_row(row + done, cols - done, key, base + static_cast<uint64_t>(done), width,
+                         bound);
+    }
   }
 #endif
   uniform_row(row, cols, key, base, width, bound);
