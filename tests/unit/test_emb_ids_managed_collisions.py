@@ -10,10 +10,10 @@ import torch
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
+from manualpar.embeddings.ids.buckets import buckets_of
 from manualpar.embeddings.ids.managed_collisions import (
     ManagedCollisionRemapper,
     ManagedCollisionTable,
-    buckets_of,
 )
 from manualpar.embeddings.kernels.native import native_kernels
 from manualpar.errors import EmbeddingInputError
@@ -211,7 +211,7 @@ def test_both_ways_of_finding_held_ids_agree() -> None:
 def test_the_planner_counts_the_remappers_state_on_every_rank() -> None:
     """3 int64 per managed row, the buckets split over every rank: 1000 rows on 2 ranks take
     12,000 bytes per rank, whatever the tables' placement."""
-    from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
+    from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
     from manualpar.embeddings.planning.planner import plan_tables
     from manualpar.errors import PlanError
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from manualpar.embeddings import EmbeddingBagConfig, ManagedCollisions
-from manualpar.embeddings.ids.managed_collisions import ManagedCollisionTable, buckets_of
+from manualpar.embeddings.ids.buckets import buckets_of
+from manualpar.embeddings.ids.managed_collisions import ManagedCollisionTable
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

@@ -11,12 +11,9 @@ import torch
 
 from manualpar.embeddings import EmbeddingBagConfig, HashIds, ManagedCollisions, SparseFeatures
 from manualpar.embeddings.ids import hashing
+from manualpar.embeddings.ids.buckets import buckets_of, layout_of
 from manualpar.embeddings.ids.hashing import salt_key
-from manualpar.embeddings.ids.managed_collisions import (
-    ManagedCollisionTable,
-    buckets_of,
-    layout_of,
-)
+from manualpar.embeddings.ids.managed_collisions import ManagedCollisionTable
 from manualpar.embeddings.kernels.native import native_kernels
 
 pytestmark = pytest.mark.skipif(

@@ -36,7 +36,12 @@ from torch import nn
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.id_spaces import ManagedCollisions
+from manualpar.embeddings.ids.buckets import (
+    STATE,
+    layout_of,
+    managed_setting,
+    managed_tables,
+)
 from manualpar.embeddings.ids.hashing import (
     hash_ids,
     salt_key,
@@ -48,20 +53,14 @@ from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_t
 from manualpar.embeddings.kernels.splitmix import mix64
 
 __all__ = [
-    "STATE",
+    "NATIVE_BUCKET_ROWS",
     "STATS",
-    "BucketLayout",
     "ManagedCollisionRemapper",
     "ManagedCollisionTable",
     "managed_remapper",
-    "managed_setting",
-    "managed_tables",
-    "remapper_bytes_per_rank",
 ]
 
-STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
 STATS = ("ids", "new", "collisions", "evictions")
-_STATE_BYTES = 8  # each STATE entry is one int64 per row
 # The C++ remap scans an id's bucket for its row, so its cost grows with the bucket: one step
 # of 10k distinct ids on a 100k-row table took 0.94 ms with 64-row buckets (the default), 2.9 ms
 # with 1,024 and 4.3 ms with 2,048, against 10.7-11.5 ms on the torch path (one thread). Its
@@ -69,56 +68,9 @@ _STATE_BYTES = 8  # each STATE entry is one int64 per row
 NATIVE_BUCKET_ROWS = 2048
 
 
-def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
-    """What each rank's share of the managed-collision remappers holds: STATE for every row of
-    the managed tables, whose buckets are split over all ranks whatever the table plan (so the
-    planner counts it on every rank, outside the tables' placements)."""
-    rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
-    return -(-rows // world_size) * len(STATE) * _STATE_BYTES
-
-
 _BELOW_62 = (1 << 62) - 1
 _BELOW_32 = (1 << 32) - 1
 _NO_VERSION = count()  # keys of states without version counters, never equal
-
-
-@dataclass(frozen=True)
-class BucketLayout:
-    """A managed table's buckets: bucket k holds rows [k * bucket_rows, min(.., rows))."""
-
-    rows: int
-    bucket_rows: int
-
-    @property
-    def num_buckets(self) -> int:
-        return -(-self.rows // self.bucket_rows)
-
-    def owned(self, rank: int, world_size: int) -> tuple[int, int]:
-        """The buckets [first, end) rank `rank` of `world_size` remaps (contiguous, even)."""
-        buckets = self.num_buckets
-        return rank * buckets // world_size, (rank + 1) * buckets // world_size
-
-    def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
-        return buckets[0] * self.bucket_rows, min(buckets[1] * self.bucket_rows, self.rows)
-
-
-def managed_tables(configs: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
-    return [c for c in configs if isinstance(c.raw_ids, ManagedCollisions)]
-
-
-def managed_setting(config: EmbeddingBagConfig) -> ManagedCollisions:
-    """A managed table's ManagedCollisions (its raw_ids)."""
-    assert isinstance(config.raw_ids, ManagedCollisions), config.name
-    return config.raw_ids
-
-
-def layout_of(config: EmbeddingBagConfig) -> BucketLayout:
-    return BucketLayout(config.num_embeddings, managed_setting(config).bucket_rows)
-
-
-def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
-    """Each raw id's bucket in its table."""
-    return unsigned_mod(hash_ids(ids, managed_setting(config).salt), layout_of(config).num_buckets)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.dtype_names import dtype_name
-from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
+from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,

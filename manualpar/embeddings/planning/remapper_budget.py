@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.ids.managed_collisions import remapper_bytes_per_rank
+from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
 from manualpar.embeddings.plan import format_bytes
 from manualpar.errors import PlanError
 

@@ -22,15 +22,17 @@ import torch
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.ids.hashing import salt_key, table_ids, with_table_ids
-from manualpar.embeddings.ids.managed_collisions import (
+from manualpar.embeddings.ids.buckets import (
     STATE,
-    ManagedCollisionRemapper,
-    ManagedCollisionTable,
     buckets_of,
     layout_of,
     managed_setting,
     managed_tables,
+)
+from manualpar.embeddings.ids.hashing import salt_key, table_ids, with_table_ids
+from manualpar.embeddings.ids.managed_collisions import (
+    ManagedCollisionRemapper,
+    ManagedCollisionTable,
 )
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.step.exchange import REFUSED, check_refusals

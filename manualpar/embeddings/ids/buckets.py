@@ -1,0 +1,75 @@
+"""A managed table's buckets: which rows each bucket holds, which bucket a raw id hashes to,
+which rank remaps it, and what the remapper's per-row state costs (ids/managed_collisions.py
+remaps; sharded/managed_collisions.py splits the buckets over the ranks; the planner counts
+the state)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.id_spaces import ManagedCollisions
+from manualpar.embeddings.ids.hashing import hash_ids, unsigned_mod
+
+__all__ = [
+    "STATE",
+    "BucketLayout",
+    "buckets_of",
+    "layout_of",
+    "managed_setting",
+    "managed_tables",
+    "remapper_bytes_per_rank",
+]
+
+STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
+_STATE_BYTES = 8  # each STATE entry is one int64 per row
+
+
+def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
+    """What each rank's share of the managed-collision remappers holds: STATE for every row of
+    the managed tables, whose buckets are split over all ranks whatever the table plan (so the
+    planner counts it on every rank, outside the tables' placements)."""
+    rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
+    return -(-rows // world_size) * len(STATE) * _STATE_BYTES
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """A managed table's buckets: bucket k holds rows [k * bucket_rows, min(.., rows))."""
+
+    rows: int
+    bucket_rows: int
+
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.rows // self.bucket_rows)
+
+    def owned(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The buckets [first, end) rank `rank` of `world_size` remaps (contiguous, even)."""
+        buckets = self.num_buckets
+        return rank * buckets // world_size, (rank + 1) * buckets // world_size
+
+    def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
+        return buckets[0] * self.bucket_rows, min(buckets[1] * self.bucket_rows, self.rows)
+
+
+def managed_tables(configs: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    return [c for c in configs if isinstance(c.raw_ids, ManagedCollisions)]
+
+
+def managed_setting(config: EmbeddingBagConfig) -> ManagedCollisions:
+    """A managed table's ManagedCollisions (its raw_ids)."""
+    assert isinstance(config.raw_ids, ManagedCollisions), config.name
+    return config.raw_ids
+
+
+def layout_of(config: EmbeddingBagConfig) -> BucketLayout:
+    return BucketLayout(config.num_embeddings, managed_setting(config).bucket_rows)
+
+
+def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
+    """Each raw id's bucket in its table."""
+    return unsigned_mod(hash_ids(ids, managed_setting(config).salt), layout_of(config).num_buckets)
