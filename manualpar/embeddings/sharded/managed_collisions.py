@@ -35,7 +35,7 @@ from manualpar.embeddings.ids.managed_collisions import (
     ManagedCollisionTable,
 )
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
-from manualpar.embeddings.step.exchange import REFUSED, check_refusals
+from manualpar.embeddings.step.size_header import REFUSED, check_refusals
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy

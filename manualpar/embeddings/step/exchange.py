@@ -2,7 +2,7 @@
 
 Per step (each `all_to_all_single`; the list form fails on gloo for unequal sizes):
   1. sizes: every rank sends every rank [batch size, payload length, weighted, frozen table
-     flags...] (frozen.py: the ranks must agree on them);
+     flags...] (size_header.py; frozen.py: the ranks must agree on them);
   2. payload: bag lengths, ids (row-local) and per-id weights (as int64 bit patterns) in one
      buffer per destination, so one collective carries all three;
   3. pooled output: each owner sends back per-bag partial sums (row-wise shards are summed, and
@@ -19,24 +19,16 @@ import torch
 
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
-from manualpar.embeddings.step.frozen import num_words
 from manualpar.embeddings.step.routing import LocalShard, Route, Routing
-from manualpar.errors import EmbeddingInputError
 
 __all__ = [
-    "REFUSED",
     "ExchangeLayout",
     "Kept",
     "SenderBags",
-    "check_refusals",
     "combine_senders",
-    "header_width",
     "pack_pooled",
-    "size_header",
     "split_by_rows",
 ]
-
-REFUSED = -1  # the sizes a rank sends when its own batch failed validation
 
 SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
 # compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)
@@ -52,32 +44,6 @@ def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
 
 
 # 1-2: ids -------------------------------------------------------------------------------------
-
-
-def header_width(num_tables: int) -> int:
-    """int64 values the size exchange sends each rank (see `size_header`)."""
-    return 3 + num_words(num_tables)
-
-
-def size_header(
-    batch: int, payloads: list[torch.Tensor], weighted: bool, frozen_words: list[int]
-) -> torch.Tensor:
-    """What the size exchange sends each rank: [batch size, payload length, weighted, the
-    frozen tables' flag words]."""
-    return torch.tensor(
-        [[batch, p.numel(), int(weighted), *frozen_words] for p in payloads],
-        dtype=torch.int64,
-        device=payloads[0].device,
-    ).flatten()
-
-
-def check_refusals(sizes_in: list[list[int]]) -> None:
-    refused = [rank for rank, size in enumerate(sizes_in) if size[0] == REFUSED]
-    if refused:
-        raise EmbeddingInputError(
-            f"rank {', '.join(map(str, refused))} refused its batch (the error is in that "
-            f"rank's log); every rank stops at this step. Fix the input on that rank"
-        )
 
 
 def split_by_rows(

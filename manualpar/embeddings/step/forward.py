@@ -21,15 +21,13 @@ from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import (
     Kept,
     SenderBags,
-    check_refusals,
     combine_senders,
-    header_width,
     pack_pooled,
-    size_header,
 )
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import LookedUp, RoutedIds, SavedForBackward
+from manualpar.embeddings.step.size_header import check_refusals, header_width, size_header
 from manualpar.embeddings.storage.tier import Pins
 
 if TYPE_CHECKING:

@@ -21,11 +21,12 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.backward import BackwardPhases
 from manualpar.embeddings.step.data_parallel import DataParallelTables
-from manualpar.embeddings.step.exchange import REFUSED, ExchangeLayout, header_width
+from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.forward import ForwardPhases
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
+from manualpar.embeddings.step.size_header import REFUSED, header_width
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.tier import TableStores
 

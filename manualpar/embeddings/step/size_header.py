@@ -1,0 +1,41 @@
+"""The size exchange that opens every step (exchange.py, 1): each rank tells every rank its
+batch size, the length of the payload it sends it, whether ids carry weights and which tables
+it froze; a rank whose batch failed validation sends REFUSED instead, so every rank stops at
+the same step naming it."""
+
+from __future__ import annotations
+
+import torch
+
+from manualpar.embeddings.step.frozen import num_words
+from manualpar.errors import EmbeddingInputError
+
+__all__ = ["REFUSED", "check_refusals", "header_width", "size_header"]
+
+REFUSED = -1  # the sizes a rank sends when its own batch failed validation
+
+
+def header_width(num_tables: int) -> int:
+    """int64 values the size exchange sends each rank (see `size_header`)."""
+    return 3 + num_words(num_tables)
+
+
+def size_header(
+    batch: int, payloads: list[torch.Tensor], weighted: bool, frozen_words: list[int]
+) -> torch.Tensor:
+    """What the size exchange sends each rank: [batch size, payload length, weighted, the
+    frozen tables' flag words]."""
+    return torch.tensor(
+        [[batch, p.numel(), int(weighted), *frozen_words] for p in payloads],
+        dtype=torch.int64,
+        device=payloads[0].device,
+    ).flatten()
+
+
+def check_refusals(sizes_in: list[list[int]]) -> None:
+    refused = [rank for rank, size in enumerate(sizes_in) if size[0] == REFUSED]
+    if refused:
+        raise EmbeddingInputError(
+            f"rank {', '.join(map(str, refused))} refused its batch (the error is in that "
+            f"rank's log); every rank stops at this step. Fix the input on that rank"
+        )
