@@ -183,7 +183,7 @@ class ManagedCollisionTable(nn.Module):
         step = int(self.step) + 1 if self.training else 0
         setting = managed_setting(self.config)
         rows, stats = loaded_kernels().managed_remap(
-            ids.contiguous(),
+            ids.to(torch.int64).contiguous(),
             None if counts is None else counts.to(torch.int64).contiguous(),
             self.ids,
             self.last_seen,

@@ -195,7 +195,7 @@ class _Sent:
         if native and native_kernels_take(raw):  # one C++ pass (kernels/csrc/raw_ids.cpp)
             salt = salt_key(managed_setting(config).salt)
             self.ids, self.counts, self.inverse, per_rank = loaded_kernels().managed_route(
-                raw.contiguous(), salt, layout.num_buckets, ends
+                raw.to(torch.int64).contiguous(), salt, layout.num_buckets, ends
             )
             self.order: torch.Tensor | None = None
             self.per_rank: list[int] = per_rank.tolist()
