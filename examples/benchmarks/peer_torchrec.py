@@ -58,35 +58,23 @@ DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
 def build_model(args: argparse.Namespace, rank: int, world: int) -> DistributedModelParallel:
+    common = [
+        {
+            "name": f"t{i}",
+            "embedding_dim": args.dim,
+            "num_embeddings": args.rows,
+            "feature_names": [f"f{i}"],
+            "data_type": DATA_TYPES[args.dtype],
+        }
+        for i in range(args.tables)
+    ]
+    meta = torch.device("meta")
+    ebc: EmbeddingBagCollection | EmbeddingCollection
     if args.sequence:  # unpooled: a row per id
-        ebc: EmbeddingBagCollection | EmbeddingCollection = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=f"t{i}",
-                    embedding_dim=args.dim,
-                    num_embeddings=args.rows,
-                    feature_names=[f"f{i}"],
-                    data_type=DATA_TYPES[args.dtype],
-                )
-                for i in range(args.tables)
-            ],
-            device=torch.device("meta"),
-        )
+        ebc = EmbeddingCollection([EmbeddingConfig(**c) for c in common], device=meta)
     else:
-        ebc = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name=f"t{i}",
-                    embedding_dim=args.dim,
-                    num_embeddings=args.rows,
-                    feature_names=[f"f{i}"],
-                    pooling=PoolingType.SUM,
-                    data_type=DATA_TYPES[args.dtype],
-                )
-                for i in range(args.tables)
-            ],
-            device=torch.device("meta"),
-        )
+        bags = [EmbeddingBagConfig(**c, pooling=PoolingType.SUM) for c in common]
+        ebc = EmbeddingBagCollection(bags, device=meta)
     # Before planning: the plan's compute kernel is FUSED only for parameters that carry an
     # in-backward optimizer (torchrec.distributed.sharding_plan._get_compute_kernel).
     _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.lr, "eps": 1e-8})
