@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from manualpar.embeddings.storage.row_cache import NEVER, STORED, CacheFull, RowCache
+from manualpar.embeddings.storage.row_cache import (
+    NEVER,
+    STORED,
+    CacheFull,
+    RowCache,
+    SlotAssignment,
+)
 
 
 def rows(*ids: int) -> torch.Tensor:
@@ -92,3 +98,53 @@ def test_dirty_entries_and_drop_all() -> None:
     assert cache.never_written(0, 10).tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
     cache.drop_all()
     assert (cache.slot_of == STORED).all() and cached(cache) == set()
+
+
+def _state(cache: RowCache) -> dict[str, object]:
+    names = ("slot_of", "row_of", "pins", "dirty", "last_used", "uses", "free")
+    state: dict[str, object] = {name: getattr(cache, name).tolist() for name in names}
+    state["stats"] = (cache.hits, cache.misses, cache.evictions)
+    return state
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
+    """Skewed ids with repeats, two calls a step, evictions in batches, a cache too small
+    once: the C++ pass and the torch path give the same slots, victims and state."""
+    from manualpar.embeddings.kernels.native import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("the C++ kernels could not be built on this machine")
+    native, torch_path = RowCache(500, 64, policy), RowCache(500, 64, policy)
+    torch_path.native = False
+    generator = torch.Generator().manual_seed(3)
+    for index in range(40):
+        pins = []
+        for cache in (native, torch_path):
+            cache.new_step()
+        for _ in range(2):
+            skewed = torch.randint(0, 500, (40,), generator=generator) ** 2 // 500
+            size = 70 if index == 17 else 30  # step 17 asks more than the cache holds
+            ids = skewed[:size] if size <= 40 else torch.cat([skewed, torch.arange(40, 70)])
+            outcomes = []
+            for cache in (native, torch_path):
+                try:
+                    outcomes.append(cache.assign_ids(ids))
+                except CacheFull as full:
+                    outcomes.append((full.needed, full.capacity))
+            (ours, a), (theirs, b) = outcomes
+            if isinstance(ours, int):
+                assert (ours, a) == (theirs, b)
+                continue
+            assert isinstance(a, SlotAssignment) and isinstance(b, SlotAssignment)
+            assert ours.tolist() == theirs.tolist()
+            assert (native.row_of[ours] == ids).all()
+            assert sorted(a.slots.tolist()) == sorted(b.slots.tolist())
+            for name in ("evict_rows", "evict_slots", "fetch_rows", "fetch_slots", "stored"):
+                assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+            pins.append(a.slots)
+        for slots in pins:
+            native.release(slots, updated=index % 3 != 0)
+            torch_path.release(slots, updated=index % 3 != 0)
+        assert _state(native) == _state(torch_path)
+    assert native.evictions > 64  # the cache turned over

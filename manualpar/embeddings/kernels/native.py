@@ -28,7 +28,7 @@ __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take"]
 # sparse_rows.cpp holds the module definition; the other files register their functions in it
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp")
+    for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp", "row_cache.cpp")
 )
 # included by the sources: part of the version too
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("avx2_rows.h", "prefetch.h"))

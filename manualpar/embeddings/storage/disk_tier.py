@@ -156,9 +156,8 @@ class DiskTable:
     def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache slot of each local row id (same shape), and the distinct slots pinned."""
         self.file.release_pages()  # a checkpoint's, if any
-        rows, inverse = torch.unique(ids, return_inverse=True)
         try:
-            assignment = self.cache.assign(rows.cpu())
+            id_slots, assignment = self.cache.assign_ids(ids.cpu())
         except CacheFull as full:
             raise EmbeddingInputError(
                 f"disk tier: table {self.config.name!r} on rank {self.rank} needs "
@@ -170,8 +169,7 @@ class DiskTable:
             self._write_back(assignment.evict_rows, assignment.evict_slots)
         if assignment.fetch_rows.numel():
             self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.stored)
-        slots = assignment.slots.to(ids.device)
-        return slots[inverse], slots
+        return id_slots.to(ids.device), assignment.slots.to(ids.device)
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor, wait: bool = False) -> None:
         """Dirty victims to the file: their records are copied out of the cache now (the slots

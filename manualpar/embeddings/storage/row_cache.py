@@ -8,7 +8,9 @@ Victims are the unpinned slots with the smallest key:
 - "lfu": how many steps used it while cached, ties broken by the last use.
 
 Victims are chosen in batches (at least 1/16 of the cache, once the free slots run out), so the
-selection over all slots (a top-k) runs every few steps, not every step.
+selection over all slots runs every few steps, not every step. Ties go to the lower slot, and
+victims are freed in slot order, so the C++ pass (kernels/csrc/row_cache.cpp, `assign_ids`)
+and the torch path leave the same state.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 
 __all__ = ["NEVER", "POLICIES", "STORED", "CacheFull", "RowCache", "SlotAssignment"]
 
@@ -59,12 +63,53 @@ class RowCache:
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.last_used = torch.zeros(capacity, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
-        self.free = torch.arange(capacity - 1, -1, -1)  # popped from the end: slot 0 first
+        # a stack: free_slots[:free_count], popped from the end (slot 0 first)
+        self.free_slots = torch.arange(capacity - 1, -1, -1)
+        self.free_count = capacity
         self.step = 0
         self.hits = self.misses = self.evictions = 0
+        self.native = True  # False: the torch path, even where the C++ kernels are built
+
+    @property
+    def free(self) -> torch.Tensor:
+        return self.free_slots[: self.free_count]
 
     def new_step(self) -> None:
         self.step += 1
+
+    def assign_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, SlotAssignment]:
+        """`assign` for one call's ids (CPU int64, repeats allowed): the slot of each id, and
+        the assignment of their distinct rows. One C++ pass where the kernels are built."""
+        if not (self.native and native_kernels_take(ids)):
+            rows, inverse = torch.unique(ids, return_inverse=True)
+            assignment = self.assign(rows)
+            return assignment.slots[inverse], assignment
+        result = loaded_kernels().cache_assign(
+            ids.contiguous(),
+            self.slot_of,
+            self.row_of,
+            self.pins,
+            self.dirty,
+            self.last_used,
+            self.uses,
+            self.free_slots,
+            self.free_count,
+            self.step,
+            self.policy == "lfu",
+            self.capacity // EVICT_FRACTION,
+        )
+        counts = result[-1].tolist()
+        if counts[0] < 0:
+            raise CacheFull(counts[1], self.capacity)
+        id_slots, pinned, fetch_rows, fetch_slots, stored, evict_rows, evict_slots, _ = result
+        self.free_count = counts[0]
+        self.hits += counts[1]
+        self.misses += counts[2]
+        self.evictions += counts[3]
+        assignment = SlotAssignment(
+            pinned, evict_rows, evict_slots, fetch_rows, fetch_slots, stored
+        )
+        return id_slots, assignment
 
     def assign(self, rows: torch.Tensor) -> SlotAssignment:
         """Pin distinct `rows` (int64) into slots, choosing victims if the free slots run out.
@@ -74,7 +119,7 @@ class RowCache:
         miss_rows = rows[missing]
         hit_slots = slots[~missing]
         self.pins[hit_slots] += 1
-        short = miss_rows.numel() - self.free.numel()
+        short = miss_rows.numel() - self.free_count
         evict_rows = evict_slots = rows[:0]
         if short > 0:
             try:
@@ -83,8 +128,8 @@ class RowCache:
                 self.pins[hit_slots] -= 1
                 raise
         count = miss_rows.numel()
-        new_slots = self.free[self.free.numel() - count :].flip(0)
-        self.free = self.free[: self.free.numel() - count]
+        new_slots = self.free_slots[self.free_count - count : self.free_count].flip(0)
+        self.free_count -= count
         stored = self.slot_of[miss_rows] == STORED
         self.slot_of[miss_rows] = new_slots.to(torch.int32)
         self.row_of[new_slots] = miss_rows
@@ -108,14 +153,19 @@ class RowCache:
             pinned = int((self.pins > 0).sum())
             raise CacheFull(pinned + missing, self.capacity)
         count = min(available, max(short, self.capacity // EVICT_FRACTION))
-        victims = torch.topk(key, count, largest=False, sorted=False).indices
+        # the smallest keys, ties to the lower slot (a stable sort), freed in slot order
+        victims = torch.sort(key, stable=True).indices[:count].sort().values
         self.evictions += count
         rows = self.row_of[victims]
         self.slot_of[rows] = STORED  # generated rows are dirty, so written back below
         self.row_of[victims] = -1
         dirty = self.dirty[victims]
         self.dirty[victims] = False
-        self.free = torch.cat([victims, self.free])
+        # under the free slots left: taken after them, in ascending order
+        left = self.free_slots[: self.free_count].clone()
+        self.free_slots[count : count + self.free_count] = left
+        self.free_slots[:count] = victims.flip(0)
+        self.free_count += count
         return rows[dirty], victims[dirty]
 
     def _touch(self, slots: torch.Tensor) -> None:
@@ -152,7 +202,8 @@ class RowCache:
         self.pins.zero_()
         self.dirty.zero_()
         self.uses.zero_()
-        self.free = torch.arange(self.capacity - 1, -1, -1)
+        self.free_slots = torch.arange(self.capacity - 1, -1, -1)
+        self.free_count = self.capacity
 
     @property
     def pinned(self) -> int:

@@ -1081,10 +1081,12 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
 
 void register_raw_ids(pybind11::module& m);  // raw_ids.cpp
 void register_row_io(pybind11::module& m);   // row_io.cpp
+void register_row_cache(pybind11::module& m);  // row_cache.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_raw_ids(m);
   register_row_io(m);
+  register_row_cache(m);
   m.def("segment_sum", &segment_sum);
   m.def("group_rows", &group_rows);
   m.def("rowwise_adagrad_update", &rowwise_adagrad_update);
