@@ -174,6 +174,28 @@ def test_initial_values_are_the_same_bits_on_both_paths(monkeypatch):
     assert not torch.equal(torch_block, init_rows(config, 4, (4000, 9000), (5, 24)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_initial_values_written_into_scattered_slots_are_the_same_bits_on_both_paths(
+    monkeypatch, dtype
+):
+    """The disk tier generates rows on first use straight into its cache slots."""
+    from manualpar.embeddings import EmbeddingBagConfig
+    from manualpar.embeddings.modules.table_init import init_rows, init_rows_into
+
+    config = EmbeddingBagConfig("t", 9000, 24, feature_names=("f",), init_bound=0.5)
+    rows, slots = torch.tensor([8999, 3, 4000, 17]), torch.tensor([2, 5, 0, 3])
+    native_out = torch.zeros(6, 19, dtype=dtype)
+    init_rows_into(config, 3, rows, (5, 24), native_out, slots)
+    monkeypatch.setattr(native, "_loaded", None)
+    torch_out = torch.zeros(6, 19, dtype=dtype)
+    init_rows_into(config, 3, rows, (5, 24), torch_out, slots)
+    assert torch.equal(native_out, torch_out)
+    for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
+        block = init_rows(config, 3, (row, row + 1), (5, 24), out=torch.empty(1, 19, dtype=dtype))
+        assert torch.equal(native_out[slot], block[0])
+    assert not native_out[[1, 4]].any()  # other slots untouched
+
+
 def test_split_by_rows_matches_torch(monkeypatch):
     from manualpar.embeddings import EmbeddingBagConfig, EmbeddingPlan, row_wise
     from manualpar.embeddings.step.exchange import split_by_rows

@@ -80,3 +80,39 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
 def test_io_threads_is_checked():
     with pytest.raises(BuilderError, match=re.escape("io_threads must be a positive int, got 0")):
         DiskTier("x", cache_rows=8, io_threads=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpp_copies_between_records_and_cache_rows_equal_the_torch_ops(
+    tmp_path, monkeypatch, dtype
+):
+    """A fetch's records into cache rows and a write-back's rows into records, the weights and a
+    per-row and a per-column state, the same bytes in C++ as with index ops."""
+    file = RowFile(tmp_path / "t.rows", 100, 5, dtype, {"sum": True, "moment": False}, "t", 1)
+    records = _records(file, 7, 3)
+    file.weight_of(records).copy_(torch.randn(7, 5).to(dtype))  # no NaN bit patterns
+    for key in ("sum", "moment"):
+        state = file.state_of(records, key)
+        state.copy_(torch.randn(state.shape))
+    slots = torch.tensor([9, 0, 4, 11, 2, 7, 5])
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(row_file, "native_kernels_take", lambda *tensors: False)
+        weight = torch.zeros(12, 5, dtype=dtype)
+        state = {"sum": torch.zeros(12), "moment": torch.zeros(12, 5)}
+        file.to_slots(records, slots, weight, state)
+        back = file.empty(7).zero_()
+        file.from_slots(back, slots.flip(0), weight, state)
+        results.append((weight, state, back))
+    (weight, state, back), (weight_ref, state_ref, back_ref) = results
+    assert torch.equal(
+        weight.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        weight_ref.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
+    assert all(torch.equal(state[key], state_ref[key]) for key in state)
+    assert torch.equal(weight[slots], file.weight_of(records))
+    assert torch.equal(back, back_ref)  # padding included
+    for key in ("sum", "moment"):  # read back in the reverse order of the slots
+        assert torch.equal(file.state_of(back, key), file.state_of(records, key).flip(0))

@@ -15,7 +15,7 @@ from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.splitmix import shift_right, signed, table_key, torch_mix
 
-__all__ = ["init_rows", "init_rows_at"]
+__all__ = ["init_rows", "init_rows_at", "init_rows_into"]
 
 
 def _torch_uniform(key: int, counters: torch.Tensor) -> torch.Tensor:
@@ -60,3 +60,23 @@ def init_rows_at(
     key, bound, dim = table_key(seed, config.name), config.bound, config.embedding_dim
     counters = rows.cpu().unsqueeze(1) * dim + torch.arange(c0, c1)
     return _torch_uniform(key, counters).mul_(2 * bound).sub_(bound)
+
+
+@torch.no_grad()
+def init_rows_into(
+    config: EmbeddingBagConfig,
+    seed: int,
+    rows: torch.Tensor,
+    columns: tuple[int, int],
+    out: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """`init_rows_at` written into rows `slots` of `out` (in its dtype): one C++ pass on CPU."""
+    if native_kernels_take(out, slots) and out.is_contiguous():
+        key, dim = table_key(seed, config.name), config.embedding_dim
+        loaded_kernels().uniform_rows_at(
+            out, slots.contiguous(), rows.contiguous(), signed(key), columns[0], dim, config.bound
+        )
+        return
+    values = init_rows_at(config, seed, rows, columns)
+    out.index_copy_(0, slots, values.to(out.device, out.dtype))

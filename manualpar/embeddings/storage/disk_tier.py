@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.modules.table_init import init_rows, init_rows_at
+from manualpar.embeddings.modules.table_init import init_rows, init_rows_into
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
 from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
@@ -176,11 +176,8 @@ class DiskTable:
         are reused at once) and written in the background (BackgroundWrites), or now if
         `wait`."""
         rows, order = torch.sort(rows)  # ascending offsets
-        device_slots = slots[order].to(self.weight.device)
         records = self.file.empty(rows.numel())
-        self.file.weight_of(records).copy_(self.weight.index_select(0, device_slots))
-        for key, tensor in self.state.items():
-            self.file.state_of(records, key).copy_(tensor.index_select(0, device_slots))
+        self.file.from_slots(records, slots[order].to(self.weight.device), self.weight, self.state)
         self.write_back.submit(rows, records)
         if wait:
             self.write_back.settle()
@@ -192,18 +189,13 @@ class DiskTable:
             self.write_back.settle_if_writing(old)  # a row evicted a step ago, still on its way
             records = self.file.empty(old.numel())
             self.file.read(old, records)
-            self.weight.index_copy_(0, into, self.file.weight_of(records).to(device))
-            for key, tensor in self.state.items():
-                values = self.file.state_of(records, key).to(device)
-                tensor.index_copy_(0, into, values)
+            self.file.to_slots(records, into, self.weight, self.state)
         fresh = ~stored
         if bool(fresh.any()):
             new, into = rows[fresh], slots[fresh].to(device)
-            shard = self.shard
-            values = init_rows_at(
-                self.config, self.seed, new + shard.row_start, (shard.col_start, shard.col_end)
-            )
-            self.weight.index_copy_(0, into, values.to(device, self.weight.dtype))
+            table_rows, shard = new + self.shard.row_start, self.shard
+            columns = (shard.col_start, shard.col_end)
+            init_rows_into(self.config, self.seed, table_rows, columns, self.weight, into)
             for key, tensor in self.state.items():
                 initial = self.initial[key].to(device).expand(new.numel(), *tensor.shape[1:])
                 tensor.index_copy_(0, into, initial)

@@ -81,6 +81,50 @@ class RowFile:
         view = records[:, offset : offset + width * STATE_DTYPE.itemsize].view(STATE_DTYPE)
         return view[:, 0] if per_row else view
 
+    def to_slots(
+        self,
+        records: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Each record's weights and state into rows `slots` of the cache tensors."""
+        tensors = self._native_fields(weight, state)
+        if tensors is not None:
+            loaded_kernels().records_to_slots(records, slots, *tensors)
+            return
+        weight.index_copy_(0, slots, self.weight_of(records).to(weight.device))
+        for key, tensor in state.items():
+            tensor.index_copy_(0, slots, self.state_of(records, key).to(tensor.device))
+
+    def from_slots(
+        self,
+        records: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Rows `slots` of the cache tensors into `records` (a write-back's copy)."""
+        tensors = self._native_fields(weight, state)
+        if tensors is not None:
+            loaded_kernels().slots_to_records(records, slots, *tensors)
+            return
+        self.weight_of(records).copy_(weight.index_select(0, slots))
+        for key, tensor in state.items():
+            self.state_of(records, key).copy_(tensor.index_select(0, slots))
+
+    def _native_fields(
+        self, weight: torch.Tensor, state: Mapping[str, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The cache tensors and their fields' offsets, where one C++ copy per field moves them
+        (CPU, contiguous, the record's dtypes); None: the torch path."""
+        tensors = [weight, *state.values()]
+        if not native_kernels_take(*tensors) or not all(t.is_contiguous() for t in tensors):
+            return None
+        if weight.dtype != self.dtype or any(t.dtype != STATE_DTYPE for t in state.values()):
+            return None
+        return tensors, [0, *(self.fields[key][0] for key in state)]
+
     # IO -------------------------------------------------------------------------------------------
     def read(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Records of distinct `rows` (int64, any order) into `out` (n, record)."""

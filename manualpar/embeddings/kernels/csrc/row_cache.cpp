@@ -114,16 +114,16 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
   const int64_t shortfall = missing - free_count;
 
   // Check before changing anything: a cache too small leaves the state as it was.
-  std::vector<std::pair<int64_t, int64_t>> candidates;  // (key, slot) of evictable slots
+  const auto key_of = [&](int64_t s) {
+    return lfu ? use[s] * (int64_t{1} << 32) + last[s] : last[s];
+  };
   if (shortfall > 0) {
-    int64_t pinned_before = 0;
+    int64_t pinned_before = 0, evictable = 0;
     for (int64_t s = 0; s < capacity; ++s) {
       pinned_before += pin[s] > 0;
-      if (pin[s] == 0 && row[s] >= 0) {
-        candidates.emplace_back(lfu ? use[s] * (int64_t{1} << 32) + last[s] : last[s], s);
-      }
+      evictable += pin[s] == 0 && row[s] >= 0;
     }
-    if (static_cast<int64_t>(candidates.size()) - newly_pinned < shortfall) {
+    if (evictable - newly_pinned < shortfall) {
       torch::Tensor counts = torch::tensor({int64_t{-1}, pinned_before + newly_pinned + missing});
       return {counts};
     }
@@ -133,16 +133,27 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
   std::vector<int64_t> evict_rows, evict_slots;
   int64_t evicted = 0;
   if (shortfall > 0) {
-    // the hits just pinned are candidates no more
-    candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
-                                    [&](const auto& c) { return pin[c.second] > 0; }),
-                     candidates.end());
-    evicted = std::min<int64_t>(static_cast<int64_t>(candidates.size()),
+    // The victims: every key below the threshold, then the lowest slots at it. A selection
+    // over the keys alone and a pass in slot order: a sort of (key, slot) pairs took 1.4 ms of
+    // the 2 ms a 100,000-slot eviction cost.
+    std::vector<int64_t> keys;
+    keys.reserve(capacity);
+    for (int64_t s = 0; s < capacity; ++s) {
+      if (pin[s] == 0 && row[s] >= 0) keys.push_back(key_of(s));
+    }
+    evicted = std::min<int64_t>(static_cast<int64_t>(keys.size()),
                                 std::max(shortfall, evict_batch));
-    std::nth_element(candidates.begin(), candidates.begin() + evicted, candidates.end());
-    std::vector<int64_t> victims(evicted);
-    for (int64_t k = 0; k < evicted; ++k) victims[k] = candidates[k].second;
-    std::sort(victims.begin(), victims.end());
+    std::nth_element(keys.begin(), keys.begin() + (evicted - 1), keys.end());
+    const int64_t threshold = keys[evicted - 1];
+    int64_t at_threshold = evicted;  // victims with the threshold's key
+    for (int64_t k = 0; k < evicted - 1; ++k) at_threshold -= keys[k] < threshold;
+    std::vector<int64_t> victims;
+    victims.reserve(evicted);
+    for (int64_t s = 0; s < capacity && static_cast<int64_t>(victims.size()) < evicted; ++s) {
+      if (pin[s] != 0 || row[s] < 0) continue;
+      const int64_t key = key_of(s);
+      if (key < threshold || (key == threshold && at_threshold-- > 0)) victims.push_back(s);
+    }
     for (const int64_t v : victims) {
       const int64_t r = row[v];
       slot[r] = kStored;  // generated rows are dirty, so written back below

@@ -2,13 +2,15 @@
 // their rows' offsets with pread/pwrite, without the interpreter (a Python loop added 0.7 us to
 // each 2.7-4.7 us call) and without holding the GIL (the step's other threads run meanwhile),
 // split over `threads` threads: on a disk whose reads wait on the device, several in flight
-// are what makes it fast; rows in the page cache cost CPU, which threads do not add.
+// are what makes it fast; rows in the page cache cost CPU, which threads do not add. Records
+// are copied to and from the cache's rows here too, one memcpy per field.
 #include <torch/extension.h>
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -92,7 +94,69 @@ std::vector<int64_t> write_records(int64_t fd, torch::Tensor rows, torch::Tensor
   return move_batch<true>(fd, rows, records, threads);
 }
 
+namespace {
+
+// Checks one cache tensor against the slots and the records' width; its row size in bytes.
+int64_t row_bytes_of(const torch::Tensor& t, const torch::Tensor& slots, int64_t offset,
+                     int64_t record) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() >= 1,
+              "row IO: cache tensors must be contiguous CPU tensors");
+  const int64_t bytes = t.size(0) ? t.numel() / t.size(0) * t.element_size() : 0;
+  TORCH_CHECK(offset >= 0 && offset + bytes <= record, "row IO: a field of ", bytes,
+              " bytes at ", offset, " does not fit a record of ", record, " bytes");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t k = 0; k < slots.numel(); ++k) {
+    TORCH_CHECK(slot[k] >= 0 && slot[k] < t.size(0), "row IO: slot ", slot[k], " outside ",
+                t.size(0), " cache rows");
+  }
+  return bytes;
+}
+
+template <bool ToSlots>
+void copy_fields(torch::Tensor records, torch::Tensor slots, std::vector<torch::Tensor> tensors,
+                 std::vector<int64_t> offsets) {
+  TORCH_CHECK(records.device().is_cpu() && records.is_contiguous() &&
+                  records.scalar_type() == torch::kByte && records.dim() == 2 &&
+                  slots.scalar_type() == torch::kLong && slots.is_contiguous() &&
+                  slots.numel() == records.size(0) && tensors.size() == offsets.size(),
+              "row IO: records must be (n, record bytes) uint8 with n int64 slots and an "
+              "offset per tensor");
+  const int64_t n = records.size(0), record = records.size(1);
+  uint8_t* data = records.data_ptr<uint8_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (size_t f = 0; f < tensors.size(); ++f) {
+    const int64_t bytes = row_bytes_of(tensors[f], slots, offsets[f], record);
+    uint8_t* rows = static_cast<uint8_t*>(tensors[f].data_ptr());
+    for (int64_t k = 0; k < n; ++k) {
+      uint8_t* field = data + k * record + offsets[f];
+      uint8_t* row = rows + slot[k] * bytes;
+      if (ToSlots) {
+        std::memcpy(row, field, bytes);
+      } else {
+        std::memcpy(field, row, bytes);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Record k's field at offsets[f] into row slots[k] of tensors[f], for each cache tensor (the
+// weights and each optimizer state): what a fetch did with an index_copy_ per tensor.
+void records_to_slots(torch::Tensor records, torch::Tensor slots,
+                      std::vector<torch::Tensor> tensors, std::vector<int64_t> offsets) {
+  copy_fields<true>(records, slots, tensors, offsets);
+}
+
+// The other way: rows slots[k] of each cache tensor into record k (a write-back's copy).
+void slots_to_records(torch::Tensor records, torch::Tensor slots,
+                      std::vector<torch::Tensor> tensors, std::vector<int64_t> offsets) {
+  copy_fields<false>(records, slots, tensors, offsets);
+}
+
 void register_row_io(pybind11::module& m) {
+  m.def("records_to_slots", &records_to_slots);
+  m.def("slots_to_records", &slots_to_records);
   m.def("read_records", &read_records, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("write_records", &write_records, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -7,11 +7,12 @@
 //   segment_sum, group_rows, add_to_rows      kernels/bags.py (row_gradients, group_rows, ...)
 //   add_to_rows_rounded                       kernels/rounding.py (half rows)
 //   pooled_sum_half                           kernels/half_lookup.py
-//   uniform_rows                              modules/table_init.py
+//   uniform_rows, uniform_rows_at             modules/table_init.py
 //   split_by_rows                             step/exchange.py
 //   rowwise_adagrad_update[_rounded]          optim/fused_rowwise.py
 //   sum_squares_versions                      tests (the AVX and portable sums agree)
-// and registers the functions of the other files of csrc/ (raw_ids.cpp, row_io.cpp).
+// and registers the functions of the other files of csrc/ (raw_ids.cpp, row_io.cpp,
+// row_cache.cpp).
 // The float and half row-wise Adagrad updates (rowwise_adagrad_row and _rounded) repeat one
 // body: a shared template measured 5-15% slower in the update (the kernel benchmark and a
 // profiled step), so they stay apart until that is understood.
@@ -573,6 +574,34 @@ void uniform_rows(torch::Tensor out, int64_t key, int64_t row0, int64_t col0, in
   });
 }
 
+// The same values for scattered table rows, written into rows `slots` of `out` (the disk
+// tier's cache generating rows on first use).
+void uniform_rows_at(torch::Tensor out, torch::Tensor slots, torch::Tensor rows, int64_t key,
+                     int64_t col0, int64_t dim, double bound) {
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(slots, "slots");
+  check_cpu_contiguous(rows, "rows");
+  TORCH_CHECK(out.dim() == 2 && slots.scalar_type() == torch::kLong &&
+                  rows.scalar_type() == torch::kLong && slots.numel() == rows.numel(),
+              "uniform_rows_at: out (rows, cols), int64 slots and rows of one length");
+  const int64_t n = rows.numel(), cols = out.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK(slot[k] >= 0 && slot[k] < out.size(0), "uniform_rows_at: slot ", slot[k],
+                " outside ", out.size(0), " rows");
+  }
+  const float width = static_cast<float>(2 * bound), half = static_cast<float>(bound);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "uniform_rows_at", [&] {
+    scalar_t* data = out.data_ptr<scalar_t>();
+    const uint64_t k = static_cast<uint64_t>(key);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t base = static_cast<uint64_t>(row[i] * dim + col0);
+      uniform_row_fastest(data + slot[i] * cols, cols, k, base, width, half);
+    }
+  });
+}
+
 // Row-wise routing: a feature's ids split by the row range of the shard that holds them, bag
 // order kept within each range (a stable counting sort), ids made shard-local.
 std::vector<torch::Tensor> split_by_rows(torch::Tensor ids, torch::Tensor lengths,
@@ -1092,6 +1121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_adagrad_update", &rowwise_adagrad_update);
   m.def("add_to_rows", &add_to_rows);
   m.def("uniform_rows", &uniform_rows);
+  m.def("uniform_rows_at", &uniform_rows_at);
   m.def("split_by_rows", &split_by_rows);
   m.def("sum_squares_versions", &sum_squares_versions);
   m.def("set_simd_level", &set_simd_level);
