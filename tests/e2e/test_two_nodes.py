@@ -24,10 +24,23 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "two_nodes.py"
 LOST_NODE_EXIT_S = 30  # every survivor of a lost node exits within this, naming the lost ranks
 
 
-def test_ranks_mesh_and_ddp_across_two_nodes(tmp_path: Path) -> None:
-    with start_nodes(SCRIPT, "--cases", "ranks,ddp", "--out", str(tmp_path)) as job:
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """One 2 nodes x 2 processes job running every case of the tests below (each job costs
+    two agents and four processes their startup): its reports folder, and its agents' pids. The
+    mixed model's checkpoint goes to the folder's `shared/`."""
+    out = tmp_path_factory.mktemp("two_by_two")
+    cases = "ranks,ddp,hsdp,fsdp_tp,mixed"
+    args = ("--cases", cases, "--out", str(out / "2x2"), "--dir", str(out / "shared"))
+    with start_nodes(SCRIPT, *args) as job:
         job.wait(150, check=True)
         agents = [process.pid for process in job.processes]
+    return out, agents
+
+
+def test_ranks_mesh_and_ddp_across_two_nodes(two_by_two: tuple[Path, list[int]]) -> None:
+    folder, agents = two_by_two
+    tmp_path = folder / "2x2"
     seen = reports(tmp_path, "ranks")
     assert [r["rank"] for r in seen] == [0, 1, 2, 3]
     assert [(r["node_rank"], r["local_rank"]) for r in seen] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -72,24 +85,13 @@ def _close(actual: object, expected: object, what: str) -> None:
 
 
 def test_compositions_across_two_nodes_and_their_checkpoint_in_other_shapes(
-    tmp_path: Path,
+    two_by_two: tuple[Path, list[int]], tmp_path: Path
 ) -> None:
     """HSDP, FSDP x TP and a mixed model (2-D tables + HSDP top) on 2 nodes x 2, each against
     one process; the mixed model's checkpoint then loads into 1, 2 and 3 processes and into a
     4 x 1 job, tables, table optimizer state, dense weights and Adam state included."""
-    shared = tmp_path / "shared"
-    out = tmp_path / "2x2"
-    run_nodes(
-        SCRIPT,
-        "--cases",
-        "hsdp,fsdp_tp,mixed",
-        "--out",
-        str(out),
-        "--dir",
-        str(shared),
-        timeout=150,
-        check=True,
-    )
+    shared = two_by_two[0] / "shared"
+    out = two_by_two[0] / "2x2"
     expected_losses = reference_losses()
     for name in ("hsdp", "fsdp_tp"):
         for r in reports(out, name):
