@@ -175,6 +175,9 @@ class RowCache:
 
     def release(self, slots: torch.Tensor, updated: bool) -> None:
         """Unpin `slots` (one assign's); `updated`: their rows changed (write them back later)."""
+        if self.native and native_kernels_take(slots):
+            loaded_kernels().cache_release(slots.contiguous(), self.pins, self.dirty, updated)
+            return
         self.pins[slots] -= 1
         if updated:
             self.dirty[slots] = True
