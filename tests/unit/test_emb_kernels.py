@@ -243,6 +243,29 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not native.clear_stale_lock(tmp_path)  # nothing there
 
 
+@pytest.mark.timeout(60)
+def test_waiting_on_a_build_ends_when_its_lock_goes_or_grows_stale(tmp_path):
+    """A build killed mid-way leaves its lock; a later process waits for it only until the lock
+    is stale, where torch's loader would wait forever."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    almost = time.time() - 599.5  # stale half a second from now
+    os.utime(lock, (almost, almost))
+    with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
+        native.wait_for_build(tmp_path, max_age_s=600, poll_s=0.05)
+    assert not lock.exists()
+    lock.write_text("")  # a live build that finishes
+    finished = threading.Timer(0.3, lock.unlink)
+    finished.start()
+    native.wait_for_build(tmp_path, max_age_s=600, poll_s=0.05)
+    finished.join()
+    assert not lock.exists()
+
+
 def test_vectorized_sum_of_squares_agrees_to_the_bit():
     """Row-wise Adagrad's state adds the row's squares in fixed lanes; the AVX version (chosen
     at run time) must give the portable version's bits, or states would differ by machine."""

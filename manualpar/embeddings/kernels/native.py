@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take"]
+__all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take", "wait_for_build"]
 
 # sparse_rows.cpp holds the module definition; the other files register their functions in it
 SOURCES = tuple(
@@ -90,6 +90,16 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def wait_for_build(directory: Path, max_age_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Wait while another process builds in `directory`, at most until its lock is `max_age_s`
+    old (then it was killed, and the lock goes): torch's loader would wait on a dead build's
+    lock forever."""
+    while (directory / "lock").exists():
+        if clear_stale_lock(directory, max_age_s):
+            return
+        time.sleep(poll_s)
+
+
 def native_kernels() -> ModuleType | None:
     """The compiled kernels, or None (switched off, or no compiler: warns once why)."""
     global _loaded, _tried
@@ -106,8 +116,8 @@ def native_kernels() -> ModuleType | None:
             from torch.utils.cpp_extension import load
 
             directory.mkdir(parents=True, exist_ok=True)
-            clear_stale_lock(directory)
-            _loaded = load(
+            wait_for_build(directory)
+            _loaded = _import_built(name, directory) or load(
                 name,
                 [str(source) for source in SOURCES],
                 extra_cflags=CFLAGS,
