@@ -1,13 +1,13 @@
 """Optional C++ kernels for the CPU backward and init, compiled at first use and cached.
 
-torch's extension loader builds the files of `csrc/` once per machine and source version
-(about 40 s, under torch's extensions cache; `TORCH_EXTENSIONS_DIR` moves it). Each version has
-its own directory, named by a hash of the source, the torch version and the flags, so a built
-library is imported directly (milliseconds, no compiler or ninja run) and two versions never
-overwrite each other. Ranks of one job that start together share the build: torch's loader
-takes a lock in the build directory (a killed build's lock is removed once STALE_LOCK_S old). Where no compiler is found, or `MANUALPAR_NATIVE_KERNELS=0`,
-everything runs on the pure-torch path (the one CUDA tensors always take), with the same
-numbers, more slowly.
+torch's extension loader builds the files of `csrc/` once per machine and source version (about
+40 s, under torch's extensions cache; `TORCH_EXTENSIONS_DIR` moves it). Each version has its own
+directory, named by a hash of the source, the torch version and the flags, so a built library is
+imported directly (milliseconds, no compiler or ninja run) and two versions never overwrite each
+other. Ranks of one job that start together share the build: torch's loader takes a lock in the
+build directory (a killed build's lock is removed once STALE_LOCK_S old). Where no compiler is
+found, or `MANUALPAR_NATIVE_KERNELS=0`, everything runs on the pure-torch path (the one CUDA
+tensors always take), with the same numbers, more slowly.
 """
 
 from __future__ import annotations

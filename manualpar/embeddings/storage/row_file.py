@@ -130,7 +130,7 @@ class RowFile:
         """Records of distinct `rows` (int64, any order) into `out` (n, record)."""
         if native_kernels_take(rows):
             failed = loaded_kernels().read_records(self.fd, rows.contiguous(), out, self.threads)
-            self._check(rows, failed, "read")
+            self.check(rows, failed, "read")
             return
         buffer, size = out.numpy(), self.record
         for i, row in enumerate(rows.tolist()):
@@ -142,14 +142,14 @@ class RowFile:
         if native_kernels_take(rows):
             # one thread: the file system takes one file's writes one at a time
             failed = loaded_kernels().write_records(self.fd, rows.contiguous(), records, 1)
-            self._check(rows, failed, "write")
+            self.check(rows, failed, "write")
             return
         buffer, size = records.numpy(), self.record
         for i, row in enumerate(rows.tolist()):
             if os.pwrite(self.fd, buffer[i], row * size) != size:
                 raise OSError(errno.ENOSPC, f"short write of row {row} to {self.path}")
 
-    def _check(self, rows: torch.Tensor, failed: list[int], how: str) -> None:
+    def check(self, rows: torch.Tensor, failed: list[int], how: str) -> None:
         """Raise for the C++ batch's first failed row (kernels/csrc/row_io.cpp), if any."""
         index, error, _ = failed
         if index < 0:

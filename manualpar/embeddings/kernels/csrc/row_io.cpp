@@ -10,8 +10,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <cstdint>
+#include <future>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -154,7 +157,39 @@ void slots_to_records(torch::Tensor records, torch::Tensor slots,
   copy_fields<false>(records, slots, tensors, offsets);
 }
 
+// A batch of records written by a thread of its own, started and awaited without the
+// interpreter: a Python thread pool's hand-over cost 1.3 ms a batch here (the worker thread
+// took the GIL to start the call), 2.4 ms of a 53 ms disk step. Holds the tensors until done.
+class BackgroundWrite {
+ public:
+  BackgroundWrite(int64_t fd, torch::Tensor rows, torch::Tensor records)
+      : rows_(std::move(rows)), records_(std::move(records)) {
+    result_ = std::async(std::launch::async,
+                         [this, fd] { return move_batch<true>(fd, rows_, records_, 1); });
+  }
+  ~BackgroundWrite() {
+    if (result_.valid()) result_.wait();
+  }
+  // As write_records returns; an error the thread raised is raised here. Once only.
+  std::vector<int64_t> wait() {
+    TORCH_CHECK(result_.valid(), "row IO: this background write was already waited for");
+    return result_.get();
+  }
+  bool done() const {
+    return !result_.valid() ||
+           result_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  torch::Tensor rows_, records_;
+  std::future<std::vector<int64_t>> result_;
+};
+
 void register_row_io(pybind11::module& m) {
+  pybind11::class_<BackgroundWrite>(m, "BackgroundWrite")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor>())
+      .def("wait", &BackgroundWrite::wait, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("done", &BackgroundWrite::done);
   m.def("records_to_slots", &records_to_slots);
   m.def("slots_to_records", &slots_to_records);
   m.def("read_records", &read_records, pybind11::call_guard<pybind11::gil_scoped_release>());
