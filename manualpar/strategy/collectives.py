@@ -8,7 +8,6 @@ Builders, embedding exchanges and checkpoints call these, never torch.distribute
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from manualpar.errors import CollectiveError
+from manualpar.strategy.collective_meta import describe, mesh_dim, mismatch
 from manualpar.strategy.differentiable import gather_with_gradient
 
 __all__ = ["Collectives", "Group", "PendingCollective", "ReduceOp"]
@@ -120,7 +120,7 @@ class Collectives:
     def group_size(self, group: Group = None) -> int:
         """Ranks in `group` (default: the strategy's group; 1 without a process group)."""
         if isinstance(group, DeviceMesh):
-            return _mesh_dim(group).size()
+            return mesh_dim(group).size()
         if group is None or not self.is_distributed:
             return self.world_size
         return dist.get_world_size(group)
@@ -128,7 +128,7 @@ class Collectives:
     def group_rank(self, group: Group = None) -> int:
         """This rank's index inside `group` (its coordinate along a 1-D mesh)."""
         if isinstance(group, DeviceMesh):
-            return _mesh_dim(group).get_local_rank()
+            return mesh_dim(group).get_local_rank()
         if group is None or not self.is_distributed:
             return self.rank
         return dist.get_rank(group)
@@ -136,7 +136,7 @@ class Collectives:
     def _group(self, operation: str, group: Group) -> dist.ProcessGroup | None:
         """The group a collective runs over; a subgroup needs a process group to exist."""
         if isinstance(group, DeviceMesh):
-            group = None if not self.is_distributed else _mesh_dim(group).get_group()
+            group = None if not self.is_distributed else mesh_dim(group).get_group()
         if group is not None and not self.is_distributed:
             raise CollectiveError(
                 f"{operation}: a group was given but the strategy has no process group "
@@ -160,23 +160,14 @@ class Collectives:
             )
 
     def _check_same_meta(self, operation: str, tensor: torch.Tensor, group: Group = None) -> None:
-        """All-gather (ndim, shape, dtype) and raise on the first rank that differs."""
-        if tensor.dim() > 14:
-            raise ValueError(f"{operation}: tensors with more than 14 dims are not supported")
-        meta = torch.full((16,), -1, dtype=torch.int64, device=tensor.device)
-        meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
-        meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        """All-gather each rank's shape and dtype (collective_meta.py); raise naming every
+        rank's if they differ."""
+        meta = describe(operation, tensor)
         gathered = [torch.empty_like(meta) for _ in range(self.group_size(group))]
         with self.collective_guard(f"{operation} (shape check)"):
             dist.all_gather(gathered, meta, group=self._group(operation, group))
-        shapes = [tuple(g[2 : 2 + int(g[0])].tolist()) for g in gathered]
-        codes = [int(g[1]) for g in gathered]
-        if len(set(shapes)) > 1 or len(set(codes)) > 1:
-            by_code = {_dtype_code(dtype): dtype for dtype in (*_KNOWN_DTYPES, tensor.dtype)}
-            described = ", ".join(
-                f"rank {r}: {shape} {by_code.get(code, '?')}"
-                for r, (shape, code) in enumerate(zip(shapes, codes, strict=True))
-            )
+        described = mismatch(gathered, tensor.dtype)
+        if described is not None:
             raise CollectiveError(
                 f"{operation}: ranks passed tensors of different shapes or dtypes ({described}); "
                 "every rank must pass the same shape and dtype"
@@ -399,37 +390,3 @@ class Collectives:
     @property
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
-
-
-def _mesh_dim(mesh: DeviceMesh) -> DeviceMesh:
-    """A mesh passed as a collective's group must be one dim of a mesh (mesh["shard"])."""
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names or ()
-        raise ValueError(
-            f"a collective over a {mesh.ndim}-D mesh {dict(zip(names, mesh.shape, strict=False))} "
-            f"is ambiguous; pass one dim, e.g. group=mesh[{names[0]!r}]"
-            if names
-            else f"a collective over a {mesh.ndim}-D mesh is ambiguous; pass a 1-D mesh"
-        )
-    return mesh
-
-
-_KNOWN_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """The same number on every rank for the same dtype (no per-process registry)."""
-    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
