@@ -5,6 +5,7 @@
     python examples/benchmarks/bench_embeddings.py --scale --json runs/bench_scale.json \
         [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
     ... --floor     # also manualpar's step with no exchanges: the floor its kernels set
+    ... --pipelined # also manualpar's step through TrainPipeline (against the floor too)
     ... --sequence --peer-python .venv-torchrec/bin/python   # EmbeddingCollection, unpooled
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
@@ -41,6 +42,8 @@ sys.path.insert(0, str(HERE))
 
 # --- workers (run under torchrun) --------------------------------------------------------------
 def worker_manualpar(args: argparse.Namespace) -> None:
+    import itertools
+
     import torch
     from embedding_workload import batch_ids, max_over_ranks, time_steps, write_result
 
@@ -83,17 +86,29 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     if args.padded:  # the exchange before compact layouts: every bag, every owner
         emb.step.parts.layout.compact = False
 
-    def step(index: int) -> None:
+    def features(index: int) -> SparseFeatures:
         ids = batch_ids(args, rank, world, index)
         lengths = torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag)
-        out = emb(SparseFeatures(keys, ids.flatten(), lengths))
+        return SparseFeatures(keys, ids.flatten(), lengths)
+
+    # --pipelined: the batches through TrainPipeline, in order (each step's own index is the
+    # pipeline's next batch), so batch i + 1's input dist runs before step i's lookup
+    pipeline = (
+        iter(mp.TrainPipeline(map(features, itertools.count()), strategy, emb.prefetch))
+        if args.pipelined
+        else None
+    )
+
+    def step(index: int) -> None:
+        out = emb(next(pipeline) if pipeline is not None else features(index))
         if args.sequence:  # every id's row: the same loss as the peer's
             values = torch.cat([out[key].values.reshape(-1, args.dim) for key in keys])
         else:
             values = out.values
         values.square().mean().backward()
 
-    write_result(args, "manualpar", time_steps(step, args), init_s, sharding=args.plan)
+    name = "pipelined" if args.pipelined else "manualpar"
+    write_result(args, name, time_steps(step, args), init_s, sharding=args.plan)
     strategy.teardown()
 
 
@@ -344,6 +359,12 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
         del found["baseline"]
     if args.sequence:  # the sequence exchange as it was: padded, every owner's rows
         found["padded"] = (sys.executable, Path(__file__), ["--worker", "manualpar", "--padded"])
+    if args.pipelined:
+        found["pipelined"] = (
+            sys.executable,
+            Path(__file__),
+            ["--worker", "manualpar", "--pipelined"],
+        )
     if args.floor:
         found["local"] = (sys.executable, Path(__file__), ["--worker", "local"])
     return found
@@ -445,13 +466,18 @@ def compare(args: argparse.Namespace) -> dict:
                 "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
                 "pairs": len(pairs),
             }
-        if "local" in by_name and "torchrec" in by_name:  # the floor against TorchRec
-            summary[plan]["local/torchrec"] = {
-                "ms_per_step": statistics.median(
-                    a["ms_per_step"] / b["ms_per_step"]
-                    for a, b in zip(by_name["local"], by_name["torchrec"], strict=True)
-                )
-            }
+        for mine, theirs in (
+            ("local", "torchrec"),
+            ("pipelined", "local"),
+            ("pipelined", "torchrec"),
+        ):
+            if mine in by_name and theirs in by_name:  # the floor, the pipeline, the peer
+                summary[plan][f"{mine}/{theirs}"] = {
+                    "ms_per_step": statistics.median(
+                        a["ms_per_step"] / b["ms_per_step"]
+                        for a, b in zip(by_name[mine], by_name[theirs], strict=True)
+                    )
+                }
         summary[plan]["median_ms_per_step"] = {
             name: statistics.median(r["ms_per_step"] for r in results)
             for name, results in by_name.items()
@@ -519,6 +545,7 @@ def main() -> None:
     if "--worker" in sys.argv:
         add_workload_args(parser)
         parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
+        parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
         args = parser.parse_args()
         {"manualpar": worker_manualpar, "baseline": worker_baseline, "local": worker_local}[
             args.worker
@@ -536,6 +563,11 @@ def main() -> None:
         "--floor",
         action="store_true",
         help="also run manualpar's step with no exchanges (worker_local)",
+    )
+    parser.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="also run manualpar's step through TrainPipeline (the next batch's input dist ahead)",
     )
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument(

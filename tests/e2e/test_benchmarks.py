@@ -49,9 +49,10 @@ def _check_run(run: dict, plan: str, rows: int = ROWS) -> None:
 
 @pytest.mark.timeout(300)
 def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> None:
-    """manualpar, the plain-torch baseline and the floor (every lookup, no exchanges) in one
-    run: each job is a 2-process launch, so the suite starts them once."""
-    result = _run(tmp_path, "--floor")
+    """manualpar, the plain-torch baseline, the floor (every lookup, no exchanges) and the step
+    through TrainPipeline in one run: each job is a 2-process launch, so the suite starts them
+    once."""
+    result = _run(tmp_path, "--floor", "--pipelined")
     for plan in ("table_wise", "row_wise"):
         ratio = result["summary"][plan]["manualpar/baseline"]
         assert ratio["pairs"] == 1 and set(ratio) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
@@ -62,6 +63,8 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
         (ours,) = result["runs"][plan]["manualpar"]
         (theirs,) = result["runs"][plan]["baseline"]
         (local,) = result["runs"][plan]["local"]
+        (pipelined,) = result["runs"][plan]["pipelined"]
+        _check_run(pipelined, plan)
         assert ratio["ms_per_step"] == pytest.approx(
             ours["ms_per_step"] / theirs["ms_per_step"], rel=1e-12
         )
@@ -73,7 +76,11 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
             "manualpar": ours["ms_per_step"],
             "baseline": theirs["ms_per_step"],
             "local": local["ms_per_step"],
+            "pipelined": pipelined["ms_per_step"],
         }
+        assert result["summary"][plan]["pipelined/local"]["ms_per_step"] == pytest.approx(
+            pipelined["ms_per_step"] / local["ms_per_step"], rel=1e-12
+        )
         floor = result["summary"][plan]["manualpar/local"]
         assert set(floor) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
         assert floor["ms_per_step"] == pytest.approx(

@@ -181,8 +181,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         every rank prefetches its own next batch): the checks, the hashing, the size exchange
         and the ids on their way to their owners. The forward of this very object takes them
         (sharded/in_flight.py; TrainPipeline calls this for you). Tables with ManagedCollisions
-        are remapped at forward, in order (a remap may reset rows the current step updates),
-        so for them this does nothing."""
+        are remapped at forward, so for them this does nothing: a remap run early would put
+        the remapper's state, and so a checkpoint, a batch ahead (docs/embeddings.md)."""
         if self.raw_id_remap is not None:
             return
         self._hold(features, self._checked(features))
