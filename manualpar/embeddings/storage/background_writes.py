@@ -4,12 +4,13 @@ A step's dirty victims used to be written before its rows were read, inside the 
 a row on this machine, about 40 of the 122 ms a disk step added in the documented workload.
 Their records are copied out of the cache at once (the slots take new rows), and the write runs
 on a C++ thread while the step goes on (kernels/csrc/row_io.cpp, `BackgroundWrite`: no
-interpreter on either side; a Python thread pool's hand-over took the GIL, 2.4 ms a step in the
-documented workload). At most one batch is in flight: the next eviction, a checkpoint's flush, a
-load and a read of any of its rows wait for it, so the file is never behind when it is read, and
-an error (a full disk) is raised there, in the training thread, naming the file and row. Writes
-are not split over threads: the file system takes one file's writes one at a time, and 4 threads
-wrote slower than one (measured, 8,500 random 260-byte rows).
+interpreter on either side, no Python thread to hand the GIL to; the step measured the same or
+slightly faster than with a Python thread pool, docs/embeddings.md). At most one batch is in
+flight: the next eviction, a checkpoint's flush, a load and a read of any of its rows wait for
+it, so the file is never behind when it is read, and an error (a full disk) is raised there, in
+the training thread, naming the file and row. Writes are not split over threads: the file system
+takes one file's writes one at a time, and 4 threads wrote slower than one (measured, 8,500
+random 260-byte rows).
 """
 
 from __future__ import annotations
