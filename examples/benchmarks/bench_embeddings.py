@@ -328,17 +328,37 @@ def launch(
             result,
             *(["--sequence"] if args.sequence else []),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+        # faulthandler: a rank that dies on a signal prints every thread's Python stack
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",
+            "PYTHONPATH": str(HERE.parent.parent),
+        }
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if not os.path.exists(result):
             raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
         if run.returncode:  # measured and written, then died on the way out: keep, but say so
+            kept = _keep_stderr(run.stderr, args)
             print(
                 f"  (exit code {run.returncode} after writing its result; its errors:)\n"
-                + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr)),
+                + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr))
+                + (f"\n    (whole stderr with the ranks' stacks: {kept})" if kept else ""),
                 flush=True,
             )
         return json.loads(Path(result).read_text())
+
+
+def _keep_stderr(stderr: str, args: argparse.Namespace) -> Path | None:
+    """A dying job's whole stderr beside the --json output (None without --json): the rare
+    aborts at exit are not reproduced alone, so each one's stacks are worth keeping."""
+    if not getattr(args, "json", None):
+        return None
+    folder = Path(args.json).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{Path(args.json).stem}.failed-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    path.write_text(stderr)
+    return path
 
 
 def _error_lines(stderr: str, keep: int = 6) -> list[str]:

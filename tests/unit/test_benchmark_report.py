@@ -33,3 +33,18 @@ def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
         "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
     ]
     assert _error_lines("killed\n=====") == ["killed", "====="]
+
+
+def test_a_job_dying_after_its_result_keeps_its_whole_stderr_beside_the_json(tmp_path) -> None:
+    import argparse
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_embeddings import _keep_stderr
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    stderr = "Fatal Python error: Aborted\n\nThread 0x00007f (most recent call first):\n  ..."
+    kept = _keep_stderr(stderr, argparse.Namespace(json=str(tmp_path / "out" / "bench.json")))
+    assert kept is not None and kept.parent == tmp_path / "out"
+    assert kept.name.startswith("bench.failed-") and kept.read_text() == stderr
+    assert _keep_stderr(stderr, argparse.Namespace(json=None)) is None
