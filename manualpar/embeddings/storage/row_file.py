@@ -93,9 +93,8 @@ class RowFile:
         if tensors is not None:
             loaded_kernels().records_to_slots(records, slots, *tensors)
             return
-        weight.index_copy_(0, slots, self.weight_of(records).to(weight.device))
-        for key, tensor in state.items():
-            tensor.index_copy_(0, slots, self.state_of(records, key).to(tensor.device))
+        for cache, field in self._field_pairs(records, weight, state):
+            cache.index_copy_(0, slots, field.to(cache.device))
 
     def from_slots(
         self,
@@ -109,9 +108,15 @@ class RowFile:
         if tensors is not None:
             loaded_kernels().slots_to_records(records, slots, *tensors)
             return
-        self.weight_of(records).copy_(weight.index_select(0, slots))
-        for key, tensor in state.items():
-            self.state_of(records, key).copy_(tensor.index_select(0, slots))
+        for cache, field in self._field_pairs(records, weight, state):
+            field.copy_(cache.index_select(0, slots))
+
+    def _field_pairs(
+        self, records: torch.Tensor, weight: torch.Tensor, state: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cache tensor, the records' view of its field) for the weights and each state."""
+        pairs = [(weight, self.weight_of(records))]
+        return pairs + [(tensor, self.state_of(records, key)) for key, tensor in state.items()]
 
     def _native_fields(
         self, weight: torch.Tensor, state: Mapping[str, torch.Tensor]
