@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 
-.PHONY: install kernels demo demo-strategy movielens test test-unit lint clean torchrec-peer recbole-peer
+.PHONY: install kernels bytecode demo demo-strategy movielens test test-unit lint clean torchrec-peer recbole-peer
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,14 @@ kernels: install
 # file's tests) runs once.
 TEST_WORKERS ?= 2
 
-test: install lint kernels
+# Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set (as on CI machines), each
+# of the suite's ranks, launchers and examples compiled the package from source again: `import
+# manualpar` took 1.86 s against 1.47 s. Measured over one suite run each: 27 s less CPU, and
+# 309 s of pytest against 330 s.
+bytecode: install
+	$(PY) -m compileall -q manualpar tests examples
+
+test: install lint kernels bytecode
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The single-process tests only (tests/unit: no process is started), in about 30 s.
