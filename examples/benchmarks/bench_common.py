@@ -12,7 +12,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,32 @@ def cycling_step(emb: Any, data: list) -> Callable[[], None]:
         emb(features).values.square().mean().backward()
 
     return step
+
+
+def endless(pool: list[Any]) -> Iterator[Any]:
+    """The pool's batches (SparseFeatures) round and round, a new object each time (a
+    prefetched batch is matched by identity)."""
+    index = 0
+    while True:
+        batch = pool[index % len(pool)]
+        yield type(batch)(batch.keys, batch.values, batch.lengths)
+        index += 1
+
+
+def stepper(emb: Any, batches: Iterator[Any]) -> Callable[[], None]:
+    """A training step of `emb` on `next(batches)`, with cycling_step's loss."""
+
+    def step() -> None:
+        emb(next(batches)).values.square().mean().backward()
+
+    return step
+
+
+def pipelined_step(emb: Any, data: list, strategy: mp.ManualParallelStrategy) -> Callable[[], None]:
+    """cycling_step's step through TrainPipeline: each step's next batch is prefetched (its ids
+    sent to their owners, or raw ids to their remappers) before the step runs; the pipeline's
+    own cost (its agreement, the prefetch) is inside the step."""
+    return stepper(emb, iter(mp.TrainPipeline(endless(data), strategy, emb.prefetch)))
 
 
 def median(values: list[float]) -> float:

@@ -11,31 +11,11 @@ pipeline's own cost (its agreement, the prefetch) is inside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
-
 import torch
+from bench_common import endless, pipelined_step, stepper
 from paired_steps import build_tables, compare, parse_args, workload
 
 import manualpar as mp
-from manualpar.embeddings import SparseFeatures
-
-
-def endless(pool: list[SparseFeatures]) -> Iterator[SparseFeatures]:
-    """The pool's batches round and round, a new object each time (a prefetched batch is
-    matched by identity)."""
-    index = 0
-    while True:
-        batch = pool[index % len(pool)]
-        yield SparseFeatures(batch.keys, batch.values, batch.lengths)
-        index += 1
-
-
-def stepper(emb: Any, batches: Iterator[SparseFeatures]) -> Callable[[], None]:
-    def step() -> None:
-        emb(next(batches)).values.square().mean().backward()
-
-    return step
 
 
 def main() -> None:
@@ -44,8 +24,10 @@ def main() -> None:
     strategy = mp.ManualParallelStrategy()
     pool = workload(args, strategy, 8)
     plain, piped = build_tables(args, strategy), build_tables(args, strategy)
-    pipeline = iter(mp.TrainPipeline(endless(pool), strategy, piped.prefetch))
-    steps = {"plain": stepper(plain, endless(pool)), "pipelined": stepper(piped, pipeline)}
+    steps = {
+        "plain": stepper(plain, endless(pool)),
+        "pipelined": pipelined_step(piped, pool, strategy),
+    }
     compare(args, strategy, steps)
     strategy.teardown()
 

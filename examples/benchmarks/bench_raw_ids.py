@@ -8,9 +8,12 @@ rank r's ids of step s drawn uniformly) in the same processes: "rows" gets ids a
 [0, rows); "hash" gets raw ids (the same draws over an id space --id-space times larger,
 spread over int64) and hashes them; "managed" gets those raw ids and remaps them
 (ManagedCollisions, --policy, --bucket-rows) with the C++ kernels; "managed-torch" the same
-on the torch path (the GPU's), for the kernels' gain. Repeats cycle through the variants in rotating
-order; each variant's median step time is divided by the "rows" one of the same repeat, and the
-median ratio and the extra milliseconds per step are reported.
+on the torch path (the GPU's), for the kernels' gain. With --pipelined, "rows-pipelined" and
+"managed-pipelined" train through TrainPipeline (the next batch's ids, or its raw ids to their
+remappers, sent during the step). Repeats cycle through the variants in rotating order; each
+variant's median step time is divided by the "rows" one of the same repeat, and the median
+ratio and the extra milliseconds per step are reported ("managed-pipelined" also against
+"rows-pipelined").
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_common import cycling_step, environment_info, median, time_steps, write_json
+from bench_common import (
+    cycling_step,
+    environment_info,
+    median,
+    pipelined_step,
+    time_steps,
+    write_json,
+)
 from embedding_workload import batch_ids, local_batch
 
 import manualpar as mp
@@ -38,6 +48,7 @@ from manualpar.embeddings import (
 )
 
 VARIANTS = ("rows", "hash", "managed", "managed-torch")
+PIPELINED = ("rows-pipelined", "managed-pipelined")
 SPREAD = 0x5851F42D4C957F2D  # an odd multiplier: raw ids spread over int64 (wrapping)
 
 
@@ -56,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument(
+        "--pipelined", action="store_true", help="also rows and managed through TrainPipeline"
+    )
     parser.add_argument("--json")
     return parser.parse_args()
 
@@ -63,6 +77,7 @@ def parse_args() -> argparse.Namespace:
 def make_variant(
     args: argparse.Namespace, strategy: mp.ManualParallelStrategy, variant: str
 ) -> torch.nn.Module:
+    variant = variant.removesuffix("-pipelined")
     raw_ids = {
         "rows": None,
         "hash": HashIds(),
@@ -105,24 +120,35 @@ def main() -> None:
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     raw, rows = batches(args, strategy, raw=True), batches(args, strategy, raw=False)
-    modules = {v: make_variant(args, strategy, v) for v in VARIANTS}
-    steps = {v: cycling_step(modules[v], rows if v == "rows" else raw) for v in VARIANTS}
+    variants = VARIANTS + PIPELINED if args.pipelined else VARIANTS
+    modules = {v: make_variant(args, strategy, v) for v in variants}
+    data = {v: rows if v.startswith("rows") else raw for v in variants}
+    steps = {
+        v: pipelined_step(modules[v], data[v], strategy)
+        if v in PIPELINED
+        else cycling_step(modules[v], data[v])
+        for v in variants
+    }
     repeats = []
     for repeat in range(args.repeats):
-        shift = repeat % len(VARIANTS)
-        order = VARIANTS[shift:] + VARIANTS[:shift]
+        shift = repeat % len(variants)
+        order = variants[shift:] + variants[:shift]
         ms = {
             v: 1000 * median(time_steps(strategy, steps[v], args.steps, args.warmup)) for v in order
         }
-        repeats.append({f"{v}_ms": ms[v] for v in VARIANTS})
+        repeats.append({f"{v}_ms": ms[v] for v in variants})
     summary = {
         v: {
             "ms_per_step": median([r[f"{v}_ms"] for r in repeats]),
             "ratio_to_rows": median([r[f"{v}_ms"] / r["rows_ms"] for r in repeats]),
             "extra_ms_per_step": median([r[f"{v}_ms"] - r["rows_ms"] for r in repeats]),
         }
-        for v in VARIANTS
+        for v in variants
     }
+    if args.pipelined:  # each pipelined step against the pipelined rows step
+        summary["managed-pipelined"]["ratio_to_rows_pipelined"] = median(
+            [r["managed-pipelined_ms"] / r["rows-pipelined_ms"] for r in repeats]
+        )
     remap = modules["managed"].raw_id_remap
     stats = remap.raw_id_stats() if remap is not None else {}
     counts = {k: sum(s[k] for s in stats.values()) for k in ("ids", "collisions", "evictions")}
@@ -143,6 +169,9 @@ def main() -> None:
                 f"({data['extra_ms_per_step']:+.2f} ms)",
                 flush=True,
             )
+        if args.pipelined:
+            ratio = summary["managed-pipelined"]["ratio_to_rows_pipelined"]
+            print(f"managed-pipelined x{ratio:.3f} of rows-pipelined", flush=True)
         print(
             f"managed: collision rate {result['managed_collision_rate']:.1%}, eviction rate "
             f"{result['managed_eviction_rate']:.1%} (per distinct id per step, all steps)"

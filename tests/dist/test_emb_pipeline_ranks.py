@@ -1,6 +1,7 @@
 """TrainPipeline: batch i + 1's input dist runs ahead of batch i's step, and the numbers are the
 plain loop's, bit for bit (1, 2, 3 ranks; a 2 x 2 mesh; bag and sequence collections, hashed
-raw ids, frozen and uneven batches); a bad batch, a loader that raises or runs out with a batch
+raw ids, managed-collision tables whose raw ids go ahead to their remappers, frozen and uneven
+batches); a bad batch, a loader that raises or runs out with a batch
 in flight, a checkpoint taken with one in flight, and a table frozen in flight each end as the
 docs say."""
 
@@ -21,6 +22,7 @@ from manualpar.embeddings import (
     EmbeddingCollection,
     EmbeddingConfig,
     HashIds,
+    ManagedCollisions,
     RowWiseAdagrad,
     SparseFeatures,
     full_tensors,
@@ -57,18 +59,59 @@ class Model(torch.nn.Module):
             sequence, strategy, {"history": row_wise()}, RowWiseAdagrad(lr=0.1), mesh=layout
         )
         self.bags.tables["raw"].weight.requires_grad_(False)  # a frozen table throughout
+        # raw ids remapped: buckets of a few rows, so ids collide and evict from the first steps
+        managed = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig("clicks", 16, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
+                EmbeddingBagConfig(
+                    "ads", 20, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=5)
+                ),
+            ],
+            seed=3,
+        )
+        self.managed = shard_embeddings(
+            managed,
+            strategy,
+            {"clicks": row_wise(), "ads": table_wise(shard - 1)},
+            RowWiseAdagrad(lr=0.1),
+            mesh=layout,
+        )
+        visits = EmbeddingCollection(
+            [EmbeddingConfig("visits", 12, 4, raw_ids=ManagedCollisions(bucket_rows=3))], seed=4
+        )
+        self.visits = shard_embeddings(
+            visits, strategy, {"visits": row_wise()}, RowWiseAdagrad(lr=0.1), mesh=layout
+        )
 
-    def prefetch(self, batch: tuple[SparseFeatures, SparseFeatures]) -> None:
+    def collections(self) -> dict[str, torch.nn.Module]:
+        return {
+            "bags": self.bags,
+            "sequence": self.sequence,
+            "managed": self.managed,
+            "visits": self.visits,
+        }
+
+    def prefetch(self, batch: Batch) -> None:
         self.bags.prefetch(batch[0])
         self.sequence.prefetch(batch[1])
+        self.managed.prefetch(batch[2])
+        self.visits.prefetch(batch[3])
 
-    def loss(self, batch: tuple[SparseFeatures, SparseFeatures]) -> torch.Tensor:
+    def in_flight(self) -> tuple[int, ...]:
+        return tuple(emb.batches_in_flight for emb in self.collections().values())
+
+    def loss(self, batch: Batch) -> torch.Tensor:
         pooled = self.bags(batch[0]).values
         rows = self.sequence(batch[1])["history"].values
-        return pooled.square().sum() + rows.sin().sum()
+        managed = self.managed(batch[2]).values
+        visits = self.visits(batch[3])["visits"].values
+        return pooled.square().sum() + rows.sin().sum() + managed.cos().sum() + visits.sum()
 
 
-def _batch(step: int, rank: int, bad: bool = False) -> tuple[SparseFeatures, SparseFeatures]:
+Batch = tuple[SparseFeatures, SparseFeatures, SparseFeatures, SparseFeatures]
+
+
+def _batch(step: int, rank: int, bad: bool = False) -> Batch:
     g = torch.Generator().manual_seed(100 * step + rank)
     size = 2 + (step + rank) % 3  # uneven batches, different on each rank
 
@@ -88,7 +131,15 @@ def _batch(step: int, rank: int, bad: bool = False) -> tuple[SparseFeatures, Spa
         }
     )
     history = SparseFeatures.from_dict({"history": bags(size, 35)})
-    return pooled, history
+    spread = 104_729  # raw ids over int64, many more than the rows
+    managed = SparseFeatures.from_dict(
+        {
+            "clicks": [[x * spread for x in b] for b in bags(size, 60)],
+            "ads": [[x * spread for x in b] for b in bags(size, 50)],
+        }
+    )
+    visits = SparseFeatures.from_dict({"visits": [[x * spread for x in b] for b in bags(size, 40)]})
+    return pooled, history, managed, visits
 
 
 def _batches(rank: int, count: int, bad_at: int | None = None) -> Iterator:
@@ -97,9 +148,10 @@ def _batches(rank: int, count: int, bad_at: int | None = None) -> Iterator:
 
 
 def _snapshot(model: Model) -> dict[str, torch.Tensor]:
-    with full_tensors():
-        tables = {**model.bags.state_dict(), **model.sequence.state_dict()}
-        for name, emb in (("bags", model.bags), ("sequence", model.sequence)):
+    tables: dict[str, torch.Tensor] = {}
+    with full_tensors():  # the tables, the remappers' state, the optimizers' state
+        for name, emb in model.collections().items():
+            tables.update({f"{name}.{k}": v for k, v in emb.state_dict().items()})
             for table, keys in emb.fused_optimizer.state_dict()["state"].items():
                 tables.update({f"{name}/{table}/{k}": v for k, v in keys.items()})
     return {k: v.clone() for k, v in tables.items()}
@@ -112,7 +164,7 @@ def _train(pipelined: bool, steps: int, mesh: bool = False) -> dict:
     batches = _batches(strategy.rank, steps)
     loop = mp.TrainPipeline(batches, strategy, model.prefetch) if pipelined else batches
     for batch in loop:
-        in_flight.append((model.bags.batches_in_flight, model.sequence.batches_in_flight))
+        in_flight.append(model.in_flight())
         loss = model.loss(batch)
         loss.backward()
         losses.append(loss.item())
@@ -128,8 +180,8 @@ def test_pipelined_training_equals_the_plain_loop(world: int, mesh: bool) -> Non
     piped = run_distributed(_train, world, args=(True, 5, mesh), timeout=90)
     for rank in range(world):
         # the batch handed out and the next were both sent ahead, but for the last
-        assert piped[rank]["in_flight"] == [(2, 2)] * 4 + [(1, 1)]
-        assert plain[rank]["in_flight"] == [(0, 0)] * 5
+        assert piped[rank]["in_flight"] == [(2, 2, 2, 2)] * 4 + [(1, 1, 1, 1)]
+        assert plain[rank]["in_flight"] == [(0, 0, 0, 0)] * 5
         assert piped[rank]["losses"] == plain[rank]["losses"]
         assert piped[rank]["tables"].keys() == plain[rank]["tables"].keys()
         for key, value in plain[rank]["tables"].items():
@@ -238,17 +290,18 @@ def test_a_table_frozen_while_a_batch_is_in_flight_is_refused() -> None:
         )
 
 
-def test_prefetch_twice_is_refused_on_one_process() -> None:
+@pytest.mark.parametrize("collection", [0, 2], ids=["bags", "managed"])
+def test_prefetch_twice_is_refused_on_one_process(collection: int) -> None:
     strategy = mp.ManualParallelStrategy()
     model = Model(strategy, False)
-    first, second = _batch(0, 0), _batch(1, 0)
-    third = _batch(2, 0)
-    model.bags.prefetch(first[0])
-    model.bags.prefetch(second[0])
+    emb = model.bags if collection == 0 else model.managed
+    first, second, third = (_batch(step, 0)[collection] for step in range(3))
+    emb.prefetch(first)
+    emb.prefetch(second)
     with pytest.raises(EmbeddingInputError, match="while 2 batches are in flight"):
-        model.bags.prefetch(third[0])
-    model.bags(third[0])  # another batch's forward runs whole meanwhile (validation, say)
-    model.bags(first[0]).values.sum().backward()  # and a held one is taken by its own
-    model.bags.prefetch(third[0])
-    model.bags.drop_prefetched()
-    model.bags.prefetch(third[0])  # free again
+        emb.prefetch(third)
+    emb(third)  # another batch's forward runs whole meanwhile (validation, say)
+    emb(first).values.sum().backward()  # and a held one is taken by its own
+    emb.prefetch(third)
+    emb.drop_prefetched()
+    emb.prefetch(third)  # free again

@@ -1,5 +1,5 @@
-"""The cost benchmarks (the pipeline, the half-row guard, row checksums) run end to end at toy
-size and write consistent JSON (numbers are not asserted: timing has no place in tests)."""
+"""The cost benchmarks (the pipeline, the half-row guard, raw ids, row checksums) run end to end
+at toy size and write consistent JSON (numbers are not asserted: timing has no place in tests)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,39 @@ def test_two_rank_cost_benchmarks_report_their_median_ratio(
     assert result[f"{base}_ms"] == pytest.approx(
         statistics.median(r[f"{base}_ms"] for r in result["repeats"])
     )
+
+
+def test_raw_ids_benchmark_reports_every_variant_against_rows(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    run_torchrun(
+        EXAMPLES / "benchmarks" / "bench_raw_ids.py",
+        *("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--warmup", "1"),
+        *("--bucket-rows", "8", "--repeats", "2", "--pipelined", "--json", str(out)),
+        nproc=2,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    variants = result["variants"]
+    assert list(variants) == [
+        "rows",
+        "hash",
+        "managed",
+        "managed-torch",
+        "rows-pipelined",
+        "managed-pipelined",
+    ]
+    repeats = result["repeats"]
+    assert len(repeats) == 2
+    for name, summary in variants.items():
+        assert summary["ratio_to_rows"] == pytest.approx(
+            statistics.median(r[f"{name}_ms"] / r["rows_ms"] for r in repeats)
+        )
+    assert variants["managed-pipelined"]["ratio_to_rows_pipelined"] == pytest.approx(
+        statistics.median(r["managed-pipelined_ms"] / r["rows-pipelined_ms"] for r in repeats)
+    )
+    # 500 rows in buckets of 8 against raw ids from 4x as many: some ids collide
+    assert 0 < result["managed_collision_rate"] < 1
 
 
 def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> None:

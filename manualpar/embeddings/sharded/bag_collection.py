@@ -30,7 +30,7 @@ from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.in_flight import InFlight
-from manualpar.embeddings.sharded.managed_collisions import sharded_remapper
+from manualpar.embeddings.sharded.managed_collisions import RemapInFlight, sharded_remapper
 from manualpar.embeddings.sharded.table_storage import cache_slots, table_stores
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.routing import Routing
@@ -152,7 +152,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
         routed = taken[0] if taken is not None else None
-        if routed is None:
+        if isinstance(routed, RemapInFlight):  # raw ids sent ahead: remap them now
+            features, routed = self._remapped(routed), None
+        elif routed is None:
             features = self._checked(features)
             if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
                 features = self.raw_id_remap(features)
@@ -161,6 +163,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return PooledEmbeddings(
             self._lookup(features, routed), self.feature_names, tuple(self.routing.dims)
         )
+
+    def _remapped(self, sent: RemapInFlight) -> SparseFeatures:
+        """A prefetched batch's rows: its raw ids travelled to their remappers a step ago."""
+        assert self.raw_id_remap is not None
+        return self.raw_id_remap.finish(sent)
 
     def _lookup(self, features: SparseFeatures, routed: RoutedIds | None) -> torch.Tensor:
         """The pooled values of checked, row-id `features` (from `routed` if prefetched)."""
@@ -180,12 +187,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Start this batch's input dist now, before the current batch's step (collective:
         every rank prefetches its own next batch): the checks, the hashing, the size exchange
         and the ids on their way to their owners. The forward of this very object takes them
-        (sharded/in_flight.py; TrainPipeline calls this for you). Tables with ManagedCollisions
-        are remapped at forward, so for them this does nothing: a remap run early would put
-        the remapper's state, and so a checkpoint, a batch ahead (docs/embeddings.md)."""
+        (sharded/in_flight.py; TrainPipeline calls this for you). With ManagedCollisions
+        tables, the raw ids start travelling to their remappers instead; the remap and the
+        input dist wait for the forward: a remap run early would put the remapper's state,
+        and so a checkpoint, a batch ahead (docs/embeddings.md)."""
+        self._in_flight.check_free()
+        checked = self._checked(features)
         if self.raw_id_remap is not None:
+            self._in_flight.hold(features, self.raw_id_remap.send(checked))
             return
-        self._hold(features, self._checked(features))
+        self._hold(features, checked)
 
     def _hold(self, key: SparseFeatures, prepared: SparseFeatures, extra: Any = None) -> None:
         self._in_flight.check_free()

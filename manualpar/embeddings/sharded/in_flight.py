@@ -2,10 +2,13 @@
 
 `emb.prefetch(features)` runs the checks, the hashing and the input dist of a batch (the size
 exchange, then the ids on their way to their owners) before the current batch's step, so the
-ids travel while it computes. The forward of that very batch (the same SparseFeatures object)
+ids travel while it computes. A collection with ManagedCollisions tables sends its raw ids to
+their remappers instead (sharded/managed_collisions.py, `send`): the remap and the input dist
+wait for the batch's forward. The forward of that very batch (the same SparseFeatures object)
 takes them; any other forward (a validation batch, say) runs whole, as if nothing were held.
 
-Nothing in the input dist reads or writes a row, so holding a batch changes no number. What it
+Nothing in an input dist or a remapper's send reads or writes a row or a remapper's state, so
+holding a batch changes no number. What it
 does fix early is which tables are frozen (the exchange agrees on that): a table's
 `requires_grad` changed while a batch is in flight is refused when that batch's forward comes.
 At most two batches are held: the current one and the next.
@@ -20,6 +23,7 @@ from torch import nn
 
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.sharded.managed_collisions import RemapInFlight
 from manualpar.embeddings.step.frozen import frozen_tables
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.errors import EmbeddingInputError
@@ -30,7 +34,7 @@ __all__ = ["InFlight"]
 @dataclass(frozen=True)
 class _Held:
     key: SparseFeatures  # the batch as the caller passed it to prefetch
-    routed: RoutedIds
+    routed: RoutedIds | RemapInFlight  # its input dist, or its raw ids' send to the remappers
     extra: Any  # what the collection needs besides (a sequence collection's id counts)
     frozen: frozenset[int]  # this rank's frozen tables when its input dist ran
 
@@ -60,11 +64,13 @@ class InFlight:
                 ".to(device)), or drop them (emb.drop_prefetched())"
             )
 
-    def hold(self, key: SparseFeatures, routed: RoutedIds, extra: Any = None) -> None:
+    def hold(
+        self, key: SparseFeatures, routed: RoutedIds | RemapInFlight, extra: Any = None
+    ) -> None:
         self.check_free()
         self._held.append(_Held(key, routed, extra, frozen_tables(self.tables, self.names)))
 
-    def take(self, key: SparseFeatures) -> tuple[RoutedIds, Any] | None:
+    def take(self, key: SparseFeatures) -> tuple[RoutedIds | RemapInFlight, Any] | None:
         """A held batch's routed ids if `key` is that batch, else None (run it whole)."""
         found = next((h for h in self._held if h.key is key), None)
         if found is None:
@@ -84,5 +90,5 @@ class InFlight:
     def drop(self) -> None:
         """Forget the held batches (their ids arrived or will: nothing is pinned yet)."""
         for held in self._held:
-            held.routed.ids_in.wait()
+            held.routed.settle()
         self._held = []

@@ -8,6 +8,10 @@ is per bucket, and the order within a bucket does not depend on the senders), an
 back. Three all_to_alls over the whole job per step, for all managed tables together: sizes,
 ids and counts, rows. Every replica of a 2-D layout sees the same mapping.
 
+A pipeline's prefetch runs the first two (`send`: nothing is remapped), so a batch's ids travel
+during the previous step; the remap and the rows wait for that batch's forward (`finish`), so
+the state, and a checkpoint taken with a batch in flight, never run a batch ahead.
+
 The state is checkpointed per row as LocalShards (like the fused optimizer's per-row state), so
 it reshards on load to any world size; `step` is the same on every rank.
 """
@@ -15,6 +19,7 @@ it reshards on load to any world size; `step` is the same on every rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,9 +43,9 @@ from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_t
 from manualpar.embeddings.step.size_header import REFUSED, check_refusals
 
 if TYPE_CHECKING:
-    from manualpar.strategy import ManualParallelStrategy
+    from manualpar.strategy import ManualParallelStrategy, PendingCollective
 
-__all__ = ["ShardedManagedCollisions", "sharded_remapper"]
+__all__ = ["RemapInFlight", "ShardedManagedCollisions", "sharded_remapper"]
 
 WHAT = "shard_embeddings: managed-collision"
 
@@ -73,6 +78,12 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> SparseFeatures:
+        return self.finish(self.send(features))
+
+    def send(self, features: SparseFeatures) -> RemapInFlight:
+        """Route this rank's raw ids to their buckets' owners: the sizes exchange (blocking),
+        then the ids, in flight on return. Nothing is remapped yet, so no state changes: a
+        pipeline sends the next batch's ids while the current batch's step runs."""
         world = self.strategy.world_size
         names = list(self.tables)
         raw = table_ids(features, self.configs, managed_tables(self.configs))
@@ -89,16 +100,25 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
             [part for owner in range(world) for sent in sends for part in sent.to_owner(owner)]
             or [header.new_zeros(0)]
         )
-        received = self._all_to_all(
-            payload, [2 * sum(s) for s in sizes_out], [2 * sum(s) for s in sizes_in], "ids"
+        received = self.strategy.all_to_all_async(
+            payload,
+            [2 * sum(s) for s in sizes_out],
+            [2 * sum(s) for s in sizes_in],
+            name=f"{WHAT} ids all_to_all",
         )
-        replies = self._remap_received(names, received, sizes_in)
+        return RemapInFlight(features, names, sends, sizes_out, sizes_in, received)
+
+    def finish(self, sent: RemapInFlight) -> SparseFeatures:
+        """Remap the ids `send` routed (this rank's buckets of every rank's batch: the state
+        moves one step) and return each rank its rows: `features` with row ids."""
+        names = sent.names
+        replies = self._remap_received(names, sent.received.wait(), sent.sizes_in)
         rows = self._all_to_all(
-            replies, [sum(s) for s in sizes_in], [sum(s) for s in sizes_out], "rows"
+            replies, [sum(s) for s in sent.sizes_in], [sum(s) for s in sent.sizes_out], "rows"
         )
-        per_table = _split_by_table(rows, sizes_out)
-        mapped = {name: sends[t].rows(per_table[t]) for t, name in enumerate(names)}
-        return with_table_ids(features, self.configs, mapped)
+        per_table = _split_by_table(rows, sent.sizes_out)
+        mapped = {name: sent.sends[t].rows(per_table[t]) for t, name in enumerate(names)}
+        return with_table_ids(sent.features, self.configs, mapped)
 
     def _remap_received(
         self, names: list[str], received: torch.Tensor, sizes_in: list[list[int]]
@@ -177,6 +197,23 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
             else:
                 mine.copy_(value.to(mine.device)[table.row_start : table.row_end])
             state_dict[prefix + key] = mine
+
+
+@dataclass(frozen=True)
+class RemapInFlight:
+    """A batch whose raw ids `send` routed: the sizes agreed, the ids on their way to their
+    buckets' owners, the remap still to come (`finish`)."""
+
+    features: SparseFeatures  # the batch, checked and hashed, with raw ids
+    names: list[str]  # the managed tables, in the order of every per-table list
+    sends: list[_Sent]  # per table: this rank's distinct ids, ordered by owner
+    sizes_out: list[list[int]]  # [owner][table]: distinct ids sent to each owner
+    sizes_in: list[list[int]]  # [sender][table]: distinct ids each sender sent here
+    received: PendingCollective  # the senders' ids and counts for our buckets
+
+    def settle(self) -> None:
+        """Wait for the ids in flight (a dropped batch: nothing was remapped)."""
+        self.received.wait()
 
 
 class _Sent:

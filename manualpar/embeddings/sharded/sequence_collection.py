@@ -37,6 +37,7 @@ from manualpar.embeddings.modules.sequence_collection import (
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.sharded.managed_collisions import RemapInFlight
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -134,7 +135,10 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         if taken is not None:
             routed, counts = taken
             features = features.to(self.strategy.device)
-            pooled = self._lookup(routed.features, routed)
+            if isinstance(routed, RemapInFlight):  # raw ids sent ahead: remap them now
+                pooled = self._lookup(self._remapped(routed), None)
+            else:
+                pooled = self._lookup(routed.features, routed)
         else:
             features, bags, counts = self._unit(features)
             pooled = super().forward(bags).values
@@ -154,9 +158,12 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         return features, bags, counts
 
     def prefetch(self, features: SparseFeatures) -> None:
-        """As the bag collection's: this batch's ids start travelling now (collective)."""
-        if self.raw_id_remap is not None:
-            return
+        """As the bag collection's: this batch's ids start travelling now (collective); raw
+        ids of ManagedCollisions tables to their remappers."""
         self._in_flight.check_free()
         _, bags, counts = self._unit(features)
-        self._hold(features, self._checked(bags), counts)
+        checked = self._checked(bags)
+        if self.raw_id_remap is not None:
+            self._in_flight.hold(features, self.raw_id_remap.send(checked), counts)
+            return
+        self._hold(features, checked, counts)

@@ -42,6 +42,10 @@ class RoutedIds:
     def batch(self) -> int:
         return self.features.batch_size
 
+    def settle(self) -> None:
+        """Wait for the ids in flight (a dropped batch: nothing was looked up or pinned)."""
+        self.ids_in.wait()
+
 
 @dataclass(frozen=True)
 class LookedUp:
