@@ -1,7 +1,8 @@
 """The byte model of a step's exchanges is exact: on 2 and 3 ranks, with row-, table-, column-
 and table-row-wise tables, weighted and mean-pooled features, a frozen table and uneven batches,
-`exchange_bytes` predicts every split each all_to_all really sends, byte for byte; and
-`expected_exchange_bytes` is the mean of the exact counts over uniform ids."""
+and for a sequence collection's compact exchange, `exchange_bytes` predicts every split each
+all_to_all really sends, byte for byte; and `expected_exchange_bytes` is the mean of the exact
+counts over uniform ids."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import manualpar as mp
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
@@ -71,13 +74,24 @@ def _batch(rank: int, weighted: bool) -> SparseFeatures:
     return SparseFeatures.from_dict(bags, weights)
 
 
-def _recorded_step(weighted: bool) -> list[dict[str, list[int]]]:
+# the same tables, looked up one row per id (a sequence collection)
+SEQUENCE = [
+    EmbeddingConfig(c.name, c.num_embeddings, c.embedding_dim, feature_names=c.feature_names)
+    for c in CONFIGS
+]
+
+
+def _recorded_step(weighted: bool, sequence: bool = False) -> list[dict[str, list[int]]]:
     """This rank's send splits in bytes per exchange of one step (the pooled rows: what it
     receives, since those flow the other way)."""
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
     with mp.empty_init():
-        ebc = EmbeddingBagCollection(CONFIGS, seed=0)
+        ebc = (
+            EmbeddingCollection(SEQUENCE, seed=0)
+            if sequence
+            else EmbeddingBagCollection(CONFIGS, seed=0)
+        )
     emb = shard_embeddings(ebc, strategy, _plan(world), RowWiseAdagrad(lr=0.1))
     emb.tables["cold"].weight.requires_grad_(False)
     calls: list[tuple[str, list[int], list[int], int]] = []
@@ -88,7 +102,11 @@ def _recorded_step(weighted: bool) -> list[dict[str, list[int]]]:
         return start(tensor, send, receive, name=name, group=group)
 
     strategy.all_to_all_async = recording  # type: ignore[method-assign]
-    emb(_batch(rank, weighted)).values.sum().backward()
+    if sequence:
+        out = emb(_batch(rank, weighted))
+        sum(out[key].values.sum() for key in out.keys).backward()
+    else:
+        emb(_batch(rank, weighted)).values.sum().backward()
     strategy.teardown()
     sent: dict[str, list[int]] = {}
     for kind, (name, send, receive, size) in zip(EXCHANGES, calls, strict=True):
@@ -99,11 +117,13 @@ def _recorded_step(weighted: bool) -> list[dict[str, list[int]]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("world", "weighted"), [(2, False), (3, True)])
-def test_the_byte_model_predicts_every_split(world: int, weighted: bool) -> None:
-    recorded = run_distributed(_recorded_step, world, args=(weighted,), timeout=60)
+@pytest.mark.parametrize(
+    ("world", "weighted", "sequence"), [(2, False, False), (3, True, False), (3, False, True)]
+)
+def test_the_byte_model_predicts_every_split(world: int, weighted: bool, sequence: bool) -> None:
+    recorded = run_distributed(_recorded_step, world, args=(weighted, sequence), timeout=60)
     model = exchange_bytes(
-        CONFIGS,
+        SEQUENCE if sequence else CONFIGS,
         _plan(world),
         [_batch(r, weighted) for r in range(world)],
         frozen=frozenset({"cold"}),
@@ -118,10 +138,12 @@ def test_the_byte_model_predicts_every_split(world: int, weighted: bool) -> None
             assert sent[kind] == predicted, (rank, kind)
 
 
-def test_expected_bytes_are_the_mean_over_uniform_ids() -> None:
+@pytest.mark.parametrize("sequence", [False, True], ids=["bags", "sequence"])
+def test_expected_bytes_are_the_mean_over_uniform_ids(sequence: bool) -> None:
     plan = _plan(2)
     per_bag = {"user": 2.0, "item": 1.0, "last_item": 1.0, "wide": 3.0, "cold": 2.0}
-    expected = expected_exchange_bytes(CONFIGS, plan, 4, per_bag, full_rows=True)
+    configs = SEQUENCE if sequence else CONFIGS
+    expected = expected_exchange_bytes(configs, plan, 4, per_bag, full_rows=True)
     g = torch.Generator().manual_seed(0)
     total = {k: [[0.0, 0.0], [0.0, 0.0]] for k in EXCHANGES}
     trials = 400
@@ -142,7 +164,7 @@ def test_expected_bytes_are_the_mean_over_uniform_ids() -> None:
                 )
             }
             batches.append(SparseFeatures.from_dict(bags))
-        exact = exchange_bytes(CONFIGS, plan, batches, full_rows=True)
+        exact = exchange_bytes(configs, plan, batches, full_rows=True)
         for k in EXCHANGES:
             for s in range(2):
                 for d in range(2):

@@ -14,6 +14,7 @@ from manualpar.embeddings import (
     Adam,
     DiskTier,
     EmbeddingBagConfig,
+    EmbeddingConfig,
     EmbeddingPlan,
     column_wise,
     data_parallel,
@@ -56,21 +57,41 @@ def _topology(world: int, per_node: int) -> Topology:
     return load_topology("cpu-host", world, per_node)
 
 
+# The same tables in a sequence collection (one row per id, a compact exchange). The cost
+# model pads each table's features to its own id count, the exchange to the collection's
+# largest: equal with the same ids per sample everywhere.
+SEQUENCE = [
+    EmbeddingConfig(
+        c.name, c.num_embeddings, c.embedding_dim, feature_names=c.feature_names, dtype=c.dtype
+    )
+    for c in CONFIGS
+]
+SEQUENCE_PER_BAG = dict.fromkeys(PER_BAG, 3.0)
+
+
 @pytest.mark.parametrize(
-    ("world", "per_node", "weighted", "full_rows"),
-    [(2, 2, False, False), (3, 3, True, True), (4, 2, False, True), (4, 1, True, False)],
+    ("world", "per_node", "weighted", "full_rows", "sequence"),
+    [
+        (2, 2, False, False, False),
+        (3, 3, True, True, False),
+        (4, 2, False, True, False),
+        (4, 1, True, False, False),
+        (2, 2, False, False, True),
+        (4, 2, False, True, True),
+    ],
 )
 def test_bytes_per_rank_are_the_exact_matrices_summed(
-    world: int, per_node: int, weighted: bool, full_rows: bool
+    world: int, per_node: int, weighted: bool, full_rows: bool, sequence: bool
 ) -> None:
     plan, topology = _plan(world, per_node), _topology(world, per_node)
     frozen = frozenset({"cold"})
-    workload = Workload(16, PER_BAG, weighted=weighted, frozen=frozen, full_rows=full_rows)
-    per_feature = {f: PER_BAG[c.name] for c in CONFIGS for f in c.feature_names}
+    configs, per_bag = (SEQUENCE, SEQUENCE_PER_BAG) if sequence else (CONFIGS, PER_BAG)
+    workload = Workload(16, per_bag, weighted=weighted, frozen=frozen, full_rows=full_rows)
+    per_feature = {f: per_bag[c.name] for c in configs for f in c.feature_names}
     matrix = expected_exchange_bytes(
-        CONFIGS, plan, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
+        configs, plan, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
     )
-    costs = plan_costs(CONFIGS, plan, topology, workload)
+    costs = plan_costs(configs, plan, topology, workload)
     for rank in range(world):
         node = rank // per_node
 

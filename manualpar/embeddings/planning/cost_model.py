@@ -33,6 +33,7 @@ import torch
 
 from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
+from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.popularity import distinct_rows
 from manualpar.embeddings.planning.rank_costs import RankCosts, Workload
 from manualpar.embeddings.planning.topology import Topology
@@ -129,6 +130,12 @@ def placement_costs(
         _replicated(costs, config, skew, world, per_node, ids, row_state, col_state, frozen)
         return costs
     copies = 2 if workload.weighted else 1
+    # bag lengths sent per feature, and the rows (and gradients) each block returns per
+    # feature summed: a bag collection's every bag; a sequence collection pads each feature
+    # to its id count (a bag per id; here the table's own count, the collection's largest in a
+    # step) and returns one row per id found in the block (exchange_bytes.py)
+    sequence = is_sequence([config])
+    lengths = ids if sequence else batch * features
     owners = torch.tensor([s.rank for s in shards])
     rows = torch.tensor([s.rows for s in shards], dtype=torch.float64)
     cols = torch.tensor([s.cols for s in shards], dtype=torch.float64)
@@ -138,12 +145,13 @@ def placement_costs(
         if full_rows and placement.sharding == "column_wise"
         else cols
     )
-    sent_to = (batch * features + ids * fraction * copies) * INT64
+    returned = ids * fraction if sequence else torch.full_like(fraction, batch * features)
+    sent_to = (lengths + ids * fraction * copies) * INT64
     if not frozen:
-        sent_to = sent_to + batch * features * grad_cols * FLOAT32
+        sent_to = sent_to + returned * grad_cols * FLOAT32
     to_owner = torch.zeros(world, dtype=torch.float64).index_add_(0, owners, sent_to)
     from_owner = torch.zeros(world, dtype=torch.float64).index_add_(
-        0, owners, batch * features * cols * FLOAT32
+        0, owners, returned * cols * FLOAT32
     )
     _owner_traffic(costs, to_owner, from_owner, per_node)
     _block_work(

@@ -12,6 +12,11 @@ whose rule needs them; none for frozen tables). A rank's own part never travels.
 compares them with the splits the exchanges really send); `expected_exchange_bytes` from batch
 sizes and ids per bag, with ids spread evenly over a table's rows (a plan's expectation).
 Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
+
+Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a bag of its own,
+every feature padded with empty bags to the batch's largest id count (sharded/
+sequence_collection.py), in a compact layout: a length travels for every padded bag, but rows
+and gradients only for the bags with an id in the owner's block, so one id's row per id.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.modules.sequence_collection import EmbeddingConfig
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.step.frozen import num_words
 from manualpar.embeddings.step.routing import Routing
 
-__all__ = ["EXCHANGES", "ExchangeBytes", "exchange_bytes", "expected_exchange_bytes"]
+__all__ = [
+    "EXCHANGES",
+    "ExchangeBytes",
+    "exchange_bytes",
+    "expected_exchange_bytes",
+    "is_sequence",
+]
 
 EXCHANGES = ("sizes", "ids", "pooled", "gradients")
 INT64, FLOAT32 = 8, 4
@@ -56,6 +68,11 @@ def _zeros(world: int) -> Matrix:
     return [[0.0] * world for _ in range(world)]
 
 
+def is_sequence(configs: Sequence[EmbeddingBagConfig]) -> bool:
+    """Whether `configs` are a sequence collection's (EmbeddingConfig: one row per id)."""
+    return bool(configs) and all(isinstance(c, EmbeddingConfig) for c in configs)
+
+
 def _counts_by_group(routing: Routing, table: int, ids: torch.Tensor) -> list[float]:
     """How many of `ids` fall in each row group of `table` (one group unless split by rows)."""
     starts = routing.row_start_tensors[table]
@@ -66,13 +83,16 @@ def _counts_by_group(routing: Routing, table: int, ids: torch.Tensor) -> list[fl
 def _step_bytes(
     configs: Sequence[EmbeddingBagConfig],
     plan: EmbeddingPlan,
-    batches: Sequence[int],
+    batches: Sequence[float],
     ids_of: Mapping[tuple[int, int], list[float]],
     weighted: Sequence[bool],
     frozen: frozenset[str],
     full_rows: bool,
+    compact: bool = False,
 ) -> ExchangeBytes:
-    """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank."""
+    """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank; `batches`: the
+    bags per feature on each rank. `compact`: one id per bag, and rows and gradients travel
+    only for the bags with an id in the owner's block (a sequence collection)."""
     world = plan.world_size
     out = {name: _zeros(world) for name in EXCHANGES}
     width = 3 + num_words(len(configs))
@@ -93,10 +113,12 @@ def _step_bytes(
             out["sizes"][sender][owner] = width * INT64
             ids = pooled = grads = 0.0
             for route in routing.routes_to[owner]:
-                ids += batch + ids_of[(sender, route.feature)][route.row_group] * copies
-                pooled += batch * route.cols
+                here = ids_of[(sender, route.feature)][route.row_group]
+                bags = here if compact else batch  # the bags whose rows come back
+                ids += batch + here * copies
+                pooled += bags * route.cols
                 if route.table not in frozen_tables:
-                    grads += batch * grad_cols[id(route)]
+                    grads += bags * grad_cols[id(route)]
             out["ids"][sender][owner] = ids * INT64
             out["pooled"][owner][sender] = pooled * FLOAT32
             out["gradients"][sender][owner] = grads * FLOAT32
@@ -113,8 +135,9 @@ def exchange_bytes(
     full_rows: bool = False,
 ) -> ExchangeBytes:
     """The exact bytes of one step in which rank r looks up `batches[r]` (features in the
-    collection's order). `full_rows`: the rule needs whole rows' gradients (row-wise Adagrad
-    and clipping do, for column-split tables: FusedOptimizer.needs_full_rows)."""
+    collection's order; a sequence collection's batch as its forward takes it). `full_rows`:
+    the rule needs whole rows' gradients (row-wise Adagrad and clipping do, for column-split
+    tables: FusedOptimizer.needs_full_rows)."""
     if len(batches) != plan.world_size:
         raise ValueError(
             f"exchange_bytes: {len(batches)} batches for a plan of {plan.world_size} ranks; "
@@ -125,14 +148,17 @@ def exchange_bytes(
     for rank, features in enumerate(batches):
         for f, (name, table) in enumerate(routing.features):
             ids_of[(rank, f)] = _counts_by_group(routing, table, features[name].values)
+    sequence = is_sequence(configs)
     return _step_bytes(
         configs,
         plan,
-        [b.batch_size for b in batches],
+        # a sequence batch becomes its largest feature's id count of one-id bags per feature
+        [max(b.feature_sizes(), default=0) if sequence else b.batch_size for b in batches],
         ids_of,
         [b.weights is not None for b in batches],
         frozen,
         full_rows,
+        compact=sequence,
     )
 
 
@@ -147,9 +173,16 @@ def expected_exchange_bytes(
     full_rows: bool = False,
 ) -> ExchangeBytes:
     """The expected bytes of a step with `batch_per_rank` samples on every rank and, per
-    feature, `ids_per_bag` ids a sample on average, spread evenly over the table's rows."""
+    feature, `ids_per_bag` ids a sample on average, spread evenly over the table's rows (a
+    sequence collection: its bags padded to the largest feature's expected id count)."""
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
+    sequence = is_sequence(configs)
+    bags = float(batch_per_rank)
+    if sequence:
+        bags = max(
+            (batch_per_rank * ids_per_bag.get(n, 1.0) for n, _ in routing.features), default=0.0
+        )
     for f, (name, table) in enumerate(routing.features):
         rows = configs[table].num_embeddings
         starts = [*routing.row_starts[table], rows]
@@ -159,5 +192,5 @@ def expected_exchange_bytes(
             ids_of[(rank, f)] = share
     world = plan.world_size
     return _step_bytes(
-        configs, plan, [batch_per_rank] * world, ids_of, [weighted] * world, frozen, full_rows
+        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, sequence
     )
