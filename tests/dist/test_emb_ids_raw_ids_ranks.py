@@ -1,5 +1,6 @@
 """Raw-id tables sharded over 2 and 3 gloo ranks give the pooled outputs and trained tables of
-the single-process reference (world size 1: tests/unit/test_emb_ids_raw_ids.py)."""
+the single-process reference (world size 1: tests/unit/test_emb_ids_raw_ids.py), whether the
+managed tables are remapped through the remap exchange or by their owner in the step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from raw_id_cases import (
     HASHED_TABLES,
     MANAGED_TABLES,
+    PLACEMENTS,
     check_against_reference,
     check_state,
     checkpoint_job,
@@ -22,23 +24,39 @@ from manualpar.testing import run_distributed
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("batch_sizes", [[5, 3], [4, 0, 6]], ids=["2_ranks", "3_ranks"])
-@pytest.mark.parametrize("tables", [HASHED_TABLES, MANAGED_TABLES], ids=["hashed", "managed"])
-def test_raw_id_tables_match_the_reference(tables: tuple, batch_sizes: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("tables", "placement"),
+    [(HASHED_TABLES, "row_wise"), *((MANAGED_TABLES, p) for p in PLACEMENTS)],
+    ids=["hashed", *(f"managed_{p}" for p in PLACEMENTS)],
+)
+def test_raw_id_tables_match_the_reference(
+    tables: tuple, placement: str, batch_sizes: list[int]
+) -> None:
     """Managed tables: the same rows, remapper state and summed stats as one remapper."""
     per_rank = run_distributed(
-        train_sharded, len(batch_sizes), args=(tables, batch_sizes), timeout=60
+        train_sharded, len(batch_sizes), args=(tables, batch_sizes, 1, placement), timeout=60
     )
     check_against_reference(per_rank, tables, batch_sizes)
+    # the tables held whole by one rank went without the remap exchange
+    exchanged = {"row_wise": ["m0", "m1", "m2"], "mixed": ["m1"], "at_owner": []}
+    if tables is MANAGED_TABLES:
+        assert all(r["exchanged"] == exchanged[placement] for r in per_rank)
 
 
 @pytest.mark.timeout(120)
-def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("before", "after"), [("row_wise", "row_wise"), ("mixed", "at_owner")])
+def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path, before: str, after: str) -> None:
     """2 ranks train 2 steps and save; 1 rank loads and saves again; 3 ranks load, train a
-    third step: every load holds the saved mapping, and the end is the reference's."""
+    third step: every load holds the saved mapping, and the end is the reference's; also from
+    tables remapped partly at their owner to tables all remapped at other owners."""
     first, second = str(tmp_path / "two"), str(tmp_path / "one")
-    two = run_distributed(checkpoint_job, 2, args=(None, first, range(2), [5, 3]), timeout=60)
+    two = run_distributed(
+        checkpoint_job, 2, args=(None, first, range(2), [5, 3], before), timeout=60
+    )
     one = run_distributed(checkpoint_job, 1, args=(first, second, range(0), [0]), timeout=60)
-    three = run_distributed(checkpoint_job, 3, args=(second, None, range(2, 3), [4, 0, 6]))
+    three = run_distributed(
+        checkpoint_job, 3, args=(second, None, range(2, 3), [4, 0, 6], after), timeout=60
+    )
     saved = two[0]["end"]
     check_state(one[0]["loaded"], saved, "loaded on 1 rank")
     for rank, result in enumerate(three):
@@ -49,9 +67,11 @@ def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_batch_stops_every_rank_at_the_remap() -> None:
-    """The managed-collision exchange runs first: the refusal travels there, nothing hangs."""
-    messages = run_distributed(refusal_job, 2, timeout=30)
+@pytest.mark.parametrize("placement", ["row_wise", "at_owner"])
+def test_a_refused_batch_stops_every_rank_at_the_remap(placement: str) -> None:
+    """The managed-collision exchange runs first (without one, the step's): the refusal
+    travels there, nothing hangs."""
+    messages = run_distributed(refusal_job, 2, args=(placement,), timeout=30)
     assert messages[0] == (
         "EmbeddingInputError: rank 1 refused its batch (the error is in that rank's log); "
         "every rank stops at this step. Fix the input on that rank"

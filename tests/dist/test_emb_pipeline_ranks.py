@@ -76,11 +76,22 @@ class Model(torch.nn.Module):
             RowWiseAdagrad(lr=0.1),
             mesh=layout,
         )
+        # "ads" and "pages" held whole by one rank: remapped there, in the step
         visits = EmbeddingCollection(
-            [EmbeddingConfig("visits", 12, 4, raw_ids=ManagedCollisions(bucket_rows=3))], seed=4
+            [
+                EmbeddingConfig("visits", 12, 4, raw_ids=ManagedCollisions(bucket_rows=3)),
+                EmbeddingConfig(
+                    "pages", 9, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=3)
+                ),
+            ],
+            seed=4,
         )
         self.visits = shard_embeddings(
-            visits, strategy, {"visits": row_wise()}, RowWiseAdagrad(lr=0.1), mesh=layout
+            visits,
+            strategy,
+            {"visits": row_wise(), "pages": table_wise(0)},
+            RowWiseAdagrad(lr=0.1),
+            mesh=layout,
         )
 
     def collections(self) -> dict[str, torch.nn.Module]:
@@ -104,8 +115,14 @@ class Model(torch.nn.Module):
         pooled = self.bags(batch[0]).values
         rows = self.sequence(batch[1])["history"].values
         managed = self.managed(batch[2]).values
-        visits = self.visits(batch[3])["visits"].values
-        return pooled.square().sum() + rows.sin().sum() + managed.cos().sum() + visits.sum()
+        visits = self.visits(batch[3])
+        return (
+            pooled.square().sum()
+            + rows.sin().sum()
+            + managed.cos().sum()
+            + visits["visits"].values.sum()
+            + visits["pages"].values.square().sum()
+        )
 
 
 Batch = tuple[SparseFeatures, SparseFeatures, SparseFeatures, SparseFeatures]
@@ -138,7 +155,12 @@ def _batch(step: int, rank: int, bad: bool = False) -> Batch:
             "ads": [[x * spread for x in b] for b in bags(size, 50)],
         }
     )
-    visits = SparseFeatures.from_dict({"visits": [[x * spread for x in b] for b in bags(size, 40)]})
+    visits = SparseFeatures.from_dict(
+        {
+            "visits": [[x * spread for x in b] for b in bags(size, 40)],
+            "pages": [[x * spread for x in b] for b in bags(size, 30)],
+        }
+    )
     return pooled, history, managed, visits
 
 

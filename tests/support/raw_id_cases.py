@@ -121,12 +121,26 @@ def remap_state(state_dict: dict) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state_dict.items() if k.startswith("raw_id_remap.")}
 
 
-def plan_for(tables: Sequence[EmbeddingBagConfig], world: int) -> EmbeddingPlan:
-    """Row-wise raw-id tables (their rows on every rank), the others table-wise on the last."""
-    return EmbeddingPlan(
-        world,
-        {t.name: row_wise() if t.raw_ids is not None else table_wise(world - 1) for t in tables},
-    )
+# Where the managed tables go: "row_wise" (every one through the remap exchange), "mixed"
+# (m0 and m2 whole on one rank, remapped there in the step; m1 row-wise, exchanged) or
+# "at_owner" (every managed table whole on one rank: no remap exchange at all).
+PLACEMENTS = ("row_wise", "mixed", "at_owner")
+
+
+def plan_for(
+    tables: Sequence[EmbeddingBagConfig], world: int, placement: str = "row_wise"
+) -> EmbeddingPlan:
+    """Raw-id tables row-wise (their rows on every rank) or placed as `placement` says, the
+    others table-wise on the last rank."""
+    whole = {"m0": 0, "m1": world // 2, "m2": world - 1}  # each table's rank when whole
+
+    def place(table: EmbeddingBagConfig) -> object:
+        if table.raw_ids is None:
+            return table_wise(world - 1)
+        at_owner = placement == "at_owner" or (placement == "mixed" and table.name != "m1")
+        return table_wise(whole[table.name]) if at_owner and table.name in whole else row_wise()
+
+    return EmbeddingPlan(world, {t.name: place(t) for t in tables})  # type: ignore[misc]
 
 
 def sharded(
@@ -134,13 +148,14 @@ def sharded(
     strategy: mp.ManualParallelStrategy,
     seed: int = SEED,
     replicas: int = 1,
+    placement: str = "row_wise",
 ) -> torch.nn.Module:
     """The sharded collection; with `replicas` > 1 on a 2-D (replicate, shard) mesh."""
     with mp.empty_init():
         ebc = EmbeddingBagCollection(tables, seed=seed)
     shards = strategy.world_size // replicas
     mesh = strategy.mesh(replicate=replicas, shard=shards) if replicas > 1 else None
-    plan = plan_for(tables, shards)
+    plan = plan_for(tables, shards, placement)
     return shard_embeddings(ebc, strategy, plan, optimizer("sgd"), mesh=mesh)
 
 
@@ -163,13 +178,18 @@ def full_state(emb: torch.nn.Module) -> dict:
 
 
 def train_sharded(
-    tables: Sequence[EmbeddingBagConfig], batch_sizes: Sequence[int], replicas: int = 1
+    tables: Sequence[EmbeddingBagConfig],
+    batch_sizes: Sequence[int],
+    replicas: int = 1,
+    placement: str = "row_wise",
 ) -> dict:
     """On each rank: STEPS steps of the sharded collection; outputs per step, full state."""
     strategy = mp.ManualParallelStrategy()
-    emb = sharded(tables, strategy, replicas=replicas)
+    emb = sharded(tables, strategy, replicas=replicas, placement=placement)
     outputs = train_steps(emb, range(STEPS), batch_sizes)
-    result = {"outputs": outputs, **full_state(emb)}
+    remap = emb.raw_id_remap
+    exchanged = [c.name for c in remap.exchanged] if remap is not None else []
+    result = {"outputs": outputs, **full_state(emb), "exchanged": exchanged}
     if strategy.world_size > 1:
         strategy.teardown()
     return result
@@ -205,12 +225,16 @@ def check_state(got: dict, expected: dict, what: str) -> None:
 
 
 def checkpoint_job(
-    load: str | None, save: str | None, steps: range, batch_sizes: Sequence[int]
+    load: str | None,
+    save: str | None,
+    steps: range,
+    batch_sizes: Sequence[int],
+    placement: str = "row_wise",
 ) -> dict:
     """Load (if given), train `steps`, save (if given); the full state after loading and at
     the end. A loading job starts from other table values: loading must replace them."""
     strategy = mp.ManualParallelStrategy()
-    emb = sharded(MANAGED_TABLES, strategy, seed=SEED + 1 if load else SEED)
+    emb = sharded(MANAGED_TABLES, strategy, seed=SEED + 1 if load else SEED, placement=placement)
     state = {"model": emb}
     if load:
         strategy.load_checkpoint(load, state)
@@ -224,10 +248,10 @@ def checkpoint_job(
     return result
 
 
-def refusal_job() -> str:
+def refusal_job(placement: str = "row_wise") -> str:
     """Rank 1's batch has a row out of range in the plain table: the error each rank raises."""
     strategy = mp.ManualParallelStrategy()
-    emb = sharded(MANAGED_TABLES, strategy)
+    emb = sharded(MANAGED_TABLES, strategy, placement=placement)
     batch = raw_batch(strategy.rank, 0, 3, MANAGED_TABLES)
     if strategy.rank == 1:
         bags = {key: batch[key].to_lists() for key in batch.keys}

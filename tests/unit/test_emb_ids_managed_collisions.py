@@ -230,3 +230,32 @@ def test_the_planner_counts_the_remappers_state_on_every_rank() -> None:
         "row of the ManagedCollisions tables), the whole budget of 11.7 KiB; raise the memory "
         "budget, use more ranks, or give those tables fewer rows"
     )
+
+
+def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> None:
+    """Placed whole on one rank, a managed table is remapped there (no remap exchange) and that
+    rank holds all 24 bytes per row; the planner adds it beyond the shares it counts on every
+    rank, in both methods."""
+    from manualpar.embeddings import row_wise, table_wise
+    from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
+    from manualpar.embeddings.planning.cost_model import placement_costs
+    from manualpar.embeddings.planning.planner import plan_tables
+    from manualpar.embeddings.planning.rank_costs import Workload
+    from manualpar.embeddings.planning.topology import load_topology
+
+    managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
+    hashed = EmbeddingBagConfig("item", 1000, 4, raw_ids=mp.HashIds())
+    assert remapper_bytes_at_owner(managed, 2) == 500 * 24  # 1000 rows less the share of 500
+    assert remapper_bytes_at_owner(hashed, 2) == 0
+    # 20,000 bytes of table; the shares take 12,000 of each rank's budget first: whole on a
+    # rank the managed table needs 32,000 there, so 40,000 splits it and 52,000 does not
+    for budget, sharding in ((40_000, "row_wise"), (52_000, "table_wise")):
+        plan = plan_tables(
+            [managed, hashed], 2, memory_budget_bytes=budget, method="memory", replicate_bytes=0
+        )
+        assert plan.tables["user"].sharding == sharding, budget
+    topology = load_topology("cpu-host", 2, 2)
+    whole = placement_costs(managed, table_wise(1), topology, Workload()).memory
+    split = placement_costs(managed, row_wise(), topology, Workload()).memory
+    assert whole.tolist() == [0.0, 20_000.0 + 500 * 24]
+    assert split.tolist() == [10_000.0, 10_000.0]

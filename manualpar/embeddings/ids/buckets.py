@@ -21,6 +21,7 @@ __all__ = [
     "layout_of",
     "managed_setting",
     "managed_tables",
+    "remapper_bytes_at_owner",
     "remapper_bytes_per_rank",
 ]
 
@@ -30,10 +31,22 @@ _STATE_BYTES = 8  # each STATE entry is one int64 per row
 
 def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
     """What each rank's share of the managed-collision remappers holds: STATE for every row of
-    the managed tables, whose buckets are split over all ranks whatever the table plan (so the
-    planner counts it on every rank, outside the tables' placements)."""
+    the managed tables, as if their buckets were split over all ranks (so the planner counts it
+    on every rank, outside the tables' placements; a table placed whole on one rank adds
+    remapper_bytes_at_owner there)."""
     rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
     return -(-rows // world_size) * len(STATE) * _STATE_BYTES
+
+
+def remapper_bytes_at_owner(config: EmbeddingBagConfig, world_size: int) -> int:
+    """What a managed table placed whole on one rank adds to that rank beyond its share counted
+    by remapper_bytes_per_rank: the rank remaps the table alone (sharded/managed_collisions.py,
+    `at_owner`) and holds all of its state. The other ranks keep their counted share unused,
+    so a plan errs on the safe side."""
+    if not isinstance(config.raw_ids, ManagedCollisions):
+        return 0
+    rows = config.num_embeddings
+    return (rows - -(-rows // world_size)) * len(STATE) * _STATE_BYTES
 
 
 @dataclass(frozen=True)
@@ -53,7 +66,12 @@ class BucketLayout:
         return rank * buckets // world_size, (rank + 1) * buckets // world_size
 
     def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
-        return buckets[0] * self.bucket_rows, min(buckets[1] * self.bucket_rows, self.rows)
+        """The rows of buckets [first, end) (empty at the table's end when first == end ==
+        num_buckets: a rank holding none of a table remapped elsewhere)."""
+        return (
+            min(buckets[0] * self.bucket_rows, self.rows),
+            min(buckets[1] * self.bucket_rows, self.rows),
+        )
 
 
 def managed_tables(configs: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:

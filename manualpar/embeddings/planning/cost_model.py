@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
+from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.popularity import distinct_rows
@@ -106,12 +107,15 @@ def placement_costs(
     disk_tier: DiskTier | None = None,
     name: str | None = None,
     replicas: int = 1,
+    remaps_at_owner: bool = True,
 ) -> RankCosts:
     """One table's costs per rank under `placement` (module docstring); `name`: the table's key
     in `workload` (default its config's name). With `replicas` > 1 (a 2-D mesh), `placement` is
     for one shard group and the costs are those of its ranks, the same in every group: the
     group's own exchanges plus the sum of the touched rows' gradients across the replicas
-    (replica_combine.py)."""
+    (replica_combine.py). `remaps_at_owner`: a managed table placed whole on one rank holds
+    all its remapper state there (False in a 2-D layout's shard group, whose remappers span
+    the job)."""
     name = name or config.name
     if replicas > 1:
         return _two_d(config, placement, topology, workload, disk_tier, name, replicas)
@@ -154,6 +158,10 @@ def placement_costs(
         0, owners, returned * cols * FLOAT32
     )
     _owner_traffic(costs, to_owner, from_owner, per_node)
+    if placement.sharding == "table_wise" and remaps_at_owner:  # all its remapper state there
+        costs.memory.index_add_(
+            0, owners, torch.full_like(rows, float(remapper_bytes_at_owner(config, world)))
+        )
     _block_work(
         costs,
         config,
@@ -192,7 +200,10 @@ def _two_d(
             costs, config, skew, topology.world_size, per_node, ids, row_state, col_state, frozen
         )
         return costs
-    costs = placement_costs(config, placement, group, workload, disk_tier, name)
+    # (a 2-D layout's remappers span the job: none is remapped at a table's owner)
+    costs = placement_costs(
+        config, placement, group, workload, disk_tier, name, remaps_at_owner=False
+    )
     if name in workload.frozen:
         return costs
     _, full_rows = workload.rule(name)

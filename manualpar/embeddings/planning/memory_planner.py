@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
+from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -91,13 +92,15 @@ def place_by_memory(
             notes[name] = f"replicated: {format_bytes(size)} <= {format_bytes(replicate_bytes)}"
             memory = [m + size for m in memory]
             continue
-        fits = [r for r in range(world_size) if budget is None or memory[r] + size <= budget]
+        # whole on a rank, a managed table's remapper state is all there too
+        whole = size + remapper_bytes_at_owner(config, world_size)
+        fits = [r for r in range(world_size) if budget is None or memory[r] + whole <= budget]
         too_big = world_size > 1 and size > even_share * 1.0001
         if fits and not too_big:
             rank = min(fits, key=load)
             placements[name] = table_wise(rank)
             notes[name] = f"whole on rank {rank} ({format_bytes(size)}; least-loaded rank)"
-            memory[rank] += size
+            memory[rank] += whole
             work[rank] += lookups
             continue
         reason = "fits no single rank's budget" if not fits else "larger than an even share"

@@ -1,8 +1,10 @@
 """The planner's rule for managed-collision tables: their remappers' state comes first.
 
-A remapper's buckets are split over every rank whatever the tables' plan
-(ids/managed_collisions.py), so each rank's share of its state is taken off that rank's budget
-before any table is placed.
+A remapper's buckets are split over every rank (sharded/managed_collisions.py), so each rank's
+share of its state is taken off that rank's budget before any table is placed. A table placed
+whole on one rank is remapped there and holds all its state on that rank: the planners add
+what goes beyond the share there (ids/buckets.py, remapper_bytes_at_owner), and the other
+ranks keep their share unused, so plans err on the safe side.
 """
 
 from __future__ import annotations

@@ -30,7 +30,11 @@ from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.in_flight import InFlight
-from manualpar.embeddings.sharded.managed_collisions import RemapInFlight, sharded_remapper
+from manualpar.embeddings.sharded.managed_collisions import (
+    RemapInFlight,
+    remapped_at_owner,
+    sharded_remapper,
+)
 from manualpar.embeddings.sharded.table_storage import cache_slots, table_stores
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.routing import Routing
@@ -94,7 +98,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             table._register_state_dict_hook(self._table_state_dict)
             table._register_load_state_dict_pre_hook(self._table_load_pre_hook)
             self.tables[config.name] = table
-        self.raw_id_remap = sharded_remapper(self.configs, strategy, ebc.raw_id_remap)
+        self.raw_id_remap = sharded_remapper(
+            self.configs, strategy, ebc.raw_id_remap, remapped_at_owner(self.configs, plan, layout)
+        )
         claim(self, BUILDER, trains_itself=True)
         self._shards = shards
         self.fused_optimizer = FusedOptimizer(
@@ -137,6 +143,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             non_finite,
             # a sequence collection's bags hold one id each: exchange only those with ids
             compact_bags=isinstance(ebc, EmbeddingCollection),
+            owner_remap=None
+            if self.raw_id_remap is None
+            else self.raw_id_remap.owner_remap([c.name for c in self.configs]),
         )
         self._in_flight = InFlight(self.tables, [c.name for c in self.configs])
 
@@ -193,7 +202,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         and so a checkpoint, a batch ahead (docs/embeddings.md)."""
         self._in_flight.check_free()
         checked = self._checked(features)
-        if self.raw_id_remap is not None:
+        if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
             self._in_flight.hold(features, self.raw_id_remap.send(checked))
             return
         self._hold(features, checked)
@@ -214,8 +223,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _refuse_step(self) -> None:
         """Bad local batch: still join the size exchange, with REFUSED sizes, so the other
         ranks stop at this step with an error instead of waiting for the collective timeout."""
-        if self.raw_id_remap is not None:  # its exchange runs first: the others stop there
-            self.raw_id_remap.refuse()
+        remap = self.raw_id_remap
+        if remap is not None and remap.exchanges:  # its exchange runs first: the others stop there
+            remap.refuse()
             return
         if self.strategy.world_size > 1:
             self.step.refuse()

@@ -1,12 +1,17 @@
 """The managed-collision remapper of a sharded collection: its buckets split over the job.
 
-Rank r of W remaps buckets [r * B // W, (r + 1) * B // W) of every managed table (B buckets)
-and holds their rows' state. Each step, whatever the tables' plan: every rank sends the distinct
-raw ids of its batch (with their counts) to their buckets' owners, the owners remap the union
-as the single-process remapper would remap the global batch (ids/managed_collisions.py: everything
-is per bucket, and the order within a bucket does not depend on the senders), and send the rows
-back. Three all_to_alls over the whole job per step, for all managed tables together: sizes,
-ids and counts, rows. Every replica of a 2-D layout sees the same mapping.
+A managed table held whole by one rank (table-wise, no replicas) is remapped by that rank,
+inside the step (`at_owner`, step/owner_remap.py): its raw ids reach the owner in the step's
+own input dist, and the owner holds the table's whole remapper state. It costs no exchange.
+
+Any other managed table (rows or columns split, replicated, a 2-D layout) has its buckets split
+over the job: rank r of W remaps buckets [r * B // W, (r + 1) * B // W) (B buckets) and holds
+their rows' state. Each step every rank sends the distinct raw ids of its batch (with their
+counts) to their buckets' owners, the owners remap the union as the single-process remapper
+would remap the global batch (ids/managed_collisions.py: everything is per bucket, and the order
+within a bucket does not depend on the senders), and send the rows back. Three all_to_alls over
+the whole job per step, for those tables together: sizes, ids and counts, rows. Every replica of
+a 2-D layout sees the same mapping.
 
 A pipeline's prefetch runs the first two (`send`: nothing is remapped), so a batch's ids travel
 during the previous step; the remap and the rows wait for that batch's forward (`finish`), so
@@ -18,7 +23,7 @@ it reshards on load to any world size; `step` is the same on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +45,15 @@ from manualpar.embeddings.ids.managed_collisions import (
     ManagedCollisionTable,
 )
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
+from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.size_header import REFUSED, check_refusals
+from manualpar.embeddings.step.table_mesh import TableMesh
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy, PendingCollective
 
-__all__ = ["RemapInFlight", "ShardedManagedCollisions", "sharded_remapper"]
+__all__ = ["RemapInFlight", "ShardedManagedCollisions", "remapped_at_owner", "sharded_remapper"]
 
 WHAT = "shard_embeddings: managed-collision"
 
@@ -58,26 +66,54 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         configs: Sequence[EmbeddingBagConfig],
         strategy: ManualParallelStrategy,
         source: ManagedCollisionRemapper | None,
+        at_owner: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__([], strategy.device)
         self.configs, self.strategy = tuple(configs), strategy
+        self.at_owner = dict(at_owner or {})  # table -> the job rank remapping it in the step
         rank, world = strategy.rank, strategy.world_size
         for config in managed_tables(configs):
-            buckets = layout_of(config).owned(rank, world)
+            buckets = self._buckets(config, rank, world)
             table = ManagedCollisionTable(config, buckets, strategy.device)
             if source is not None:
                 _copy_block(source.table(config.name), table)
             table._register_state_dict_hook(self._state_dict_hook)
             table._register_load_state_dict_pre_hook(self._load_pre_hook)
             self.tables[config.name] = table
+        # the tables remapped through this module's exchange (the others: in the step)
+        self.exchanged = [c for c in managed_tables(configs) if c.name not in self.at_owner]
         # per table, the end of each rank's buckets (where the ids of a bucket are sent)
         self._owner_ends = {
             c.name: torch.tensor([layout_of(c).owned(r, world)[1] for r in range(world)])
-            for c in managed_tables(configs)
+            for c in self.exchanged
         }
+
+    def _buckets(self, config: EmbeddingBagConfig, rank: int, world: int) -> tuple[int, int]:
+        """The buckets `rank` holds: all or none of a table remapped at its owner."""
+        layout, owner = layout_of(config), self.at_owner.get(config.name)
+        if owner is None:
+            return layout.owned(rank, world)
+        every = layout.num_buckets
+        return (0, every) if rank == owner else (every, every)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether a forward runs this module's exchange (some table is not remapped at its
+        owner): a pipeline sends such a batch's raw ids ahead (`send`)."""
+        return bool(self.exchanged)
+
+    def owner_remap(self, names: Sequence[str]) -> OwnerRemap | None:
+        """What the step of a collection whose tables are `names` (in its routing's order)
+        calls to remap the `at_owner` tables (None: there are none)."""
+        if not self.at_owner:
+            return None
+        return _RemapAtOwner(self, names)
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> SparseFeatures:
+        """`features` with row ids for the exchanged tables (the others: in the step)."""
+        if not self.exchanged:
+            return features
         return self.finish(self.send(features))
 
     def send(self, features: SparseFeatures) -> RemapInFlight:
@@ -85,8 +121,8 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         then the ids, in flight on return. Nothing is remapped yet, so no state changes: a
         pipeline sends the next batch's ids while the current batch's step runs."""
         world = self.strategy.world_size
-        names = list(self.tables)
-        raw = table_ids(features, self.configs, managed_tables(self.configs))
+        names = [c.name for c in self.exchanged]
+        raw = table_ids(features, self.configs, self.exchanged)
         sends = [
             _Sent(raw[name], self.table(name).config, self._owner_ends, self.table(name).native)
             for name in names
@@ -157,9 +193,9 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
     def refuse(self) -> None:
         """This rank's batch failed validation: join the sizes exchange with REFUSED, so every
         rank stops at this step with an error naming this one."""
-        if self.strategy.world_size > 1:
+        if self.strategy.world_size > 1 and self.exchanged:
             world = self.strategy.world_size
-            header = torch.full((world, len(self.tables) + 1), REFUSED, device=self.device)
+            header = torch.full((world, len(self.exchanged) + 1), REFUSED, device=self.device)
             self._exchange_headers(header)
 
     @property
@@ -214,6 +250,28 @@ class RemapInFlight:
     def settle(self) -> None:
         """Wait for the ids in flight (a dropped batch: nothing was remapped)."""
         self.received.wait()
+
+
+class _RemapAtOwner:
+    """The step's view of the `at_owner` tables (step/owner_remap.py), by routing index."""
+
+    def __init__(self, remapper: ShardedManagedCollisions, names: Sequence[str]) -> None:
+        self.remapper = remapper
+        self.names = {t: name for t, name in enumerate(names) if name in remapper.at_owner}
+        self.tables = frozenset(self.names)
+
+    def remap(self, table: int, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every sender's raw ids together, as one process remaps the global batch."""
+        rows = self.remapper.table(self.names[table]).remap_counted(torch.cat(ids))
+        return list(rows.split([part.numel() for part in ids]))
+
+    def tick(self, held: frozenset[int]) -> None:
+        """The step count of the tables remapped on other ranks moves with theirs (a
+        checkpoint saves any rank's)."""
+        for t, name in self.names.items():
+            table = self.remapper.table(name)
+            if t not in held and table.training:
+                table.step += 1
 
 
 class _Sent:
@@ -282,12 +340,29 @@ def _copy_block(source: ManagedCollisionTable, table: ManagedCollisionTable) -> 
         table.step.copy_(source.step)
 
 
+def remapped_at_owner(
+    configs: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan, mesh: TableMesh
+) -> dict[str, int]:
+    """The managed tables a collection's step remaps at their owner, with its job rank: those
+    held whole by one rank, without replicas (the others go through the remap exchange)."""
+    if mesh.replicas > 1:
+        return {}
+    owners = {}
+    for config in managed_tables(configs):
+        shards = plan.shards(config)
+        if plan.tables[config.name].sharding == "table_wise" and len(shards) == 1:
+            owners[config.name] = mesh.group_ranks[shards[0].rank]
+    return owners
+
+
 def sharded_remapper(
     configs: Sequence[EmbeddingBagConfig],
     strategy: ManualParallelStrategy,
     source: ManagedCollisionRemapper | None,
+    at_owner: Mapping[str, int] | None = None,
 ) -> ShardedManagedCollisions | None:
-    """A sharded collection's remapper (None without managed tables)."""
+    """A sharded collection's remapper (None without managed tables); `at_owner`: the tables
+    its step remaps, by the job rank holding each whole."""
     if not managed_tables(configs):
         return None
-    return ShardedManagedCollisions(configs, strategy, source)
+    return ShardedManagedCollisions(configs, strategy, source, at_owner)

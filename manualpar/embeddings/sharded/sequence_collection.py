@@ -163,7 +163,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         self._in_flight.check_free()
         _, bags, counts = self._unit(features)
         checked = self._checked(bags)
-        if self.raw_id_remap is not None:
+        if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
             self._in_flight.hold(features, self.raw_id_remap.send(checked), counts)
             return
         self._hold(features, checked, counts)

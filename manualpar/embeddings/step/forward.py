@@ -25,6 +25,7 @@ from manualpar.embeddings.step.exchange import (
     pack_pooled,
 )
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
+from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import LookedUp, RoutedIds, SavedForBackward
 from manualpar.embeddings.step.size_header import check_refusals, header_width, size_header
@@ -119,11 +120,19 @@ class ForwardPhases:
         pins: Pins = []  # slots held from here to the step's backward
         stores.begin_step()
         senders: list[list[SenderBags]] = [[] for _ in range(world)]
-        senders[rank] = stores.to_slots(local, routed.own, pins)
+        senders[rank] = list(routed.own)
+        remap = parts.owner_remap
+        remaps_here = remap is not None and any(s.table in remap.tables for s in local)
+        if remaps_here:  # raw ids remapped here, all senders' at once: wait for them first
+            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+        if remap is not None:
+            remap_senders(remap, local, senders)
+        senders[rank] = stores.to_slots(local, senders[rank], pins)
         out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
         self._add_own_pooled(senders[rank], out, batch)  # while the other ranks' ids travel
         try:
-            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+            if not remaps_here:
+                self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
             for sender in range(world):
                 if sender != rank:
                     senders[sender] = stores.to_slots(local, senders[sender], pins)

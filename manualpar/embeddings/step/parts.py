@@ -18,6 +18,7 @@ from manualpar.embeddings.kernels.rounding import accumulation_dtype
 from manualpar.embeddings.modules.bag_collection import table_of
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.exchange import ExchangeLayout
+from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.routing import LocalShard, Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.tier import TableStores
@@ -39,6 +40,7 @@ class StepParts:
     normalize_by: str
     device: torch.device
     mesh: TableMesh  # the shard group the exchanges run in, and the replicas
+    owner_remap: OwnerRemap | None = None  # raw-id tables remapped by their owner in the step
 
     def name(self, table: int) -> str:
         return self.routing.tables[table].name

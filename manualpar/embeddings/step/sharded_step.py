@@ -23,6 +23,7 @@ from manualpar.embeddings.step.backward import BackwardPhases
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.forward import ForwardPhases
+from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
@@ -49,6 +50,7 @@ class ShardedStep:
         mesh: TableMesh,
         non_finite: str = "raise",
         compact_bags: bool = False,
+        owner_remap: OwnerRemap | None = None,
     ) -> None:
         self.parts = StepParts(
             routing,
@@ -60,6 +62,7 @@ class ShardedStep:
             normalize_by,
             device,
             mesh,
+            owner_remap,
         )
         data_parallel = DataParallelTables(self.parts)
         self.forward_phases = ForwardPhases(self.parts, data_parallel)

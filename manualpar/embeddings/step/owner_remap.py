@@ -1,0 +1,51 @@
+"""Raw ids remapped by the owner of their table, inside the step (no exchange of their own).
+
+A ManagedCollisions table held whole by one rank (table-wise, one shard group) needs no remap
+exchange: its raw ids travel to that owner in the step's input dist like row ids, and the
+owner remaps every sender's ids of the step together in the lookup, before they become slots
+(sharded/managed_collisions.py holds the remapper state; this is what the step sees of it).
+The remap takes the whole step's ids at once, as one process remaps the global batch, so the
+owner's own bags wait for the other ranks' ids before their lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.step.routing import LocalShard
+
+__all__ = ["OwnerRemap", "remap_senders"]
+
+
+class OwnerRemap(Protocol):
+    """The tables (by index in the routing) a rank's step remaps at their owner."""
+
+    @property
+    def tables(self) -> frozenset[int]:
+        """Indices of the tables remapped at their owner (held or not by this rank)."""
+
+    def remap(self, table: int, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Table rows of each sender's raw ids of this step (one call per step and table)."""
+
+    def tick(self, held: frozenset[int]) -> None:
+        """A step passed on this rank, which remapped the tables in `held`: the others' step
+        counts move too (they are the same on every rank)."""
+
+
+def remap_senders(
+    remap: OwnerRemap, local: list[LocalShard], senders: list[list[SenderBags]]
+) -> None:
+    """Every sender's raw ids of this rank's shards of remapped tables, replaced by their rows
+    (in place); the step counts of the tables remapped elsewhere move too."""
+    held = frozenset(shard.table for shard in local if shard.table in remap.tables)
+    for k, shard in enumerate(local):
+        if shard.table not in held:
+            continue
+        rows = remap.remap(shard.table, [bags[k][0] for bags in senders])
+        for bags, mapped in zip(senders, rows, strict=True):
+            _, lengths, weights = bags[k]
+            bags[k] = (mapped, lengths, weights)
+    remap.tick(held)
