@@ -112,7 +112,9 @@ class ForwardPhases:
     # lookup -----------------------------------------------------------------------------------
     def lookup(self, routed: RoutedIds) -> LookedUp:
         """Map rows to slots (storage), look up this rank's own bags while the others' ids
-        travel, then the others' bags, and send them their pooled rows."""
+        travel, then the others' bags, and send them their pooled rows. Raw ids of tables
+        remapped here (owner_remap.py) become rows first, every sender's at once, so then the
+        own bags wait for the others' ids."""
         parts = self.parts
         routing, stores = parts.routing, parts.stores
         rank, world, batch = routing.rank, routing.world_size, routed.batch
