@@ -6,7 +6,9 @@
 
 Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
 `--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
-with an LRU cache; the same with LFU) alternate in a rotating order, `--repeats` times. Workload:
+with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
+steps through TrainPipeline, each batch's rows read into the cache during the step before, the
+pipeline's `next` timed inside the step) alternate in a rotating order, `--repeats` times. Workload:
 `--tables` tables of 64 fp32 columns, rows split over both ranks, fused row-wise Adagrad, global
 batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the distribution scattered over the
 table by a fixed permutation). A step is forward + backward with the update, timed as the
@@ -20,6 +22,7 @@ under `--dir` and deleted after each job.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -71,7 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
-    disk = args.variant != "memory"
+    base = args.variant.removesuffix(PIPELINED)
+    disk = base != "memory"
     total = (args.disk_gb if disk else args.memory_gb) * GIB
     row_bytes = args.dim * 4 + 4
     rows = int(total // (args.tables * row_bytes))
@@ -82,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     placement = on_disk(row_wise()) if disk else row_wise()
     plan = EmbeddingPlan(world, {t.name: placement for t in tables})
     tier = (
-        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=policy_of(args.variant))
+        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=policy_of(base))
         if disk
         else None
     )
@@ -112,6 +116,16 @@ def worker(args: argparse.Namespace) -> None:
         full = all(c.evictions >= c.capacity // 4 for c in caches)
         return not full and step < args.max_warmup
 
+    # pipelined: the batches of the same steps through TrainPipeline. They are made here,
+    # untimed, as for the plain steps (the pipeline's reading thread takes them ready), or
+    # making them would take the CPU in that thread during the timed steps.
+    ready: collections.deque[SparseFeatures] = collections.deque()
+    made = 0  # batches made so far
+    pipeline = (
+        iter(mp.TrainPipeline(iter(ready.popleft, None), strategy, emb.prefetch))
+        if base != args.variant
+        else None
+    )
     times, step, warmup = [], 0, None
     while warmup is None or step < warmup + args.steps:
         if warmup is None:
@@ -121,9 +135,14 @@ def worker(args: argparse.Namespace) -> None:
                 warmup = step
                 for cache in caches:
                     cache.hits = cache.misses = cache.evictions = 0
-        batch_features = features(step)
+        batch_features = features(step) if pipeline is None else None
+        while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
+            ready.append(features(made))
+            made += 1
         strategy.barrier()
         begin = time.perf_counter()
+        if pipeline is not None:
+            batch_features = next(pipeline)  # and the next batch's input dist and rows
         emb(batch_features).values.square().mean().backward()
         elapsed = torch.tensor(time.perf_counter() - begin)
         times.append(float(strategy.all_reduce(elapsed, op="max")))
@@ -156,6 +175,7 @@ def policy_of(variant: str) -> str:
 
 
 BASELINE = "-baseline"
+PIPELINED = "-pipelined"
 
 
 def launch(args: argparse.Namespace, variant: str) -> dict:

@@ -83,7 +83,7 @@ from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagColle
 from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
 from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
-from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.embeddings.storage.disk_tier import CacheTooSmall, DiskTier
 
 __all__ = [
     "DEFAULT_BATCH_PER_RANK",
@@ -96,6 +96,7 @@ __all__ = [
     "UNIFORM_PLANS",
     "Adagrad",
     "Adam",
+    "CacheTooSmall",
     "CostPlan",
     "DiskTier",
     "EmbeddingBagCollection",

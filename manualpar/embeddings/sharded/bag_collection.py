@@ -208,8 +208,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._hold(features, checked)
 
     def _hold(self, key: SparseFeatures, prepared: SparseFeatures, extra: Any = None) -> None:
+        """Start the batch's input dist and, over a disk tier, read its rows in (pinned)."""
         self._in_flight.check_free()
-        self._in_flight.hold(key, self.step.forward_phases.input_dist(prepared), extra)
+        phases = self.step.forward_phases
+        self._in_flight.hold(key, phases.fetch(phases.input_dist(prepared)), extra)
 
     @property
     def batches_in_flight(self) -> int:
@@ -217,7 +219,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._in_flight.holding
 
     def drop_prefetched(self) -> None:
-        """Forget a prefetched batch that will not be looked up (nothing is pinned yet)."""
+        """Forget prefetched batches that will not be looked up (a disk tier's rows read in
+        for them are unpinned)."""
         self._in_flight.drop()
 
     def _refuse_step(self) -> None:

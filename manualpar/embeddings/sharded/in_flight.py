@@ -8,7 +8,9 @@ wait for the batch's forward. The forward of that very batch (the same SparseFea
 takes them; any other forward (a validation batch, say) runs whole, as if nothing were held.
 
 Nothing in an input dist or a remapper's send reads or writes a row or a remapper's state, so
-holding a batch changes no number. What it
+holding a batch changes no number. Over a disk tier, a held batch's rows are also read into the
+cache and pinned (step/forward.py, `fetch`): its own slots, which the current step's update
+changes in place where the batches share a row; dropping the batch unpins them. What it
 does fix early is which tables are frozen (the exchange agrees on that): a table's
 `requires_grad` changed while a batch is in flight is refused when that batch's forward comes.
 At most two batches are held: the current one and the next.
@@ -78,6 +80,7 @@ class InFlight:
         self._held.remove(found)
         now = frozen_tables(self.tables, self.names)
         if now != found.frozen:
+            found.routed.settle()  # nothing of it stays pinned
             changed = [self.names[t] for t in sorted(now ^ found.frozen)]
             raise EmbeddingInputError(
                 f"{BUILDER}: the requires_grad of table(s) {changed} changed while this batch "
@@ -88,7 +91,7 @@ class InFlight:
         return found.routed, found.extra
 
     def drop(self) -> None:
-        """Forget the held batches (their ids arrived or will: nothing is pinned yet)."""
+        """Forget the held batches: wait for their ids, unpin the rows read in ahead."""
         for held in self._held:
             held.routed.settle()
         self._held = []

@@ -10,6 +10,7 @@ them apart.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +28,9 @@ from manualpar.embeddings.step.exchange import (
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
-from manualpar.embeddings.step.results import LookedUp, RoutedIds, SavedForBackward
+from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
 from manualpar.embeddings.step.size_header import check_refusals, header_width, size_header
+from manualpar.embeddings.storage.disk_tier import CacheTooSmall
 from manualpar.embeddings.storage.tier import Pins
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class ForwardPhases:
         # batches are samples (not a sequence collection's padded ids): say once when uneven
         # batches are averaged per rank
         self.warn_uneven = parts.normalize_by == "world_size"
+        self.fetches_ahead = True  # False once a batch's rows did not fit beside the pinned
 
     def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
@@ -109,38 +112,98 @@ class ForwardPhases:
             stacklevel=2,
         )
 
+    # fetch (a pipeline's, a step early) -----------------------------------------------------
+    def fetch(self, routed: RoutedIds) -> RoutedIds:
+        """A prefetched batch's rows mapped to slots now, before the current step, where a block
+        reads its rows in (a disk tier: read into the cache and pinned until this batch's
+        backward). Waits for its ids. Nothing a step writes is read early: a row of this batch
+        that the current step updates is the same pinned slot, updated in place. Left to the
+        lookup (`routed` unchanged) where no block reads rows, where raw ids are remapped at
+        their owner (the remap would run a batch ahead), and from the first batch whose rows
+        the cache cannot hold beside the pinned ones on (said once): a later batch read ahead
+        could otherwise leave no room for the rows of the one before it."""
+        parts = self.parts
+        stores = parts.stores
+        if not (self.fetches_ahead and stores.reads_rows) or parts.owner_remap is not None:
+            return routed
+        local = parts.routing.routed_local_shards()
+        senders = self._senders(routed, wait=True)
+        pins: Pins = []
+        stores.begin_step()
+        try:
+            for sender in self._own_first():
+                senders[sender] = stores.to_slots(local, senders[sender], pins)
+        except CacheTooSmall as full:  # its pins are released: the lookup maps them instead
+            self._warn_cache(full)
+            return routed
+        return replace(routed, fetched=FetchedRows(senders, pins, stores))
+
+    def _warn_cache(self, full: CacheTooSmall) -> None:
+        self.fetches_ahead = False
+        warnings.warn(
+            f"{BUILDER}: prefetched batches' rows are read in their own step from now on, not "
+            f"ahead: {full}",
+            stacklevel=3,
+        )
+
     # lookup -----------------------------------------------------------------------------------
     def lookup(self, routed: RoutedIds) -> LookedUp:
         """Map rows to slots (storage), look up this rank's own bags while the others' ids
         travel, then the others' bags, and send them their pooled rows. Raw ids of tables
         remapped here (owner_remap.py) become rows first, every sender's at once, so then the
-        own bags wait for the others' ids."""
+        own bags wait for the others' ids. A batch fetched ahead has its slots already."""
         parts = self.parts
         routing, stores = parts.routing, parts.stores
-        rank, world, batch = routing.rank, routing.world_size, routed.batch
+        rank, batch = routing.rank, routed.batch
         local = routing.routed_local_shards()
-        pins: Pins = []  # slots held from here to the step's backward
+        out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
+        if routed.fetched is not None:
+            senders, pins = routed.fetched.senders, routed.fetched.pins
+            self._add_own_pooled(senders[rank], out, batch)
+            return self._send_and_group(routed, senders, out, pins)
+        pins = []  # slots held from here to the step's backward
         stores.begin_step()
-        senders: list[list[SenderBags]] = [[] for _ in range(world)]
-        senders[rank] = list(routed.own)
         remap = parts.owner_remap
         remaps_here = remap is not None and any(s.table in remap.tables for s in local)
-        if remaps_here:  # raw ids remapped here, all senders' at once: wait for them first
-            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+        # raw ids remapped here, all senders' at once: wait for them first
+        senders = self._senders(routed, wait=remaps_here)
         if remap is not None:
             remap_senders(remap, local, senders)
         senders[rank] = stores.to_slots(local, senders[rank], pins)
-        out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
         self._add_own_pooled(senders[rank], out, batch)  # while the other ranks' ids travel
         try:
             if not remaps_here:
                 self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
-            for sender in range(world):
-                if sender != rank:
-                    senders[sender] = stores.to_slots(local, senders[sender], pins)
+            for sender in self._own_first()[1:]:
+                senders[sender] = stores.to_slots(local, senders[sender], pins)
         except Exception:
             stores.release(pins, updated=False)
             raise
+        return self._send_and_group(routed, senders, out, pins)
+
+    def _senders(self, routed: RoutedIds, wait: bool) -> list[list[SenderBags]]:
+        """Every sender's bags for this rank's shards: ours, and (`wait`) the others' once
+        they arrived."""
+        senders: list[list[SenderBags]] = [[] for _ in range(self.parts.routing.world_size)]
+        senders[self.parts.routing.rank] = list(routed.own)
+        if wait:
+            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+        return senders
+
+    def _own_first(self) -> list[int]:
+        """Sender ranks, this one first (its bags are looked up while the others' travel)."""
+        rank, world = self.parts.routing.rank, self.parts.routing.world_size
+        return [rank, *(s for s in range(world) if s != rank)]
+
+    def _send_and_group(
+        self, routed: RoutedIds, senders: list[list[SenderBags]], out: torch.Tensor, pins: Pins
+    ) -> LookedUp:
+        """Send the other ranks their pooled rows, then group each shard's rows for backward
+        while they travel."""
+        parts = self.parts
+        routing = parts.routing
+        rank, world = routing.rank, routing.world_size
+        local = routing.routed_local_shards()
         pooled_in = self._send_pooled(senders, out, routed.kept) if world > 1 else None
         bag_counts = [[senders[s][k][1].numel() for s in range(world)] for k in range(len(local))]
         bags = [

@@ -15,12 +15,26 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.step.data_parallel import FeatureIds
 from manualpar.embeddings.step.exchange import Kept, SenderBags
-from manualpar.embeddings.storage.tier import Pins
+from manualpar.embeddings.storage.tier import Pins, TableStores
 
 if TYPE_CHECKING:
     from manualpar.strategy import PendingCollective
 
-__all__ = ["LookedUp", "RoutedGradients", "RoutedIds", "SavedForBackward"]
+__all__ = ["FetchedRows", "LookedUp", "RoutedGradients", "RoutedIds", "SavedForBackward"]
+
+
+@dataclass(frozen=True)
+class FetchedRows:
+    """A batch's bags as slots, mapped a step early (a pipeline's prefetch over a disk tier:
+    its rows read into the cache and pinned until its step's backward)."""
+
+    senders: list[list[SenderBags]]  # per sender rank, per routed local shard: slots
+    pins: Pins
+    stores: TableStores
+
+    def release(self) -> None:
+        """Unpin them (a dropped batch: its step never ran)."""
+        self.stores.release(self.pins, updated=False)
 
 
 @dataclass(frozen=True)
@@ -37,14 +51,17 @@ class RoutedIds:
     job_batches: list[int]  # every job rank's batch size
     # compact layouts: per owner, per route, the bags of our batch with ids there
     kept: Kept = None
+    fetched: FetchedRows | None = None  # its slots, if mapped ahead (ForwardPhases.fetch)
 
     @property
     def batch(self) -> int:
         return self.features.batch_size
 
     def settle(self) -> None:
-        """Wait for the ids in flight (a dropped batch: nothing was looked up or pinned)."""
+        """Wait for the ids in flight and unpin any slots mapped ahead (a dropped batch)."""
         self.ids_in.wait()
+        if self.fetched is not None:
+            self.fetched.release()
 
 
 @dataclass(frozen=True)

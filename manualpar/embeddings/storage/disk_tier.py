@@ -36,7 +36,7 @@ from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
 from manualpar.embeddings.storage.row_file import RowFile
 from manualpar.errors import BuilderError, EmbeddingInputError
 
-__all__ = ["DiskTable", "DiskTier", "hit_rate"]
+__all__ = ["CacheTooSmall", "DiskTable", "DiskTier", "hit_rate"]
 
 CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file (flush, fill)
 # A checkpoint holds one chunk's mapped file pages and its copy at a time (CHECKPOINT_), and
@@ -46,6 +46,11 @@ CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file (flush, fill)
 # with these (docs/benchmarks.md, "Disk-tier checkpoints").
 CHECKPOINT_CHUNK_BYTES = 8 * 2**20
 FLUSH_CHUNK_BYTES = 4 * 2**20
+
+
+class CacheTooSmall(EmbeddingInputError):
+    """A step's rows do not fit the cache beside the rows pinned already (a prefetched
+    batch's, say): raised by `to_slots`, naming the table, the rank and the size to set."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,10 @@ class DiskTable:
         self.cache.release(pinned.cpu(), updated)
 
     @property
+    def reads_rows(self) -> bool:
+        return True
+
+    @property
     def slot_rows(self) -> torch.Tensor | None:
         return self.cache.row_of
 
@@ -159,9 +168,10 @@ class DiskTable:
         try:
             id_slots, assignment = self.cache.assign_ids(ids.cpu())
         except CacheFull as full:
-            raise EmbeddingInputError(
+            raise CacheTooSmall(
                 f"disk tier: table {self.config.name!r} on rank {self.rank} needs "
-                f"{full.needed} distinct rows in its cache at once (this step's rows), but the "
+                f"{full.needed} distinct rows in its cache at once (this step's rows, with those "
+                f"of a batch prefetched ahead if any), but the "
                 f"cache holds {full.capacity} rows; raise DiskTier(cache_rows=...) to at least "
                 f"{full.needed} (or cache_bytes=...), or use smaller batches"
             ) from None

@@ -30,6 +30,10 @@ class MemoryRows:
         pass
 
     @property
+    def reads_rows(self) -> bool:
+        return False
+
+    @property
     def slot_rows(self) -> torch.Tensor | None:
         return None
 

@@ -40,6 +40,11 @@ class RowStore(Protocol):
         """Unpin a step's slots; `updated`: their rows were written (a store may write back)."""
 
     @property
+    def reads_rows(self) -> bool:
+        """Whether `to_slots` reads rows in (a bounded cache over a file): a pipeline's
+        prefetch then runs it a step early, so the rows are in before their step."""
+
+    @property
     def slot_rows(self) -> torch.Tensor | None:
         """The block row each slot holds, or None when slot i is row i (stochastic rounding
         draws by row, so the bits do not depend on the tier)."""
@@ -72,6 +77,11 @@ class TableStores:
     def begin_step(self) -> None:
         for store in self.stores.values():
             store.begin_step()
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether any block reads its rows in when ids become slots (RowStore.reads_rows)."""
+        return any(store.reads_rows for store in self.stores.values())
 
     def to_slots(self, local: list[Any], bags: list[Any], pins: Pins) -> list[Any]:
         """One sender's bags for this rank's routed `local` shards, with row ids replaced by
