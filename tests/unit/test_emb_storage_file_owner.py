@@ -26,7 +26,7 @@ from manualpar.embeddings import (
     row_wise,
     shard_embeddings,
 )
-from manualpar.errors import BuilderError, StorageError
+from manualpar.errors import BuilderError, CheckpointError, StorageError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)
 ON_DISK = EmbeddingPlan(1, {"big": on_disk(row_wise())})
@@ -133,3 +133,24 @@ def test_a_row_file_cut_short_is_named(tmp_path: Path) -> None:
     assert str(cut.value).startswith("disk tier: ")  # no errno prefix
     with pytest.raises(StorageError, match=re.escape("cannot read rows 0..63 from")):
         rows.read_range(0, 64)  # as a checkpoint reading the block does
+
+
+def test_a_load_while_rows_are_pinned_is_refused(tmp_path: Path) -> None:
+    """Between a forward and its backward the step's rows are pinned in the cache; a load then
+    would leave that step on its slots' old values: refused, naming the fix."""
+    emb = _sharded(DiskTier(tmp_path, cache_rows=32))
+    _step(emb, 0)
+    with full_tensors():  # plain tensors, copied (the cache's are views)
+        state = {k: v.clone() for k, v in emb.state_dict().items()}
+    pooled = emb(SparseFeatures(["big"], torch.tensor([1, 2, 3]), torch.tensor([3])))
+    with pytest.raises(CheckpointError) as refused:
+        emb.load_state_dict(state)
+    assert str(refused.value) == (
+        "disk tier: table 'big' (rank 0): a checkpoint was loaded while 3 cached rows are "
+        "pinned by a batch in flight (read ahead by a pipeline, or a forward whose backward has "
+        "not run), which would then use their old values; drop the batches in flight first "
+        "(emb.drop_prefetched()) and load between steps"
+    )
+    pooled.values.sum().backward()  # the step ends; its rows are released
+    emb.load_state_dict(state)
+    assert torch.equal(_table(emb), state["tables.big.weight"])

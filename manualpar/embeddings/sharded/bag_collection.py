@@ -304,6 +304,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
         if name in self.storage.by_name:
+            # batches sent ahead hold rows read before the load: forget them (their forward
+            # then runs whole, on the loaded rows)
+            self.drop_prefetched()
             self.storage.by_name[name].loaded()
         state_dict[key] = table.weight.detach()
 

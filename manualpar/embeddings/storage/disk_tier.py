@@ -34,7 +34,7 @@ from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
 from manualpar.embeddings.storage.row_cache import POLICIES, CacheFull, RowCache
 from manualpar.embeddings.storage.row_file import RowFile
-from manualpar.errors import BuilderError, EmbeddingInputError
+from manualpar.errors import BuilderError, CheckpointError, EmbeddingInputError
 
 __all__ = ["CacheTooSmall", "DiskTable", "DiskTier", "hit_rate"]
 
@@ -261,7 +261,16 @@ class DiskTable:
 
     def loaded(self) -> None:
         """The file was just written by a checkpoint load: drop the cache (a state_dict()
-        before the load flushed it, so nothing is lost)."""
+        before the load flushed it, so nothing is lost). Refused while rows are pinned: the
+        batch holding them would look up its slots' old values."""
+        if self.cache.pinned:
+            raise CheckpointError(
+                f"disk tier: table {self.config.name!r} (rank {self.rank}): a checkpoint was "
+                f"loaded while {self.cache.pinned} cached rows are pinned by a batch in flight "
+                "(read ahead by a pipeline, or a forward whose backward has not run), which "
+                "would then use their old values; drop the batches in flight first "
+                "(emb.drop_prefetched()) and load between steps"
+            )
         self.write_back.settle()
         self.cache.drop_all()
         self.file.release_pages()
