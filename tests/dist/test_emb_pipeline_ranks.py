@@ -59,39 +59,15 @@ class Model(torch.nn.Module):
             sequence, strategy, {"history": row_wise()}, RowWiseAdagrad(lr=0.1), mesh=layout
         )
         self.bags.tables["raw"].weight.requires_grad_(False)  # a frozen table throughout
-        # raw ids remapped: buckets of a few rows, so ids collide and evict from the first steps
-        managed = EmbeddingBagCollection(
-            [
-                EmbeddingBagConfig("clicks", 16, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
-                EmbeddingBagConfig(
-                    "ads", 20, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=5)
-                ),
-            ],
-            seed=3,
+        # raw ids remapped: buckets of a few rows, so ids collide and evict from the first steps;
+        # the second table of each held whole by one rank, so remapped there, in the step
+        bags_pair = (("clicks", 16), ("ads", 20))
+        self.managed = _managed_pair(
+            EmbeddingBagCollection, EmbeddingBagConfig, bags_pair, 3, strategy, layout, shard - 1
         )
-        self.managed = shard_embeddings(
-            managed,
-            strategy,
-            {"clicks": row_wise(), "ads": table_wise(shard - 1)},
-            RowWiseAdagrad(lr=0.1),
-            mesh=layout,
-        )
-        # "ads" and "pages" held whole by one rank: remapped there, in the step
-        visits = EmbeddingCollection(
-            [
-                EmbeddingConfig("visits", 12, 4, raw_ids=ManagedCollisions(bucket_rows=3)),
-                EmbeddingConfig(
-                    "pages", 9, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=3)
-                ),
-            ],
-            seed=4,
-        )
-        self.visits = shard_embeddings(
-            visits,
-            strategy,
-            {"visits": row_wise(), "pages": table_wise(0)},
-            RowWiseAdagrad(lr=0.1),
-            mesh=layout,
+        sequence_pair = (("visits", 12), ("pages", 9))
+        self.visits = _managed_pair(
+            EmbeddingCollection, EmbeddingConfig, sequence_pair, 4, strategy, layout, 0
         )
 
     def collections(self) -> dict[str, torch.nn.Module]:
@@ -126,6 +102,31 @@ class Model(torch.nn.Module):
 
 
 Batch = tuple[SparseFeatures, SparseFeatures, SparseFeatures, SparseFeatures]
+
+
+def _managed_pair(
+    collection: type,
+    config: type,
+    tables: tuple[tuple[str, int], tuple[str, int]],
+    seed: int,
+    strategy: mp.ManualParallelStrategy,
+    layout: object,
+    owner: int,
+) -> torch.nn.Module:
+    """Two ManagedCollisions tables of 4 columns: the first LRU and row-wise (remapped through
+    the remap exchange), the second LFU and whole on `owner` (remapped there, in the step)."""
+    (split, split_rows), (whole, whole_rows) = tables
+    configs = [
+        config(split, split_rows, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
+        config(whole, whole_rows, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=5)),
+    ]
+    return shard_embeddings(
+        collection(configs, seed=seed),
+        strategy,
+        {split: row_wise(), whole: table_wise(owner)},
+        RowWiseAdagrad(lr=0.1),
+        mesh=layout,
+    )
 
 
 def _batch(step: int, rank: int, bad: bool = False) -> Batch:

@@ -14,6 +14,20 @@ from launch import run_python, run_torchrun
 TOY = ("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--warmup", "1")
 
 
+def _two_ranks(tmp_path: Path, script: str, *args: str) -> dict:
+    """A benchmark run on 2 ranks under torchrun; the JSON it wrote."""
+    out = tmp_path / "result.json"
+    run_torchrun(
+        EXAMPLES / "benchmarks" / script,
+        *args,
+        *("--json", str(out)),
+        nproc=2,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize(
     ("script", "variants"),
     [
@@ -24,16 +38,7 @@ TOY = ("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--war
 def test_two_rank_cost_benchmarks_report_their_median_ratio(
     tmp_path: Path, script: str, variants: tuple[str, str]
 ) -> None:
-    out = tmp_path / "result.json"
-    run_torchrun(
-        EXAMPLES / "benchmarks" / script,
-        *TOY,
-        *("--repeats", "2", "--json", str(out)),
-        nproc=2,
-        timeout=120,
-        check=True,
-    )
-    result = json.loads(out.read_text())
+    result = _two_ranks(tmp_path, script, *TOY, "--repeats", "2")
     base, candidate = variants
     assert len(result["repeats"]) == 2
     ratios = [r[f"{candidate}_ms"] / r[f"{base}_ms"] for r in result["repeats"]]
@@ -44,16 +49,9 @@ def test_two_rank_cost_benchmarks_report_their_median_ratio(
 
 
 def test_raw_ids_benchmark_reports_every_variant_against_rows(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    run_torchrun(
-        EXAMPLES / "benchmarks" / "bench_raw_ids.py",
-        *("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--warmup", "1"),
-        *("--bucket-rows", "8", "--repeats", "2", "--pipelined", "--json", str(out)),
-        nproc=2,
-        timeout=120,
-        check=True,
+    result = _two_ranks(
+        tmp_path, "bench_raw_ids.py", *TOY, "--bucket-rows", "8", "--repeats", "2", "--pipelined"
     )
-    result = json.loads(out.read_text())
     variants = result["variants"]
     assert list(variants) == [
         "rows",
@@ -95,16 +93,12 @@ def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> Non
 def test_planner_benchmark_measures_the_pick_beside_the_plans_it_ranked_lower(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "result.json"
-    run_torchrun(
-        EXAMPLES / "benchmarks" / "bench_planner.py",
+    result = _two_ranks(
+        tmp_path,
+        "bench_planner.py",
         *("--row-scale", "0.001", "--batch", "64", "--steps", "1", "--warmup", "1"),
-        *("--repeats", "2", "--json", str(out)),
-        nproc=2,
-        timeout=120,
-        check=True,
+        *("--repeats", "2"),
     )
-    result = json.loads(out.read_text())
     names = list(result["plans"])
     assert names[0] == "auto" and {"memory", "table_wise", "row_wise", "column_wise"} <= set(names)
     assert result["ratio_to_pick"]["auto"] == 1.0
