@@ -26,7 +26,7 @@ from manualpar.embeddings import (
 from manualpar.embeddings.planning.cost_model import placement_costs, plan_costs
 from manualpar.embeddings.planning.exchange_bytes import EXCHANGES, expected_exchange_bytes
 from manualpar.embeddings.planning.popularity import distinct_rows
-from manualpar.embeddings.planning.rank_costs import Workload
+from manualpar.embeddings.planning.rank_costs import Workload, sequence_padding
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
 from manualpar.errors import PlanError
 
@@ -57,16 +57,14 @@ def _topology(world: int, per_node: int) -> Topology:
     return load_topology("cpu-host", world, per_node)
 
 
-# The same tables in a sequence collection (one row per id, a compact exchange). The cost
-# model pads each table's features to its own id count, the exchange to the collection's
-# largest: equal with the same ids per sample everywhere.
+# The same tables in a sequence collection (one row per id, a compact exchange), whose
+# features are padded to the collection's largest id count (Workload.padded_ids)
 SEQUENCE = [
     EmbeddingConfig(
         c.name, c.num_embeddings, c.embedding_dim, feature_names=c.feature_names, dtype=c.dtype
     )
     for c in CONFIGS
 ]
-SEQUENCE_PER_BAG = dict.fromkeys(PER_BAG, 3.0)
 
 
 @pytest.mark.parametrize(
@@ -85,9 +83,13 @@ def test_bytes_per_rank_are_the_exact_matrices_summed(
 ) -> None:
     plan, topology = _plan(world, per_node), _topology(world, per_node)
     frozen = frozenset({"cold"})
-    configs, per_bag = (SEQUENCE, SEQUENCE_PER_BAG) if sequence else (CONFIGS, PER_BAG)
-    workload = Workload(16, per_bag, weighted=weighted, frozen=frozen, full_rows=full_rows)
-    per_feature = {f: per_bag[c.name] for c in configs for f in c.feature_names}
+    configs = SEQUENCE if sequence else CONFIGS
+    padded = sequence_padding({c.name: c for c in configs}, PER_BAG)
+    assert padded == (dict.fromkeys(PER_BAG, 3.0) if sequence else {})  # "wide": 3 ids a bag
+    workload = Workload(
+        16, PER_BAG, weighted=weighted, frozen=frozen, full_rows=full_rows, padded_ids=padded
+    )
+    per_feature = {f: PER_BAG[c.name] for c in configs for f in c.feature_names}
     matrix = expected_exchange_bytes(
         configs, plan, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
     )
@@ -222,3 +224,12 @@ def test_ranks_sharing_a_nodes_cores_take_at_least_their_share_of_its_work() -> 
         torch.clamp(alone, min=float(alone.sum()) / 2).tolist()
     )
     assert together[0] == alone[0] and (together[1:] > alone[1:]).all()  # the owner is busiest
+
+
+def test_sequence_tables_are_padded_to_their_collections_largest_ids_per_sample() -> None:
+    seq = SEQUENCE[0]
+    tables = {"a.x": seq, "a.y": seq, "b.z": seq, "b.w": CONFIGS[0]}  # b.w: a bag table
+    per_bag = {"a.x": 2.0, "a.y": 5.0, "b.z": 1.0, "b.w": 9.0}
+    groups = {"a.x": "a", "a.y": "a", "b.z": "b", "b.w": "b"}
+    assert sequence_padding(tables, per_bag, groups) == {"a.x": 5.0, "a.y": 5.0, "b.z": 1.0}
+    assert sequence_padding(tables, per_bag) == {"a.x": 5.0, "a.y": 5.0, "b.z": 5.0}

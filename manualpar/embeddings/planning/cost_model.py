@@ -136,10 +136,13 @@ def placement_costs(
     copies = 2 if workload.weighted else 1
     # bag lengths sent per feature, and the rows (and gradients) each block returns per
     # feature summed: a bag collection's every bag; a sequence collection pads each feature
-    # to its id count (a bag per id; here the table's own count, the collection's largest in a
-    # step) and returns one row per id found in the block (exchange_bytes.py)
+    # to its collection's largest id count (a bag per id; Workload.padded_ids, by default the
+    # table's own) and returns one row per id found in the block (exchange_bytes.py)
     sequence = is_sequence([config])
-    lengths = ids if sequence else batch * features
+    lengths: float = batch * features
+    if sequence:
+        padded = workload.padded_ids.get(name)
+        lengths = ids if padded is None else batch * padded * features
     owners = torch.tensor([s.rank for s in shards])
     rows = torch.tensor([s.rows for s in shards], dtype=torch.float64)
     cols = torch.tensor([s.cols for s in shards], dtype=torch.float64)

@@ -42,7 +42,7 @@ from manualpar.embeddings.planning.memory_planner import (
     plan_uniform,
     table_bytes,
 )
-from manualpar.embeddings.planning.rank_costs import Workload, rule_costs
+from manualpar.embeddings.planning.rank_costs import Workload, rule_costs, sequence_padding
 from manualpar.embeddings.planning.remapper_budget import budget_after_remappers
 from manualpar.embeddings.planning.topology import Topology, load_topology
 from manualpar.embeddings.storage.disk_tier import DiskTier
@@ -196,6 +196,7 @@ def plan_collections(
                 world.environment.local_world_size
                 if isinstance(world, ManualParallelStrategy)
                 else None,
+                collection_of={labels[c, t.name]: c for c, ts in configs.items() for t in ts},
             ),
         )
     except PlanError as error:
@@ -333,6 +334,7 @@ class _Cost:
     replicas: int = 1  # shard groups of a 2-D mesh (the plan is for one)
     job_ranks_per_node: int | None = None  # the launcher's, when the plan is for a mesh dim
     skew: float = 0.0  # Zipf exponent of the ids
+    collection_of: Mapping[str, str] = field(default_factory=dict)  # table key -> collection
 
     def topology_for(self, world_size: int, ranks_per_node: int) -> Topology:
         """The whole job's topology (`world_size` ranks per shard group, `replicas` groups)."""
@@ -355,4 +357,5 @@ class _Cost:
             full_rows=full_rows,
             rules={name: rule_costs(self.rules.get(name, self.optimizer)) for name in tables},
             skew=self.skew,
+            padded_ids=sequence_padding(tables, pooling, self.collection_of),
         )

@@ -16,9 +16,10 @@ import torch
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
 from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, SparseOptimizer
+from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.topology import Topology
 
-__all__ = ["CALLS", "RankCosts", "Workload", "rule_costs"]
+__all__ = ["CALLS", "RankCosts", "Workload", "rule_costs", "sequence_padding"]
 
 # Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
 # pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
@@ -48,6 +49,9 @@ class Workload:
     state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
     rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
     skew: float | Mapping[str, float] = 0.0  # Zipf exponent of the ids (0: uniform), or per table
+    # sequence tables: the ids per sample their collection pads each feature to (its largest;
+    # sequence_padding), by table; default the table's own
+    padded_ids: Mapping[str, float] = field(default_factory=dict)
 
     def skew_of(self, table: str) -> float:
         if isinstance(self.skew, Mapping):
@@ -63,6 +67,25 @@ class Workload:
         its features."""
         per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
         return self.batch_per_rank * per_bag * len(config.feature_names)
+
+
+def sequence_padding(
+    tables: Mapping[str, EmbeddingBagConfig],
+    ids_per_bag: Mapping[str, float],
+    collection_of: Mapping[str, str] | None = None,
+) -> dict[str, float]:
+    """Per sequence table (EmbeddingConfig), the ids per sample its collection pads every
+    feature to: the largest `ids_per_bag` of the sequence tables in its collection
+    (`collection_of`: table key -> collection; default one collection)."""
+    groups: dict[str, list[str]] = {}
+    for key, config in tables.items():
+        if is_sequence([config]):
+            groups.setdefault((collection_of or {}).get(key, ""), []).append(key)
+    return {
+        key: max(float(ids_per_bag.get(k, 1.0)) for k in keys)
+        for keys in groups.values()
+        for key in keys
+    }
 
 
 @dataclass
