@@ -59,7 +59,8 @@ WHAT = "shard_embeddings: managed-collision"
 
 
 class ShardedManagedCollisions(ManagedCollisionRemapper):
-    """This rank's buckets of every managed table; forward remaps the batch with the others."""
+    """This rank's buckets of every managed table. Forward remaps the exchanged tables with
+    the other ranks; the step remaps the `at_owner` ones through `owner_remap`."""
 
     def __init__(
         self,
