@@ -26,6 +26,7 @@ import torch
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.dtype_names import dtype_name
+from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.plan_text import per_rank_text, shards_text
 from manualpar.environment import detect_environment
 from manualpar.errors import PlanError
@@ -162,6 +163,19 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _row_blocks(config: EmbeddingBagConfig, parts: int) -> list[tuple[int, int]]:
+    """A table's rows in `parts` near-equal blocks; a ManagedCollisions table's in whole
+    buckets, so each block's owner remaps its own buckets (sharded/managed_collisions.py)."""
+    rows, raw_ids = config.num_embeddings, config.raw_ids
+    if not isinstance(raw_ids, ManagedCollisions):
+        return split_evenly(rows, parts)
+    unit = raw_ids.bucket_rows
+    return [
+        (min(start * unit, rows), min(end * unit, rows))
+        for start, end in split_evenly(-(-rows // unit), parts)
+    ]
+
+
 @dataclass(frozen=True)
 class EmbeddingPlan:
     """Where each table lives on `world_size` ranks: table name -> TablePlacement, with the
@@ -257,7 +271,7 @@ class EmbeddingPlan:
             ]
         return [
             Shard(r, r0, r1, 0, dim)
-            for r, (r0, r1) in zip(ranks, split_evenly(rows, len(ranks)), strict=True)
+            for r, (r0, r1) in zip(ranks, _row_blocks(config, len(ranks)), strict=True)
         ]
 
     def bytes_per_rank(

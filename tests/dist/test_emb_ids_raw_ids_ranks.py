@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from raw_id_cases import (
+    EXCHANGED,
     HASHED_TABLES,
     MANAGED_TABLES,
     PLACEMENTS,
@@ -37,14 +38,13 @@ def test_raw_id_tables_match_the_reference(
         train_sharded, len(batch_sizes), args=(tables, batch_sizes, 1, placement), timeout=60
     )
     check_against_reference(per_rank, tables, batch_sizes)
-    # the tables held whole by one rank went without the remap exchange
-    exchanged = {"row_wise": ["m0", "m1", "m2"], "mixed": ["m1"], "at_owner": []}
+    # the tables held by rows (whole or in blocks of buckets) went without the remap exchange
     if tables is MANAGED_TABLES:
-        assert all(r["exchanged"] == exchanged[placement] for r in per_rank)
+        assert all(r["exchanged"] == EXCHANGED[placement] for r in per_rank)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("before", "after"), [("row_wise", "row_wise"), ("mixed", "at_owner")])
+@pytest.mark.parametrize(("before", "after"), [("exchange", "row_wise"), ("mixed", "at_owner")])
 def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path, before: str, after: str) -> None:
     """2 ranks train 2 steps and save; 1 rank loads and saves again; 3 ranks load, train a
     third step: every load holds the saved mapping, and the end is the reference's; also from
@@ -67,7 +67,7 @@ def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path, before: str, a
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("placement", ["row_wise", "at_owner"])
+@pytest.mark.parametrize("placement", ["exchange", "at_owner"])
 def test_a_refused_batch_stops_every_rank_at_the_remap(placement: str) -> None:
     """The managed-collision exchange runs first (without one, the step's): the refusal
     travels there, nothing hangs."""

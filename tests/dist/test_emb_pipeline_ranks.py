@@ -10,6 +10,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from manualpar.embeddings import (
     ManagedCollisions,
     RowWiseAdagrad,
     SparseFeatures,
+    TablePlacement,
+    column_wise,
     full_tensors,
     row_wise,
     shard_embeddings,
@@ -60,14 +63,29 @@ class Model(torch.nn.Module):
         )
         self.bags.tables["raw"].weight.requires_grad_(False)  # a frozen table throughout
         # raw ids remapped: buckets of a few rows, so ids collide and evict from the first steps;
-        # the second table of each held whole by one rank, so remapped there, in the step
+        # the first table of each split by columns (the remap exchange), the second held by rows
+        # (whole, or in blocks of buckets), so remapped by its owners in the step
         bags_pair = (("clicks", 16), ("ads", 20))
         self.managed = _managed_pair(
-            EmbeddingBagCollection, EmbeddingBagConfig, bags_pair, 3, strategy, layout, shard - 1
+            EmbeddingBagCollection,
+            EmbeddingBagConfig,
+            bags_pair,
+            3,
+            strategy,
+            layout,
+            shard,
+            table_wise(shard - 1),
         )
         sequence_pair = (("visits", 12), ("pages", 9))
         self.visits = _managed_pair(
-            EmbeddingCollection, EmbeddingConfig, sequence_pair, 4, strategy, layout, 0
+            EmbeddingCollection,
+            EmbeddingConfig,
+            sequence_pair,
+            4,
+            strategy,
+            layout,
+            shard,
+            row_wise(),
         )
 
     def collections(self) -> dict[str, torch.nn.Module]:
@@ -110,20 +128,22 @@ def _managed_pair(
     tables: tuple[tuple[str, int], tuple[str, int]],
     seed: int,
     strategy: mp.ManualParallelStrategy,
-    layout: object,
-    owner: int,
+    layout: Any,
+    shard: int,
+    by_rows: TablePlacement,
 ) -> torch.nn.Module:
-    """Two ManagedCollisions tables of 4 columns: the first LRU and row-wise (remapped through
-    the remap exchange), the second LFU and whole on `owner` (remapped there, in the step)."""
-    (split, split_rows), (whole, whole_rows) = tables
+    """Two ManagedCollisions tables of 4 columns: the first LRU and split by columns (remapped
+    through the remap exchange), the second LFU and placed `by_rows` (remapped by its owners,
+    in the step; through the exchange on a 2-D mesh)."""
+    (split, split_rows), (owned, owned_rows) = tables
     configs = [
         config(split, split_rows, 4, raw_ids=ManagedCollisions(bucket_rows=4)),
-        config(whole, whole_rows, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=5)),
+        config(owned, owned_rows, 4, raw_ids=ManagedCollisions(policy="lfu", bucket_rows=5)),
     ]
     return shard_embeddings(
         collection(configs, seed=seed),
         strategy,
-        {split: row_wise(), whole: table_wise(owner)},
+        {split: column_wise(list(range(shard))), owned: by_rows},
         RowWiseAdagrad(lr=0.1),
         mesh=layout,
     )

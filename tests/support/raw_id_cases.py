@@ -23,6 +23,8 @@ from manualpar.embeddings import (
     HashIds,
     ManagedCollisions,
     SparseFeatures,
+    TablePlacement,
+    data_parallel,
     row_wise,
     shard_embeddings,
     table_wise,
@@ -121,26 +123,36 @@ def remap_state(state_dict: dict) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state_dict.items() if k.startswith("raw_id_remap.")}
 
 
-# Where the managed tables go: "row_wise" (every one through the remap exchange), "mixed"
-# (m0 and m2 whole on one rank, remapped there in the step; m1 row-wise, exchanged) or
-# "at_owner" (every managed table whole on one rank: no remap exchange at all).
-PLACEMENTS = ("row_wise", "mixed", "at_owner")
+# Where the managed tables go: "exchange" (replicated: every one through the remap exchange),
+# "row_wise" (split by rows in whole buckets, each block remapped by its owner in the step),
+# "mixed" (m0 whole on one rank and m1 row-wise, both remapped in the step; m2 replicated,
+# exchanged) or "at_owner" (every managed table whole on one rank). The reference is the same.
+PLACEMENTS = ("exchange", "row_wise", "mixed", "at_owner")
+EXCHANGED = {"exchange": ["m0", "m1", "m2"], "row_wise": [], "mixed": ["m2"], "at_owner": []}
 
 
 def plan_for(
     tables: Sequence[EmbeddingBagConfig], world: int, placement: str = "row_wise"
 ) -> EmbeddingPlan:
-    """Raw-id tables row-wise (their rows on every rank) or placed as `placement` says, the
-    others table-wise on the last rank."""
+    """Raw-id tables placed as `placement` says (hashed ones row-wise), the others table-wise
+    on the last rank."""
     whole = {"m0": 0, "m1": world // 2, "m2": world - 1}  # each table's rank when whole
+    by_placement = {
+        "exchange": {"m0": "replicated", "m1": "replicated", "m2": "replicated"},
+        "row_wise": {},
+        "mixed": {"m0": "whole", "m2": "replicated"},
+        "at_owner": {"m0": "whole", "m1": "whole", "m2": "whole"},
+    }[placement]
 
-    def place(table: EmbeddingBagConfig) -> object:
+    def place(table: EmbeddingBagConfig) -> TablePlacement:
         if table.raw_ids is None:
             return table_wise(world - 1)
-        at_owner = placement == "at_owner" or (placement == "mixed" and table.name != "m1")
-        return table_wise(whole[table.name]) if at_owner and table.name in whole else row_wise()
+        kind = by_placement.get(table.name, "rows")
+        if kind == "whole":
+            return table_wise(whole[table.name])
+        return data_parallel() if kind == "replicated" else row_wise()
 
-    return EmbeddingPlan(world, {t.name: place(t) for t in tables})  # type: ignore[misc]
+    return EmbeddingPlan(world, {t.name: place(t) for t in tables})
 
 
 def sharded(

@@ -235,7 +235,7 @@ def test_the_planner_counts_the_remappers_state_on_every_rank() -> None:
 def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> None:
     """Placed whole on one rank, a managed table is remapped there (no remap exchange) and that
     rank holds all 24 bytes per row; the planner adds it beyond the shares it counts on every
-    rank, in both methods."""
+    rank, in both methods (and a row block's beyond them)."""
     from manualpar.embeddings import row_wise, table_wise
     from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
     from manualpar.embeddings.planning.cost_model import placement_costs
@@ -258,4 +258,6 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
     whole = placement_costs(managed, table_wise(1), topology, Workload()).memory
     split = placement_costs(managed, row_wise(), topology, Workload()).memory
     assert whole.tolist() == [0.0, 20_000.0 + 500 * 24]
-    assert split.tolist() == [10_000.0, 10_000.0]
+    # rows split in whole 64-row buckets, each block remapped by its owner: rank 0 holds 12
+    # rows of remapper state beyond the 500 counted on every rank
+    assert split.tolist() == [512 * 20.0 + 12 * 24, 488 * 20.0]

@@ -15,9 +15,11 @@ from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.ids.hashing import hash_ids, unsigned_mod
 
 __all__ = [
+    "REMAPPED_AT_OWNER",
     "STATE",
     "BucketLayout",
     "buckets_of",
+    "largest_block_rows",
     "layout_of",
     "managed_setting",
     "managed_tables",
@@ -38,15 +40,30 @@ def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: in
     return -(-rows // world_size) * len(STATE) * _STATE_BYTES
 
 
-def remapper_bytes_at_owner(config: EmbeddingBagConfig, world_size: int) -> int:
-    """What a managed table placed whole on one rank adds to that rank beyond its share counted
-    by remapper_bytes_per_rank: the rank remaps the table alone (sharded/managed_collisions.py,
-    `at_owner`) and holds all of its state. The other ranks keep their counted share unused,
-    so a plan errs on the safe side."""
+# Placements whose blocks hold whole rows: a managed table placed so is remapped by the owners
+# of its blocks, in the step (sharded/managed_collisions.py, `at_owner`), without replicas.
+REMAPPED_AT_OWNER = ("table_wise", "row_wise", "table_row_wise")
+
+
+def remapper_bytes_at_owner(
+    config: EmbeddingBagConfig, world_size: int, rows: int | None = None
+) -> int:
+    """What the owner of a managed table's block of `rows` rows (default: the whole table),
+    remapped there (REMAPPED_AT_OWNER), holds beyond the share remapper_bytes_per_rank counts
+    on every rank: its block's whole state. Ranks holding less keep their counted share
+    unused, so a plan errs on the safe side."""
     if not isinstance(config.raw_ids, ManagedCollisions):
         return 0
-    rows = config.num_embeddings
-    return (rows - -(-rows // world_size)) * len(STATE) * _STATE_BYTES
+    held = config.num_embeddings if rows is None else rows
+    share = -(-config.num_embeddings // world_size)
+    return max(0, held - share) * len(STATE) * _STATE_BYTES
+
+
+def largest_block_rows(config: EmbeddingBagConfig, parts: int) -> int:
+    """Rows of the largest of `parts` row blocks of a managed table (whole buckets, plan.py)."""
+    unit = managed_setting(config).bucket_rows
+    buckets = -(-config.num_embeddings // unit)
+    return min(-(-buckets // parts) * unit, config.num_embeddings)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
-from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
+from manualpar.embeddings.ids.buckets import REMAPPED_AT_OWNER, remapper_bytes_at_owner
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.popularity import distinct_rows
@@ -161,10 +161,9 @@ def placement_costs(
         0, owners, returned * cols * FLOAT32
     )
     _owner_traffic(costs, to_owner, from_owner, per_node)
-    if placement.sharding == "table_wise" and remaps_at_owner:  # all its remapper state there
-        costs.memory.index_add_(
-            0, owners, torch.full_like(rows, float(remapper_bytes_at_owner(config, world)))
-        )
+    if placement.sharding in REMAPPED_AT_OWNER and remaps_at_owner:  # its blocks' remappers
+        beyond = [float(remapper_bytes_at_owner(config, world, s.rows)) for s in shards]
+        costs.memory.index_add_(0, owners, torch.tensor(beyond, dtype=torch.float64))
     _block_work(
         costs,
         config,

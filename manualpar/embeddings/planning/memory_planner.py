@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
-from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
+from manualpar.embeddings.id_spaces import ManagedCollisions
+from manualpar.embeddings.ids.buckets import largest_block_rows, remapper_bytes_at_owner
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -105,7 +106,9 @@ def place_by_memory(
             continue
         reason = "fits no single rank's budget" if not fits else "larger than an even share"
         nodes = world_size // ranks_per_node
-        node_share = -(-size // ranks_per_node)
+        node_share = -(-size // ranks_per_node) + _owned_remapper(
+            config, world_size, ranks_per_node
+        )
         if nodes > 1:
             node = min(
                 range(nodes),
@@ -119,7 +122,7 @@ def place_by_memory(
                     memory[r] += node_share
                     work[r] += lookups / ranks_per_node
                 continue
-        share = -(-size // world_size)
+        share = -(-size // world_size) + _owned_remapper(config, world_size, world_size)
         if budget is not None and any(m + share > budget for m in memory):
             held = [format_bytes(m) for m in memory]
             least = format_bytes(-(-sum(sizes.values()) // world_size))
@@ -138,6 +141,14 @@ def place_by_memory(
     placements.update(on_disk)
     notes.update(disk_notes)
     return {k: placements[k] for k in order}, {k: notes[k] for k in order}
+
+
+def _owned_remapper(config: EmbeddingBagConfig, world_size: int, parts: int) -> int:
+    """What the owners of a managed table's `parts` row blocks hold of its remapper beyond the
+    share counted on every rank (each remaps its block, ids/buckets.py)."""
+    if not isinstance(config.raw_ids, ManagedCollisions):
+        return 0
+    return remapper_bytes_at_owner(config, world_size, largest_block_rows(config, parts))
 
 
 def check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:

@@ -1,11 +1,13 @@
 """The managed-collision remapper of a sharded collection: its buckets split over the job.
 
-A managed table held whole by one rank (table-wise, no replicas) is remapped by that rank,
-inside the step (`at_owner`, step/owner_remap.py): its raw ids reach the owner in the step's
-own input dist, and the owner holds the table's whole remapper state. It costs no exchange.
+A managed table held whole by one rank, or split by rows over some ranks (table-, row- or
+table-row-wise, no replicas), is remapped by the ranks holding it, inside the step (`at_owner`,
+step/owner_remap.py): a managed table's row blocks are whole buckets (plan.py), its raw ids
+reach the block holding their bucket in the step's own input dist, and each block's owner holds
+its buckets' remapper state. It costs no exchange.
 
-Any other managed table (rows or columns split, replicated, a 2-D layout) has its buckets split
-over the job: rank r of W remaps buckets [r * B // W, (r + 1) * B // W) (B buckets) and holds
+Any other managed table (columns split, replicated, a 2-D layout) has its buckets split over
+the job: rank r of W remaps buckets [r * B // W, (r + 1) * B // W) (B buckets) and holds
 their rows' state. Each step every rank sends the distinct raw ids of its batch (with their
 counts) to their buckets' owners, the owners remap the union as the single-process remapper
 would remap the global batch (ids/managed_collisions.py: everything is per bucket, and the order
@@ -33,6 +35,7 @@ from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.buckets import (
+    REMAPPED_AT_OWNER,
     STATE,
     buckets_of,
     layout_of,
@@ -67,11 +70,12 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         configs: Sequence[EmbeddingBagConfig],
         strategy: ManualParallelStrategy,
         source: ManagedCollisionRemapper | None,
-        at_owner: Mapping[str, int] | None = None,
+        at_owner: Mapping[str, Mapping[int, tuple[int, int]]] | None = None,
     ) -> None:
         super().__init__([], strategy.device)
         self.configs, self.strategy = tuple(configs), strategy
-        self.at_owner = dict(at_owner or {})  # table -> the job rank remapping it in the step
+        # table -> {job rank: its buckets [first, end)}, for the tables remapped in the step
+        self.at_owner = {name: dict(ranks) for name, ranks in (at_owner or {}).items()}
         rank, world = strategy.rank, strategy.world_size
         for config in managed_tables(configs):
             buckets = self._buckets(config, rank, world)
@@ -90,12 +94,12 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         }
 
     def _buckets(self, config: EmbeddingBagConfig, rank: int, world: int) -> tuple[int, int]:
-        """The buckets `rank` holds: all or none of a table remapped at its owner."""
-        layout, owner = layout_of(config), self.at_owner.get(config.name)
-        if owner is None:
+        """The buckets `rank` holds: its block's, or none, of a table remapped at its owners."""
+        layout, owners = layout_of(config), self.at_owner.get(config.name)
+        if owners is None:
             return layout.owned(rank, world)
         every = layout.num_buckets
-        return (0, every) if rank == owner else (every, every)
+        return owners.get(rank, (every, every))
 
     @property
     def exchanges(self) -> bool:
@@ -266,6 +270,11 @@ class _RemapAtOwner:
         rows = self.remapper.table(self.names[table]).remap_counted(torch.cat(ids))
         return list(rows.split([part.numel() for part in ids]))
 
+    def route_keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """The first row of each raw id's bucket: where a row-split table's id is sent."""
+        config = self.remapper.table(self.names[table]).config
+        return buckets_of(ids, config) * managed_setting(config).bucket_rows
+
     def tick(self, held: frozenset[int]) -> None:
         """The step count of the tables remapped on other ranks moves with theirs (a
         checkpoint saves any rank's)."""
@@ -343,16 +352,21 @@ def _copy_block(source: ManagedCollisionTable, table: ManagedCollisionTable) -> 
 
 def remapped_at_owner(
     configs: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan, mesh: TableMesh
-) -> dict[str, int]:
-    """The managed tables a collection's step remaps at their owner, with its job rank: those
-    held whole by one rank, without replicas (the others go through the remap exchange)."""
+) -> dict[str, dict[int, tuple[int, int]]]:
+    """The managed tables a collection's step remaps at their owners, with each owner's job
+    rank and buckets: those whose blocks hold whole rows (whole, or split by rows in whole
+    buckets), without replicas; the others go through the remap exchange."""
     if mesh.replicas > 1:
         return {}
     owners = {}
     for config in managed_tables(configs):
-        shards = plan.shards(config)
-        if plan.tables[config.name].sharding == "table_wise" and len(shards) == 1:
-            owners[config.name] = mesh.group_ranks[shards[0].rank]
+        if plan.tables[config.name].sharding not in REMAPPED_AT_OWNER:
+            continue
+        unit = managed_setting(config).bucket_rows
+        owners[config.name] = {
+            mesh.group_ranks[shard.rank]: (shard.row_start // unit, -(-shard.row_end // unit))
+            for shard in plan.shards(config)
+        }
     return owners
 
 
@@ -360,10 +374,10 @@ def sharded_remapper(
     configs: Sequence[EmbeddingBagConfig],
     strategy: ManualParallelStrategy,
     source: ManagedCollisionRemapper | None,
-    at_owner: Mapping[str, int] | None = None,
+    at_owner: Mapping[str, Mapping[int, tuple[int, int]]] | None = None,
 ) -> ShardedManagedCollisions | None:
     """A sharded collection's remapper (None without managed tables); `at_owner`: the tables
-    its step remaps, by the job rank holding each whole."""
+    its step remaps, with each owner's job rank and buckets (remapped_at_owner)."""
     if not managed_tables(configs):
         return None
     return ShardedManagedCollisions(configs, strategy, source, at_owner)

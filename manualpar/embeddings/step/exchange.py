@@ -15,6 +15,8 @@ split each feature's ids by row range (a stable sort keeps bag order).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from manualpar.embeddings.kernels.bags import ShardBags
@@ -24,6 +26,7 @@ from manualpar.embeddings.step.routing import LocalShard, Route, Routing
 __all__ = [
     "ExchangeLayout",
     "Kept",
+    "RawIdRoutes",
     "SenderBags",
     "combine_senders",
     "pack_pooled",
@@ -31,6 +34,20 @@ __all__ = [
 ]
 
 SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
+
+
+class RawIdRoutes(Protocol):
+    """Tables whose raw ids travel to the row block holding their bucket, remapped there
+    (owner_remap.py): where each raw id goes."""
+
+    @property
+    def tables(self) -> frozenset[int]:
+        """Indices of those tables in the routing."""
+
+    def route_keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """A row of each raw id's bucket, which places it in its row block."""
+
+
 # compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)
 Kept = list[list[torch.Tensor | None] | None] | None
 
@@ -114,8 +131,12 @@ class ExchangeLayout:
     """One plan's exchange layout, bound to its Routing: what this rank packs for each other
     rank, and how it reads what they send (ids, pooled rows, output gradients)."""
 
-    def __init__(self, routing: Routing, compact: bool = False) -> None:
+    def __init__(
+        self, routing: Routing, compact: bool = False, raw_routes: RawIdRoutes | None = None
+    ) -> None:
         self.routing = routing
+        # raw ids remapped at their owners: a row-split table's go to their bucket's block
+        self.raw_routes = raw_routes
         # compact: bags with no ids on an owner are left out of its pooled rows and gradients
         # (see `kept_bags`); a sequence collection's bags hold one id each, so a row-split
         # table's owner serves a bag out of every world-size, and every feature is padded
@@ -146,7 +167,12 @@ class ExchangeLayout:
                     if w is not None:
                         weights_to[dest].append(w)
                 continue
-            counts, local_ids, order = split_by_rows(ids, lengths[f], self.routing, table)
+            remap = self.raw_routes
+            raw = remap is not None and table in remap.tables
+            keys = remap.route_keys(table, ids) if remap is not None and raw else ids
+            counts, local_ids, order = split_by_rows(keys, lengths[f], self.routing, table)
+            if raw:  # the raw ids travel, in their blocks' order; their owners remap them
+                local_ids = ids[order]
             sizes = counts.sum(1).tolist()
             id_parts = local_ids.split(sizes)
             w_parts = None if w is None else w[order].split(sizes)

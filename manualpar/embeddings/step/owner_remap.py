@@ -1,8 +1,9 @@
-"""Raw ids remapped by the owner of their table, inside the step (no exchange of their own).
+"""Raw ids remapped by the owners of their table, inside the step (no exchange of their own).
 
-A ManagedCollisions table held whole by one rank (table-wise, one shard group) needs no remap
-exchange: its raw ids travel to that owner in the step's input dist like row ids, and the
-owner remaps every sender's ids of the step together in the lookup, before they become slots
+A ManagedCollisions table whose blocks hold whole rows (held whole, or split by rows in whole
+buckets; one shard group) needs no remap exchange: its raw ids travel in the step's input dist
+like row ids, to the block holding their bucket (`route_keys`), and each owner remaps every
+sender's ids of the step together in the lookup, before they become slots
 (sharded/managed_collisions.py holds the remapper state; this is what the step sees of it).
 The remap takes the whole step's ids at once, as one process remaps the global batch, so the
 owner's own bags wait for the other ranks' ids before their lookup.
@@ -14,18 +15,15 @@ from typing import Protocol
 
 import torch
 
-from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.step.exchange import RawIdRoutes, SenderBags
 from manualpar.embeddings.step.routing import LocalShard
 
 __all__ = ["OwnerRemap", "remap_senders"]
 
 
-class OwnerRemap(Protocol):
-    """The tables (by index in the routing) a rank's step remaps at their owner."""
-
-    @property
-    def tables(self) -> frozenset[int]:
-        """Indices of the tables remapped at their owner (held or not by this rank)."""
+class OwnerRemap(RawIdRoutes, Protocol):
+    """The tables (by index in the routing, `tables`) a rank's step remaps at their owners,
+    held or not by this rank, and where their raw ids go (`route_keys`)."""
 
     def remap(self, table: int, ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """Table rows of each sender's raw ids of this step (one call per step and table)."""
@@ -45,7 +43,8 @@ def remap_senders(
         if shard.table not in held:
             continue
         rows = remap.remap(shard.table, [bags[k][0] for bags in senders])
+        start = shard.shard.row_start  # the step addresses rows of this rank's block
         for bags, mapped in zip(senders, rows, strict=True):
             _, lengths, weights = bags[k]
-            bags[k] = (mapped, lengths, weights)
+            bags[k] = (mapped - start if start else mapped, lengths, weights)
     remap.tick(held)

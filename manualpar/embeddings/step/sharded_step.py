@@ -54,7 +54,7 @@ class ShardedStep:
     ) -> None:
         self.parts = StepParts(
             routing,
-            ExchangeLayout(routing, compact_bags),
+            ExchangeLayout(routing, compact_bags, owner_remap),
             tables,
             optimizer,
             stores,
