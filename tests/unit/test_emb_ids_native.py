@@ -2,7 +2,7 @@
 HashIds rows of a batch mixing hashed, managed and plain tables; managed collisions' rows, state
 and stats step by step, under both policies, for whole tables and blocks of buckets, short last
 buckets, repeated ids and eval steps; and the routing of a rank's raw ids to the buckets'
-owners."""
+owners and to a row-split table's blocks."""
 
 from __future__ import annotations
 
@@ -151,3 +151,30 @@ def test_hashing_a_batch_equals_the_torch_path(monkeypatch):
     assert torch.equal(got["plain"].values, kept)
     assert torch.equal(got["m"].values, batch["m"].values)
     assert int(got["b"].values.max()) < 3 and int(got["a2"].values.max()) < 1000
+
+
+def test_the_route_of_raw_ids_to_row_blocks_equals_the_torch_route():
+    """Where the step sends a row-split managed table's raw ids (the first row of each id's
+    bucket): the C++ hash and the torch ops agree."""
+    import manualpar as mp
+    from manualpar.embeddings import (
+        EmbeddingBagCollection,
+        RowWiseAdagrad,
+        row_wise,
+        shard_embeddings,
+    )
+
+    setting = ManagedCollisions(bucket_rows=16, salt=3)
+    config = EmbeddingBagConfig("t", 1_000, 4, raw_ids=setting)
+    emb = shard_embeddings(
+        EmbeddingBagCollection([config], seed=0),
+        mp.ManualParallelStrategy(),
+        {"t": row_wise()},
+        RowWiseAdagrad(lr=0.1),
+    )
+    routes = emb.raw_id_remap.owner_remap(["t"])  # one rank holds every bucket: remapped there
+    raw = torch.randint(-(2**62), 2**62, (900,), generator=torch.Generator().manual_seed(4))
+    cpp = routes.route_keys(0, raw)
+    emb.raw_id_remap.table("t").native = False
+    assert torch.equal(routes.route_keys(0, raw), cpp)
+    assert torch.equal(cpp, buckets_of(raw, config) * 16)
