@@ -196,10 +196,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Start this batch's input dist now, before the current batch's step (collective:
         every rank prefetches its own next batch): the checks, the hashing, the size exchange
         and the ids on their way to their owners. The forward of this very object takes them
-        (sharded/in_flight.py; TrainPipeline calls this for you). With ManagedCollisions
-        tables, the raw ids start travelling to their remappers instead; the remap and the
-        input dist wait for the forward: a remap run early would put the remapper's state,
-        and so a checkpoint, a batch ahead (docs/embeddings.md)."""
+        (sharded/in_flight.py; TrainPipeline calls this for you). Over a disk tier, the rows
+        are read into the cache too. ManagedCollisions tables held by rows travel as raw ids,
+        remapped by their owners at the lookup; with tables that need the remap exchange, the
+        raw ids start travelling to their remappers instead, and the remap and the input dist
+        wait for the forward: a remap run early would put the remapper's state, and so a
+        checkpoint, a batch ahead (docs/embeddings.md)."""
         self._in_flight.check_free()
         checked = self._checked(features)
         if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
