@@ -2,10 +2,12 @@
 
 `emb.prefetch(features)` runs the checks, the hashing and the input dist of a batch (the size
 exchange, then the ids on their way to their owners) before the current batch's step, so the
-ids travel while it computes. A collection with ManagedCollisions tables sends its raw ids to
-their remappers instead (sharded/managed_collisions.py, `send`): the remap and the input dist
-wait for the batch's forward. The forward of that very batch (the same SparseFeatures object)
-takes them; any other forward (a validation batch, say) runs whole, as if nothing were held.
+ids travel while it computes (raw ids of ManagedCollisions tables held by rows among them,
+remapped by their owners at the lookup). A collection with managed tables that need the remap
+exchange sends its raw ids to their remappers instead (sharded/managed_collisions.py, `send`):
+the remap and the input dist wait for the batch's forward. The forward of that very batch (the
+same SparseFeatures object) takes them; any other forward (a validation batch, say) runs whole,
+as if nothing were held.
 
 Nothing in an input dist or a remapper's send reads or writes a row or a remapper's state, so
 holding a batch changes no number. Over a disk tier, a held batch's rows are also read into the
