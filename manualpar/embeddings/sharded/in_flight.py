@@ -10,12 +10,12 @@ same SparseFeatures object) takes them; any other forward (a validation batch, s
 as if nothing were held.
 
 Nothing in an input dist or a remapper's send reads or writes a row or a remapper's state, so
-holding a batch changes no number. Over a disk tier, a held batch's rows are also read into the
-cache and pinned (step/forward.py, `fetch`): its own slots, which the current step's update
-changes in place where the batches share a row; dropping the batch unpins them. What it
-does fix early is which tables are frozen (the exchange agrees on that): a table's
-`requires_grad` changed while a batch is in flight is refused when that batch's forward comes.
-At most two batches are held: the current one and the next.
+holding a batch changes no number. What the input dist does fix early is which tables are
+frozen (the exchange agrees on that): a table's `requires_grad` changed while a batch is in
+flight is refused when that batch's forward comes. At most two batches are held: the current
+one and the next. Over a disk tier, a held batch's rows are also read into the cache and pinned
+(step/forward.py, `fetch`): its own slots, which the current step's update changes in place
+where the batches share a row; dropping the batch unpins them.
 """
 
 from __future__ import annotations
