@@ -1,5 +1,6 @@
-"""The cost benchmarks (the pipeline, the half-row guard, raw ids, row checksums) run end to end
-at toy size and write consistent JSON (numbers are not asserted: timing has no place in tests)."""
+"""The cost benchmarks (the pipeline, the half-row guard, raw ids, row checksums, the disk tier)
+run end to end at toy size and write consistent JSON (numbers are not asserted: timing has no
+place in tests)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,25 @@ def test_planner_benchmark_measures_the_pick_beside_the_plans_it_ranked_lower(
         )
         assert result["predicted_ms"][name] > 0
         assert result["plans"][name]["world_size"] == 2
+
+
+def test_disk_tier_benchmark_reports_the_pipelined_step_against_memory(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    run_python(
+        EXAMPLES / "benchmarks" / "bench_disk_tier.py",
+        *("--disk-gb", "0.02", "--memory-gb", "0.01", "--cache-gb", "0.002", "--batch", "512"),
+        *("--warmup", "2", "--max-warmup", "40", "--steps", "2", "--repeats", "1"),
+        *("--variants", "memory", "lru-pipelined", "--dir", str(tmp_path / "tables")),
+        *("--json", str(out)),
+        timeout=180,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    (memory,) = result["runs"]["memory"]
+    (piped,) = result["runs"]["lru-pipelined"]
+    assert piped["variant"] == "lru-pipelined" and memory["hit_rate"] is None
+    assert 0 < piped["hit_rate"] < 1 and piped["evicted_rows"] > 0  # the cache was full
+    summary = result["summary"]["lru-pipelined"]
+    assert summary["vs_memory"] == pytest.approx(piped["step_ms"] / memory["step_ms"])
+    assert len(piped["peak_rss_gib"]) == 2
+    assert not list((tmp_path / "tables").glob("**/*.rows"))  # each job's files are deleted
