@@ -29,6 +29,13 @@ def _two_ranks(tmp_path: Path, script: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+def _one_process(tmp_path: Path, script: str, *args: str) -> dict:
+    """A benchmark run as one plain process (which may launch its own jobs); its JSON."""
+    out = tmp_path / "result.json"
+    run_python(EXAMPLES / "benchmarks" / script, *args, "--json", str(out), timeout=180, check=True)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize(
     ("script", "variants"),
     [
@@ -76,15 +83,11 @@ def test_raw_ids_benchmark_reports_every_variant_against_rows(tmp_path: Path) ->
 
 
 def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    run_python(
-        EXAMPLES / "benchmarks" / "bench_row_checksum.py",
+    result = _one_process(
+        tmp_path,
+        "bench_row_checksum.py",
         *("--rows", "5000", "--rows-per-step", "300", "--steps", "2", "--repeats", "2"),
-        *("--json", str(out)),
-        timeout=120,
-        check=True,
     )
-    result = json.loads(out.read_text())
     plain, checked = (statistics.median(result[k]) for k in ("plain_ms", "checksum_ms"))
     assert result["ratio"] == pytest.approx(checked / plain)
     assert result["extra_ms_per_step"] == pytest.approx(checked - plain)
@@ -112,17 +115,13 @@ def test_planner_benchmark_measures_the_pick_beside_the_plans_it_ranked_lower(
 
 
 def test_disk_tier_benchmark_reports_the_pipelined_step_against_memory(tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    run_python(
-        EXAMPLES / "benchmarks" / "bench_disk_tier.py",
+    result = _one_process(
+        tmp_path,
+        "bench_disk_tier.py",
         *("--disk-gb", "0.02", "--memory-gb", "0.01", "--cache-gb", "0.002", "--batch", "512"),
         *("--warmup", "2", "--max-warmup", "40", "--steps", "2", "--repeats", "1"),
         *("--variants", "memory", "lru-pipelined", "--dir", str(tmp_path / "tables")),
-        *("--json", str(out)),
-        timeout=180,
-        check=True,
     )
-    result = json.loads(out.read_text())
     (memory,) = result["runs"]["memory"]
     (piped,) = result["runs"]["lru-pipelined"]
     assert piped["variant"] == "lru-pipelined" and memory["hit_rate"] is None
