@@ -307,8 +307,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             mine.copy_from_full(value.to(table.weight.device), f"table {name!r}")
         if name in self.storage.by_name:
             # batches sent ahead hold rows read before the load: forget them (their forward
-            # then runs whole, on the loaded rows)
-            self.drop_prefetched()
+            # then runs whole, on the loaded rows); the first disk table's load does it
+            if self.batches_in_flight:
+                self.drop_prefetched()
             self.storage.by_name[name].loaded()
         state_dict[key] = table.weight.detach()
 

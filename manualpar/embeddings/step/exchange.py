@@ -15,18 +15,15 @@ split each feature's ids by row range (a stable sort keeps bag order).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
-from manualpar.embeddings.step.routing import LocalShard, Route, Routing
+from manualpar.embeddings.step.routing import LocalShard, RawIdRoutes, Route, Routing
 
 __all__ = [
     "ExchangeLayout",
     "Kept",
-    "RawIdRoutes",
     "SenderBags",
     "combine_senders",
     "pack_pooled",
@@ -34,18 +31,6 @@ __all__ = [
 ]
 
 SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
-
-
-class RawIdRoutes(Protocol):
-    """Tables whose raw ids travel to the row block holding their bucket, remapped there
-    (owner_remap.py): where each raw id goes."""
-
-    @property
-    def tables(self) -> frozenset[int]:
-        """Indices of those tables in the routing."""
-
-    def route_keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        """A row of each raw id's bucket, which places it in its row block."""
 
 
 # compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from manualpar.embeddings.step.exchange import RawIdRoutes, SenderBags
-from manualpar.embeddings.step.routing import LocalShard
+from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.step.routing import LocalShard, RawIdRoutes
 
 __all__ = ["OwnerRemap", "remap_senders"]
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.plan import EmbeddingPlan, Shard
 
-__all__ = ["LocalShard", "Route", "Routing"]
+__all__ = ["LocalShard", "RawIdRoutes", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,15 @@ class Routing:
 
     def splits_cols(self, table: int) -> bool:
         return any(s.cols != self.tables[table].embedding_dim for s in self.shards[table])
+
+
+class RawIdRoutes(Protocol):
+    """Tables whose raw ids travel to the row block holding their bucket, remapped there
+    (owner_remap.py): where each raw id goes."""
+
+    @property
+    def tables(self) -> frozenset[int]:
+        """Indices of those tables in the routing."""
+
+    def route_keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """A row of each raw id's bucket, which places it in its row block."""
