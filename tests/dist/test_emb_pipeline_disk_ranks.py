@@ -2,10 +2,12 @@
 before the current step, and the tables, the optimizer state and the losses are the plain
 loop's, bit for bit (2 and 3 ranks); a cache too small for two batches falls back to reading
 in the step (said once, same numbers); dropping a held batch and a checkpoint taken with one in
-flight leave nothing pinned and resume exactly."""
+flight leave nothing pinned and resume exactly; a loader that raises with a batch's rows pinned
+reaches the loop with its own traceback and leaves nothing pinned."""
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +158,54 @@ def test_a_checkpoint_in_flight_resumes_exactly_and_a_dropped_batch_unpins(
             assert went_on["step"] == other["step"]
             for name, table in went_on["tables"].items():
                 assert torch.equal(other["tables"][name], table), name
+
+
+class _LoaderBroke(ValueError):
+    pass
+
+
+def _batches_then_error(rank: int, fail_at: int) -> Iterator[SparseFeatures]:
+    for step in range(STEPS):
+        if rank == 1 and step == fail_at:
+            raise _LoaderBroke(f"rank {rank}: the loader broke at batch {step}")
+        yield batch(rank, step, "zipf")
+
+
+def _loader_error(directory: str, fail_at: int) -> dict[str, Any]:
+    """Rank 1's loader raises while batch fail_at - 1 is in flight, its rows pinned: every rank
+    leaves the loop after the same batch, rank 1 with its own error; nothing stays pinned or
+    in flight, and the collection trains on (a plain step, the same on both ranks)."""
+    strategy = mp.ManualParallelStrategy()
+    emb = build(strategy, "rowwise", DiskTier(directory, cache_rows=120))
+    cache = emb.storage.by_name["big"].cache
+    pipeline = mp.TrainPipeline(_batches_then_error(strategy.rank, fail_at), strategy, emb.prefetch)
+    steps, error = 0, None
+    try:
+        for features in pipeline:
+            _step(emb, features)
+            steps += 1
+    except Exception as raised:  # the loop's own error, as a user's loop sees it
+        error = (type(raised).__name__, str(raised), traceback.format_exc())
+    out = {"steps": steps, "error": error, "pinned": cache.pinned}
+    out["in_flight"] = emb.batches_in_flight
+    _step(emb, batch(strategy.rank, STEPS, "zipf"))
+    out["pinned_after_step"] = cache.pinned
+    strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_error_with_rows_pinned_reaches_the_loop_and_leaves_nothing_pinned(
+    tmp_path: Path,
+) -> None:
+    results = run_distributed(_loader_error, 2, args=(str(tmp_path), 3), timeout=90)
+    assert [r["steps"] for r in results] == [3, 3]  # batches 0..2 on every rank
+    own_type, own_message, own_traceback = results[1]["error"]
+    assert (own_type, own_message) == ("_LoaderBroke", "rank 1: the loader broke at batch 3")
+    assert "_batches_then_error" in own_traceback  # raised from the loader's own frame
+    other_type, other_message, _ = results[0]["error"]
+    assert other_type == "RuntimeError"
+    assert "the loader of rank 1 raised after 3 batches" in other_message
+    for result in results:
+        assert result["pinned"] == 0 and result["in_flight"] == 0
+        assert result["pinned_after_step"] == 0
