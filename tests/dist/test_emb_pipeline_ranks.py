@@ -1,9 +1,9 @@
 """TrainPipeline: batch i + 1's input dist runs ahead of batch i's step, and the numbers are the
 plain loop's, bit for bit (1, 2, 3 ranks; a 2 x 2 mesh; bag and sequence collections, hashed
 raw ids, managed-collision tables whose raw ids go ahead to their remappers, frozen and uneven
-batches); a bad batch, a loader that raises or runs out with a batch
-in flight, a checkpoint taken with one in flight, and a table frozen in flight each end as the
-docs say."""
+batches); a bad batch, a next batch with other features, a loader that raises or runs out
+with a batch in flight, a checkpoint taken with one in flight, and a table frozen in flight
+each end as the docs say."""
 
 from __future__ import annotations
 
@@ -246,6 +246,15 @@ def _until_failure(case: str, directory: str) -> dict:
             yield from (_batch(step, rank) for step in range(3, 5))
 
         batches = failing()
+    elif case == "features differ":
+
+        def other_features() -> Iterator:
+            for step, (pooled, *rest) in enumerate(_batches(rank, 5)):
+                if rank == 1 and step == 3:  # the next batch lacks a feature the others had
+                    pooled = pooled.select(["user", "raw"])
+                yield (pooled, *rest)
+
+        batches = other_features()
     elif case == "runs out":
         batches = _batches(rank, 3 if rank == 1 else 5)
     else:
@@ -290,6 +299,16 @@ def test_a_bad_batch_in_flight_stops_every_rank_at_its_prefetch() -> None:
         assert result["error"].startswith("EmbeddingInputError"), result["error"]
     assert "feature 'user' (table 'user', 40 rows): id " in results[1]["error"]
     assert "rank 1" in results[0]["error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_next_batch_with_other_features_stops_every_rank_at_its_prefetch() -> None:
+    results = run_distributed(_until_failure, 2, args=("features differ", ""), timeout=60)
+    for result in results:
+        assert result["done"] == 2, result  # batch 3 is checked when prefetched, in step 2
+        assert result["error"].startswith("EmbeddingInputError"), result["error"]
+    assert "features ['item'] are missing from the batch" in results[1]["error"]
+    assert "rank 1 refused its batch" in results[0]["error"]
 
 
 @pytest.mark.timeout(120)
