@@ -43,6 +43,7 @@ from manualpar.embeddings import (
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
+    remapper_bytes_on_ranks,
     rule_costs,
     table_dtype,
 )
@@ -297,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
             else f"weights only, {type(optimizer).__name__} keeps no state"
         )
         print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
+    remappers = remapper_bytes_on_ranks(plan, tables)
+    if any(remappers):  # int64 state per row, beside the tables (ids/buckets.py)
+        print("  managed-collision remappers per rank: " + per_rank_text(remappers, format_bytes))
     if args.batch_per_rank is not None and replicas == 1:
         print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, optimizer))
     print(costs_text(costs, topology, batch, replicas))

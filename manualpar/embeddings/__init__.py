@@ -78,6 +78,7 @@ from manualpar.embeddings.planning.planner import (
     table_bytes,
 )
 from manualpar.embeddings.planning.rank_costs import RankCosts, Workload, rule_costs
+from manualpar.embeddings.planning.remapper_budget import remapper_bytes_on_ranks
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items
@@ -149,6 +150,7 @@ __all__ = [
     "plan_uniform",
     "raw_ids_from_json",
     "raw_ids_to_json",
+    "remapper_bytes_on_ranks",
     "row_wise",
     "rule_costs",
     "shard_embeddings",

@@ -15,11 +15,13 @@ from raw_id_cases import (
     check_against_reference,
     check_state,
     checkpoint_job,
+    plan_for,
     reference,
     refusal_job,
     train_sharded,
 )
 
+from manualpar.embeddings import remapper_bytes_on_ranks
 from manualpar.testing import run_distributed
 
 
@@ -41,6 +43,9 @@ def test_raw_id_tables_match_the_reference(
     # the tables held by rows (whole or in blocks of buckets) went without the remap exchange
     if tables is MANAGED_TABLES:
         assert all(r["exchanged"] == EXCHANGED[placement] for r in per_rank)
+        # what the planner counts per rank is what each rank holds
+        plan = plan_for(tables, len(batch_sizes), placement)
+        assert [r["held"] for r in per_rank] == remapper_bytes_on_ranks(plan, tables)
 
 
 @pytest.mark.timeout(120)

@@ -84,6 +84,8 @@ def test_plan_reads_raw_ids_and_dtype_from_tables_json(tmp_path: Path) -> None:
     args = ("-m", "manualpar", "plan", "--world-size", "2", "--tables", str(tables))
     result = run_python(*args, timeout=60)
     assert result.returncode == 0, output_tail(result)
+    # both replicated: the managed table's 16 buckets of 64 rows split 8 and 8 (24 bytes a row)
+    assert "  managed-collision remappers per rank: r0: 12.0 KiB, r1: 11.4 KiB\n" in result.stdout
     tables.write_text(json.dumps([{**entry, "raw_ids": {"kind": "modulo"}}]))
     result = run_python(*args, timeout=60)
     assert result.returncode == 2, output_tail(result)

@@ -201,7 +201,11 @@ def train_sharded(
     outputs = train_steps(emb, range(STEPS), batch_sizes)
     remap = emb.raw_id_remap
     exchanged = [c.name for c in remap.exchanged] if remap is not None else []
-    result = {"outputs": outputs, **full_state(emb), "exchanged": exchanged}
+    held = 0  # bytes of remapper state this rank holds (its buckets of every managed table)
+    for table in remap.tables.values() if remap is not None else ():
+        state = (table.ids, table.last_seen, table.counts)
+        held += sum(t.numel() * t.element_size() for t in state)
+    result = {"outputs": outputs, **full_state(emb), "exchanged": exchanged, "held": held}
     if strategy.world_size > 1:
         strategy.teardown()
     return result

@@ -261,3 +261,32 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
     # rows split in whole 64-row buckets, each block remapped by its owner: rank 0 holds 12
     # rows of remapper state beyond the 500 counted on every rank
     assert split.tolist() == [512 * 20.0 + 12 * 24, 488 * 20.0]
+
+
+def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:
+    """plan_uniform and `python -m manualpar plan --plan KIND` count what each rank holds of
+    the remappers under the plan: whole tables' on their rank, row blocks' (in whole 64-row
+    buckets) on theirs, a replicated table's buckets split over every rank (tests/dist/
+    test_emb_ids_raw_ids_ranks.py checks these against the state the ranks hold)."""
+    from manualpar.embeddings import remapper_bytes_on_ranks
+    from manualpar.embeddings.planning.planner import plan_uniform
+    from manualpar.errors import PlanError
+
+    managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
+    hashed = EmbeddingBagConfig("item", 1000, 4, raw_ids=mp.HashIds())
+    tables = [managed, hashed]
+    whole = plan_uniform("table_wise", tables, 2)  # user alone on rank 0, item on rank 1
+    assert remapper_bytes_on_ranks(whole, tables) == [1000 * 24, 0]
+    rows = plan_uniform("row_wise", tables, 2)  # 16 buckets: 8 (512 rows) and 7 (488)
+    assert remapper_bytes_on_ranks(rows, tables) == [512 * 24, 488 * 24]
+    replicated = plan_uniform("data_parallel", tables, 2)  # through the remap exchange, which
+    assert remapper_bytes_on_ranks(replicated, tables) == [512 * 24, 488 * 24]  # splits buckets
+    # rank 0 holds 20,000 bytes of table and 24,000 of remapper: a budget of 43,999 is short
+    assert plan_uniform("table_wise", tables, 2, memory_budget_bytes=44_000) == whole
+    with pytest.raises(PlanError) as error:
+        plan_uniform("table_wise", tables, 2, memory_budget_bytes=43_999)
+    assert str(error.value) == (
+        "plan table_wise puts 43.0 KiB on rank 0 (23.4 KiB of it the managed-collision "
+        "remappers' state), more than the memory budget of 43.0 KiB; try plan 'auto', more "
+        "ranks or a larger budget"
+    )

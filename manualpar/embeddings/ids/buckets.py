@@ -16,6 +16,7 @@ from manualpar.embeddings.ids.hashing import hash_ids, unsigned_mod
 
 __all__ = [
     "REMAPPED_AT_OWNER",
+    "REMAPPER_ROW_BYTES",
     "STATE",
     "BucketLayout",
     "buckets_of",
@@ -29,6 +30,7 @@ __all__ = [
 
 STATE = ("ids", "last_seen", "counts")  # the per-row int64 state, checkpointed as row blocks
 _STATE_BYTES = 8  # each STATE entry is one int64 per row
+REMAPPER_ROW_BYTES = len(STATE) * _STATE_BYTES  # a remapper's state per row of its table
 
 
 def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
@@ -37,7 +39,7 @@ def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: in
     on every rank, outside the tables' placements; a table placed whole on one rank adds
     remapper_bytes_at_owner there)."""
     rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
-    return -(-rows // world_size) * len(STATE) * _STATE_BYTES
+    return -(-rows // world_size) * REMAPPER_ROW_BYTES
 
 
 # Placements whose blocks hold whole rows: a managed table placed so is remapped by the owners
@@ -56,7 +58,7 @@ def remapper_bytes_at_owner(
         return 0
     held = config.num_embeddings if rows is None else rows
     share = -(-config.num_embeddings // world_size)
-    return max(0, held - share) * len(STATE) * _STATE_BYTES
+    return max(0, held - share) * REMAPPER_ROW_BYTES
 
 
 def largest_block_rows(config: EmbeddingBagConfig, parts: int) -> int:

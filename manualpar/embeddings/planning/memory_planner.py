@@ -33,6 +33,7 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.planning.disk_budget import place_on_disk
+from manualpar.embeddings.planning.remapper_budget import remapper_bytes_on_ranks
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import PlanError
 
@@ -189,7 +190,8 @@ def plan_uniform(
     first on the least-loaded rank (node); the others split every table over all ranks.
 
     Unlike `plan_tables`, the placement does not adapt to the budget: a rank it overflows
-    raises PlanError naming the rank.
+    (weights, optimizer state and the managed-collision remappers' state it holds) raises
+    PlanError naming the rank.
     """
     if sharding not in UNIFORM_PLANS:
         raise PlanError(f"sharding must be one of {UNIFORM_PLANS}, got {sharding!r}")
@@ -210,15 +212,22 @@ def plan_uniform(
     plan = EmbeddingPlan(world_size, placements)
     plan.validate(tables, world_size)
     state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
-    per_rank = plan.bytes_per_rank(tables, state)
+    remappers = remapper_bytes_on_ranks(plan, tables)
+    tables_bytes = plan.bytes_per_rank(tables, state)
+    per_rank = [size + held for size, held in zip(tables_bytes, remappers, strict=True)]
     budget = memory_budget_bytes
     over = [rank for rank, size in enumerate(per_rank) if budget is not None and size > budget]
     if over:
         rank = max(over, key=lambda r: per_rank[r])
+        of_which = (
+            f" ({format_bytes(remappers[rank])} of it the managed-collision remappers' state)"
+            if remappers[rank]
+            else ""
+        )
         raise PlanError(
-            f"plan {sharding} puts {format_bytes(per_rank[rank])} on rank {rank}, more than the "
-            f"memory budget of {format_bytes(budget or 0)}; try plan 'auto', more ranks or a "
-            "larger budget"
+            f"plan {sharding} puts {format_bytes(per_rank[rank])} on rank {rank}{of_which}, more "
+            f"than the memory budget of {format_bytes(budget or 0)}; try plan 'auto', more ranks "
+            "or a larger budget"
         )
     return plan
 

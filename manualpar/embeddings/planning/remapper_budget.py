@@ -9,14 +9,20 @@ ranks keep their share unused, so plans err on the safe side.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from manualpar.embeddings.config import EmbeddingBagConfig
-from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
-from manualpar.embeddings.plan import format_bytes
+from manualpar.embeddings.ids.buckets import (
+    REMAPPED_AT_OWNER,
+    REMAPPER_ROW_BYTES,
+    layout_of,
+    managed_tables,
+    remapper_bytes_per_rank,
+)
+from manualpar.embeddings.plan import EmbeddingPlan, format_bytes
 from manualpar.errors import PlanError
 
-__all__ = ["budget_after_remappers"]
+__all__ = ["budget_after_remappers", "remapper_bytes_on_ranks"]
 
 
 def budget_after_remappers(
@@ -35,3 +41,22 @@ def budget_after_remappers(
             "or give those tables fewer rows"
         )
     return budget - remappers
+
+
+def remapper_bytes_on_ranks(plan: EmbeddingPlan, tables: Sequence[EmbeddingBagConfig]) -> list[int]:
+    """The remappers' state each rank holds under a 1-D `plan`, exactly: a table remapped at
+    its owners (REMAPPED_AT_OWNER) on the ranks of its blocks, in whole buckets; the others'
+    buckets split evenly over every rank (sharded/managed_collisions.py does the same)."""
+    rows = [0] * plan.world_size
+    for config in managed_tables(tables):
+        layout = layout_of(config)
+        if plan.tables[config.name].sharding in REMAPPED_AT_OWNER:
+            unit = layout.bucket_rows
+            for shard in plan.shards(config):
+                first, end = layout.row_range((shard.row_start // unit, -(-shard.row_end // unit)))
+                rows[shard.rank] += end - first
+        else:
+            for rank in range(plan.world_size):
+                first, end = layout.row_range(layout.owned(rank, plan.world_size))
+                rows[rank] += end - first
+    return [count * REMAPPER_ROW_BYTES for count in rows]
