@@ -209,24 +209,25 @@ def test_both_ways_of_finding_held_ids_agree() -> None:
 
 
 def test_the_planner_counts_the_remappers_state_on_every_rank() -> None:
-    """3 int64 per managed row, the buckets split over every rank: 1000 rows on 2 ranks take
-    12,000 bytes per rank, whatever the tables' placement."""
+    """3 int64 per managed row, the buckets split over every rank: 1000 rows of 64-row buckets
+    on 2 ranks are 8 buckets each, at most 512 rows, 12,288 bytes per rank, whatever the
+    tables' placement."""
     from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
     from manualpar.embeddings.planning.planner import plan_tables
     from manualpar.errors import PlanError
 
     managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
     hashed = EmbeddingBagConfig("item", 1000, 4, raw_ids=mp.HashIds())
-    assert remapper_bytes_per_rank([managed, hashed], 2) == 500 * 24
+    assert remapper_bytes_per_rank([managed, hashed], 2) == 512 * 24
     # each table is 1000 x (4 weights + 1 row-wise state) x 4 bytes = 20,000 bytes, at least
-    # 20,000 per rank for both; a budget of 20,000 leaves 8,000 once the remappers hold theirs
+    # 20,000 per rank for both; a budget of 20,000 leaves 7,712 once the remappers hold theirs
     assert plan_tables([managed, hashed], 2, memory_budget_bytes=60_000).world_size == 2
-    with pytest.raises(PlanError, match=r"more than the budget of 7\.8 KiB"):
+    with pytest.raises(PlanError, match=r"more than the budget of 7\.5 KiB"):
         plan_tables([managed, hashed], 2, memory_budget_bytes=20_000)
     with pytest.raises(PlanError) as error:
         plan_tables([managed, hashed], 2, memory_budget_bytes=12_000)
     assert str(error.value) == (
-        "the managed-collision remappers' state takes 11.7 KiB per rank on 2 ranks (3 int64 per "
+        "the managed-collision remappers' state takes 12.0 KiB per rank on 2 ranks (3 int64 per "
         "row of the ManagedCollisions tables), the whole budget of 11.7 KiB; raise the memory "
         "budget, use more ranks, or give those tables fewer rows"
     )
@@ -245,10 +246,10 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
 
     managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
     hashed = EmbeddingBagConfig("item", 1000, 4, raw_ids=mp.HashIds())
-    assert remapper_bytes_at_owner(managed, 2) == 500 * 24  # 1000 rows less the share of 500
+    assert remapper_bytes_at_owner(managed, 2) == 488 * 24  # 1000 rows less the share of 512
     assert remapper_bytes_at_owner(hashed, 2) == 0
-    # 20,000 bytes of table; the shares take 12,000 of each rank's budget first: whole on a
-    # rank the managed table needs 32,000 there, so 40,000 splits it and 52,000 does not
+    # 20,000 bytes of table; the shares take 12,288 of each rank's budget first: whole on a
+    # rank the managed table needs 31,712 more there, so 40,000 splits it and 52,000 does not
     for budget, sharding in ((40_000, "row_wise"), (52_000, "table_wise")):
         plan = plan_tables(
             [managed, hashed], 2, memory_budget_bytes=budget, method="memory", replicate_bytes=0
@@ -257,10 +258,10 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
     topology = load_topology("cpu-host", 2, 2)
     whole = placement_costs(managed, table_wise(1), topology, Workload()).memory
     split = placement_costs(managed, row_wise(), topology, Workload()).memory
-    assert whole.tolist() == [0.0, 20_000.0 + 500 * 24]
-    # rows split in whole 64-row buckets, each block remapped by its owner: rank 0 holds 12
-    # rows of remapper state beyond the 500 counted on every rank
-    assert split.tolist() == [512 * 20.0 + 12 * 24, 488 * 20.0]
+    assert whole.tolist() == [0.0, 20_000.0 + 488 * 24]
+    # rows split in whole 64-row buckets, each block remapped by its owner: no rank holds more
+    # remapper state than the 512 rows counted on every rank
+    assert split.tolist() == [512 * 20.0, 488 * 20.0]
 
 
 def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:

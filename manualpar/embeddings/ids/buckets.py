@@ -34,12 +34,19 @@ REMAPPER_ROW_BYTES = len(STATE) * _STATE_BYTES  # a remapper's state per row of 
 
 
 def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: int) -> int:
-    """What each rank's share of the managed-collision remappers holds: STATE for every row of
-    the managed tables, as if their buckets were split over all ranks (so the planner counts it
-    on every rank, outside the tables' placements; a table placed whole on one rank adds
-    remapper_bytes_at_owner there)."""
-    rows = sum(t.num_embeddings for t in tables if isinstance(t.raw_ids, ManagedCollisions))
-    return -(-rows // world_size) * REMAPPER_ROW_BYTES
+    """What each rank's share of the managed-collision remappers holds at most: STATE for the
+    rows of the largest even split of every managed table's buckets over all ranks (so the
+    planner counts it on every rank, outside the tables' placements; a table placed whole on
+    one rank adds remapper_bytes_at_owner there). Whole buckets: 1000 rows of 64-row buckets
+    split 512 and 488 rows on 2 ranks, so the share is 512, not 500."""
+    rows = sum(
+        _share_rows(t, world_size) for t in tables if isinstance(t.raw_ids, ManagedCollisions)
+    )
+    return rows * REMAPPER_ROW_BYTES
+
+
+def _share_rows(config: EmbeddingBagConfig, world_size: int) -> int:
+    return largest_block_rows(config, world_size)
 
 
 # Placements whose blocks hold whole rows: a managed table placed so is remapped by the owners
@@ -57,7 +64,7 @@ def remapper_bytes_at_owner(
     if not isinstance(config.raw_ids, ManagedCollisions):
         return 0
     held = config.num_embeddings if rows is None else rows
-    share = -(-config.num_embeddings // world_size)
+    share = _share_rows(config, world_size)
     return max(0, held - share) * REMAPPER_ROW_BYTES
 
 
