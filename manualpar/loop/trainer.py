@@ -11,9 +11,10 @@ rank's batch for that step (`dataset_batches(dataset, global_batch_size)` builds
 map-style dataset), so a resumed run sees exactly the batches the uninterrupted run would have
 seen and, on CPU, reproduces it bit for bit. `data` raises StopIteration when this rank has no
 batch for a step: every rank then stops at that step (see `_fetch`); `val_data` likewise ends
-every rank's validation pass at the same batch (see loop/validation.py). Each convenience lives in
-its own file beside this one: precision.py, early_stopping.py, best_checkpoints.py,
-tensorboard_log.py, metric_objects.py.
+every rank's validation pass at the same batch (see loop/validation.py). One optimizer step
+(micro-batches, clipping, the update) is train_step.py; each convenience lives in its own file
+beside this one: precision.py, early_stopping.py, best_checkpoints.py, tensorboard_log.py,
+metric_objects.py.
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from manualpar.builders import clip_grad_norm_
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import read_manifest
-from manualpar.embeddings import ShardedEmbeddingBagCollection
 from manualpar.loop.best_checkpoints import BestCheckpoints
 from manualpar.loop.configured import optimizers_of
 from manualpar.loop.data import Data, dataset_batches, step_batches
@@ -45,6 +44,7 @@ from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
 from manualpar.loop.step_ahead import StepAhead, model_prefetch
 from manualpar.loop.tensorboard_log import TensorBoardLog
+from manualpar.loop.train_step import TrainStep
 from manualpar.loop.validation import Validation
 from manualpar.loop.validation_watch import ValidationWatch
 from manualpar.module import ParallelModule
@@ -158,8 +158,8 @@ class Trainer:
         self._validation = Validation(strategy, val_steps, self._metrics, self._precision)
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
-        self._sharded: list[ShardedEmbeddingBagCollection] = []
         self._schedulers: list[Scheduler] = []
+        self._step = TrainStep(self._precision, strategy.device, accumulate, clip_grad_norm)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -215,7 +215,7 @@ class Trainer:
         optimizer, self._schedulers = optimizers_of(model, optimizer, schedulers)
         self._extra = extra_checkpoint_entries(model)
         self._remappers = raw_id_remappers(model)  # managed-collision tables: rates logged
-        self._sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+        self._step.track(model, self._schedulers)
         self._precision.setup(model, optimizer, self.strategy)
         state = {
             "model": model,
@@ -241,7 +241,7 @@ class Trainer:
             self._checkpoints.abandon_pending()
             raise
         finally:
-            for module in self._sharded:  # a batch sent ahead of a step that never came
+            for module in self._step.sharded:  # a batch sent ahead of a step that never came
                 module.drop_prefetched()
             if isinstance(read, Prefetched):
                 read.close()
@@ -275,7 +275,7 @@ class Trainer:
                 event = {"step": self.step, "event": "data_ran_out", "ranks": ranks}
                 last = self._stop(state, event, window, optimizer) or last
                 break
-            window.add(self._train_step(model, optimizer, batches))
+            window.add(self._step.run(model, optimizer, batches, self.step))
             self.step += 1
             if self.step % self.log_every == 0 or self.step == self.max_steps:
                 last, rate = self._record(window, optimizer), window.rate()
@@ -338,45 +338,6 @@ class Trainer:
                 where, step, step, self.max_steps,
             )  # fmt: skip
         return batches
-
-    def _train_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any]
-    ) -> dict[str, float]:
-        optimizer.zero_grad(set_to_none=True)
-        skipped = self._skipped_updates()
-        totals: dict[str, float] = {}
-        for micro, batch in enumerate(batches):
-            index = self.step * self.accumulate + micro
-            with self._precision.autocast(self.strategy.device):
-                out = _user(model).training_step(batch, index)
-            metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
-            if "loss" not in metrics:
-                raise ValueError(
-                    f"{type(model).__name__}.training_step must return a loss "
-                    "tensor or a dict with 'loss'"
-                )
-            self._precision.backward(metrics["loss"] / self.accumulate)
-            for name, value in metrics.items():
-                value = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-                totals[name] = totals.get(name, 0.0) + value / self.accumulate
-        if self._skipped_updates() > skipped:  # non_finite="skip" dropped a sparse update
-            totals["skipped_non_finite"] = 1.0  # the dense gradients hold it too: no step
-            log.warning("step %d: non-finite gradients; the dense step is skipped too", self.step)
-        else:
-            self._optimizer_step(optimizer, totals)
-        for scheduler in self._schedulers:
-            scheduler.step()
-        return totals
-
-    def _skipped_updates(self) -> int:
-        return sum(module.skipped_updates for module in self._sharded)
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, totals: dict[str, float]) -> None:
-        if self.clip_grad_norm is not None:
-            self._precision.unscale(optimizer)  # clip the true gradients
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            totals["grad_norm"] = float(clip_grad_norm_(params, self.clip_grad_norm))
-        totals.update(self._precision.step(optimizer))
 
     def validate(
         self, model: nn.Module, val_data: Data, checkpoint: str | Path | None = None
