@@ -282,6 +282,14 @@ def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:
     assert remapper_bytes_on_ranks(rows, tables) == [512 * 24, 488 * 24]
     replicated = plan_uniform("data_parallel", tables, 2)  # through the remap exchange, which
     assert remapper_bytes_on_ranks(replicated, tables) == [512 * 24, 488 * 24]  # splits buckets
+    # the cost model's memory (what the plan command prints) counts at least that, and exactly
+    # it on the managed table's owner: its share (512 rows) and the rest of its 1000
+    from manualpar.embeddings.planning.cost_model import plan_costs
+    from manualpar.embeddings.planning.rank_costs import Workload
+    from manualpar.embeddings.planning.topology import load_topology
+
+    costs = plan_costs(tables, whole, load_topology("cpu-host", 2, 2), Workload())
+    assert costs.memory.tolist() == [20_000.0 + 1000 * 24, 20_000.0 + 512 * 24]
     # rank 0 holds 20,000 bytes of table and 24,000 of remapper: a budget of 43,999 is short
     assert plan_uniform("table_wise", tables, 2, memory_budget_bytes=44_000) == whole
     with pytest.raises(PlanError) as error:

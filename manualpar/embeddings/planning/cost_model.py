@@ -32,7 +32,11 @@ from collections.abc import Mapping
 import torch
 
 from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
-from manualpar.embeddings.ids.buckets import REMAPPED_AT_OWNER, remapper_bytes_at_owner
+from manualpar.embeddings.ids.buckets import (
+    REMAPPED_AT_OWNER,
+    remapper_bytes_at_owner,
+    remapper_bytes_per_rank,
+)
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.popularity import distinct_rows
@@ -335,10 +339,14 @@ def _replicated(
 def collection_costs(
     configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, topology: Topology, replicas: int = 1
 ) -> RankCosts:
-    """Costs shared by a collection's tables: the sizes all_to_all (3 + flag words int64 to every
-    other rank of the shard group), when any table is sharded."""
+    """Costs shared by a collection's tables: every rank's share of the managed-collision
+    remappers (split over the whole job, ids/buckets.py; an owner's state beyond it is its
+    placement's), and the sizes all_to_all (3 + flag words int64 to every other rank of the
+    shard group), when any table is sharded."""
+    share = remapper_bytes_per_rank(configs, topology.world_size)
     topology = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(topology.world_size)
+    costs.memory += share
     if all(plan.tables[c.name].sharding == "data_parallel" for c in configs):
         return costs
     words = (3 + num_words(len(configs))) * INT64

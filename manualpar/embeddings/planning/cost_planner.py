@@ -25,7 +25,6 @@ import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.dtype_names import dtype_name
-from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
@@ -139,8 +138,7 @@ class _Search:
         }
         configs = list(tables.values())
         first = EmbeddingPlan(self.group.world_size, {c.name: row_wise() for c in configs})
-        self.start = collection_costs(configs, first, topology, replicas)
-        self.start.memory += remapper_bytes_per_rank(configs, topology.world_size)
+        self.start = collection_costs(configs, first, topology, replicas)  # remappers' shares too
         self.total = self.start
         self._cache: dict[tuple[str, TablePlacement, torch.dtype], RankCosts] = {}
         self.dtype: dict[str, torch.dtype] = {}
