@@ -94,6 +94,28 @@ def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> Non
     assert result["record_bytes"] == 64 * 4 + 4  # 64 float32 weights and a row-wise sum
 
 
+def test_row_writes_benchmark_reports_each_way_against_the_scattered_writes(
+    tmp_path: Path,
+) -> None:
+    memory = "/dev/shm" if Path("/dev/shm").is_dir() else str(tmp_path)  # a memory file system
+    result = _one_process(
+        tmp_path,
+        "bench_row_writes.py",
+        *("--rows", "4000", "--rows-per-step", "300", "--steps", "2", "--repeats", "3"),
+        *("--dir", str(tmp_path), "--memory-dir", memory),
+    )
+    steps = result["ms_per_step"]
+    assert set(steps) == {"scattered", "scattered-memory", "sequential"}
+    for way, times in steps.items():
+        assert len(times) == 3
+        ratios = [a / b for a, b in zip(times, steps["scattered"], strict=True)]
+        assert result["ratio_to_scattered"][way] == pytest.approx(statistics.median(ratios))
+        per_row = statistics.median(times) / 1e3 / 300 * 1e6
+        assert result["us_per_row"][way] == pytest.approx(per_row)
+    assert result["record_bytes"] == 64 * 4 + 4
+    assert list(tmp_path.iterdir()) == [tmp_path / "result.json"]  # its row files are gone
+
+
 def test_planner_benchmark_measures_the_pick_beside_the_plans_it_ranked_lower(
     tmp_path: Path,
 ) -> None:

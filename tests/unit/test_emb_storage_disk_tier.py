@@ -120,8 +120,10 @@ def test_the_planner_puts_the_largest_tables_on_disk_and_says_so() -> None:
 
 def test_plan_auto_with_a_budget_puts_the_table_on_disk_and_trains(tmp_path: Path) -> None:
     """shard_embeddings(plan="auto") hands the disk tier to the planner; the cache_bytes split
-    gives the one disk table the slots that fit."""
-    tier = DiskTier(tmp_path, cache_bytes=24 * (4 * 4 + 4))  # 24 rows of 4 floats + 1 state
+    gives the one disk table the slots that fit beside the evicted rows being written (1/17)."""
+    row = 4 * 4 + 4  # 4 floats + 1 row-wise state
+    assert DiskTier(tmp_path, cache_bytes=24 * row).slots({"big": (1000, row)}) == {"big": 22}
+    tier = DiskTier(tmp_path, cache_bytes=24 * row * 17 // 16)  # 24 slots
     emb = shard_embeddings(
         _meta(),
         mp.ManualParallelStrategy(),

@@ -21,7 +21,15 @@ import torch
 
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 
-__all__ = ["NEVER", "POLICIES", "STORED", "CacheFull", "RowCache", "SlotAssignment"]
+__all__ = [
+    "EVICT_FRACTION",
+    "NEVER",
+    "POLICIES",
+    "STORED",
+    "CacheFull",
+    "RowCache",
+    "SlotAssignment",
+]
 
 POLICIES = ("lru", "lfu")
 NEVER = -1  # slot_of value: never written, its values are the table's initial ones
