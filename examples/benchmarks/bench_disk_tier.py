@@ -13,7 +13,9 @@ pipeline's `next` timed inside the step) alternate in a rotating order, `--repea
 batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the distribution scattered over the
 table by a fixed permutation). A step is forward + backward with the update, timed as the
 slowest rank's; the median (and mean: evictions come in batches) of `--steps` after a warm-up
-that, on disk, lasts until every cache has been full and evicted a quarter of its rows. Reported:
+that, on disk, lasts until every cache has been full and evicted a quarter of its rows; time
+enough steps for each table to evict a batch (a sixteenth of its cache), or the mean misses
+the evictions (a job whose timed steps evicted nothing says so). Reported:
 step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS per
 process against cache + 1 GiB, the cache hit rate over the timed steps. Table files are created
 under `--dir` and deleted after each job.
@@ -156,6 +158,9 @@ def worker(args: argparse.Namespace) -> None:
         "total_gib": total / GIB,
         "step_ms": statistics.median(timed) * 1e3,
         "mean_step_ms": statistics.mean(timed) * 1e3,
+        # every timed step (the slowest rank's): a disk step's times are bimodal, the eviction
+        # steps and the ones their background writes slow far above the rest
+        "timed_step_ms": [t * 1e3 for t in timed],
         "warmup_steps": warmup,
         "warmup_ms": statistics.median(times[:warmup]) * 1e3,
         "evicted_rows": sum(c.evictions for c in caches),
@@ -274,6 +279,13 @@ def main() -> None:
                 f"{max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}",
                 flush=True,
             )
+            if result["hit_rate"] is not None and result["evicted_rows"] == 0:
+                print(
+                    f"warning: {variant}: rank 0's timed steps evicted no row, so they leave out "
+                    "the evictions' cost and may still carry the warm-up's last background "
+                    "writes; time more --steps (an eviction batch is a sixteenth of a cache)",
+                    flush=True,
+                )
     summary: dict[str, dict] = {}
     for variant, results in runs.items():
         summary[variant] = {

@@ -150,5 +150,9 @@ def test_disk_tier_benchmark_reports_the_pipelined_step_against_memory(tmp_path:
     assert 0 < piped["hit_rate"] < 1 and piped["evicted_rows"] > 0  # the cache was full
     summary = result["summary"]["lru-pipelined"]
     assert summary["vs_memory"] == pytest.approx(piped["step_ms"] / memory["step_ms"])
+    for run in (memory, piped):  # every timed step kept, the median and mean theirs
+        assert len(run["timed_step_ms"]) == 2
+        assert run["step_ms"] == pytest.approx(statistics.median(run["timed_step_ms"]))
+        assert run["mean_step_ms"] == pytest.approx(statistics.mean(run["timed_step_ms"]))
     assert len(piped["peak_rss_gib"]) == 2
     assert not list((tmp_path / "tables").glob("**/*.rows"))  # each job's files are deleted

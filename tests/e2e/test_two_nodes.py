@@ -4,19 +4,22 @@ rendezvous on 127.0.0.1 as the agents of a real 2-node job do (tests/support/lau
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import run_nodes, run_python, run_torchrun, start_nodes
+from launch import run_nodes, run_python, start_nodes
 from node_cases import reference_losses, reports
-from node_compositions import mixed_reference
+from node_compositions import load_mixed, mixed_reference
 from torchx.components.dist import ddp as torchx_ddp
 from torchx.runner import get_runner
 
+import manualpar as mp
 from manualpar.cli.torchx_component import run_script
+from manualpar.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -102,20 +105,34 @@ def test_compositions_across_two_nodes_and_their_checkpoint_in_other_shapes(
         _close(r["losses"], reference["losses"], "mixed model losses")
         for key in ("tables", "table_state", "top", "top_state"):
             _close(r[key], reference[key], f"mixed model {key}")
+    # the script as a plain process and as a job of 4 one-process nodes; 2 and 3 ranks from
+    # the fork server (the same case, without two more torchrun agents and their workers)
     loaders = {
         "1 process": lambda o: run_python(SCRIPT, *o, timeout=120, check=True),
-        "2 processes": lambda o: run_torchrun(SCRIPT, *o, nproc=2, timeout=120, check=True),
-        "3 processes": lambda o: run_torchrun(SCRIPT, *o, nproc=3, timeout=120, check=True),
         "4 x 1": lambda o: run_nodes(SCRIPT, *o, nnodes=4, nproc=1, timeout=150, check=True),
     }
+    loaded_by = {}
     for shape, launch in loaders.items():
         where = tmp_path / shape.replace(" ", "_")
         launch(("--cases", "load_mixed", "--out", str(where), "--dir", str(shared)))
-        loaded = reports(where, "load_mixed")
+        loaded_by[shape] = reports(where, "load_mixed")
+    for world in (2, 3):
+        loaded_by[f"{world} processes"] = run_distributed(
+            _load_mixed, world, args=(str(shared),), timeout=90
+        )
+    for shape, loaded in loaded_by.items():
         assert loaded, shape
         for r in loaded:
             for key in ("tables", "table_state", "top", "top_state"):
                 assert r[key] == saved[0][key], f"{key} loaded by {shape}"
+
+
+def _load_mixed(shared: str) -> dict:
+    """One rank of the `load_mixed` case, run by run_distributed; its report as JSON gives it."""
+    strategy = mp.ManualParallelStrategy()
+    report = json.loads(json.dumps(load_mixed(strategy, argparse.Namespace(dir=shared))))
+    strategy.teardown()
+    return report
 
 
 def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:
