@@ -50,18 +50,27 @@ def test_cpp_batches_move_the_bytes_the_python_loop_moves(tmp_path, monkeypatch,
 
 @needs_kernels
 def test_a_row_evicted_a_moment_ago_is_read_back_new(tmp_path):
+    """Rows of the batch on its way come from its records, the others from the file (written
+    by an earlier batch), in the order asked, whether or not the write has finished."""
     file = _file(tmp_path / "t.rows")
     writes = BackgroundWrites(file)
+    latest: dict[int, torch.Tensor] = {}
     for round_ in range(20):  # the read may start while the write is still on its way
         rows = torch.arange(round_, 5000, 7)
         records = _records(file, rows.numel(), round_)
         writes.submit(rows, records.clone())
-        wanted = rows[::3]
-        writes.settle_if_writing(wanted)
+        latest.update({int(r): records[k] for k, r in enumerate(rows)})
+        others = [r for r in range(0, 5000, 11) if r in latest and r % 7 != round_ % 7]
+        earlier = torch.tensor(others, dtype=torch.int64)
+        wanted = torch.cat([rows[::3], earlier]).flip(0)
         got = file.empty(wanted.numel())
-        file.read(wanted, got)
-        assert torch.equal(got, records[::3]), round_
+        writes.read(wanted, got)
+        for k, r in enumerate(wanted.tolist()):
+            assert torch.equal(got[k], latest[r]), (round_, r)
     writes.settle()
+    got = file.empty(3)
+    writes.read(torch.tensor([19, 26, 0]), got)  # nothing in flight: from the file
+    assert torch.equal(got, torch.stack([latest[19], latest[26], latest[0]]))
 
 
 @needs_kernels

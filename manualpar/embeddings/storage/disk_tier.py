@@ -11,8 +11,8 @@ mapped to slots (fetching missing rows, evicting unpinned ones, writing dirty vi
 the lookup, the row grouping and the fused update run unchanged on the cache; the step's slots
 stay pinned from forward to backward, and the update writes through the cache (its rows are
 marked dirty, written back when evicted and before a checkpoint). Evicted rows are written in
-the background while the step goes on (background_writes.py); a read waits for a write only when
-it needs one of its rows.
+the background while the step goes on (background_writes.py); a row read back while its batch
+is on its way comes from that batch's records, without waiting for the write.
 
 Rows never written are generated on first use by table_init with the optimizer's initial state,
 so the file starts reserved but unwritten. Rows move with pread/pwrite, so resident memory
@@ -202,9 +202,8 @@ class DiskTable:
         device = self.weight.device
         if bool(stored.any()):
             old, into = rows[stored], slots[stored].to(device)
-            self.write_back.settle_if_writing(old)  # a row evicted a step ago, still on its way
             records = self.file.empty(old.numel())
-            self.file.read(old, records)
+            self.write_back.read(old, records)  # a row evicted a moment ago: from its batch
             self.file.to_slots(records, into, self.weight, self.state)
         fresh = ~stored
         if bool(fresh.any()):
