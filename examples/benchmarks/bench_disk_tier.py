@@ -1,7 +1,7 @@
 """Tables larger than memory: the disk tier's step against in-memory tables, LRU against LFU.
 
     python examples/benchmarks/bench_disk_tier.py --disk-gb 36 --memory-gb 8 --cache-gb 2 \
-        --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
+        --steps 200 --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
         [--baseline-src ../manualpar-before --variants memory lru]
 
 Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
@@ -243,7 +243,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048, help="global batch")
     parser.add_argument("--ids-per-bag", type=int, default=20)
     parser.add_argument("--exponent", type=float, default=1.05, help="Zipf exponent")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="timed steps: enough for each table to evict a batch (40 timed none at 36 GiB)",
+    )
     parser.add_argument("--warmup", type=int, default=20, help="at least these warm-up steps")
     parser.add_argument(
         "--max-warmup", type=int, default=4000, help="at most; disk variants warm until full"
