@@ -186,8 +186,12 @@ def _loader_error(directory: str, fail_at: int) -> dict[str, Any]:
             steps += 1
     except Exception as raised:  # the loop's own error, as a user's loop sees it
         error = (type(raised).__name__, str(raised), traceback.format_exc())
-    out = {"steps": steps, "error": error, "pinned": cache.pinned}
-    out["in_flight"] = emb.batches_in_flight
+    out = {
+        "steps": steps,
+        "error": error,
+        "pinned": cache.pinned,
+        "in_flight": emb.batches_in_flight,
+    }
     _step(emb, batch(strategy.rank, STEPS, "zipf"))
     out["pinned_after_step"] = cache.pinned
     strategy.teardown()

@@ -40,13 +40,11 @@ def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: in
     one rank adds remapper_bytes_at_owner there). Whole buckets: 1000 rows of 64-row buckets
     split 512 and 488 rows on 2 ranks, so the share is 512, not 500."""
     rows = sum(
-        _share_rows(t, world_size) for t in tables if isinstance(t.raw_ids, ManagedCollisions)
+        largest_block_rows(t, world_size)
+        for t in tables
+        if isinstance(t.raw_ids, ManagedCollisions)
     )
     return rows * REMAPPER_ROW_BYTES
-
-
-def _share_rows(config: EmbeddingBagConfig, world_size: int) -> int:
-    return largest_block_rows(config, world_size)
 
 
 # Placements whose blocks hold whole rows: a managed table placed so is remapped by the owners
@@ -64,7 +62,7 @@ def remapper_bytes_at_owner(
     if not isinstance(config.raw_ids, ManagedCollisions):
         return 0
     held = config.num_embeddings if rows is None else rows
-    share = _share_rows(config, world_size)
+    share = largest_block_rows(config, world_size)
     return max(0, held - share) * REMAPPER_ROW_BYTES
 
 
@@ -90,6 +88,11 @@ class BucketLayout:
         """The buckets [first, end) rank `rank` of `world_size` remaps (contiguous, even)."""
         buckets = self.num_buckets
         return rank * buckets // world_size, (rank + 1) * buckets // world_size
+
+    def of_rows(self, row_start: int, row_end: int) -> tuple[int, int]:
+        """The buckets [first, end) of a block of rows [row_start, row_end) (managed tables'
+        row blocks are whole buckets, plan.py)."""
+        return row_start // self.bucket_rows, -(-row_end // self.bucket_rows)
 
     def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
         """The rows of buckets [first, end) (empty at the table's end when first == end ==

@@ -51,9 +51,8 @@ def remapper_bytes_on_ranks(plan: EmbeddingPlan, tables: Sequence[EmbeddingBagCo
     for config in managed_tables(tables):
         layout = layout_of(config)
         if plan.tables[config.name].sharding in REMAPPED_AT_OWNER:
-            unit = layout.bucket_rows
             for shard in plan.shards(config):
-                first, end = layout.row_range((shard.row_start // unit, -(-shard.row_end // unit)))
+                first, end = layout.row_range(layout.of_rows(shard.row_start, shard.row_end))
                 rows[shard.rank] += end - first
         else:
             for rank in range(plan.world_size):

@@ -374,9 +374,9 @@ def remapped_at_owner(
     for config in managed_tables(configs):
         if plan.tables[config.name].sharding not in REMAPPED_AT_OWNER:
             continue
-        unit = managed_setting(config).bucket_rows
+        layout = layout_of(config)
         owners[config.name] = {
-            mesh.group_ranks[shard.rank]: (shard.row_start // unit, -(-shard.row_end // unit))
+            mesh.group_ranks[shard.rank]: layout.of_rows(shard.row_start, shard.row_end)
             for shard in plan.shards(config)
         }
     return owners

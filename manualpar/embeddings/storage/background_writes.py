@@ -61,16 +61,17 @@ class BackgroundWrites:
         the next steps' misses often hit a row of that batch (docs/embeddings.md)."""
         if self._pending is not None and self._pending.done():
             self.settle()  # its error, if any, surfaces here
-        if self._rows is None or self._records is None:
+        batch, records = self._rows, self._records
+        if batch is None or records is None:
             self.file.read(rows, out)
             return
-        at = torch.searchsorted(self._rows, rows).clamp_(max=self._rows.numel() - 1)
-        written = self._rows[at] == rows
-        if not bool(written.any()):
+        at = torch.searchsorted(batch, rows).clamp_(max=batch.numel() - 1)
+        in_flight = batch[at] == rows
+        on_file = ~in_flight
+        if bool(on_file.all()):
             self.file.read(rows, out)
             return
-        out[written] = self._records[at[written]]
-        on_file = ~written
+        out[in_flight] = records[at[in_flight]]
         if bool(on_file.any()):
             rest = self.file.empty(int(on_file.sum()))
             self.file.read(rows[on_file], rest)
