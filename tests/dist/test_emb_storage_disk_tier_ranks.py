@@ -31,24 +31,34 @@ def assert_same(actual: dict, expected: dict) -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("world", "opt", "ids"),
+    ("world", "opt", "ids", "write_log"),
     [
-        (2, "rowwise", "uniform"),
-        (2, "adam", "zipf"),
-        (3, "rowwise", "zipf"),
-        (3, "adam", "uniform"),
+        (2, "rowwise", "uniform", 4.0),  # the default log
+        (2, "adam", "zipf", 0.0),  # no log: evicted rows go to their places
+        (3, "rowwise", "zipf", 0.5),  # a small log: drained when full, mid-training
+        (3, "adam", "uniform", 4.0),
     ],
 )
 def test_disk_table_trains_to_the_in_memory_numbers(
-    tmp_path: Path, world: int, opt: str, ids: str
+    tmp_path: Path, world: int, opt: str, ids: str, write_log: float
 ) -> None:
     results = run_distributed(
-        train_pair, world, args=(str(tmp_path / "tier"), opt, ids, 6), timeout=60
+        train_pair,
+        world,
+        args=(str(tmp_path / "tier"), opt, ids, 6, torch.float32, write_log),
+        timeout=60,
     )
     for result in results:
         assert_same(result["disk"], result["memory"])
         # the cache really cycled: more rows fetched than it holds
         assert result["misses"] > result["capacity"]
+        appended, drains, logged = result["logged"]
+        assert result["log_rows"] == min(int(write_log * result["capacity"]), -(-960 // world))
+        if write_log == 0:
+            assert (appended, drains, logged) == (0, 0, 0)
+        else:  # rows were in the log when the snapshot drained it
+            assert appended > 0 and logged > 0
+            assert drains > 0 if write_log < 1 else drains == 0, (appended, result["log_rows"])
 
 
 @pytest.mark.timeout(90)

@@ -37,7 +37,7 @@ def test_a_full_disk_is_reported_at_build_time(tmp_path: Path) -> None:
     path = tmp_path / "big.rows0.cols0.rank0.rows"
     message = run.stdout.strip()
     assert message.startswith(
-        f"BuilderError: disk tier: cannot reserve 64.0 KiB for table 'big' (rank 0) file "
+        f"BuilderError: disk tier: cannot reserve 64.5 KiB for table 'big' (rank 0) file "
         f"{str(path)!r} (File too large; "
     ), run.stdout + run.stderr
     assert message.endswith(

@@ -100,23 +100,32 @@ def cache_rows(world: int) -> int:
 
 
 def train_pair(
-    directory: str, opt: str, ids: str, steps: int, dtype: torch.dtype = torch.float32
+    directory: str,
+    opt: str,
+    ids: str,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    write_log: float = 4.0,
 ) -> dict[str, Any]:
-    """The same steps on the big table in memory and on disk (rows in `dtype`); both snapshots
-    and hit counts."""
+    """The same steps on the big table in memory and on disk (rows in `dtype`, a write log of
+    `write_log` caches); both snapshots, hit counts and the log's counts before the snapshot
+    drains it."""
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
     memory = build(strategy, opt, None, dtype)
-    tier = DiskTier(directory, cache_rows=cache_rows(world), policy="lru")
+    tier = DiskTier(directory, cache_rows=cache_rows(world), policy="lru", write_log=write_log)
     disk = build(strategy, opt, tier, dtype)
     train(memory, rank, range(steps), ids)
     train(disk, rank, range(steps), ids)
-    cache = disk.storage.by_name["big"].cache
+    table = disk.storage.by_name["big"]
+    log = table.log
     out = {
+        "logged": (log.appended, log.drains, int(table.cache.logged_rows()[0].numel())),
         "memory": snapshot(memory),
         "disk": snapshot(disk),
-        "misses": cache.misses,
-        "capacity": cache.capacity,
+        "misses": table.cache.misses,
+        "capacity": table.cache.capacity,
+        "log_rows": table.file.log_rows,
     }
     strategy.teardown()
     return out
@@ -158,14 +167,17 @@ def die_in_write_back(directory: str, checkpoint: str) -> dict[str, Any]:
     train(emb, rank, range(2), "uniform")
     strategy.save_checkpoint(checkpoint, {"model": emb, "sparse_optim": emb.fused_optimizer})
     if rank == 1:
-        original = DiskTable._write_back
+        original = DiskTable._write
 
-        def write_half_then_die(self: DiskTable, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        def write_half_then_die(
+            self: DiskTable, rows: torch.Tensor, records: torch.Tensor, in_place: bool = False
+        ) -> None:
             half = max(1, rows.numel() // 2)
-            original(self, rows[:half], slots[:half])
+            original(self, rows[:half], records[:half], in_place)  # to the write log
+            self.write_back.settle()  # half of the batch landed
             os.kill(os.getpid(), signal.SIGKILL)
 
-        DiskTable._write_back = write_half_then_die  # type: ignore[method-assign]
+        DiskTable._write = write_half_then_die  # type: ignore[method-assign]
     train(emb, rank, range(2, 6), "uniform")
     strategy.teardown()
     return {"survived": True}

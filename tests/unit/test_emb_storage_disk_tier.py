@@ -48,6 +48,21 @@ def test_disk_tier_settings_are_checked() -> None:
         DiskTier("x", cache_rows=0)
     with pytest.raises(BuilderError, match=re.escape("policy must be one of ('lru', 'lfu')")):
         DiskTier("x", cache_rows=8, policy="fifo")
+    with pytest.raises(
+        BuilderError,
+        match=re.escape(
+            "DiskTier: write_log must be a number >= 0 (the write log's size in cache sizes; 0 "
+            "for none), got -1"
+        ),
+    ):
+        DiskTier("x", cache_rows=8, write_log=-1)
+    tier = DiskTier("x", cache_rows=8, write_log=2.5)
+    # 2.5 caches of 8 slots, at most the block's rows
+    assert (tier.log_rows(8, 1000), tier.log_rows(8, 12), DiskTier("x", 8).log_rows(8, 99)) == (
+        20,
+        12,
+        32,
+    )
     with pytest.raises(BuilderError) as error:
         _shard(_meta(), None)
     assert str(error.value) == (

@@ -82,7 +82,8 @@ def test_the_row_file_says_what_it_holds_and_who_holds_it(tmp_path: Path) -> Non
     owner = json.loads(record.read_text())
     assert record.name == "big.rows0.cols0.rank0.rows.owner.json"
     assert owner["holds"] == (
-        "table 'big' (rank 0): 64 rows x 4 float32, state ['sum'], 20 bytes a row"
+        "table 'big' (rank 0): 64 rows x 4 float32, state ['sum'], 20 bytes a row, "
+        "64 write-log records"
     )
     assert (owner["pid"], owner["host"]) == (os.getpid(), socket.gethostname())
 
@@ -125,7 +126,8 @@ def test_a_row_file_cut_short_is_named(tmp_path: Path) -> None:
         rows.read(torch.tensor([63]), rows.empty(1))  # as a step fetching row 63 does
     assert re.search(
         r"disk tier: table 'big' \(rank 0\): cannot read row 63 from '.*big\.rows0\.cols0\."
-        r"rank0\.rows': the file has 100 bytes, 1.2 KiB were reserved for 64 rows; it was "
+        r"rank0\.rows': the file has 100 bytes, 2.5 KiB were reserved for 64 rows and 64 "
+        r"write-log records; it was "
         r"truncated or replaced while this tier held it",
         str(cut.value),
     ), str(cut.value)

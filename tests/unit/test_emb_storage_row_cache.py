@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from manualpar.embeddings.storage.row_cache import (
+    LOGGED,
     NEVER,
     STORED,
     CacheFull,
@@ -34,7 +35,8 @@ def test_misses_fetch_then_hits_reuse_slots() -> None:
     cache = RowCache(100, 4)
     cache.new_step()
     first = cache.assign(rows(7, 3))
-    assert first.fetch_rows.tolist() == [7, 3] and not first.stored.any()  # generated
+    assert first.fetch_rows.tolist() == [7, 3]
+    assert first.origins.tolist() == [NEVER, NEVER]  # generated
     cache.release(first.slots, updated=False)
     cache.new_step()
     again = cache.assign(rows(3, 7))
@@ -75,7 +77,29 @@ def test_evicted_dirty_rows_are_written_back_and_later_read_from_the_file() -> N
     cache.release(assignment.slots, updated=False)
     cache.new_step()
     back = cache.assign(rows(5))
-    assert back.fetch_rows.tolist() == [5] and back.stored.tolist() == [True]
+    assert back.fetch_rows.tolist() == [5] and back.origins.tolist() == [STORED]
+    assert not cache.dirty[back.slots].any()  # the file holds it: clean until updated
+
+
+def test_logged_rows_are_read_from_the_log_and_written_again() -> None:
+    """A row whose latest values are in the write log: its code names the log record, it is
+    fetched from there, and once cached it is dirty, so an eviction appends it again (the log
+    holds no clean row); draining makes logged rows stored at their places."""
+    cache = RowCache(100, 2)
+    step(cache, 5, 6)
+    cache.new_step()
+    evicted = cache.assign(rows(7, 8)).evict_rows
+    cache.mark_logged(evicted, torch.tensor([10, 11]))  # as WriteLog.append does
+    assert cache.slot_of[evicted].tolist() == [LOGGED - 10, LOGGED - 11]
+    logged, at = cache.logged_rows()
+    assert (logged.tolist(), at.tolist()) == (evicted.sort().values.tolist(), [10, 11])
+    cache.release(cache.row_of.ne(-1).nonzero().flatten(), updated=False)
+    cache.new_step()
+    back = cache.assign(rows(int(evicted[1])))
+    assert back.origins.tolist() == [LOGGED - 11] and cache.dirty[back.slots].all()
+    assert cache.logged_rows()[0].tolist() == [int(evicted[0])]
+    cache.mark_drained(cache.logged_rows()[0])
+    assert cache.slot_of[evicted[0]] == STORED and cache.logged_rows()[0].numel() == 0
 
 
 def test_pinned_rows_are_never_evicted_and_overflow_leaves_the_cache_as_it_was() -> None:
@@ -117,6 +141,7 @@ def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
         pytest.skip("the C++ kernels could not be built on this machine")
     native, torch_path = RowCache(500, 64, policy), RowCache(500, 64, policy)
     torch_path.native = False
+    from_log = 0
     generator = torch.Generator().manual_seed(3)
     for index in range(40):
         pins = []
@@ -140,11 +165,17 @@ def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
             assert ours.tolist() == theirs.tolist()
             assert (native.row_of[ours] == ids).all()
             assert sorted(a.slots.tolist()) == sorted(b.slots.tolist())
-            for name in ("evict_rows", "evict_slots", "fetch_rows", "fetch_slots", "stored"):
+            for name in ("evict_rows", "evict_slots", "fetch_rows", "fetch_slots", "origins"):
                 assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
             pins.append(a.slots)
+            from_log += int((a.origins <= LOGGED).sum())
+            # every other victim to the write log: read back from there, and dirty once read
+            logged = a.evict_rows[::2]
+            for cache in (native, torch_path):
+                cache.mark_logged(logged, torch.arange(logged.numel()) + 7 * index)
         for slots in pins:
             native.release(slots, updated=index % 3 != 0)
             torch_path.release(slots, updated=index % 3 != 0)
         assert _state(native) == _state(torch_path)
     assert native.evictions > 64  # the cache turned over
+    assert from_log > 0 and native.logged_rows()[0].numel() > 0  # rows read from the log

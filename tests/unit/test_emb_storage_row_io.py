@@ -16,15 +16,17 @@ from manualpar.embeddings.kernels.native import native_kernels
 from manualpar.embeddings.storage import row_file
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
 from manualpar.embeddings.storage.row_file import RowFile
-from manualpar.errors import BuilderError
+from manualpar.errors import BuilderError, StorageError
 
 needs_kernels = pytest.mark.skipif(
     native_kernels() is None, reason="the C++ kernels could not be built on this machine"
 )
 
 
-def _file(path: Path, threads: int = 1) -> RowFile:
-    return RowFile(path, 5000, 6, torch.float16, {"sum": True}, "table 't' (rank 0)", threads)
+def _file(path: Path, threads: int = 1, log_rows: int = 0) -> RowFile:
+    return RowFile(
+        path, 5000, 6, torch.float16, {"sum": True}, "table 't' (rank 0)", threads, log_rows
+    )
 
 
 def _records(file: RowFile, count: int, seed: int) -> torch.Tensor:
@@ -37,7 +39,8 @@ def _records(file: RowFile, count: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 4])
 def test_cpp_batches_move_the_bytes_the_python_loop_moves(tmp_path, monkeypatch, threads):
     cpp, python = _file(tmp_path / "cpp.rows", threads), _file(tmp_path / "py.rows")
-    rows = torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:1500]
+    scattered = torch.randperm(4000, generator=torch.Generator().manual_seed(0))[:1200]
+    rows = torch.cat([scattered[:600], torch.arange(4200, 4500), scattered[600:]])  # a run
     records = _records(cpp, 1500, 1)
     cpp.write(rows, records)
     got = cpp.empty(1500)
@@ -84,6 +87,20 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
     with pytest.raises(OSError, match=re.escape("cannot write row 3 of ") + ".*t.rows"):
         writes.settle()
     writes.settle()  # raised once; nothing is left in flight
+    writes.submit(torch.tensor([5002, 5003]), _records(file, 2, 0))  # past the rows: the log
+    with pytest.raises(OSError, match=re.escape("cannot write write-log record 2 of ")):
+        writes.settle()
+
+
+@needs_kernels
+def test_a_run_of_rows_cut_short_names_the_first_row_missing(tmp_path):
+    """Consecutive rows move in one call; a file that ends inside the run names the first row
+    it could not read, as the call per row did."""
+    file = _file(tmp_path / "t.rows", log_rows=10)
+    file.write(torch.arange(5000, 5010), _records(file, 10, 0))
+    os.truncate(tmp_path / "t.rows", 5006 * file.record + 3)  # record 6 of the log is cut
+    with pytest.raises(StorageError, match=re.escape("cannot read write-log record 6 from ")):
+        file.read(torch.arange(5002, 5009), file.empty(7))
 
 
 def test_io_threads_is_checked():

@@ -98,6 +98,7 @@ def table_stores(
             rank,
             disk_tier.policy,
             disk_tier.io_threads,
+            disk_tier.log_rows(weight.shape[0], shard.rows),
         )
         real = table_of(source.tables, config.name).weight
         if not real.is_meta:

@@ -10,9 +10,10 @@ float32), and in memory a cache of slots: the module's weight and the fused opti
 mapped to slots (fetching missing rows, evicting unpinned ones, writing dirty victims back), so
 the lookup, the row grouping and the fused update run unchanged on the cache; the step's slots
 stay pinned from forward to backward, and the update writes through the cache (its rows are
-marked dirty, written back when evicted and before a checkpoint). Evicted rows are written in
-the background while the step goes on (background_writes.py); a row read back while its batch
-is on its way comes from that batch's records, without waiting for the write.
+marked dirty, written back when evicted and before a checkpoint). Evicted rows are appended to
+the file's write log (write_log.py), written in the background while the step goes on
+(background_writes.py); a row read back while its batch is on its way comes from that batch's
+records, without waiting for the write.
 
 Rows never written are generated on first use by table_init with the optimizer's initial state,
 so the file starts reserved but unwritten. Rows move with pread/pwrite, so resident memory
@@ -32,8 +33,17 @@ from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.table_init import init_rows, init_rows_into
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
-from manualpar.embeddings.storage.row_cache import EVICT_FRACTION, POLICIES, CacheFull, RowCache
+from manualpar.embeddings.storage.row_cache import (
+    EVICT_FRACTION,
+    LOGGED,
+    NEVER,
+    POLICIES,
+    STORED,
+    CacheFull,
+    RowCache,
+)
 from manualpar.embeddings.storage.row_file import RowFile
+from manualpar.embeddings.storage.write_log import WriteLog
 from manualpar.errors import BuilderError, CheckpointError, EmbeddingInputError
 
 __all__ = ["CacheTooSmall", "DiskTable", "DiskTier", "hit_rate"]
@@ -46,6 +56,7 @@ CHUNK_BYTES = 64 * 2**20  # records per pass over a whole file (flush, fill)
 # with these (docs/benchmarks.md, "Disk-tier checkpoints").
 CHECKPOINT_CHUNK_BYTES = 8 * 2**20
 FLUSH_CHUNK_BYTES = 4 * 2**20
+MAX_LOG_ROWS = LOGGED - torch.iinfo(torch.int32).min + 1  # its records' slot_of codes are int32
 
 
 class CacheTooSmall(EmbeddingInputError):
@@ -63,6 +74,9 @@ class DiskTier:
     `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
     docs/embeddings.md) or "lfu". `io_threads`: threads reading a step's missing rows (reads
     that wait on the device overlap; writes go one at a time, see DiskTable).
+    `write_log`: each block's write log (write_log.py), in multiples of its cache slots (at
+    most the block's rows): evicted rows are appended there and written to their places when
+    it is full or before a checkpoint; 0: evicted rows go straight to their places.
     """
 
     directory: str | os.PathLike[str]
@@ -70,6 +84,7 @@ class DiskTier:
     cache_bytes: int | None = None
     policy: str = "lru"
     io_threads: int = 4
+    write_log: float = 4.0
 
     def __post_init__(self) -> None:
         if (self.cache_rows is None) == (self.cache_bytes is None):
@@ -85,6 +100,16 @@ class DiskTier:
                 raise BuilderError(f"DiskTier: {name} must be a positive int, got {value!r}")
         if self.policy not in POLICIES:
             raise BuilderError(f"DiskTier: policy must be one of {POLICIES}, got {self.policy!r}")
+        log = self.write_log
+        if isinstance(log, bool) or not isinstance(log, int | float) or not 0 <= log < 2**31:
+            raise BuilderError(
+                f"DiskTier: write_log must be a number >= 0 (the write log's size in cache "
+                f"sizes; 0 for none), got {log!r}"
+            )
+
+    def log_rows(self, slots: int, rows: int) -> int:
+        """Write-log records for a block of `rows` rows cached in `slots` slots."""
+        return min(int(self.write_log * slots), rows, MAX_LOG_ROWS)
 
     def slots(self, blocks: Mapping[str, tuple[int, int]]) -> dict[str, int]:
         """Cache slots per table from {table: (block rows, bytes per row)}: `cache_rows` each,
@@ -130,6 +155,7 @@ class DiskTable:
         rank: int,
         policy: str,
         io_threads: int = 1,
+        log_rows: int = 0,
     ) -> None:
         self.config, self.seed, self.shard, self.rank = config, seed, shard, rank
         self.weight, self.state = weight, state  # the cache tensors (module's and optimizer's)
@@ -145,11 +171,13 @@ class DiskTable:
             {key: tensor.dim() == 1 for key, tensor in state.items()},
             f"table {config.name!r} (rank {rank})",
             io_threads,
+            log_rows,
         )
         self.write_back = BackgroundWrites(self.file)
         self.chunk_rows = max(1, CHUNK_BYTES // self.file.record)
         self.checkpoint_rows = max(1, CHECKPOINT_CHUNK_BYTES // self.file.record)
         self.flush_rows = max(1, FLUSH_CHUNK_BYTES // self.file.record)
+        self.log = WriteLog(self.file, self.cache, self.write_back, self.flush_rows)
 
     # a step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -181,29 +209,44 @@ class DiskTable:
                 f"cache holds {full.capacity} rows; raise DiskTier(cache_rows=...) to at least "
                 f"{full.needed} (or cache_bytes=...), or use smaller batches"
             ) from None
-        if assignment.evict_rows.numel():
-            self._write_back(assignment.evict_rows, assignment.evict_slots)
+        evicted = self._copy_out(assignment.evict_rows, assignment.evict_slots)
         if assignment.fetch_rows.numel():
-            self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.stored)
+            # before the victims' write: a write may drain the log the fetched rows are read from
+            self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.origins)
+        if evicted is not None:
+            self._write(*evicted)
         return id_slots.to(ids.device), assignment.slots.to(ids.device)
 
-    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor, wait: bool = False) -> None:
-        """Dirty victims to the file: their records are copied out of the cache now (the slots
-        are reused at once) and written in the background (BackgroundWrites), or now if
-        `wait`."""
-        rows, order = torch.sort(rows)  # ascending offsets
+    def _copy_out(
+        self, rows: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dirty victims' records copied out of the cache, by ascending row (their slots are
+        reused at once); None if there are none."""
+        if not rows.numel():
+            return None
+        rows, order = torch.sort(rows)
         records = self.file.empty(rows.numel())
         self.file.from_slots(records, slots[order].to(self.weight.device), self.weight, self.state)
+        return rows, records
+
+    def _write(self, rows: torch.Tensor, records: torch.Tensor, in_place: bool = False) -> None:
+        """Records of uncached `rows` (ascending) appended to the write log in the background,
+        or written to their places (in the background; now if `in_place`)."""
+        if not in_place and self.log.append(rows, records):
+            return
         self.write_back.submit(rows, records)
-        if wait:
+        if in_place:
             self.write_back.settle()
 
-    def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
+    def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor) -> None:
         device = self.weight.device
+        stored = origins != NEVER
         if bool(stored.any()):
-            old, into = rows[stored], slots[stored].to(device)
+            old, into, origin = rows[stored], slots[stored].to(device), origins[stored]
+            at_place = origin == STORED
+            records_at = torch.where(at_place, old, self.file.rows + LOGGED - origin.long())
             records = self.file.empty(old.numel())
-            self.write_back.read(old, records)  # a row evicted a moment ago: from its batch
+            self.write_back.read(records_at, records)  # evicted a moment ago: from its batch
             self.file.to_slots(records, into, self.weight, self.state)
         fresh = ~stored
         if bool(fresh.any()):
@@ -220,10 +263,10 @@ class DiskTable:
     def flush(self) -> None:
         """Make the file hold the whole block: dirty cached rows written back, rows never
         written generated (before a checkpoint reads the file)."""
-        rows, slots = self.cache.dirty_entries()
-        if rows.numel():
-            self._write_back(rows, slots, wait=True)
-        self.write_back.settle()
+        dirty = self._copy_out(*self.cache.dirty_entries())
+        if dirty is not None:
+            self._write(*dirty, in_place=True)
+        self.log.drain("before a checkpoint")
         shard = self.shard
         for start in range(0, shard.rows, self.flush_rows):  # bounded: see FLUSH_CHUNK_BYTES
             end = min(start + self.flush_rows, shard.rows)
@@ -276,14 +319,14 @@ class DiskTable:
                 "would then use their old values; drop the batches in flight first "
                 "(emb.drop_prefetched()) and load between steps"
             )
-        self.write_back.settle()
+        self.log.forget()
         self.cache.drop_all()
         self.file.release_pages()
 
     @torch.no_grad()
     def fill_from(self, source: torch.Tensor) -> None:
         """Start from a real (materialized) table's block, written in chunks."""
-        self.write_back.settle()
+        self.log.drain("before a fill")  # a fresh table's log is empty: nothing to write
         shard = self.shard
         for start in range(0, shard.rows, self.chunk_rows):
             end = min(start + self.chunk_rows, shard.rows)

@@ -1,6 +1,8 @@
 """RowCache: which rows of a disk-tier block sit in which slot of its in-memory cache.
 
-Bookkeeping only (no row data): the disk tier (disk_tier.py) moves the rows. A step's rows are
+Bookkeeping only (no row data): the disk tier (disk_tier.py) moves the rows. `slot_of` says
+where each row is: its slot, NEVER, STORED (at its place in the file) or LOGGED - record (in the
+file's write log, write_log.py). A step's rows are
 *pinned* from its forward to its backward, so nothing it looks up is evicted before its update.
 Victims are the unpinned slots with the smallest key:
 
@@ -23,6 +25,7 @@ from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_t
 
 __all__ = [
     "EVICT_FRACTION",
+    "LOGGED",
     "NEVER",
     "POLICIES",
     "STORED",
@@ -33,7 +36,8 @@ __all__ = [
 
 POLICIES = ("lru", "lfu")
 NEVER = -1  # slot_of value: never written, its values are the table's initial ones
-STORED = -2  # slot_of value: not cached, its values are in the file
+STORED = -2  # slot_of value: not cached, its values are in the file at the row's own place
+LOGGED = -3  # slot_of values <= LOGGED: not cached, at write-log record LOGGED - value
 _UNAVAILABLE = torch.iinfo(torch.int64).max
 EVICT_FRACTION = 16
 
@@ -49,15 +53,15 @@ class CacheFull(Exception):
 @dataclass
 class SlotAssignment:
     """The slot of each requested row, and the IO to do first: write `evict_rows` back from
-    `evict_slots` (dirty rows only), then read `fetch_rows` into `fetch_slots` (`stored`: from
-    the file; the others are generated)."""
+    `evict_slots` (dirty rows only), then read `fetch_rows` into `fetch_slots` from where
+    `origins` says (their `slot_of` values before: NEVER rows are generated)."""
 
     slots: torch.Tensor
     evict_rows: torch.Tensor
     evict_slots: torch.Tensor
     fetch_rows: torch.Tensor
     fetch_slots: torch.Tensor
-    stored: torch.Tensor
+    origins: torch.Tensor
 
 
 class RowCache:
@@ -109,13 +113,13 @@ class RowCache:
         counts = result[-1].tolist()
         if counts[0] < 0:
             raise CacheFull(counts[1], self.capacity)
-        id_slots, pinned, fetch_rows, fetch_slots, stored, evict_rows, evict_slots, _ = result
+        id_slots, pinned, fetch_rows, fetch_slots, origins, evict_rows, evict_slots, _ = result
         self.free_count = counts[0]
         self.hits += counts[1]
         self.misses += counts[2]
         self.evictions += counts[3]
         assignment = SlotAssignment(
-            pinned, evict_rows, evict_slots, fetch_rows, fetch_slots, stored
+            pinned, evict_rows, evict_slots, fetch_rows, fetch_slots, origins
         )
         return id_slots, assignment
 
@@ -138,17 +142,19 @@ class RowCache:
         count = miss_rows.numel()
         new_slots = self.free_slots[self.free_count - count : self.free_count].flip(0)
         self.free_count -= count
-        stored = self.slot_of[miss_rows] == STORED
+        origins = self.slot_of[miss_rows]
         self.slot_of[miss_rows] = new_slots.to(torch.int32)
         self.row_of[new_slots] = miss_rows
-        self.dirty[new_slots] = ~stored  # generated rows are not in the file yet
+        # generated rows are not in the file yet; a logged row's record is dropped from the log
+        # once read (logged rows are always written again, so the log holds no clean row)
+        self.dirty[new_slots] = origins != STORED
         self.pins[new_slots] += 1
         self.uses[new_slots] = 0
         slots[missing] = new_slots
         self._touch(slots)
         self.hits += hit_slots.numel()
         self.misses += count
-        return SlotAssignment(slots, evict_rows, evict_slots, miss_rows, new_slots, stored)
+        return SlotAssignment(slots, evict_rows, evict_slots, miss_rows, new_slots, origins)
 
     def _evict(self, short: int, missing: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Free at least `short` slots (a batch of 1/16 of the cache where possible); returns
@@ -165,7 +171,7 @@ class RowCache:
         victims = torch.sort(key, stable=True).indices[:count].sort().values
         self.evictions += count
         rows = self.row_of[victims]
-        self.slot_of[rows] = STORED  # generated rows are dirty, so written back below
+        self.slot_of[rows] = STORED  # dirty ones are written back (to their place or the log)
         self.row_of[victims] = -1
         dirty = self.dirty[victims]
         self.dirty[victims] = False
@@ -200,10 +206,23 @@ class RowCache:
         """Rows in [start, end) never written (not cached, not in the file), relative to start."""
         return torch.nonzero(self.slot_of[start:end] == NEVER).flatten()
 
+    def logged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, write-log records) of the rows whose values are in the write log, by row."""
+        rows = torch.nonzero(self.slot_of <= LOGGED).flatten()
+        return rows, LOGGED - self.slot_of[rows].to(torch.int64)
+
+    def mark_logged(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Uncached `rows` now live at write-log `records`."""
+        self.slot_of[rows] = (LOGGED - records).to(torch.int32)
+
     def mark_stored(self, start: int = 0, end: int | None = None) -> None:
-        """Rows in [start, end) not cached are now in the file."""
+        """Rows in [start, end) never written are now in the file at their place."""
         part = self.slot_of[start:end]
         part[part == NEVER] = STORED
+
+    def mark_drained(self, rows: torch.Tensor) -> None:
+        """Logged `rows` were written to their place."""
+        self.slot_of[rows] = STORED
 
     def drop_all(self) -> None:
         """Forget every cached row without writing it back: the file was replaced (a loaded

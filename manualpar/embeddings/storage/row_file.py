@@ -1,5 +1,6 @@
 """RowFile: one table block on disk, a fixed-size record per row (the weights in the table's
 dtype, then each optimizer state tensor in float32), read and written with pread/pwrite.
+Row r's place is record r; `log_rows` more records after them hold the write log (write_log.py).
 
 One record per row means one system call per row moved, whatever the optimizer (separate files
 per tensor took one per tensor). A batch of rows moves in one C++ call (kernels/csrc/row_io.cpp,
@@ -48,8 +49,10 @@ class RowFile:
         state: Mapping[str, bool],
         what: str,
         threads: int = 1,
+        log_rows: int = 0,
     ) -> None:
         self.path, self.rows, self.cols, self.dtype = path, rows, cols, dtype
+        self.log_rows = log_rows  # records after the rows' places: the write log
         self.threads = threads  # reading batches of rows (C++ path)
         self.weight_bytes = -(-cols * dtype.itemsize // 4) * 4  # state stays 4-byte aligned
         self.fields: dict[str, tuple[int, bool]] = {}  # key -> (byte offset, per row)
@@ -61,9 +64,9 @@ class RowFile:
         self.what = what
         holds = (
             f"{what}: {rows} rows x {cols} {str(dtype).removeprefix('torch.')}, "
-            f"state {sorted(state)}, {offset} bytes a row"
+            f"state {sorted(state)}, {offset} bytes a row, {log_rows} write-log records"
         )
-        self.fd = _reserve(path, rows * self.record, what, {"holds": holds})
+        self.fd = _reserve(path, (rows + log_rows) * self.record, what, {"holds": holds})
         self._map: mmap.mmap | None = None
 
     # records <-> tensors ------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class RowFile:
 
     # IO -------------------------------------------------------------------------------------------
     def read(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Records of distinct `rows` (int64, any order) into `out` (n, record)."""
+        """Records of distinct `rows` (int64 record numbers, any order) into `out` (n, record)."""
         if native_kernels_take(rows):
             failed = loaded_kernels().read_records(self.fd, rows.contiguous(), out, self.threads)
             self.check(rows, failed, "read")
@@ -140,7 +143,7 @@ class RowFile:
         buffer, size = out.numpy(), self.record
         for i, row in enumerate(rows.tolist()):
             if os.preadv(self.fd, [buffer[i]], row * size) != size:
-                raise self._short(f"row {row}")
+                raise self._short(self.record_name(row))
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Records `records` (n, record, contiguous) to distinct `rows`."""
@@ -152,19 +155,24 @@ class RowFile:
         buffer, size = records.numpy(), self.record
         for i, row in enumerate(rows.tolist()):
             if os.pwrite(self.fd, buffer[i], row * size) != size:
-                raise OSError(errno.ENOSPC, f"short write of row {row} to {self.path}")
+                name = self.record_name(row)
+                raise OSError(errno.ENOSPC, f"short write of {name} to {self.path}")
 
     def check(self, rows: torch.Tensor, failed: list[int], how: str) -> None:
         """Raise for the C++ batch's first failed row (kernels/csrc/row_io.cpp), if any."""
         index, error, _ = failed
         if index < 0:
             return
-        row = int(rows[index])
+        row = self.record_name(int(rows[index]))
         if error:
-            raise OSError(error, f"cannot {how} row {row} of {self.path}: {os.strerror(error)}")
+            raise OSError(error, f"cannot {how} {row} of {self.path}: {os.strerror(error)}")
         if how == "read":
-            raise self._short(f"row {row}")
-        raise OSError(errno.ENOSPC, f"short write of row {row} to {self.path}")
+            raise self._short(row)
+        raise OSError(errno.ENOSPC, f"short write of {row} to {self.path}")
+
+    def record_name(self, record: int) -> str:
+        """A record number as errors name it: a row, or a record of the write log."""
+        return f"row {record}" if record < self.rows else f"write-log record {record - self.rows}"
 
     def read_range(self, start: int, end: int) -> torch.Tensor:
         out = self.empty(end - start)
@@ -186,12 +194,13 @@ class RowFile:
     def _short(self, rows: str) -> StorageError:
         """A read past the end: the file lost bytes since the tier reserved it."""
         size = os.fstat(self.fd).st_size
+        reserved = format_bytes((self.rows + self.log_rows) * self.record)
+        log = f" and {self.log_rows} write-log records" if self.log_rows else ""
         return StorageError(
             f"disk tier: {self.what}: cannot read {rows} from {str(self.path)!r}: the file has "
-            f"{format_bytes(size)}, {format_bytes(self.rows * self.record)} were reserved for "
-            f"{self.rows} rows; it was truncated or replaced while this tier held it. Its rows "
-            "are lost: restart from the last checkpoint (and keep other processes out of "
-            "the tier's directory)",
+            f"{format_bytes(size)}, {reserved} were reserved for {self.rows} rows{log}; it was "
+            "truncated or replaced while this tier held it. Its rows are lost: restart from the "
+            "last checkpoint (and keep other processes out of the tier's directory)",
         )
 
     # checkpoints ----------------------------------------------------------------------------------

@@ -16,7 +16,8 @@
 namespace {
 
 constexpr int32_t kNever = -1;   // row_cache.NEVER: never written
-constexpr int32_t kStored = -2;  // row_cache.STORED: in the file
+constexpr int32_t kStored = -2;  // row_cache.STORED: in the file at the row's place
+// values <= row_cache.LOGGED (-3): in the file's write log
 
 void check(const torch::Tensor& t, c10::ScalarType type, int64_t size, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == type &&
@@ -68,7 +69,8 @@ torch::Tensor long_tensor(const std::vector<int64_t>& values) {
 }  // namespace
 
 // One call's `ids` (block rows, repeats allowed) pinned into slots. Returns [id_slots (the slot
-// of each id), pinned (distinct slots), fetch_rows, fetch_slots, stored, evict_rows,
+// of each id), pinned (distinct slots), fetch_rows, fetch_slots, origins (the fetched rows'
+// slot_of values before: where to read them from), evict_rows,
 // evict_slots, counts], counts = [free_count, hits, misses, evictions]; or, when the pinned
 // rows would not fit, counts = [-1, needed] and the state untouched (RowCache raises CacheFull).
 std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of,
@@ -156,7 +158,7 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
     }
     for (const int64_t v : victims) {
       const int64_t r = row[v];
-      slot[r] = kStored;  // generated rows are dirty, so written back below
+      slot[r] = kStored;  // dirty ones are written back (to their place or the log)
       row[v] = -1;
       if (dirt[v]) {
         evict_rows.push_back(r);
@@ -170,16 +172,17 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
     free_count += evicted;
   }
 
-  torch::Tensor stored = torch::empty({missing}, torch::kBool);
-  bool* is_stored = stored.data_ptr<bool>();
+  torch::Tensor origins = torch::empty({missing}, torch::kInt);
+  int32_t* origin = origins.data_ptr<int32_t>();
   std::vector<int64_t> fetch_slots(missing);
   for (int64_t k = 0; k < missing; ++k) {
     const int64_t r = misses[k];
     const int64_t s = free_stack[--free_count];
-    is_stored[k] = slot[r] == kStored;
+    origin[k] = slot[r];
     slot[r] = static_cast<int32_t>(s);
     row[s] = r;
-    dirt[s] = !is_stored[k];  // generated rows are not in the file yet
+    // generated rows are not in the file yet; a logged row's log record is dropped once read
+    dirt[s] = origin[k] != kStored;
     ++pin[s];
     use[s] = 0;
     fetch_slots[k] = s;
@@ -203,7 +206,7 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
   torch::Tensor counts = torch::tensor(
       {free_count, static_cast<int64_t>(hits.size()), missing, evicted}, torch::kLong);
   return {id_slots,         long_tensor(pinned),     long_tensor(misses),
-          long_tensor(fetch_slots), stored,      long_tensor(evict_rows),
+          long_tensor(fetch_slots), origins,     long_tensor(evict_rows),
           long_tensor(evict_slots), counts};
 }
 

@@ -30,20 +30,28 @@ struct Failure {
   int64_t moved = 0;
 };
 
+// Runs of consecutive rows move in one call (their records are adjacent in the batch too): the
+// write log's batches are one run, and one pwrite of them cost 0.09 us a row against 1-5 us
+// for a call per record (bench_row_writes.py).
 template <bool Write>
 Failure move_records(int fd, const int64_t* rows, uint8_t* records, int64_t record,
                      int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
+  int64_t i = begin;
+  while (i < end) {
+    int64_t run = 1;
+    while (i + run < end && rows[i + run] == rows[i] + run) ++run;
     uint8_t* buffer = records + i * record;
     const off_t offset = static_cast<off_t>(rows[i]) * record;
+    const int64_t bytes = run * record;
     int64_t done = 0;
-    while (done < record) {
-      const ssize_t got = Write ? pwrite(fd, buffer + done, record - done, offset + done)
-                                : pread(fd, buffer + done, record - done, offset + done);
+    while (done < bytes) {
+      const ssize_t got = Write ? pwrite(fd, buffer + done, bytes - done, offset + done)
+                                : pread(fd, buffer + done, bytes - done, offset + done);
       if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) return Failure{i, got < 0 ? errno : 0, done};
+      if (got <= 0) return Failure{i + done / record, got < 0 ? errno : 0, done % record};
       done += got;
     }
+    i += run;
   }
   return Failure{};
 }

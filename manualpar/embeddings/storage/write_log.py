@@ -1,0 +1,92 @@
+"""WriteLog: a disk-tier block's evicted rows appended to the end of its file, not written to
+their places, until the log is full or a checkpoint needs the file whole.
+
+A row written to its place dirties a 4 KiB page of the page cache for its 260 bytes, and an
+eviction batch dirtied pages by the hundred thousand: the kernel then throttled the writer and
+the step's reads waited behind the writeback (docs/embeddings.md, "The write log"). Appended,
+a batch is one run of records and one system call per run (kernels/csrc/row_io.cpp): 0.09 us
+a row against 4.85 us to their places on this machine's ext4 (bench_row_writes.py).
+
+Where a row is lives in its `slot_of` entry (row_cache.py): a slot, NEVER, STORED (at its
+place) or LOGGED - record (record `record` of the log), so the log costs no memory. A logged row
+read back is marked dirty (row_cache.py), so it is appended again when evicted and its old
+record is dropped: the log holds no clean row, and a row's latest record is the one its
+`slot_of` names. `drain` writes the logged rows to their places, in row order, a chunk at a
+time, and empties the log: when an append would not fit, and before a checkpoint reads the file
+(`DiskTable.flush`), so checkpoints still read each row at its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from manualpar.embeddings.storage.background_writes import BackgroundWrites
+from manualpar.embeddings.storage.row_cache import RowCache
+from manualpar.embeddings.storage.row_file import RowFile
+
+__all__ = ["WriteLog"]
+
+logger = logging.getLogger(__name__)
+
+
+class WriteLog:
+    """The write log of `file`: its `file.log_rows` records after the rows' places."""
+
+    def __init__(
+        self, file: RowFile, cache: RowCache, writes: BackgroundWrites, chunk_rows: int
+    ) -> None:
+        self.file, self.cache, self.writes, self.chunk_rows = file, cache, writes, chunk_rows
+        self.head = 0  # the next free record of the log
+        self.appended = self.drains = self.drained = 0  # rows appended, drains, rows drained
+
+    def append(self, rows: torch.Tensor, records: torch.Tensor) -> bool:
+        """Write `records` (of uncached `rows`) at the log's end in the background; drains the
+        log first if they do not fit. False, nothing done: the log cannot take them (there is
+        none, or they are more than it holds), so the caller writes them to their places."""
+        count = rows.numel()
+        if count > self.file.log_rows:
+            return False
+        if self.head + count > self.file.log_rows:
+            self.drain("the write log is full")
+        at = torch.arange(self.head, self.head + count)
+        self.writes.submit(self.file.rows + at, records)
+        self.cache.mark_logged(rows, at)
+        self.head += count
+        self.appended += count
+        return True
+
+    def drain(self, why: str) -> None:
+        """Write every logged row to its place (ascending rows, a chunk at a time) and empty
+        the log; `why` is logged with the time it took."""
+        self.writes.settle()
+        rows, at = self.cache.logged_rows()
+        if rows.numel():
+            started = time.perf_counter()
+            for start in range(0, rows.numel(), self.chunk_rows):
+                chunk_rows = rows[start : start + self.chunk_rows]
+                chunk_at, order = torch.sort(at[start : start + self.chunk_rows])
+                in_log_order = self.file.empty(chunk_rows.numel())
+                self.file.read(self.file.rows + chunk_at, in_log_order)  # runs: few calls
+                records = torch.empty_like(in_log_order)
+                records[order] = in_log_order
+                self.file.write(chunk_rows, records)
+                self.cache.mark_drained(chunk_rows)
+            self.drains += 1
+            self.drained += rows.numel()
+            logger.info(
+                "disk tier: %s: wrote %d logged rows to their places in %.1f s (%s)",
+                self.file.what,
+                rows.numel(),
+                time.perf_counter() - started,
+                why,
+            )
+        self.head = 0
+
+    def forget(self) -> None:
+        """The file's rows were all rewritten at their places (a load, a fill): the log's
+        records are stale; the cache has already been told where its rows are."""
+        self.writes.settle()
+        self.head = 0
