@@ -4,21 +4,26 @@
         --steps 200 --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
         [--baseline-src ../manualpar-before --variants memory lru]
 
-Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
-`--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
-with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
-steps through TrainPipeline, each batch's rows read into the cache during the step before, the
-pipeline's `next` timed inside the step) alternate in a rotating order, `--repeats` times. Workload:
-`--tables` tables of 64 fp32 columns, rows split over both ranks, fused row-wise Adagrad, global
-batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the distribution scattered over the
-table by a fixed permutation). A step is forward + backward with the update, timed as the
-slowest rank's; the median (and mean: evictions come in batches) of `--steps` after a warm-up
-that, on disk, lasts until every cache has been full and evicted a quarter of its rows; time
-enough steps for each table to evict a batch (a sixteenth of its cache), or the mean misses
-the evictions (a job whose timed steps evicted nothing says so). Reported:
-step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS per
-process against cache + 1 GiB, the cache hit rate over the timed steps. Table files are created
-under `--dir` and deleted after each job.
+Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of `--memory-
+gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb` with an
+LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the steps
+through TrainPipeline, each batch's rows read into the cache during the step before, the
+pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no write log,
+evicted rows written to their places, as before the log) alternate in a rotating order,
+`--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
+fused row-wise Adagrad, global batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the
+distribution scattered over the table by a fixed permutation). A step is forward + backward with
+the update, timed as the slowest rank's; the median (and mean: evictions come in batches) of
+`--steps` after a warm-up that, on disk, lasts until every cache has been full and evicted a
+quarter of its rows; time enough steps for each table to evict a batch (a sixteenth of its
+cache), or the mean misses the evictions (a job whose timed steps evicted nothing says so).
+Reported: step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS
+per process against cache + 1 GiB, the cache hit rate over the timed steps. With a write log,
+the logged rows are then written to their places, timed (`drain_s`, slowest rank), and that cost
+spread over the steps that fill a log (`drain_ms_per_step`: the drain's time per row, times the
+share of appended rows still in the log, times the rows appended per timed step) is added to the
+mean (`mean_with_drains_ms`): the cost of the writes the log only defers. Table files are
+created under `--dir` and deleted after each job.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ def worker(args: argparse.Namespace) -> None:
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
     base = args.variant.removesuffix(PIPELINED)
+    in_place = base.endswith(IN_PLACE)
+    base = base.removesuffix(IN_PLACE)
     disk = base != "memory"
     total = (args.disk_gb if disk else args.memory_gb) * GIB
     row_bytes = args.dim * 4 + 4
@@ -88,7 +95,12 @@ def worker(args: argparse.Namespace) -> None:
     placement = on_disk(row_wise()) if disk else row_wise()
     plan = EmbeddingPlan(world, {t.name: placement for t in tables})
     tier = (
-        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=policy_of(base))
+        DiskTier(
+            args.dir,
+            cache_bytes=int(args.cache_gb * GIB),
+            policy=policy_of(base),
+            **({"write_log": 0.0} if in_place else {}),
+        )
         if disk
         else None
     )
@@ -128,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         if base != args.variant
         else None
     )
-    times, step, warmup = [], 0, None
+    times, step, warmup, appended_before = [], 0, None, 0
     while warmup is None or step < warmup + args.steps:
         if warmup is None:
             # every rank must agree when the warm-up ends
@@ -137,6 +149,8 @@ def worker(args: argparse.Namespace) -> None:
                 warmup = step
                 for cache in caches:
                     cache.hits = cache.misses = cache.evictions = 0
+        if step == warmup:
+            appended_before = sum(t.log.appended for t in disk_tables)
         batch_features = features(step) if pipeline is None else None
         while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
             ready.append(features(made))
@@ -152,6 +166,17 @@ def worker(args: argparse.Namespace) -> None:
     timed = times[warmup:]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     peaks = [float(p) for p in strategy.all_gather_object(peak)]
+    appended = sum(t.log.appended for t in disk_tables)
+    logged = sum(int(t.cache.logged_rows()[0].numel()) for t in disk_tables)
+    strategy.barrier()
+    begin = time.perf_counter()
+    for table in disk_tables:
+        table.log.drain("the benchmark's end")
+    drain_s = float(strategy.all_reduce(torch.tensor(time.perf_counter() - begin), op="max"))
+    per_step = (appended - appended_before) / len(timed)  # rows appended a timed step
+    # a drain of the rows appended so far took drain_s; a log fills every `log_rows` appended
+    # rows with the same share still logged, so its drain costs drain_s / appended a row
+    drain_ms_per_step = drain_s * 1e3 * per_step / appended if appended else 0.0
     result = {
         "variant": args.variant,
         "rows_per_table": rows,
@@ -167,6 +192,12 @@ def worker(args: argparse.Namespace) -> None:
         "init_s": init_s,
         "peak_rss_gib": peaks,
         "hit_rate": hit_rate(disk_tables) if disk else None,
+        "log_rows": sum(t.file.log_rows for t in disk_tables),
+        "appended_rows": appended,
+        "logged_rows": logged,
+        "drain_s": drain_s,
+        "drain_ms_per_step": drain_ms_per_step,
+        "mean_with_drains_ms": statistics.mean(timed) * 1e3 + drain_ms_per_step,
     }
     if rank == 0:
         Path(args.result).write_text(json.dumps(result))
@@ -181,6 +212,7 @@ def policy_of(variant: str) -> str:
 
 BASELINE = "-baseline"
 PIPELINED = "-pipelined"
+IN_PLACE = "-inplace"
 
 
 def launch(args: argparse.Namespace, variant: str) -> dict:
@@ -280,8 +312,10 @@ def main() -> None:
             runs[variant].append(result)
             print(
                 f"repeat {repeat} {variant}: {result['step_ms']:.1f} ms/step (mean "
-                f"{result['mean_step_ms']:.1f}, after {result['warmup_steps']} warm-up), peak RSS "
-                f"{max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}",
+                f"{result['mean_step_ms']:.1f}, with the log's drains "
+                f"{result['mean_with_drains_ms']:.1f}; after {result['warmup_steps']} warm-up), "
+                f"peak RSS {max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}, "
+                f"{result['logged_rows']} logged rows drained in {result['drain_s']:.2f} s",
                 flush=True,
             )
             if result["hit_rate"] is not None and result["evicted_rows"] == 0:
@@ -296,6 +330,7 @@ def main() -> None:
         summary[variant] = {
             "step_ms": statistics.median(r["step_ms"] for r in results),
             "mean_step_ms": statistics.median(r["mean_step_ms"] for r in results),
+            "mean_with_drains_ms": statistics.median(r["mean_with_drains_ms"] for r in results),
             "peak_rss_gib": max(max(r["peak_rss_gib"]) for r in results),
             "hit_rate": results[0]["hit_rate"]
             and statistics.median(r["hit_rate"] for r in results),
@@ -310,6 +345,11 @@ def main() -> None:
                 for r, m in zip(results, runs["memory"], strict=False)
             ]
             summary[variant]["mean_vs_memory"] = statistics.median(means)
+            with_drains = [
+                r["mean_with_drains_ms"] / m["mean_step_ms"]
+                for r, m in zip(results, runs["memory"], strict=False)
+            ]
+            summary[variant]["mean_with_drains_vs_memory"] = statistics.median(with_drains)
             summary[variant]["rss_bound_gib"] = args.cache_gb + 1
     print(json.dumps(summary, indent=2))
     if args.json:

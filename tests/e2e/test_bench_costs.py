@@ -155,4 +155,11 @@ def test_disk_tier_benchmark_reports_the_pipelined_step_against_memory(tmp_path:
         assert run["step_ms"] == pytest.approx(statistics.median(run["timed_step_ms"]))
         assert run["mean_step_ms"] == pytest.approx(statistics.mean(run["timed_step_ms"]))
     assert len(piped["peak_rss_gib"]) == 2
+    # the write log: rows appended, the ones still logged drained at the end, that drain
+    # spread over the steps and added to the mean
+    assert 0 < piped["logged_rows"] <= piped["appended_rows"] and piped["drain_s"] > 0
+    assert piped["mean_with_drains_ms"] == pytest.approx(
+        piped["mean_step_ms"] + piped["drain_ms_per_step"]
+    )
+    assert memory["drain_ms_per_step"] == 0 and memory["log_rows"] == 0
     assert not list((tmp_path / "tables").glob("**/*.rows"))  # each job's files are deleted
