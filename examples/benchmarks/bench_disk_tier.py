@@ -4,10 +4,10 @@
         --steps 200 --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
         [--baseline-src ../manualpar-before --variants memory lru]
 
-Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of `--memory-
-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb` with an
-LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the steps
-through TrainPipeline, each batch's rows read into the cache during the step before, the
+Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
+`--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
+with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
+steps through TrainPipeline, each batch's rows read into the cache during the step before, the
 pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no write log,
 evicted rows written to their places, as before the log) alternate in a rotating order,
 `--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
