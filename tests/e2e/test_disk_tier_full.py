@@ -37,11 +37,11 @@ def test_a_full_disk_is_reported_at_build_time(tmp_path: Path) -> None:
     path = tmp_path / "big.rows0.cols0.rank0.rows"
     message = run.stdout.strip()
     assert message.startswith(
-        f"BuilderError: disk tier: cannot reserve 64.5 KiB for table 'big' (rank 0) file "
-        f"{str(path)!r} (File too large; "
+        "BuilderError: disk tier: cannot reserve 64.5 KiB (512 bytes of it the write log) for "
+        f"table 'big' (rank 0) file {str(path)!r} (File too large; "
     ), run.stdout + run.stderr
     assert message.endswith(
-        " free there); free disk space, choose another DiskTier(directory=...), or keep fewer "
-        "tables on disk"
+        " free there); free disk space, choose another DiskTier(directory=...), keep fewer "
+        "tables on disk, or give DiskTier a smaller write_log="
     )
     assert not path.exists()

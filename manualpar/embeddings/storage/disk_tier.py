@@ -263,9 +263,12 @@ class DiskTable:
     def flush(self) -> None:
         """Make the file hold the whole block: dirty cached rows written back, rows never
         written generated (before a checkpoint reads the file)."""
-        dirty = self._copy_out(*self.cache.dirty_entries())
-        if dirty is not None:
-            self._write(*dirty, in_place=True)
+        rows, slots = self.cache.dirty_entries()
+        for start in range(0, rows.numel(), self.flush_rows):  # a copy of a chunk at a time
+            end = start + self.flush_rows
+            dirty = self._copy_out(rows[start:end], slots[start:end])
+            if dirty is not None:
+                self._write(*dirty, in_place=True)
         self.log.drain("before a checkpoint")
         shard = self.shard
         for start in range(0, shard.rows, self.flush_rows):  # bounded: see FLUSH_CHUNK_BYTES

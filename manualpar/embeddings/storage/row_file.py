@@ -66,7 +66,7 @@ class RowFile:
             f"{what}: {rows} rows x {cols} {str(dtype).removeprefix('torch.')}, "
             f"state {sorted(state)}, {offset} bytes a row, {log_rows} write-log records"
         )
-        self.fd = _reserve(path, (rows + log_rows) * self.record, what, {"holds": holds})
+        self.fd = _reserve(path, rows * self.record, log_rows * self.record, what, {"holds": holds})
         self._map: mmap.mmap | None = None
 
     # records <-> tensors ------------------------------------------------------------------------
@@ -229,8 +229,9 @@ class RowFile:
             self.close()
 
 
-def _reserve(path: Path, nbytes: int, what: str, holds: dict[str, str]) -> int:
-    """A new file of `nbytes` reserved on disk (fallocate: unwritten blocks read as zeros),
+def _reserve(path: Path, row_bytes: int, log_bytes: int, what: str, holds: dict[str, str]) -> int:
+    """A new file of the rows' and the write log's bytes reserved on disk (fallocate: unwritten
+    blocks read as zeros),
     open for reading and writing, locked for this tier (file_owner.py) before it is emptied. A
     directory that cannot be written, a file another tier holds or a full disk raise
     BuilderError naming the file."""
@@ -249,16 +250,23 @@ def _reserve(path: Path, nbytes: int, what: str, holds: dict[str, str]) -> int:
         raise
     try:
         os.ftruncate(fd, 0)  # a fresh block: rows never written read as zeros
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, 0, row_bytes + log_bytes)
     except OSError as error:
         os.close(fd)
         free = shutil.disk_usage(path.parent).free
         path.unlink(missing_ok=True)
         owner_path(path).unlink(missing_ok=True)
         reason = "the disk is full" if error.errno == errno.ENOSPC else error.strerror
+        log = f" ({format_bytes(log_bytes)} of it the write log)" if log_bytes else ""
+        fixes = "choose another DiskTier(directory=...), or keep fewer tables on disk"
+        if log_bytes:
+            fixes = (
+                "choose another DiskTier(directory=...), keep fewer tables on disk, or give "
+                "DiskTier a smaller write_log="
+            )
         raise BuilderError(
-            f"disk tier: cannot reserve {format_bytes(nbytes)} for {what} file "
-            f"{str(path)!r} ({reason}; {format_bytes(free)} free there); free disk space, "
-            "choose another DiskTier(directory=...), or keep fewer tables on disk"
+            f"disk tier: cannot reserve {format_bytes(row_bytes + log_bytes)}{log} for {what} "
+            f"file {str(path)!r} ({reason}; {format_bytes(free)} free there); free disk space, "
+            f"{fixes}"
         ) from None
     return fd
