@@ -62,15 +62,29 @@ def test_a_drain_leaves_the_file_as_writes_in_place_would(
     assert torch.equal(file.read_range(0, ROWS), expected)
 
 
-def test_a_full_log_is_drained_before_the_batch_that_does_not_fit(tmp_path: Path) -> None:
+def test_a_full_log_is_drained_keeping_its_last_quarter(tmp_path: Path) -> None:
+    """A batch that does not fit drains the log first; the rows of its last quarter stay
+    logged, moved to its start, and every row still reads its newest values."""
     file = RowFile(tmp_path / "t.rows", ROWS, 4, torch.float32, {}, "t", 1, LOG)
     cache = RowCache(ROWS, 10)
-    log = WriteLog(file, cache, BackgroundWrites(file), chunk_rows=256)
+    log = WriteLog(file, cache, BackgroundWrites(file), chunk_rows=64)
     first, second = torch.arange(0, 500), torch.arange(1000, 1200)
-    assert log.append(first, _records(file, 500, 1))
-    assert log.append(second, _records(file, 200, 2))  # 700 > 600 records: drained first
-    assert (log.drains, log.head) == (1, 200)
-    assert (cache.slot_of[first] == STORED).all()
-    assert cache.slot_of[second].tolist() == [LOGGED - k for k in range(200)]
+    values = {1: _records(file, 500, 1), 2: _records(file, 200, 2)}
+    assert log.append(first, values[1])
+    assert log.append(second, values[2])  # 700 > 600 records: drained first
+    assert (log.drains, log.drained, log.head) == (1, 350, 150 + 200)
+    assert (cache.slot_of[first[:350]] == STORED).all()
+    assert cache.slot_of[first[350:]].tolist() == [LOGGED - k for k in range(150)]
+    assert cache.slot_of[second].tolist() == [LOGGED - k for k in range(150, 350)]
+    log.writes.settle()
+    assert torch.equal(file.read_range(0, 350), values[1][:350])  # at their places
+    assert torch.equal(file.read_range(ROWS, ROWS + 350), torch.cat([values[1][350:], values[2]]))
     assert not log.append(torch.arange(2000, 2601), _records(file, 601, 3))  # more than it holds
-    assert log.head == 200  # left to the caller, which writes them to their places
+    assert log.head == 350  # left to the caller, which writes them to their places
+    assert log.append(torch.arange(3000, 3400), _records(file, 400, 4))  # drained, kept 150
+    assert (log.drains, log.head) == (2, 150 + 400)
+    assert cache.logged_rows()[0].tolist() == [*range(1050, 1200), *range(3000, 3400)]
+    assert torch.equal(file.read_range(350, 500), values[1][350:])  # drained this time
+    assert log.append(torch.arange(4000, 4500), _records(file, 500, 5))
+    assert (log.drains, log.head) == (4, 500)  # 150 kept + 500 > 600: drained again, whole
+    assert cache.logged_rows()[0].tolist() == list(range(4000, 4500))

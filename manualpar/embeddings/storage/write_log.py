@@ -39,6 +39,13 @@ logger = logging.getLogger(__name__)
 # chunk's rows. A full log holds far denser rows than either.
 DENSE_SHARE = 32
 
+# A log drained because it is full keeps the rows of its last quarter in the log (moved to its
+# start): they are the ones evicted last, the likeliest to be read back soon, and their records
+# are in the page cache. Drained to their places with the rest, they were read back from
+# pages the drain's writes had pushed out of it (documented workload: steps of 40 ms before a
+# drain, 280 ms after it).
+KEEP_SHARE = 4
+
 
 class WriteLog:
     """The write log of `file`: its `file.log_rows` records after the rows' places."""
@@ -58,6 +65,8 @@ class WriteLog:
         if count > self.file.log_rows:
             return False
         if self.head + count > self.file.log_rows:
+            self.drain("the write log is full", keep_recent=True)
+        if self.head + count > self.file.log_rows:  # the rows kept and these do not fit
             self.drain("the write log is full")
         at = torch.arange(self.head, self.head + count)
         self.writes.submit(self.file.rows + at, records)
@@ -66,13 +75,22 @@ class WriteLog:
         self.appended += count
         return True
 
-    def drain(self, why: str) -> None:
+    def drain(self, why: str, keep_recent: bool = False) -> None:
         """Write every logged row to its place and empty the log; `why` is logged with the
         time it took. A file chunk holding at least 1/DENSE_SHARE logged rows is read, patched
         and written back whole; the other rows are written one record each, by ascending row.
-        The rows are marked drained once all are written: an error leaves the log as it was."""
+        The rows are marked drained once all are written: an error leaves the log as it was.
+        `keep_recent`: the rows of the last 1/KEEP_SHARE of the log stay logged, moved to its
+        start (see KEEP_SHARE)."""
         self.writes.settle()
         rows, at = self.cache.logged_rows()
+        kept = self.head - self.file.log_rows // KEEP_SHARE  # records from here on are kept
+        if keep_recent and kept >= self.file.log_rows // KEEP_SHARE:  # no overlap when moved
+            recent = at >= kept
+            kept_rows, kept_at = rows[recent], at[recent]
+            rows, at = rows[~recent], at[~recent]
+        else:
+            kept_rows = kept_at = rows[:0]
         if rows.numel():
             started = time.perf_counter()
             chunk = self.chunk_rows
@@ -102,6 +120,19 @@ class WriteLog:
                 why,
             )
         self.head = 0
+        self._move_to_start(kept_rows, kept_at)
+
+    def _move_to_start(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """Logged `rows` (records `at`, all past where they go) moved to the log's first
+        records, in log order: one run read and one written a chunk at a time."""
+        at, order = torch.sort(at)
+        rows = rows[order]
+        for first in range(0, rows.numel(), self.chunk_rows):
+            records = self.file.empty(min(self.chunk_rows, rows.numel() - first))
+            self.file.read(self.file.rows + at[first : first + records.shape[0]], records)
+            self.file.write(self.file.rows + torch.arange(first, first + records.shape[0]), records)
+        self.cache.mark_logged(rows, torch.arange(rows.numel()))
+        self.head = rows.numel()
 
     def _records(self, at: torch.Tensor) -> torch.Tensor:
         """The log's records `at`, in that order (read in log order: runs move in one call)."""
