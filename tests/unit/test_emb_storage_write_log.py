@@ -29,6 +29,7 @@ def test_a_drain_leaves_the_file_as_writes_in_place_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     monkeypatch.setattr(write_log, "DENSE_SHARE", 4)  # a 64-row chunk with 16 logged: dense
+    monkeypatch.setattr(write_log, "SCAN_ROWS", 700)  # the block looked at in 8 ranges
     if not native:
         from manualpar.embeddings.storage import background_writes, row_file
 

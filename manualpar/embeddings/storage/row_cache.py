@@ -206,9 +206,12 @@ class RowCache:
         """Rows in [start, end) never written (not cached, not in the file), relative to start."""
         return torch.nonzero(self.slot_of[start:end] == NEVER).flatten()
 
-    def logged_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, write-log records) of the rows whose values are in the write log, by row."""
-        rows = torch.nonzero(self.slot_of <= LOGGED).flatten()
+    def logged_rows(
+        self, start: int = 0, end: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, write-log records) of the rows in [start, end) whose values are in the write
+        log, by row."""
+        rows = torch.nonzero(self.slot_of[start:end] <= LOGGED).flatten() + start
         return rows, LOGGED - self.slot_of[rows].to(torch.int64)
 
     def mark_logged(self, rows: torch.Tensor, records: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ DENSE_SHARE = 32
 # pages the drain's writes had pushed out of it (documented workload: steps of 40 ms before a
 # drain, 280 ms after it).
 KEEP_SHARE = 4
+SCAN_ROWS = 2**20  # rows of the block a drain looks at a time
 
 
 class WriteLog:
@@ -77,62 +78,76 @@ class WriteLog:
 
     def drain(self, why: str, keep_recent: bool = False) -> None:
         """Write every logged row to its place and empty the log; `why` is logged with the
-        time it took. A file chunk holding at least 1/DENSE_SHARE logged rows is read, patched
-        and written back whole; the other rows are written one record each, by ascending row.
-        The rows are marked drained once all are written: an error leaves the log as it was.
-        `keep_recent`: the rows of the last 1/KEEP_SHARE of the log stay logged, moved to its
-        start (see KEEP_SHARE)."""
+        time it took. `keep_recent`: the rows of the last 1/KEEP_SHARE of the log stay logged,
+        moved to its start (see KEEP_SHARE). The block's rows are taken a range of SCAN_ROWS
+        at a time (the logged rows' numbers and records of a whole block took a GiB at the
+        documented workload), and each range's rows are marked drained once written: an error
+        leaves every row readable where its `slot_of` says."""
         self.writes.settle()
-        rows, at = self.cache.logged_rows()
+        started = time.perf_counter()
         kept = self.head - self.file.log_rows // KEEP_SHARE  # records from here on are kept
-        if keep_recent and kept >= self.file.log_rows // KEEP_SHARE:  # no overlap when moved
-            recent = at >= kept
-            kept_rows, kept_at = rows[recent], at[recent]
-            rows, at = rows[~recent], at[~recent]
-        else:
-            kept_rows = kept_at = rows[:0]
-        if rows.numel():
-            started = time.perf_counter()
-            chunk = self.chunk_rows
-            starts = torch.arange(0, self.file.rows + chunk, chunk).clamp_(max=self.file.rows)
-            bounds = torch.searchsorted(rows, starts).tolist()
-            scattered = torch.ones(rows.numel(), dtype=torch.bool)
-            for index, (first, last) in enumerate(itertools.pairwise(bounds)):
-                if (last - first) * DENSE_SHARE < chunk:
-                    continue
-                start, end = index * chunk, min((index + 1) * chunk, self.file.rows)
-                block = self.file.read_range(start, end)
-                block[rows[first:last] - start] = self._records(at[first:last])
-                self.file.write_range(start, block)
-                scattered[first:last] = False
-            sparse_rows, sparse_at = rows[scattered], at[scattered]
-            for first in range(0, sparse_rows.numel(), chunk):
-                records = self._records(sparse_at[first : first + chunk])
-                self.file.write(sparse_rows[first : first + chunk], records)
-            self.cache.mark_drained(rows)
+        if not keep_recent or kept < self.file.log_rows // KEEP_SHARE:  # moved, they'd overlap
+            kept = self.head
+        drained = 0
+        for start in range(0, self.file.rows, SCAN_ROWS):
+            rows, at = self.cache.logged_rows(start, start + SCAN_ROWS)
+            cold = at < kept
+            drained += self._to_places(rows[cold], at[cold])
+        self.head = 0
+        for start in range(0, self.file.rows, SCAN_ROWS):  # what is left is kept
+            self._move_to_head(*self.cache.logged_rows(start, start + SCAN_ROWS))
+        if drained:
             self.drains += 1
-            self.drained += rows.numel()
+            self.drained += drained
             logger.info(
-                "disk tier: %s: wrote %d logged rows to their places in %.1f s (%s)",
+                "disk tier: %s: wrote %d logged rows to their places in %.1f s, kept %d (%s)",
                 self.file.what,
-                rows.numel(),
+                drained,
                 time.perf_counter() - started,
+                self.head,
                 why,
             )
-        self.head = 0
-        self._move_to_start(kept_rows, kept_at)
 
-    def _move_to_start(self, rows: torch.Tensor, at: torch.Tensor) -> None:
-        """Logged `rows` (records `at`, all past where they go) moved to the log's first
-        records, in log order: one run read and one written a chunk at a time."""
+    def _to_places(self, rows: torch.Tensor, at: torch.Tensor) -> int:
+        """Logged `rows` (ascending; records `at`) written to their places and marked so. A
+        file chunk holding at least 1/DENSE_SHARE of them is read, patched and written back
+        whole; the others are written a record each."""
+        if not rows.numel():
+            return 0
+        chunk = self.chunk_rows
+        first_chunk = int(rows[0]) // chunk
+        starts = torch.arange(first_chunk, int(rows[-1]) // chunk + 2) * chunk
+        bounds = torch.searchsorted(rows, starts).tolist()
+        scattered = torch.ones(rows.numel(), dtype=torch.bool)
+        for index, (first, last) in enumerate(itertools.pairwise(bounds)):
+            if (last - first) * DENSE_SHARE < chunk:
+                continue
+            start = (first_chunk + index) * chunk
+            end = min(start + chunk, self.file.rows)
+            block = self.file.read_range(start, end)
+            block[rows[first:last] - start] = self._records(at[first:last])
+            self.file.write_range(start, block)
+            scattered[first:last] = False
+        sparse_rows, sparse_at = rows[scattered], at[scattered]
+        for first in range(0, sparse_rows.numel(), chunk):
+            records = self._records(sparse_at[first : first + chunk])
+            self.file.write(sparse_rows[first : first + chunk], records)
+        self.cache.mark_drained(rows)
+        return rows.numel()
+
+    def _move_to_head(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """Logged `rows` (records `at`, all past the head and past where they go) moved to the
+        records from the head on: read in log order, one run written a chunk at a time."""
         at, order = torch.sort(at)
         rows = rows[order]
         for first in range(0, rows.numel(), self.chunk_rows):
-            records = self.file.empty(min(self.chunk_rows, rows.numel() - first))
-            self.file.read(self.file.rows + at[first : first + records.shape[0]], records)
-            self.file.write(self.file.rows + torch.arange(first, first + records.shape[0]), records)
-        self.cache.mark_logged(rows, torch.arange(rows.numel()))
-        self.head = rows.numel()
+            count = min(self.chunk_rows, rows.numel() - first)
+            records = self.file.empty(count)
+            self.file.read(self.file.rows + at[first : first + count], records)
+            to = torch.arange(self.head, self.head + count)
+            self.file.write(self.file.rows + to, records)
+            self.cache.mark_logged(rows[first : first + count], to)
+            self.head += count
 
     def _records(self, at: torch.Tensor) -> torch.Tensor:
         """The log's records `at`, in that order (read in log order: runs move in one call)."""
