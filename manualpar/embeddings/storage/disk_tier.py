@@ -41,6 +41,7 @@ from manualpar.embeddings.storage.row_cache import (
     STORED,
     CacheFull,
     RowCache,
+    log_record_of,
 )
 from manualpar.embeddings.storage.row_file import RowFile
 from manualpar.embeddings.storage.write_log import WriteLog
@@ -244,7 +245,7 @@ class DiskTable:
         if bool(stored.any()):
             old, into, origin = rows[stored], slots[stored].to(device), origins[stored]
             at_place = origin == STORED
-            records_at = torch.where(at_place, old, self.file.rows + LOGGED - origin.long())
+            records_at = torch.where(at_place, old, self.file.rows + log_record_of(origin))
             records = self.file.empty(old.numel())
             self.write_back.read(records_at, records)  # evicted a moment ago: from its batch
             self.file.to_slots(records, into, self.weight, self.state)

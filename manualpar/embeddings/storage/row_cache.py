@@ -32,6 +32,7 @@ __all__ = [
     "CacheFull",
     "RowCache",
     "SlotAssignment",
+    "log_record_of",
 ]
 
 POLICIES = ("lru", "lfu")
@@ -39,6 +40,13 @@ NEVER = -1  # slot_of value: never written, its values are the table's initial o
 STORED = -2  # slot_of value: not cached, its values are in the file at the row's own place
 LOGGED = -3  # slot_of values <= LOGGED: not cached, at write-log record LOGGED - value
 _UNAVAILABLE = torch.iinfo(torch.int64).max
+
+
+def log_record_of(codes: torch.Tensor) -> torch.Tensor:
+    """The write-log records (int64) that `slot_of` codes <= LOGGED name."""
+    return LOGGED - codes.to(torch.int64)
+
+
 EVICT_FRACTION = 16
 
 
@@ -212,7 +220,7 @@ class RowCache:
         """(rows, write-log records) of the rows in [start, end) whose values are in the write
         log, by row."""
         rows = torch.nonzero(self.slot_of[start:end] <= LOGGED).flatten() + start
-        return rows, LOGGED - self.slot_of[rows].to(torch.int64)
+        return rows, log_record_of(self.slot_of[rows])
 
     def mark_logged(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Uncached `rows` now live at write-log `records`."""

@@ -15,7 +15,6 @@
 
 namespace {
 
-constexpr int32_t kNever = -1;   // row_cache.NEVER: never written
 constexpr int32_t kStored = -2;  // row_cache.STORED: in the file at the row's place
 // values <= row_cache.LOGGED (-3): in the file's write log
 
