@@ -38,8 +38,12 @@ def _schedules(state: Mapping[str, Any]) -> dict[int, Any]:
     `get_last_lr()` is what the optimizer's groups hold after a step)."""
     found = {}
     for entry in state.values():
+        # A scheduler first: asking any entry for `.optimizer` read the fused optimizer's
+        # deprecated alias of `rule` and printed its FutureWarning on every resume.
+        if not callable(getattr(entry, "get_last_lr", None)):
+            continue
         optimizer = getattr(entry, "optimizer", None)
-        if optimizer is not None and callable(getattr(entry, "get_last_lr", None)):
+        if optimizer is not None:
             found[id(optimizer)] = entry
     return found
 
