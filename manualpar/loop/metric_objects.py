@@ -58,23 +58,36 @@ def compute_metrics(
     metrics: Mapping[str, Any], strategy: ManualParallelStrategy
 ) -> dict[str, float]:
     """Every metric's `compute(strategy)`, in name order (the same collectives on every rank),
-    merged; a key two metrics produce is refused."""
-    values: dict[str, float] = {}
-    for name in sorted(metrics):
-        computed = metrics[name].compute(strategy)
-        if not isinstance(computed, Mapping):
-            raise TypeError(
-                f"validation_step's {name!r} ({type(metrics[name]).__name__}): compute(strategy) "
-                f"returned {type(computed).__name__}; return a dict of name -> number"
-            )
-        for key, value in computed.items():
-            if key in values:
+    merged. A key one metric computes keeps its name; a key several compute (the `count` of
+    `AUC` and `LogLoss`) is namespaced by each one's name in validation_step's dict:
+    `{"auc": AUC(), "ll": LogLoss()}` gives auc, log_loss, normalized_entropy, auc/count and
+    ll/count. The rule depends on which objects are returned, never on their values."""
+    computed = {name: _computed(name, metrics[name], strategy) for name in sorted(metrics)}
+    owners: dict[str, int] = {}
+    for values in computed.values():
+        for key in values:
+            owners[key] = owners.get(key, 0) + 1
+    merged: dict[str, float] = {}
+    for name, values in computed.items():
+        for key, value in values.items():
+            recorded = key if owners[key] == 1 else f"{name}/{key}"
+            if recorded in merged:
                 raise ValueError(
-                    f"validation_step's metric objects both compute {key!r}; give them "
-                    f"distinct names (the second was {name!r})"
+                    f"validation_step's metric {name!r} computes {key!r}, recorded as "
+                    f"{recorded!r}, which another metric also computes; rename one of them"
                 )
-            values[key] = float(value)
-    return values
+            merged[recorded] = value
+    return merged
+
+
+def _computed(name: str, metric: Any, strategy: ManualParallelStrategy) -> dict[str, float]:
+    computed = metric.compute(strategy)
+    if not isinstance(computed, Mapping):
+        raise TypeError(
+            f"validation_step's {name!r} ({type(metric).__name__}): compute(strategy) "
+            f"returned {type(computed).__name__}; return a dict of name -> number"
+        )
+    return {key: float(value) for key, value in computed.items()}
 
 
 def reset_all(metrics: Iterable[Any]) -> set[int]:

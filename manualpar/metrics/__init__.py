@@ -7,6 +7,7 @@ per-rank means. docs/metrics.md shows them in a plain loop.
 """
 
 from manualpar.metrics.auc import AUC, exact_auc
+from manualpar.metrics.ctr import CTRMetrics
 from manualpar.metrics.log_loss import LogLoss
 from manualpar.metrics.protocol import Metric, is_metric
 from manualpar.metrics.ranking import RankingMetrics
@@ -14,6 +15,7 @@ from manualpar.metrics.ranks import target_ranks_from_scores
 
 __all__ = [
     "AUC",
+    "CTRMetrics",
     "LogLoss",
     "Metric",
     "RankingMetrics",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import manualpar as mp
-from manualpar.metrics import AUC, LogLoss, RankingMetrics
+from manualpar.metrics import AUC, CTRMetrics, LogLoss, RankingMetrics
 from manualpar.testing import run_distributed
 
 COUNTS = {1: [7], 2: [0, 9], 3: [5, 0, 12]}
@@ -29,11 +29,17 @@ def _update(metrics: dict, samples: dict[str, torch.Tensor]) -> dict:
     metrics["ranking"].update(samples["ranks"])
     metrics["auc"].update(samples["scores"], samples["labels"])
     metrics["log_loss"].update(samples["logits"], samples["labels"])
+    metrics["ctr"].update(samples["logits"], samples["labels"])
     return metrics
 
 
 def _metrics() -> dict:
-    return {"ranking": RankingMetrics(ks=(1, 5, 10)), "auc": AUC(), "log_loss": LogLoss()}
+    return {
+        "ranking": RankingMetrics(ks=(1, 5, 10)),
+        "auc": AUC(),
+        "log_loss": LogLoss(),
+        "ctr": CTRMetrics(),
+    }
 
 
 def _rank(world: int) -> dict:
