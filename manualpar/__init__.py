@@ -8,10 +8,12 @@ builders, meta init, the Trainer, the checkpoint functions and every error class
 embedding names a model definition needs most; `manualpar.embeddings` carries the whole
 embedding vocabulary (configs, collections, plans and placements, update rules, the planner,
 the disk tier, raw ids); `manualpar.metrics` (also `mp.metrics`) the evaluation metrics, exact
-over every rank. Anything deeper is internal and may move between releases.
+over every rank; `manualpar.data` (also `mp.data`) the data readers (Criteo click logs, MovieLens
+ratings); `manualpar.nn` (also `mp.nn`) dense layers of recommendation models (DCN-v2's
+`CrossNet`). Anything deeper is internal and may move between releases.
 """
 
-from manualpar import metrics
+from manualpar import data, metrics, nn
 from manualpar.builders import (
     clip_grad_norm_,
     ddp,
@@ -51,21 +53,27 @@ from manualpar.errors import (
     CheckpointMismatchError,
     ClusterEnvironmentError,
     CollectiveError,
+    DataError,
+    DataFileError,
     EmbeddingInputError,
     ManualParError,
     MeshError,
     NonFiniteError,
+    OutputPathError,
     PlanError,
     StorageError,
 )
 from manualpar.loop import (
     BestCheckpoints,
     EarlyStopping,
+    Predictions,
     Prefetched,
     Trainer,
     TrainPipeline,
     check_finite,
     dataset_batches,
+    predict,
+    scoring_batches,
 )
 from manualpar.meta import empty_init, is_meta, materialize
 from manualpar.module import ParallelModule, load_trained
@@ -84,6 +92,8 @@ __all__ = [
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "CollectiveError",
+    "DataError",
+    "DataFileError",
     "EarlyStopping",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
@@ -97,9 +107,11 @@ __all__ = [
     "ManualParallelStrategy",
     "MeshError",
     "NonFiniteError",
+    "OutputPathError",
     "ParallelModule",
     "PendingSave",
     "PlanError",
+    "Predictions",
     "Prefetched",
     "RNGState",
     "SparseFeatures",
@@ -109,6 +121,7 @@ __all__ = [
     "capture_rng_state",
     "check_finite",
     "clip_grad_norm_",
+    "data",
     "dataset_batches",
     "ddp",
     "describe_checkpoint",
@@ -122,10 +135,13 @@ __all__ = [
     "load_trained",
     "materialize",
     "metrics",
+    "nn",
+    "predict",
     "read_manifest",
     "restore_rng_state",
     "save_checkpoint",
     "save_checkpoint_async",
+    "scoring_batches",
     "seed_everything",
     "set_batch_size",
     "shard_embeddings",

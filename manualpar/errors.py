@@ -20,6 +20,18 @@ class CollectiveError(ManualParError, RuntimeError):
     """A collective failed or timed out; the message names the operation and this rank."""
 
 
+class DataError(ManualParError, ValueError):
+    """A rank's data is not what the loop can take: a batch of None (the loop's "no batch"),
+    raised on every rank at the same step naming the rank and the batch index; a bad data file
+    (DataFileError)."""
+
+
+class DataFileError(DataError):
+    """A data file is not what its reader expects: a line not in the format (the message names
+    the file and the 1-based line), a truncated gzip, fewer lines than asked for, or reader
+    settings that do not fit the files (no files, a batch not divisible by the ranks)."""
+
+
 class CheckpointError(ManualParError, RuntimeError):
     """A checkpoint could not be written or read (partial, corrupted, unwritable, not one)."""
 
@@ -56,3 +68,8 @@ class MeshError(ManualParError, ValueError):
 class StorageError(ManualParError, OSError):
     """Rows on disk are not what the disk tier wrote: a row file shorter than its table block,
     or one that another process changed. The message names the table, rank and file."""
+
+
+class OutputPathError(ManualParError, OSError):
+    """A Trainer output cannot be written where it goes (the TensorBoard log directory is a
+    file or read-only). The message names the path and what to do."""

@@ -3,14 +3,15 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         examples/benchmarks/bench_criteo_reader.py --json runs/bench_criteo_reader.json
 
-Rank 0 writes `--lines` synthetic samples in Criteo's format (examples/recsys/criteo.py), plain
-and gzip, unless `--files PLAIN GZIP` names real ones. Every repeat then measures, in a rotating
-order, on every rank at once (the processes share the machine as in training):
+Rank 0 writes `--lines` synthetic samples in Criteo's format (examples/recsys/write_criteo.py),
+plain and gzip, unless `--files PLAIN GZIP` names real ones. Every repeat then measures, in a
+rotating order, on every rank at once (the processes share the machine as in training):
 
-- the reader, in samples per second per process: a whole pass over the plain and the gzip file
-  through `batches()`, the example's batches built (Batch, SparseFeatures); "all lines" is what a
-  rank does when it reads whole files (at least as many files as ranks), "1/world lines" when it
-  reads every file and keeps every world-th line (fewer files than ranks);
+- the reader (manualpar.data), in samples per second per process: a whole pass over the plain
+  and the gzip file through `share_batches()`, batches built (CriteoBatch, SparseFeatures); "all
+  lines" is what a rank does when it reads whole files (at least as many files as ranks),
+  "1/world" its share of one file among all ranks (fewer files than ranks): a byte range of
+  the plain file, every world-th line of the gzip one (which every rank decompresses whole);
 - the example's training step (DLRM, 26 HashIds tables, row-wise Adagrad, Adam on the MLPs) on
   batches read beforehand, in samples per second per process: local batch / the slowest rank's
   step time, median of `--steps` after `--warmup`;
@@ -32,19 +33,20 @@ import torch.nn.functional as F
 from bench_common import environment_info, median, time_steps, write_json
 
 import manualpar as mp
+from manualpar.data import CriteoStream, rank_share, share_batches
 from manualpar.loop.prefetch import Prefetched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recsys"))  # the example
-from criteo import CriteoStream, batches, hashed_tables, rank_share, write_synthetic_criteo
-from data import make_tables, table_rows
+from data import hashed_tables, make_tables, table_rows
 from model import DLRM
+from write_criteo import write_synthetic_criteo
 
 
 def read_rate(path: str, rank: int, stride: int, local_batch: int) -> float:
-    """Samples per second of one pass over `path` into batches (this rank's lines of `stride`)."""
+    """Samples per second of one pass over `path` into batches (this rank's share of `stride`)."""
     share = rank_share([path], rank if stride > 1 else 0, stride)
     started = time.perf_counter()
-    samples = sum(len(batch) for batch in batches(share, local_batch, drop_last=False))
+    samples = sum(len(batch) for batch in share_batches(share, local_batch, drop_last=False))
     return samples / (time.perf_counter() - started)
 
 
@@ -120,14 +122,14 @@ def main() -> None:
     variants: dict[str, Callable[[], float]] = {
         "read plain, all lines": lambda: read_rate(plain, rank, 1, local_batch),
         "read gzip, all lines": lambda: read_rate(packed, rank, 1, local_batch),
-        "read plain, 1/world lines": lambda: read_rate(plain, rank, world, local_batch),
+        "read plain, 1/world bytes": lambda: read_rate(plain, rank, world, local_batch),
         "read gzip, 1/world lines": lambda: read_rate(packed, rank, world, local_batch),
         "train, reading inline": lambda: streamed_rate(ahead=False),
         "train, read ahead": lambda: streamed_rate(ahead=True),
         "train": train_rate,
     }
     if world == 1:
-        del variants["read plain, 1/world lines"], variants["read gzip, 1/world lines"]
+        del variants["read plain, 1/world bytes"], variants["read gzip, 1/world lines"]
     rates: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for repeat in range(args.repeats):

@@ -1,5 +1,5 @@
 """Two variants of one sharded-table step, timed in the same processes: the shared half of
-bench_half_guard.py and bench_pipeline.py.
+bench_half_guard.py and bench_pipeline.py (bench_step_times.py takes its arguments and tables).
 
 The tables are embedding_workload.py's (uniform ids, row-wise Adagrad); each repeat times the
 variants one after the other, in alternating order, and the summary gives each variant's median
@@ -29,7 +29,7 @@ from manualpar.embeddings import (
 )
 
 
-def parse_args(description: str, plan: str) -> argparse.Namespace:
+def parse_args(description: str, plan: str, steps: int = 10) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--plan", choices=("table_wise", "row_wise"), default=plan)
     parser.add_argument("--tables", type=int, default=8)
@@ -37,7 +37,7 @@ def parse_args(description: str, plan: str) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2048, help="global batch (all ranks)")
     parser.add_argument("--ids-per-bag", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.01)

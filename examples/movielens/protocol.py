@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from ratings import Ratings
+
+from manualpar.data import Ratings
 
 MAX_HISTORY = 50
 

@@ -23,10 +23,10 @@ import torch
 from batches import evaluation_batches, popularity_metrics, training_batches
 from model import SASRec
 from protocol import leave_one_out, training_windows, user_sequences
-from ratings import fetch_movielens_100k, read_ratings
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
+from manualpar.data import fetch_movielens_100k, read_ratings
 
 MONITOR = "val/ndcg@10"
 SHOWN = ("hr@10", "ndcg@10", "mrr@10", "hr@20", "ndcg@20", "mrr@20")

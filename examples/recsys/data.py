@@ -1,7 +1,7 @@
-"""Criteo-shaped click data: a synthetic generator with a learnable signal (criteo.py streams
-the real format).
+"""Criteo-shaped click data: a synthetic generator with a learnable signal, and the tables the
+model reads it into (manualpar.data streams the real format into the same `CriteoBatch`).
 
-It gives `Batch`es addressed by step, the Trainer's data contract: `train(step, strategy)` is
+It gives batches addressed by step, the Trainer's data contract: `train(step, strategy)` is
 this rank's share of global batch `step`, the same on every run, so a resumed run sees exactly
 the batches the uninterrupted one would have seen.
 
@@ -14,17 +14,16 @@ model that learns those ids' embeddings and the dense response reaches an AUC we
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from manualpar import ManualParallelStrategy
-from manualpar.embeddings import EmbeddingBagConfig, SparseFeatures
-
-NUM_DENSE, NUM_SPARSE = 13, 26
-FEATURES = tuple(f"cat_{i}" for i in range(NUM_SPARSE))
+from manualpar import HashIds, ManagedCollisions, ManualParallelStrategy
+from manualpar.data import CRITEO_FEATURES as FEATURES
+from manualpar.data import NUM_DENSE, NUM_SPARSE, CriteoBatch, criteo_batch, log_counts
+from manualpar.embeddings import EmbeddingBagConfig
 
 # Rows per categorical feature, as published with DLRM/TorchRec for the two Criteo datasets.
 CARDINALITIES = {
@@ -113,30 +112,31 @@ def make_tables(
     ]
 
 
-@dataclass(frozen=True)
-class Batch:
-    """A batch of samples: dense (B, 13) log(1 + count), one id per categorical feature."""
-
-    dense: torch.Tensor
-    sparse: SparseFeatures
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.labels.numel()
+RAW_ID_MODES = ("hash", "lru", "lfu")
 
 
-def log_counts(counts: np.ndarray) -> np.ndarray:
-    """Dense features as DLRM feeds them: log(1 + count), missing or negative counts as 0."""
-    return np.log1p(np.maximum(counts, 0)).astype(np.float32)
+def raw_id_tables(
+    tables: Sequence[EmbeddingBagConfig], mode: str = "hash"
+) -> list[EmbeddingBagConfig]:
+    """The tables reading raw ids (hex values, MISSING_ID): hashed into rows (`mode` "hash") or
+    given rows by managed collisions evicting the least recently ("lru") or least often ("lfu")
+    seen id; salt = the table's position, so each feature's ids land independently."""
+    if mode not in RAW_ID_MODES:
+        raise ValueError(f"raw-id mode must be one of {RAW_ID_MODES}, got {mode!r}")
+    return [
+        dataclasses.replace(
+            table,
+            raw_ids=HashIds(salt=index)
+            if mode == "hash"
+            else ManagedCollisions(policy=mode, salt=index),
+        )
+        for index, table in enumerate(tables)
+    ]
 
 
-def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> Batch:
-    """From columns: labels (B,), dense (B, 13) log counts, ids (B, 26)."""
-    dense = torch.from_numpy(np.asarray(dense, dtype=np.float32))
-    values = torch.from_numpy(np.ascontiguousarray(ids.T, dtype=np.int64)).flatten()
-    lengths = torch.ones(values.numel(), dtype=torch.int64)  # Criteo: single-valued features
-    sparse = SparseFeatures(FEATURES, values, lengths)
-    return Batch(dense, sparse, torch.from_numpy(labels.astype(np.float32)))
+def hashed_tables(tables: Sequence[EmbeddingBagConfig]) -> list[EmbeddingBagConfig]:
+    """`raw_id_tables(tables, "hash")`."""
+    return raw_id_tables(tables, "hash")
 
 
 def rank_slice(global_batch: int, strategy: ManualParallelStrategy) -> tuple[int, int]:
@@ -216,16 +216,16 @@ class SyntheticCriteo:
         labels = (_uniform(self.seed, self.LABEL, index[:, 0]) < p).astype(np.int64)
         return labels, counts, ids
 
-    def samples(self, start: int, count: int) -> Batch:
+    def samples(self, start: int, count: int) -> CriteoBatch:
         labels, counts, ids = self.raw(start, count)
-        return make_batch(labels, log_counts(counts), ids)
+        return criteo_batch(labels, log_counts(counts), ids)
 
-    def train(self, step: int, strategy: ManualParallelStrategy) -> Batch:
+    def train(self, step: int, strategy: ManualParallelStrategy) -> CriteoBatch:
         """This rank's share of global batch `step` (the Trainer's `data`)."""
         offset, size = rank_slice(self.batch_size, strategy)
         return self.samples(step * self.batch_size + offset, size)
 
-    def validation(self, index: int, strategy: ManualParallelStrategy) -> Batch:
+    def validation(self, index: int, strategy: ManualParallelStrategy) -> CriteoBatch:
         """This rank's share of the whole validation set (one batch; `index` is always 0)."""
         offset, size = rank_slice(self.val_samples, strategy)
         return self.samples(VALIDATION_OFFSET + index * self.val_samples + offset, size)

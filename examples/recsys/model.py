@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from data import Batch
 from einops import einsum, rearrange
 from metrics import distributed_auc
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import manualpar as mp
+from manualpar.data import CriteoBatch
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -31,6 +31,7 @@ from manualpar.embeddings import (
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.step.wire import WIRE_NAMES
 
 
 class MLP(nn.Sequential):
@@ -112,9 +113,11 @@ class DLRM(mp.ParallelModule):
         seed: int = 0,
         memory_budget_bytes: int | None = None,
         mesh: str = "1d",
+        wire_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         self.mesh_kind = mesh
+        self.wire_dtype = WIRE_NAMES[wire_dtype]  # the exchanges' dtype, e.g. "bf16"
         self.dim = tables[0].embedding_dim
         if any(t.embedding_dim != self.dim for t in tables):
             raise ValueError("DLRM needs one embedding_dim for all tables")
@@ -142,17 +145,18 @@ class DLRM(mp.ParallelModule):
             optimizer=RowWiseAdagrad(lr=self.emb_lr),
             memory_budget_bytes=self.memory_budget_bytes,
             mesh=mesh,
+            wire_dtype=self.wire_dtype,
         )
         mp.materialize(self, strategy, seed=self.seed)  # the MLPs: the same values on every rank
         self.bottom = mp.ddp(self.bottom, strategy)
         self.top = mp.ddp(self.top, strategy)
 
-    def prefetch(self, batch: Batch) -> None:
+    def prefetch(self, batch: CriteoBatch) -> None:
         """Send the next batch's ids to their owners now: the Trainer calls this before each
         step with the next step's batch, so they travel during the step (TrainPipeline)."""
         self.embeddings.prefetch(batch.sparse)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Logits (B,)."""
         device = self.strategy.device if self.strategy is not None else torch.device("cpu")
         pooled = self.embeddings(batch.sparse).values  # (B, tables * dim); eager under compile
@@ -173,7 +177,7 @@ class DLRM(mp.ParallelModule):
             features = rearrange(vectors, "b f d -> b (f d)")
         return rearrange(self.top(features), "b 1 -> b")
 
-    def training_step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: CriteoBatch, step: int) -> dict[str, torch.Tensor]:
         logits = self(batch)
         labels = batch.labels.to(logits.device)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
@@ -181,7 +185,7 @@ class DLRM(mp.ParallelModule):
         return {"loss": loss, "accuracy": accuracy.detach()}
 
     @torch.no_grad()
-    def validation_step(self, batch: Batch) -> dict[str, float]:
+    def validation_step(self, batch: CriteoBatch) -> dict[str, float]:
         """AUC and log loss of the whole validation set (every rank's share gathered)."""
         assert self.strategy is not None
         logits = self(batch)

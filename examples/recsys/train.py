@@ -4,9 +4,10 @@
 
 Runs as one process too (`python examples/recsys/train.py`). By default the data is synthetic
 (Criteo's 13 dense and 26 categorical features, with a hidden signal to learn); `--criteo FILE`
-streams Criteo logs (criteo.py) into raw-id tables. The Trainer checkpoints to OUT/checkpoints,
-appends metrics to OUT/metrics.jsonl (validation AUC every --val-every steps) and resumes from
-the latest checkpoint when run again; at the end the metrics are drawn to OUT/metrics.png.
+streams Criteo logs (manualpar.data's CriteoStream) into raw-id tables. The Trainer checkpoints
+to OUT/checkpoints, appends metrics to OUT/metrics.jsonl (validation AUC every --val-every
+steps) and resumes from the latest checkpoint when run again; at the end the metrics are drawn
+to OUT/metrics.png.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from criteo import RAW_ID_MODES, BadLines, CriteoStream, raw_id_tables
-from criteo_lines import BAD_LINE_POLICIES
-from data import SyntheticCriteo, make_tables, table_rows
+from data import RAW_ID_MODES, SyntheticCriteo, make_tables, raw_id_tables, table_rows
 from model import DLRM, make_plan
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
 from manualpar.cli.plot import plot_metrics
+from manualpar.data import BAD_LINE_POLICIES, BadLines, CriteoStream
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
 from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
 from manualpar.embeddings.id_spaces import raw_ids_to_json
 from manualpar.embeddings.planning.planner import plan_tables
+from manualpar.embeddings.step.wire import WIRE_NAMES
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,6 +52,15 @@ def parse_args() -> argparse.Namespace:
         default="fp32",
         help="how the tables store rows; fp16/bf16 halve their memory (lookups and updates "
         "still compute in float32; bf16 rounds updates stochastically)",
+    )
+    add(
+        "--wire-dtype",
+        choices=tuple(WIRE_NAMES),
+        default="fp32",
+        help="dtype the pooled outputs and their gradients travel in between ranks: fp16 "
+        "sends pooled outputs in float16 and gradients in bfloat16, bf16 both in bfloat16, "
+        "fp8 pooled outputs in float8_e4m3fn (half or a quarter of the bytes; the math stays "
+        "float32)",
     )
     add("--bottom", default="64", help="bottom MLP hidden sizes, comma-separated")
     add("--top", default="128,64", help="top MLP hidden sizes, comma-separated")
@@ -235,6 +245,7 @@ def main() -> None:
             seed=args.seed,
             memory_budget_bytes=memory_budget(args, strategy.environment.local_world_size),
             mesh=args.mesh,
+            wire_dtype=args.wire_dtype,
         )
     model.setup(strategy)
     say(model.embeddings.plan.describe(tables))

@@ -8,7 +8,9 @@ Built on meta: the module is sharded first, then only the local shards are alloc
 initialized. Initialization runs each submodule's `reset_parameters()` on a temporary full CPU
 copy of that submodule's own parameters (one submodule at a time) and keeps this rank's slice,
 so the result equals eager construction under the same `torch.manual_seed`, for any world size,
-mesh (FSDP, HSDP, FSDP over tp's shards) and device. (DTensor random ops are not used: on CPU
+mesh (FSDP, HSDP, FSDP over tp's shards) and device (seeded the same on every rank: under
+`strategy.seed_everything(..., per_rank=True)` each rank draws from its own stream, and fsdp()
+warns). (DTensor random ops are not used: on CPU
 they draw every shard from the start of the generator, and on CUDA they follow another RNG, so
 neither matches eager init.) Submodules are
 initialized in registration order (`module.modules()`, parents before children), which is the
@@ -50,6 +52,7 @@ from manualpar.ownership import (
     owned_by_others,
     owner_of,
 )
+from manualpar.seed import warn_if_seeded_per_rank
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["fsdp"]
@@ -316,6 +319,7 @@ def _materialize(
     buffer_device: torch.device,
     ignored: dict[int, nn.Parameter],
 ) -> None:
+    warn_if_seeded_per_rank(f"{BUILDER}()", stacklevel=3)  # fsdp() called us
     names = {id(m): name for name, m in root.named_modules()}
     own = [(names.get(id(m), ""), m) for m in _own_modules(root)]
     materialize_placed(own, param_device, buffer_device, keep=set(ignored))

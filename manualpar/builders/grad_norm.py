@@ -20,7 +20,7 @@ import torch
 from manualpar.dtensors import is_dtensor, local_part
 from manualpar.errors import NonFiniteError
 
-__all__ = ["clip_grad_norm_", "total_grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "total_grad_norm"]
 
 
 @torch.no_grad()
@@ -73,11 +73,19 @@ def clip_grad_norm_(
             f"{norm_type}); a NaN or inf gradient reached the optimizer. Find it with "
             "mp.check_finite, or pass error_if_nonfinite=False to clip anyway"
         )
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    locals_ = [_local(p.grad) for p in params if p.grad is not None]
-    for grad in locals_:
-        grad.mul_(scale.to(grad.device))
+    clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """Scale the gradients of `parameters` by max_norm / total_norm (at most 1), for a caller
+    that already has their global norm (`total_grad_norm`): no second pass over them."""
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in [_local(p.grad) for p in _as_list(parameters) if p.grad is not None]:
+        grad.mul_(scale.to(grad.device))
 
 
 def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from manualpar.builders.mesh_composition import TP, builder_mesh, mesh_label
 from manualpar.errors import BuilderError
 from manualpar.meta import materialize_placed, require_reset_parameters
 from manualpar.ownership import builder_of, claim, mark_replaced, mesh_of, owner_of
+from manualpar.seed import warn_if_seeded_per_rank
 from manualpar.strategy import ManualParallelStrategy
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def tp(
             # meta there is nothing to send, each rank initializes its own slice below.
             parallelize_module(module, over, dict(styles), src_data_rank=None if from_meta else 0)
     if from_meta:
+        warn_if_seeded_per_rank(f"{TP}()")
         materialize_placed(_free_modules(module), strategy.device, strategy.device, keep=keep)
     new = [
         (f"{path}.{name}", p)

@@ -35,7 +35,7 @@ from manualpar.checkpoint.save import (
     state_dicts,
     write_blobs,
 )
-from manualpar.checkpoint.spill import spill_blocks
+from manualpar.checkpoint.spill import check_room, spill_blocks
 from manualpar.checkpoint.state import split_leaves, validate_state
 
 __all__ = ["PendingSave", "save_checkpoint_async"]
@@ -136,6 +136,7 @@ def stage_to_cpu(tensors: Mapping[str, Any]) -> dict[str, Any]:
     finally:
         stager.close()
     assert isinstance(staged, dict)  # synchronous staging returns the state dict itself
+    check_room(b for value in shards.values() for b in value.blocks)  # all copies, before any
     for key, value in shards.items():
         spilled = [b for b in value.blocks if b.spill_dir is not None]
         blocks = []

@@ -18,7 +18,13 @@ import torch
 
 from manualpar.errors import CheckpointError
 
-__all__ = ["MANIFEST", "latest_checkpoint", "read_manifest"]
+__all__ = [
+    "MANIFEST",
+    "committed_checkpoints",
+    "latest_checkpoint",
+    "read_manifest",
+    "scan_checkpoints",
+]
 
 log = logging.getLogger("manualpar.checkpoint")
 MANIFEST = "manualpar.json"  # a sharded checkpoint folder without this file is incomplete
@@ -73,7 +79,8 @@ def describe_failure(error: BaseException) -> str:
         return (
             f"{cause}: {where} ([Errno {error.errno}] {error.strerror}); {fix}, or save elsewhere"
         )
-    return str(error)
+    # some errors carry no message (a read past the end of a file): their type says what it was
+    return str(error) or f"{type(error).__name__} (no message)"
 
 
 def remove(path: Path) -> None:
@@ -180,7 +187,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{manifest_path} is unreadable or corrupted: {error}") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path} is not a manualpar manifest")
     return manifest
 
@@ -190,29 +197,54 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
     Partial saves (`.name.partial`) and unreadable entries are skipped; None if there is none.
     """
+    found = committed_checkpoints(directory)
+    return found[0] if found else None
+
+
+def committed_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The committed sharded checkpoints in `directory`, newest first (highest step, then the
+    latest commit). Partial saves are skipped, and so are entries whose manifest cannot be
+    read (a warning names each)."""
+    found, unreadable = scan_checkpoints(directory)
+    for entry, reason in unreadable:
+        log.warning("skipping %s: %s", entry, reason)
+    return [entry for entry, _ in found]
+
+
+def scan_checkpoints(
+    directory: str | os.PathLike,
+) -> tuple[list[tuple[Path, dict[str, Any]]], list[tuple[Path, str]]]:
+    """The committed checkpoints in `directory` with their manifests, newest first, and the
+    entries that look committed but whose manifest cannot be read, with the reason."""
     directory = Path(directory)
     if not directory.exists():
-        return None
+        return [], []
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory of checkpoints")
-    best: tuple[tuple[int, float], Path] | None = None
-    for entry in directory.iterdir():
+    found: dict[Path, dict[str, Any]] = {}
+    unreadable: list[tuple[Path, str]] = []
+    for entry in sorted(directory.iterdir()):
         if entry.name.startswith("."):  # staging copies are never candidates, but the
             if not entry.name.endswith(".old"):  # previous copy of an interrupted overwrite is
                 continue
             entry = resolve(directory / entry.name[1 : -len(".old")])
-        if not (entry / MANIFEST).is_file():
+        if entry in found or not (entry / MANIFEST).is_file():
             continue
         try:
-            manifest = read_manifest(entry)
+            found[entry] = read_manifest(entry)
         except CheckpointError as error:
-            log.warning("skipping %s: %s", entry, error)
-            continue
-        step = manifest.get("step")
-        key = (step if isinstance(step, int) else -1, float(manifest.get("committed_at", 0.0)))
-        if best is None or key > best[0]:
-            best = (key, entry)
-    return None if best is None else best[1]
+            unreadable.append((entry, str(error)))
+    newest = sorted(found, key=lambda entry: _recency(found[entry]), reverse=True)
+    return [(entry, found[entry]) for entry in newest], unreadable
+
+
+def _recency(manifest: dict[str, Any]) -> tuple[int, float]:
+    """(step, commit time) of a manifest; -1 and 0.0 for what is missing or not a number."""
+    step, committed = manifest.get("step"), manifest.get("committed_at")
+    return (
+        step if isinstance(step, int) and not isinstance(step, bool) else -1,
+        float(committed) if isinstance(committed, (int, float)) else 0.0,
+    )
 
 
 def read_full(path: Path) -> dict[str, Any]:

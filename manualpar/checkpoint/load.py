@@ -1,7 +1,8 @@
 """Loading a checkpoint into modules, optimizers and stateful objects, on any world size.
 
-Keys and shapes are compared with the checkpoint first, on every rank, so a mismatch raises
-CheckpointMismatchError listing them before anything is modified. A sharded checkpoint is read
+Records (what gives the tensors their meaning, checkpoint/records.py), keys and shapes are
+compared with the checkpoint first, on every rank, so a mismatch raises CheckpointMismatchError
+listing them before anything is modified. A sharded checkpoint is read
 by torch.distributed.checkpoint into this rank's shards (resharding as needed); a full export is
 memory-mapped and each rank takes its part.
 """
@@ -26,6 +27,8 @@ from manualpar.checkpoint.dtypes import (
     saved_dtypes,
 )
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest, resolve
+from manualpar.checkpoint.local_shards import loading
+from manualpar.checkpoint.records import check_records
 from manualpar.checkpoint.save import state_dicts
 from manualpar.checkpoint.state import (
     describe_shape,
@@ -37,6 +40,7 @@ from manualpar.checkpoint.state import (
     unflatten,
     validate_state,
 )
+from manualpar.checkpoint.verify import check_object_file, check_tensor_files
 from manualpar.errors import CheckpointError, CheckpointMismatchError
 
 __all__ = ["load_checkpoint"]
@@ -102,10 +106,12 @@ def _clip(items: list[str], limit: int = 20) -> str:
 
 def _saved_leaves(
     path: Path,
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
-    """Tensor shapes from DCP metadata, the replicated non-tensor leaves, tensor dtypes."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.dtype], Any]:
+    """Tensor shapes from DCP metadata, the replicated non-tensor leaves, tensor dtypes, and
+    the metadata itself."""
     import torch.distributed.checkpoint as dcp
 
+    check_object_file(path / "objects" / "replicated.pt")
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
         objects = torch.load(path / "objects" / "replicated.pt", weights_only=True)
@@ -116,7 +122,19 @@ def _saved_leaves(
         for key, meta in metadata.state_dict_metadata.items()
         if hasattr(meta, "size")
     }
-    return shapes, objects, saved_dtypes(metadata)
+    return shapes, objects, saved_dtypes(metadata), metadata
+
+
+def _check_files(strategy: Ranks, path: Path, metadata: Any, keys: set[str]) -> Any:
+    """Check every file this load reads (checkpoint/verify.py) and read this rank's object
+    file, so a bad file stops the load before anything is modified; returns the per-rank
+    leaves (None if this rank has none)."""
+    check_tensor_files(path, metadata, keys, strategy.rank, strategy.world_size)
+    rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
+    if not rank_file.exists():
+        return None
+    check_object_file(rank_file)
+    return torch.load(rank_file, weights_only=True)
 
 
 def _apply(
@@ -155,6 +173,7 @@ def _apply(
             ) from error
 
 
+@loading()  # the state dicts are loaded into: a disk table hands its file over as it is
 def load_checkpoint(
     strategy: Ranks,
     path: str | os.PathLike,
@@ -170,6 +189,8 @@ def load_checkpoint(
     a mismatch raises CheckpointMismatchError listing them, before anything is modified.
     Values that a narrower dtype cannot hold (float32 1e5 into float16) raise CheckpointError,
     also before anything is modified; `saturate=True` clamps them to its largest finite value.
+    A missing, truncated or corrupted file raises CheckpointError naming it, also before
+    anything is modified: every file is checked first (checkpoint/verify.py).
     """
     given = Path(path).absolute()
     path = resolve(given)
@@ -177,18 +198,20 @@ def load_checkpoint(
     rank = strategy.rank
     shared, _ = state_dicts(state, full=False)
 
-    def open_and_check() -> tuple[dict[str, Any], set[str], dict[str, torch.dtype]] | None:
-        """None for a full export; for a sharded checkpoint, its object leaves, the keys to
-        load and those read into a narrower dtype (one agreement for all: each is a
-        collective, a measurable part of a fast load)."""
-        if _open(path):
+    def open_and_check() -> tuple[dict[str, Any], Any, set[str], dict[str, torch.dtype]] | None:
+        """None for a full export; for a sharded checkpoint, its object leaves, this rank's
+        per-rank leaves, the keys to load and those read into a narrower dtype, once every
+        file is checked (one agreement for all: each is a collective, a measurable part of a
+        fast load)."""
+        if _open(path, state):
             return None
-        saved_shapes, saved_objects, dtypes = _saved_leaves(path)
+        saved_shapes, saved_objects, dtypes, metadata = _saved_leaves(path)
         saved = {**saved_shapes, **saved_objects}
         keep = _check_match(path, state, shared, saved, strict)
+        per_rank = _check_files(strategy, path, metadata, keep)
         kept = {k: v for k, v in shared.items() if k in keep}
         log_conversions(path, kept, dtypes, rank)
-        return saved_objects, keep, narrowing(kept, dtypes)
+        return saved_objects, per_rank, keep, narrowing(kept, dtypes)
 
     checked = agree(
         strategy, f"opening checkpoint {path}", open_and_check, same_path=("load_checkpoint", given)
@@ -200,10 +223,11 @@ def load_checkpoint(
     return state
 
 
-def _open(path: Path) -> bool:
+def _open(path: Path, state: Mapping[str, Any]) -> bool:
+    """True for a full export; a sharded checkpoint's records are checked here."""
     if path.is_file() and not path.name.endswith(".partial"):
         return True
-    read_manifest(path)
+    check_records(path, read_manifest(path), state)
     return False
 
 
@@ -215,6 +239,7 @@ def _load_sharded(
     strict: bool,
     saturate: bool,
     saved_objects: dict[str, Any],
+    per_rank: Any,
     keep: set[str],
     narrowed: dict[str, torch.dtype],
 ) -> None:
@@ -229,18 +254,23 @@ def _load_sharded(
             f"load_checkpoint({path}): checking value ranges",
             lambda: check_range(path, copies, targets, strategy.rank, saturate=saturate),
         )
-    _read(
-        strategy,
-        path,
-        {k: v for k, v in to_load.items() if k not in copies},
-        "reading tensor shards",
-    )
+    try:  # the first copy into the live state: every file was checked before it
+        _read(
+            strategy,
+            path,
+            {k: v for k, v in to_load.items() if k not in copies},
+            "reading tensor shards",
+        )
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"{error}. The files passed the check before this read, so one changed or could "
+            "not be read during it: the state may be partly loaded; load a checkpoint again "
+            "before training"
+        ) from error
     copy_back(copies, to_load)
-    rank_file = path / "objects" / f"rank_{strategy.rank}.pt"
     leaves = {**to_load, **{k: v for k, v in saved_objects.items() if k in keep}}
 
     def apply() -> None:
-        per_rank = torch.load(rank_file, weights_only=True) if rank_file.exists() else None
         _apply(strategy, state, leaves, per_rank, full=False, strict=strict, path=path)
 
     agree(strategy, f"load_checkpoint({path}): applying", apply)
@@ -249,12 +279,12 @@ def _load_sharded(
 def _read(strategy: Ranks, path: Path, tensors: dict[str, Any], what: str) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from manualpar.checkpoint.reader import NamingReader  # with DCP: imported when loading
+
     dcp_call(
         strategy,
         f"load_checkpoint({path}): {what}",
-        lambda: dcp.load(
-            tensors, storage_reader=dcp.FileSystemReader(path), process_group=strategy.group
-        ),
+        lambda: dcp.load(tensors, storage_reader=NamingReader(path), process_group=strategy.group),
     )
 
 
@@ -272,8 +302,10 @@ def _load_full(
     }
 
     def check() -> dict[str, Any]:
-        """The leaves to load, once keys, shapes and value ranges are checked."""
+        """The leaves to load, once records, keys, shapes and value ranges are checked."""
+        check_records(path, blob.get(FULL_KEY) or {}, state)
         keep = _check_match(path, state, shared, saved, strict)
+        check_object_file(path)  # every byte, before the first copy
         leaves = {
             k: v
             for key, value in blob.items()

@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem
 
-__all__ = ["Block", "LocalShards", "full_tensors", "gathering_full_tensors"]
+__all__ = [
+    "Block",
+    "LocalShards",
+    "current_load",
+    "full_tensors",
+    "gathering_full_tensors",
+    "loading",
+]
 
 _FULL = contextvars.ContextVar("manualpar_full_tensors", default=False)
 
@@ -43,6 +50,29 @@ def full_tensors() -> Iterator[None]:
 
 def gathering_full_tensors() -> bool:
     return _FULL.get()
+
+
+_LOAD: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "manualpar_loading", default=None
+)
+
+
+@contextmanager
+def loading() -> Iterator[object]:
+    """Inside (a checkpoint load), state dicts are taken to be loaded into: a store hands its
+    blocks out as they are, without first making them whole (a disk table would generate and
+    write every row it never wrote, for the load to overwrite). Yields the load's token."""
+    token = object()
+    reset = _LOAD.set(token)
+    try:
+        yield token
+    finally:
+        _LOAD.reset(reset)
+
+
+def current_load() -> object | None:
+    """The token of the load running (loading()), or None outside one."""
+    return _LOAD.get()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from manualpar.checkpoint.files import (
     swap_in,
     write_file,
 )
+from manualpar.checkpoint.records import MANIFEST_KEY as RECORDS
+from manualpar.checkpoint.records import saved_records
 from manualpar.checkpoint.state import (
     entry_kind,
     entry_state_dict,
@@ -63,6 +65,8 @@ def state_dicts(state: Mapping[str, Any], *, full: bool) -> tuple[dict[str, Any]
     shared: dict[str, Any] = {}
     per_rank: dict[str, Any] = {}
     for key, value in state.items():
+        if entry_kind(value) == "record":  # no leaves: its record is in the manifest
+            continue
         target = per_rank if entry_kind(value) == "per_rank" else shared
         target.update(flatten(entry_state_dict(key, value, state, full=full), key))
     return shared, per_rank
@@ -77,6 +81,7 @@ def make_manifest(strategy: Ranks, state: Mapping[str, Any], kind: str) -> dict:
         "world_size": strategy.world_size,
         "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
         "entries": {key: entry_kind(value) for key, value in state.items()},
+        RECORDS: saved_records(state),
         "committed_at": time.time(),
         "torch": str(torch.__version__),
     }
@@ -188,6 +193,8 @@ def _save_full(strategy: Ranks, path: Path, state: Mapping[str, Any], overwrite:
     )
     blob: dict[str, Any] = {}
     for key, value in state.items():
+        if entry_kind(value) == "record":
+            continue
         local = entry_state_dict(key, value, state, full=True)
         if entry_kind(value) == "per_rank":
             gathered = strategy.all_gather_object(local)

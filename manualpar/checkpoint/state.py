@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from manualpar.checkpoint.local_shards import full_tensors
+from manualpar.checkpoint.records import HasCheckpointRecord
 from manualpar.errors import CheckpointError
 
 SEP = "/"
@@ -27,13 +28,16 @@ SEP = "/"
 
 def entry_kind(value: Any) -> str:
     """An optimizer with `saves_own_state = True` (a fused optimizer, whose state dict already
-    holds its sharded tables' blocks) is saved as a stateful object, not by parameter."""
+    holds its sharded tables' blocks) is saved as a stateful object, not by parameter. An
+    object with a checkpoint record and no state dict is a "record": it holds no leaves."""
     if isinstance(value, nn.Module):
         return "module"
     if isinstance(value, torch.optim.Optimizer) and not getattr(value, "saves_own_state", False):
         return "optimizer"
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return "per_rank" if getattr(value, "per_rank", False) else "stateful"
+    if isinstance(value, HasCheckpointRecord):  # only its record is saved (checkpoint/records.py)
+        return "record"
     return "value"
 
 

@@ -1,9 +1,12 @@
-"""Plot a run's metrics.jsonl (written by the Trainer) to a PNG: one panel per metric."""
+"""Plot a run's metrics.jsonl (written by the Trainer) to a PNG: one panel per metric, or per
+metric whose name starts with one of `--keys` (`--keys time/`: where the timed steps' time
+went, loop/step_times.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +15,11 @@ from manualpar import ManualParError
 __all__ = ["add_arguments", "metrics_figure", "plot_metrics", "run"]
 
 
-def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write `<run_dir>/metrics.png` (or `out`); returns its path."""
+def plot_metrics(
+    run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] = ()
+) -> Path:
+    """Write `<run_dir>/metrics.png` (or `out`); returns its path. `keys`: plot only the
+    metrics whose names start with one of these (all if empty)."""
     run_dir = Path(run_dir)
     source = run_dir / "metrics.jsonl"
     if not source.is_file():
@@ -33,6 +39,15 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 values.append(float(value))
     if not series:
         raise ManualParError(f"{source} holds no numeric metrics")
+    if keys:
+        chosen = {name: s for name, s in series.items() if name.startswith(tuple(keys))}
+        if not chosen:
+            raise ManualParError(
+                f"{source} holds no metric starting with {' or '.join(map(repr, keys))}; it "
+                f"holds {', '.join(sorted(series))}. Pass one of these (or a start of one) to "
+                "--keys"
+            )
+        series = chosen
     figure = metrics_figure(series, str(run_dir))
     target = Path(out) if out else run_dir / "metrics.png"
     figure.savefig(target, dpi=100)
@@ -73,8 +88,16 @@ def metrics_figure(series: dict[str, tuple[list[int], list[float]]], title: str)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        default=(),
+        metavar="PREFIX",
+        help="plot only the metrics whose names start with one of these (e.g. time/ for the "
+        "step times of Trainer(step_times_every=N))",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    print(plot_metrics(args.run_dir, args.out))
+    print(plot_metrics(args.run_dir, args.out, args.keys))
     return 0

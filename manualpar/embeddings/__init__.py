@@ -84,6 +84,7 @@ from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagColle
 from manualpar.embeddings.sharded.ranking import target_ranks, top_k_items
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
 from manualpar.embeddings.sharded.shard_embeddings import shard_embeddings
+from manualpar.embeddings.step.wire import WireDtypes
 from manualpar.embeddings.storage.disk_tier import CacheTooSmall, DiskTier
 
 __all__ = [
@@ -125,6 +126,7 @@ __all__ = [
     "SparseOptimizer",
     "TablePlacement",
     "Topology",
+    "WireDtypes",
     "Workload",
     "available_bytes",
     "block_bytes",

@@ -11,16 +11,20 @@ from manualpar.loop.data import dataset_batches
 from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank
 from manualpar.loop.pipeline import TrainPipeline
+from manualpar.loop.predict import Predictions, predict, scoring_batches
 from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.trainer import Trainer
 
 __all__ = [
     "BestCheckpoints",
     "EarlyStopping",
+    "Predictions",
     "Prefetched",
     "TrainPipeline",
     "Trainer",
     "check_finite",
     "dataset_batches",
     "log_with_rank",
+    "predict",
+    "scoring_batches",
 ]

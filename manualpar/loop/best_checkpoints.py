@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from manualpar.errors import CheckpointError
 from manualpar.loop.monitor import Monitor
 
 __all__ = ["BestCheckpoints", "read_best_index"]
@@ -109,9 +110,44 @@ class BestCheckpoints:
 
 
 def read_best_index(directory: Path) -> tuple[float, Path] | None:
-    """(value, path) of the best checkpoint listed in `directory/best.json`, or None."""
+    """(value, path) of the best checkpoint listed in `directory/best.json`, or None.
+
+    The file is checked before it is used (an edited or broken one raises CheckpointError
+    naming it): its paths must name checkpoints inside `directory`, as `prune` writes them, so
+    that validate(checkpoint="best") never loads from anywhere else."""
     index = directory / INDEX
     if not index.is_file():
         return None
-    kept = json.loads(index.read_text())["kept"]
-    return (float(kept[0]["value"]), directory / kept[0]["path"]) if kept else None
+    kept = _kept(index)
+    for _, name in kept:
+        if not _names_a_child(directory, name):
+            raise CheckpointError(
+                f"{index}: the best checkpoint's path {name!r} is not a checkpoint inside "
+                f"{directory}; best.json lists checkpoints of best/ by name (step_<n>). Restore "
+                "the file or delete it (and pass the checkpoint's path to validate)"
+            )
+    return (kept[0][0], directory / kept[0][1]) if kept else None
+
+
+def _kept(index: Path) -> list[tuple[float, str]]:
+    """The (value, path) entries of a best.json, best first; CheckpointError if it is not one."""
+    try:
+        kept = json.loads(index.read_text())["kept"]
+        entries = [(float(entry["value"]), entry["path"]) for entry in kept]
+        if not all(isinstance(name, str) for _, name in entries):
+            raise TypeError("a path that is not a string")
+    except (ValueError, TypeError, KeyError, IndexError) as error:  # JSONDecodeError: a ValueError
+        raise CheckpointError(
+            f"{index}: not a best-checkpoint index ({type(error).__name__}: {error}); "
+            'BestCheckpoints writes {"monitor": ..., "mode": ..., "kept": [{"step": ..., '
+            '"value": ..., "path": "step_<n>"}, ...]}. Restore the file or delete it (the '
+            "next run that keeps a best checkpoint writes it again)"
+        ) from None
+    return entries
+
+
+def _names_a_child(directory: Path, name: str) -> bool:
+    """`name` is one entry of `directory` (no separator, no "..", no link leading out)."""
+    if name in ("", ".", "..") or Path(name).name != name:
+        return False
+    return (directory / name).resolve().parent == directory.resolve()

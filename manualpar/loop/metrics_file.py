@@ -17,6 +17,8 @@ from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["MetricsFile", "Window", "mean_over_ranks"]
 
+_TIMES = ("time/", "time_mean/")  # step_times.py's records: not values fit() returns
+
 
 class MetricsFile:
     def __init__(self, path: Path, strategy: ManualParallelStrategy) -> None:
@@ -45,8 +47,8 @@ class MetricsFile:
 
     def recorded_at(self, step: int) -> dict[str, float]:
         """The metrics recorded at `step` (a finished run's last ones), as fit() returns them:
-        losses and validation values, without step, learning rates or throughput; on every
-        rank (one broadcast)."""
+        losses and validation values, without step, learning rates, throughput or step
+        times; on every rank (one broadcast)."""
         found: dict[str, float] = {}
         if self.strategy.is_global_zero and self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -55,7 +57,11 @@ class MetricsFile:
                     found.update(record)
         found = self.strategy.broadcast(found)  # rank 0 holds the file
         skipped = {"step", "lr", "steps_per_s"}
-        return {k: v for k, v in found.items() if k not in skipped and not k.endswith("/lr")}
+        return {
+            k: v
+            for k, v in found.items()
+            if k not in skipped and not k.endswith("/lr") and not k.startswith(_TIMES)
+        }
 
 
 @dataclass

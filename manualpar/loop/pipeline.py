@@ -18,7 +18,9 @@ while a batch is in flight.
 Every rank must hand out the same number of batches, so before each prefetch the ranks agree (one
 all_reduce of one number) that every one of them has a next batch: when one rank's loader ends,
 every rank stops after the current batch; when one rank's loader raises, that rank re-raises the
-error (its own traceback) after the current batch and the others raise a RuntimeError naming it.
+error (its own traceback) after the current batch and the others raise a RuntimeError naming it;
+when one rank's loader yields None (which would read as "no next batch" on that rank alone),
+every rank raises DataError naming it after the current batch.
 Leaving the loop early leaves the next batch in flight: call `emb.drop_prefetched()` on each
 collection before another pipeline starts.
 """
@@ -32,13 +34,14 @@ from typing import Any
 
 import torch
 
+from manualpar.errors import DataError
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["TrainPipeline"]
 
 log = logging.getLogger("manualpar.trainer")
 
-_READY, _ENDED, _FAILED = 0, 1, 2
+_READY, _ENDED, _FAILED, _NONE = 0, 1, 2, 3  # what a rank's read gave (agreed: not all _READY)
 
 
 class TrainPipeline:
@@ -89,14 +92,24 @@ class TrainPipeline:
         return reading.result()
 
     def _stop(self, reading: Future[Any]) -> None:
-        """After the last common batch: re-raise this rank's loader error, name another
-        rank's, or log which ranks' loaders ended."""
+        """After the last common batch: re-raise this rank's loader error, name the ranks
+        whose loader yielded None or raised, or log which ranks' loaders ended."""
         error, status = reading.exception(), _status(reading)
         statuses = self.strategy.all_gather_object(status)
         failed = [rank for rank, s in enumerate(statuses) if s == _FAILED]
         if status == _FAILED:
             assert error is not None
             raise error
+        gave_none = [rank for rank, s in enumerate(statuses) if s == _NONE]
+        if gave_none:
+            raise DataError(
+                f"TrainPipeline: the loader of rank {', '.join(map(str, gave_none))} yielded "
+                f"None as batch {self.handed_out} (after {self.handed_out} batches handed out); "
+                "every rank raises this after the same batch. A loader must not yield None, "
+                "which means 'no next batch' to the pipeline: yield the batch, or end the "
+                "iterator when this rank's data has ended (every rank then stops after the "
+                "same batch)"
+            )
         if failed:
             raise RuntimeError(
                 f"TrainPipeline: the loader of rank {', '.join(map(str, failed))} raised after "
@@ -114,6 +127,8 @@ class TrainPipeline:
 
 
 def _status(reading: Future[Any]) -> int:
-    """What this rank's read gave: a batch, the loader's end, or an error (waits for it)."""
+    """What this rank's read gave: a batch, the loader's end, an error, or None (waits)."""
     error = reading.exception()
-    return _READY if error is None else _ENDED if isinstance(error, StopIteration) else _FAILED
+    if error is None:
+        return _NONE if reading.result() is None else _READY
+    return _ENDED if isinstance(error, StopIteration) else _FAILED

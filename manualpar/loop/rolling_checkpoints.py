@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from manualpar.checkpoint.files import latest_checkpoint, read_manifest
+from manualpar.checkpoint.files import scan_checkpoints
+from manualpar.loop.intact_resume import Resumed, load_newest_intact
 from manualpar.loop.resume_lr import learning_rates, report_restored_lrs
 from manualpar.strategy import ManualParallelStrategy
 
@@ -30,22 +31,22 @@ class RollingCheckpoints:
         self.keep_last, self.asynchronous = keep_last, asynchronous
         self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed
 
-    def resume(self, state: dict[str, Any], resume_lr: str) -> bool:
-        """Load the latest committed checkpoint into `state` (collective); False if none."""
-        latest = latest_checkpoint(self.directory)
-        if latest is None:
-            return False
+    def resume(self, state: dict[str, Any], resume_lr: str) -> Resumed | None:
+        """Load the newest committed checkpoint that loads into `state` (collective; those
+        that cannot be read are skipped, loop/intact_resume.py); None if there is none."""
         configured = learning_rates(state)
-        self.strategy.load_checkpoint(latest, state)
+        resumed = load_newest_intact(self.strategy, self.directory, state)
+        if resumed is None:
+            return None
         self.saved_at = state["step"]
         log.info(
             "resumed from %s at step %d: restored %s",
-            latest,
+            resumed.path,
             state["step"],
             ", ".join(sorted(state)),
         )
         report_restored_lrs(configured, state, keep=resume_lr)
-        return True
+        return resumed
 
     def save(self, state: dict[str, Any], step: int) -> None:
         path = self.directory / f"step_{step:08d}"
@@ -59,15 +60,29 @@ class RollingCheckpoints:
         self.saved_at = step
 
     def prune(self) -> None:
-        """Keep the `keep_last` newest committed checkpoints (rank 0 deletes the others)."""
-        if self.strategy.is_global_zero and self.directory.is_dir():
-            committed = sorted(
-                (read_manifest(p)["step"], p)
-                for p in self.directory.iterdir()
-                if not p.name.startswith(".") and (p / "manualpar.json").is_file()
-            )
-            for _, old in committed[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        """Keep the `keep_last` newest committed checkpoints (rank 0 deletes the others).
+
+        One whose manifest cannot be read, or records no step, is kept and named in a warning:
+        which run or step it holds is unknown, and it never stops the run."""
+        if not self.strategy.is_global_zero or not self.directory.is_dir():
+            return
+        found, unreadable = scan_checkpoints(self.directory)
+        for path, reason in unreadable:
+            log.warning("keeping %s, which prune cannot date: %s", path, reason)
+        stepped = []
+        for path, manifest in found:
+            if path.name.startswith("."):  # an interrupted overwrite's previous copy
+                continue
+            if isinstance(manifest.get("step"), int) and not isinstance(manifest["step"], bool):
+                stepped.append(path)
+            else:
+                log.warning(
+                    "keeping %s, which prune cannot date: its manifest records no step (%r)",
+                    path,
+                    manifest.get("step"),
+                )
+        for old in stepped[self.keep_last :]:  # newest first
+            shutil.rmtree(old, ignore_errors=True)
 
     def abandon_pending(self) -> None:
         """fit() failed: let a background save finish or fail (bounded by the collective

@@ -4,16 +4,23 @@ tensorboard is an optional extra (`pip install manualpar[tensorboard]`): nothing
 unless a Trainer asks for this log. A resumed run appends a new event file that starts with a
 purge marker at the step after its checkpoint: TensorBoard's readers then drop what the
 interrupted run wrote after that step, as the metrics file drops those lines.
+
+The directory is checked when the Trainer is made, on every rank (each also writes checkpoints
+under the same out_dir), so a file in its place or a read-only directory stops every rank
+before training, not rank 0 alone at its first record.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TensorBoardLog", "require_tensorboard"]
+from manualpar.errors import OutputPathError
+
+__all__ = ["TensorBoardLog", "check_log_directory", "require_tensorboard"]
 
 
 def require_tensorboard() -> None:
@@ -27,12 +34,32 @@ def require_tensorboard() -> None:
         ) from error
 
 
+def check_log_directory(directory: Path) -> None:
+    """OutputPathError unless `directory` is, or can be made as, a writable directory."""
+    existing = directory
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent  # the nearest part of the path that exists
+    if not existing.is_dir():
+        which = "it" if existing == directory else str(existing)
+        raise _unwritable(directory, f"{which} is a file, not a directory", "Move it away")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _unwritable(directory, f"{existing} is not writable", "Fix its permissions")
+
+
+def _unwritable(directory: Path, problem: str, fix: str) -> OutputPathError:
+    return OutputPathError(
+        f"Trainer(tensorboard=True): cannot write the TensorBoard log to {directory}: "
+        f"{problem}. {fix}, pass another out_dir, or pass tensorboard=False"
+    )
+
+
 class TensorBoardLog:
     """Writes each metrics record it is given: numbers as scalars at the record's step (their
     metrics.jsonl names are the tags), event records as text under "events"."""
 
     def __init__(self, directory: Path) -> None:
         require_tensorboard()
+        check_log_directory(directory)
         self.directory = directory
         self._writer: Any = None
         self._purge_step: int | None = None
@@ -44,6 +71,13 @@ class TensorBoardLog:
         self._purge_step = purge_step
 
     def write(self, record: Mapping[str, Any]) -> None:
+        try:
+            self._write(record)
+        except OSError as error:  # the directory changed since the check: name it
+            check_log_directory(self.directory)
+            raise _unwritable(self.directory, str(error), "Check the directory") from error
+
+    def _write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter

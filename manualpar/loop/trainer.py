@@ -34,15 +34,19 @@ from manualpar.checkpoint.files import read_manifest
 from manualpar.loop.best_checkpoints import BestCheckpoints
 from manualpar.loop.configured import optimizers_of
 from manualpar.loop.data import Data, dataset_batches, step_batches
+from manualpar.loop.dense_finite import NON_FINITE_MODES
 from manualpar.loop.early_stopping import EarlyStopping
 from manualpar.loop.logs import log_with_rank, progress_bar
 from manualpar.loop.metrics_file import MetricsFile, Window, mean_over_ranks
 from manualpar.loop.precision import Precision
+from manualpar.loop.predict import Predictions, predict
 from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
+from manualpar.loop.run_record import RunRecord
 from manualpar.loop.step_ahead import StepAhead, model_prefetch
+from manualpar.loop.step_times import CHECKPOINT, READ, StepTimes
 from manualpar.loop.tensorboard_log import TensorBoardLog
 from manualpar.loop.train_step import TrainStep
 from manualpar.loop.validation import Validation
@@ -81,8 +85,17 @@ class Trainer:
             optimizers were created with (to change the learning rate of a run). Either way
             the resume logs which values the checkpoint overrode (a scheduled group only if
             its rate is not what its restored schedule gives).
+        allow_batch_change: resume a checkpoint saved with another global batch (the data's
+            `global_batch_size` times `accumulate`), for a planned batch-size schedule; by
+            default such a resume is refused, as step-addressed data would then mean other
+            samples (loop/run_record.py).
         precision: "32", "bf16-mixed" or "fp16-mixed": autocast around training_step and
             validation_step; fp16 adds a gradient scaler (refused with sharded tables).
+        non_finite: a step whose dense gradients hold NaN or inf: "raise" (NonFiniteError
+            naming the parameters; the optimizer does not step) or "skip" (the whole step is
+            dropped, sparse updates included, and logged as `skipped_non_finite`); None: "skip"
+            if the model's sharded tables all skip (shard_embeddings(..., non_finite="skip")),
+            else "raise". With fp16-mixed the gradient scaler handles overflows instead.
         early_stopping: an EarlyStopping on a validation value (needs val_every).
         best_checkpoints: a BestCheckpoints: the best checkpoints by a validation value, in
             `<out_dir>/best/` (needs val_every).
@@ -95,6 +108,10 @@ class Trainer:
             each sharded collection), fetch the next step's batch before each step and call
             it, so its ids travel during the step (loop/pipeline.py; exact, so on by default;
             only with accumulate=1).
+        step_times_every: every N steps, record where that step's time went (`time/read`,
+            `time/lookup`, ..., `time/step`: seconds, the slowest rank's) in metrics.jsonl and
+            TensorBoard (loop/step_times.py; docs/trainer.md, "Where a step's time goes");
+            None: never. A timed step synchronizes the device at each phase boundary.
     """
 
     def __init__(
@@ -112,13 +129,16 @@ class Trainer:
         progress: bool = True,
         clip_grad_norm: float | None = None,
         resume_lr: str = "checkpoint",
+        allow_batch_change: bool = False,
         async_checkpoint: bool = False,
         precision: str = "32",
+        non_finite: str | None = None,
         early_stopping: EarlyStopping | None = None,
         best_checkpoints: BestCheckpoints | None = None,
         tensorboard: bool = False,
         prefetch: bool = False,
         pipeline: bool = True,
+        step_times_every: int | None = None,
     ) -> None:
         for name, value in (
             ("max_steps", max_steps),
@@ -152,6 +172,7 @@ class Trainer:
         self.val_every, self.val_steps = val_every, val_steps
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
+        self.allow_batch_change = allow_batch_change
         self.async_checkpoint, self.prefetch, self.pipeline = async_checkpoint, prefetch, pipeline
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
@@ -159,7 +180,13 @@ class Trainer:
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
         self._schedulers: list[Scheduler] = []
-        self._step = TrainStep(self._precision, strategy.device, accumulate, clip_grad_norm)
+        if non_finite not in (None, *NON_FINITE_MODES):
+            raise ValueError(
+                f"Trainer: non_finite must be one of {NON_FINITE_MODES} or None, got {non_finite!r}"
+            )
+        self._step = TrainStep(self._precision, strategy, accumulate, clip_grad_norm, non_finite)
+        self._times = StepTimes(strategy, step_times_every, self._metrics)
+        self._step.times = self._times.recorder
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -216,19 +243,24 @@ class Trainer:
         self._extra = extra_checkpoint_entries(model)
         self._remappers = raw_id_remappers(model)  # managed-collision tables: rates logged
         self._step.track(model, self._schedulers)
+        self._times.track(self._step.sharded)
         self._precision.setup(model, optimizer, self.strategy)
         state = {
             "model": model,
             "optim": optimizer,
             "step": 0,
             "rng": RNGState(),
+            "run": RunRecord(data, self.accumulate, self.allow_batch_change),  # checked on resume
             **self._extra,
             **{f"scheduler_{i}": s for i, s in enumerate(self._schedulers)},
             **self._precision.entries(),
             **self._watch.entries(),
         }
-        if self._checkpoints.resume(state, self.resume_lr):
+        resumed = self._checkpoints.resume(state, self.resume_lr)
+        if resumed is not None:
             self._metrics.keep_until(state["step"])
+            for event in resumed.events(state["step"]):  # checkpoints it could not read
+                self._metrics.append(event)
             self.strategy.barrier("resume")
         self.step = state["step"]
         self._watch.resumed(self.strategy.is_global_zero)
@@ -243,6 +275,7 @@ class Trainer:
         finally:
             for module in self._step.sharded:  # a batch sent ahead of a step that never came
                 module.drop_prefetched()
+            self._times.untrack()
             if isinstance(read, Prefetched):
                 read.close()
             if self._tensorboard is not None:
@@ -269,7 +302,9 @@ class Trainer:
         prefetch = model_prefetch(_user(model), self.pipeline, self.accumulate)
         steps = StepAhead(functools.partial(self._fetch, data), prefetch, self.max_steps)
         while self.step < self.max_steps and not self.stopped_early:
-            batches = steps.batches(self.step)  # the next step's sent ahead (step_ahead.py)
+            self._times.begin(self.step)
+            with self._times.recorder.phase(READ):
+                batches = steps.batches(self.step)  # the next step's sent ahead (step_ahead.py)
             if batches is None:  # a rank's data ran out: every rank ends the run at this step
                 ranks = sorted(self.data_ran_out)
                 event = {"step": self.step, "event": "data_ran_out", "ranks": ranks}
@@ -302,6 +337,7 @@ class Trainer:
                 assert self.early_stopping is not None
                 event = self.early_stopping.event(self.step)
                 last.update(self._stop(state, event, window, optimizer))
+            self._times.end(self.step)
         if bar is not None:
             bar.close()
         return last
@@ -320,10 +356,11 @@ class Trainer:
     def _save(self, state: dict[str, Any], best: Path | None = None) -> None:
         """A rolling checkpoint of this step, or with `best` a best one (always synchronous)."""
         state["step"] = self.step
-        if best is None:
-            self._checkpoints.save(state, self.step)
-        else:
-            self.strategy.save_checkpoint(best, state)
+        with self._times.recorder.phase(CHECKPOINT):
+            if best is None:
+                self._checkpoints.save(state, self.step)
+            else:
+                self.strategy.save_checkpoint(best, state)
 
     def _fetch(self, data: Data, step: int) -> list[Any] | None:
         """Step `step`'s micro-batches, or None on every rank if any rank's data ran out (then
@@ -363,6 +400,27 @@ class Trainer:
             model.train(training)
             if self._tensorboard is not None:
                 self._tensorboard.close()
+
+    def predict(
+        self,
+        model: nn.Module,
+        data: Data,
+        *,
+        steps: int | None = None,
+        order: str = "interleaved",
+        checkpoint: str | Path | None = None,
+    ) -> Predictions:
+        """`model.predict_step(batch)` over `data` on every rank, in eval mode under the
+        Trainer's precision, as validation runs: iterate it (on every rank together) for each
+        global batch's outputs in the global sample order (loop/predict.py). Sets up and loads
+        `checkpoint` as validate() does."""
+        if isinstance(model, ParallelModule) and not model.is_setup:
+            model.setup(self.strategy)
+        if checkpoint is not None:
+            path = self._watch.checkpoint("predict", checkpoint, self.checkpoint_dir)
+            self.strategy.load_checkpoint(path, {"model": model, **extra_checkpoint_entries(model)})
+        autocast = functools.partial(self._precision.autocast, self.strategy.device)
+        return predict(model, data, self.strategy, steps=steps, order=order, autocast=autocast)
 
     # ---- metrics ------------------------------------------------------------------------------
     def _record(self, window: Window, optimizer: torch.optim.Optimizer) -> dict[str, float]:

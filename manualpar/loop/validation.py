@@ -60,7 +60,7 @@ def validation_pass(
     sums: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     for index in range(val_steps):
-        batches, ran_out = step_batches(strategy, val_data, index, 1)
+        batches, ran_out = step_batches(strategy, val_data, index, 1, name="val_data")
         if batches is None:
             return ValidationPass(_means(sums, index), index, ran_out, metrics)
         with autocast():

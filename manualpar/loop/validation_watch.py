@@ -5,6 +5,7 @@ finding the best checkpoint afterwards."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,12 @@ class ValidationWatch:
             if is_global_zero:
                 best.prune()
         stopping = self.early_stopping
-        return stopping is not None and stopping.update(values, step)
+        if stopping is None:
+            return False
+        stop = stopping.update(values, step)
+        if is_global_zero:
+            _warn_non_finite(stopping, values, step, stop)
+        return stop
 
     def best(self) -> tuple[float, Path] | None:
         """(value, path) of the best checkpoint: this run's, else the one best.json lists."""
@@ -115,3 +121,25 @@ class ValidationWatch:
                 "pass None, 'latest', 'best' or the path of a checkpoint"
             )
         return Path(name)
+
+
+def _warn_non_finite(
+    stopping: EarlyStopping, values: Mapping[str, float], step: int, stop: bool
+) -> None:
+    """Say when the monitored value is NaN or inf: a diverged model, never a plateau."""
+    value = float(values[stopping.monitor])
+    if math.isfinite(value):
+        return
+    if stop and stopping.non_finite is not None:
+        log.warning(
+            "early stopping: %s is %s at step %d (a diverged model?); every rank stops here "
+            "(best %s at step %s). Pass EarlyStopping(check_finite=False) to count it as a "
+            "validation without an improvement instead",
+            stopping.monitor, value, step, stopping.best, stopping.best_step,
+        )  # fmt: skip
+    else:
+        log.warning(
+            "early stopping: %s is %s at step %d (a diverged model?); counted as a validation "
+            "without an improvement (%d of patience %d: check_finite=False)",
+            stopping.monitor, value, step, stopping.wait, stopping.patience,
+        )  # fmt: skip

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from manualpar.metrics.nan_check import refuse_nan
 from manualpar.metrics.protocol import gather_rows
 
 if TYPE_CHECKING:
@@ -57,10 +58,7 @@ class AUC:
             )
         score = scores.detach().reshape(-1).to(torch.float64)
         label = labels.detach().reshape(-1).to(torch.float64, copy=True).to(score.device)
-        if torch.isnan(score).any():
-            raise ValueError(
-                f"AUC.update: {int(torch.isnan(score).sum())} of {score.numel()} scores are NaN"
-            )
+        refuse_nan(score, "scores", "AUC.update")
         if ((label != 0) & (label != 1)).any():
             raise ValueError(
                 "AUC.update: labels must be 0 or 1, got "

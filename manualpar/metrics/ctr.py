@@ -4,6 +4,8 @@ object, from one gather of (prediction, label) pairs.
 A CTR job wants all four after every validation pass; three separate objects each gathered or
 summed their own copy of the same samples. Calibration is the predicted CTR over the observed
 one (mean predicted probability / positive rate): 1 when the model's rates are unbiased.
+The sums run over the pairs sorted, so the same samples give the same bits however they were
+split over ranks or ordered: a one-process scoring run reproduces a validation pass exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from manualpar.metrics.auc import exact_auc
+from manualpar.metrics.log_loss import logit_loss_sum
+from manualpar.metrics.nan_check import refuse_nan
 from manualpar.metrics.protocol import gather_rows
 
 if TYPE_CHECKING:
@@ -46,11 +50,7 @@ class CTRMetrics:
             )
         x = predictions.detach().reshape(-1).to(torch.float64)
         y = labels.detach().reshape(-1).to(torch.float64, copy=True).to(x.device)
-        if torch.isnan(x).any():
-            raise ValueError(
-                f"CTRMetrics.update: {int(torch.isnan(x).sum())} of {x.numel()} {what} are NaN "
-                "(a diverged model?); check the model's outputs before scoring them"
-            )
+        refuse_nan(x, what, "CTRMetrics.update")
         if ((y != 0) & (y != 1)).any():
             raise ValueError(
                 "CTRMetrics.update: labels must be 0 or 1, got "
@@ -72,10 +72,10 @@ class CTRMetrics:
                 "CTRMetrics.compute: no sample was added on any rank; call update(...) before "
                 "compute"
             )
-        x, y = pairs[:, 0], pairs[:, 1]
+        x, y = _canonical_order(pairs)
         auc = exact_auc(x, y == 1)  # refuses one class, naming it
         if self.from_logits:
-            loss = F.binary_cross_entropy_with_logits(x, y, reduction="sum")
+            loss = logit_loss_sum(x, y)
             predicted = torch.sigmoid(x)
         else:
             loss, predicted = F.binary_cross_entropy(x, y, reduction="sum"), x
@@ -90,3 +90,11 @@ class CTRMetrics:
             "calibration": float(predicted.sum()) / count / rate,
             "count": count,
         }
+
+
+def _canonical_order(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions and labels sorted by (prediction, label): float64 sums depend on the order
+    of their terms, and the order of gathered pairs on the ranks' split of the samples."""
+    by_label = torch.sort(pairs[:, 1], stable=True).indices
+    order = by_label[torch.sort(pairs[by_label, 0], stable=True).indices]
+    return pairs[order, 0], pairs[order, 1]

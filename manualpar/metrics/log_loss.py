@@ -13,12 +13,26 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from manualpar.metrics.nan_check import refuse_nan
 from manualpar.metrics.protocol import sum_over_ranks
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["LogLoss"]
+__all__ = ["LogLoss", "logit_loss_sum"]
+
+
+def logit_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed binary cross-entropy of float64 `logits` (no NaN) for labels in [0, 1].
+
+    An infinite logit costs its limit: 0 when it agrees with a hard label (+inf with 1, -inf
+    with 0), inf otherwise. torch's formula gives NaN for the agreeing case (inf - inf), which
+    would turn a model's most confident right answers into a NaN loss."""
+    finite = torch.isfinite(logits)
+    loss = F.binary_cross_entropy_with_logits(logits[finite], labels[finite], reduction="sum")
+    infinite, label = logits[~finite], labels[~finite]
+    wrong = torch.where(infinite > 0, 1 - label, label)  # the weight of the infinite term
+    return loss + (math.inf if bool((wrong > 0).any()) else 0.0)
 
 
 class LogLoss:
@@ -27,8 +41,9 @@ class LogLoss:
 
     Probabilities go through torch's binary_cross_entropy (a log is clamped at -100, so a
     confident wrong 0 or 1 costs 100, not inf); logits through the stable
-    binary_cross_entropy_with_logits. The normalized entropy is NaN when every label is 0 or
-    every label is 1 (the entropy it divides by is 0).
+    binary_cross_entropy_with_logits, an infinite logit at its limit (`logit_loss_sum`). NaN
+    predictions are refused (NonFiniteError). The normalized entropy is NaN when every label is
+    0 or every label is 1 (the entropy it divides by is 0).
     """
 
     def __init__(self, from_logits: bool = True) -> None:
@@ -48,15 +63,16 @@ class LogLoss:
             )
         x = predictions.detach().reshape(-1).to(torch.float64)
         y = labels.detach().reshape(-1).to(x.device, torch.float64)
+        refuse_nan(x, what, "LogLoss.update")
         if ((y < 0) | (y > 1) | torch.isnan(y)).any():
             raise ValueError("LogLoss.update: labels must lie in [0, 1]")
-        if not self.from_logits and ((x < 0) | (x > 1) | torch.isnan(x)).any():
+        if not self.from_logits and ((x < 0) | (x > 1)).any():
             raise ValueError(
                 "LogLoss.update: probabilities must lie in [0, 1]; pass logits with "
                 "LogLoss(from_logits=True)"
             )
         loss = (
-            F.binary_cross_entropy_with_logits(x, y, reduction="sum")
+            logit_loss_sum(x, y)
             if self.from_logits
             else F.binary_cross_entropy(x, y, reduction="sum")
         )

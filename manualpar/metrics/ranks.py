@@ -2,12 +2,15 @@
 
 The tie rule (the same as manualpar.embeddings' sharded `target_ranks`): items are ordered by
 score, higher first, then by item id, smaller first; so rank = 1 + #{items scoring higher} +
-#{items scoring the same with a smaller id}. NaN scores count as -inf (they rank last).
+#{items scoring the same with a smaller id}. NaN scores are refused (NonFiniteError): a NaN has
+no order, and counting it as anything would rank a diverged model's items by id.
 """
 
 from __future__ import annotations
 
 import torch
+
+from manualpar.metrics.nan_check import refuse_nan
 
 __all__ = ["target_ranks_from_scores"]
 
@@ -33,7 +36,9 @@ def target_ranks_from_scores(scores: torch.Tensor, targets: torch.Tensor) -> tor
             f"target_ranks_from_scores: target {int(targets[at])} of query {at} is not an item "
             f"id in [0, {items})"
         )
-    scores = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    if torch.isnan(scores).any():
+        query = int(torch.isnan(scores).any(dim=1).nonzero()[0, 0])
+        refuse_nan(scores, "scores", "target_ranks_from_scores", first=f"query {query}")
     target = scores.gather(1, targets[:, None])
     ids = torch.arange(items, device=scores.device)
     before = (scores > target) | ((scores == target) & (ids < targets[:, None]))

@@ -153,10 +153,14 @@ class Collectives:
         return src if over is None else dist.get_global_rank(over, src)
 
     def _check_open(self, operation: str) -> None:
+        """Refuse a collective after teardown(), at every world size: on one process it could
+        still answer, but the same script on N ranks cannot, and must fail the same way."""
         if self._torn_down:
             raise CollectiveError(
-                f"{operation} called on rank {self.rank} after teardown(); the process group is "
-                "gone, so the result would be this rank's value alone"
+                f"{operation} called on rank {self.rank} after teardown(); the strategy's "
+                "process group is gone, so the result would be this rank's value alone. Call "
+                "teardown() once, after the script's last collective, mesh() and checkpoint "
+                "save or load, or make a new ManualParallelStrategy to go on"
             )
 
     def _check_same_meta(self, operation: str, tensor: torch.Tensor, group: Group = None) -> None:
@@ -191,8 +195,8 @@ class Collectives:
         A tensor is broadcast into the tensor each rank passed (same shape and dtype everywhere,
         as in torch). Any other object is pickled; pickle travels only between this job's ranks.
         """
-        global_src = self._check_src("broadcast", src, group)
         self._check_open("broadcast")
+        global_src = self._check_src("broadcast", src, group)
         if not self.is_distributed:
             return obj
         over = self._group("broadcast", group)
@@ -225,8 +229,8 @@ class Collectives:
         """
         if op not in _TORCH_OPS:
             raise ValueError(f"reduce: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
-        global_dst = None if dst is None else self._check_src("reduce", dst, group)
         self._check_open(f"reduce(op={op})")
+        global_dst = None if dst is None else self._check_src("reduce", dst, group)
         tensor = torch.as_tensor(
             value, device=self.device if not isinstance(value, torch.Tensor) else value.device
         )
@@ -364,9 +368,9 @@ class Collectives:
         graph: the gradient of this rank's slice is the sum of the gradients every rank's loss
         gave it (one all-reduce in backward), for losses over the global batch.
         """
+        self._check_open("all_gather")
         if differentiable:
             return gather_with_gradient(self, tensor, group)
-        self._check_open("all_gather")
         if not self.is_distributed:
             return tensor.detach().unsqueeze(0).clone()
         self._check_same_meta("all_gather", tensor, group)

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -24,8 +25,8 @@ from manualpar.checkpoint.background import PendingSave, save_checkpoint_async
 from manualpar.checkpoint.load import load_checkpoint
 from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
-from manualpar.errors import CollectiveError, MeshError
-from manualpar.seed import seed_everything
+from manualpar.errors import ClusterEnvironmentError, CollectiveError, MeshError
+from manualpar.seed import seed_everything, seed_rank
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
 from manualpar.strategy.mesh import (
     build_mesh,
@@ -45,6 +46,8 @@ from manualpar.strategy.process_group import (
     tear_down_at_exit,
 )
 from manualpar.strategy.roll_call import RollCallAnswerer, roll_call
+from manualpar.strategy.self_launch import check_num_processes, launched, relaunch_under_torchrun
+from manualpar.strategy.threads import apply_threads, choose_threads
 from manualpar.strategy.timeouts import DEFAULT_TIMEOUT, TIMEOUT_ENV_VAR, resolve_timeout
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("manualpar.checkpoint")
+strategy_log = logging.getLogger("manualpar.strategy")
 
 
 _ROLL_CALL_KEY = "manualpar/roll_call"  # in the job's store (per attempt under torchrun)
@@ -73,6 +77,12 @@ class ManualParallelStrategy(Collectives):
         process_group: adopt a group the caller already made instead of creating one.
         check_collectives: before reduce/broadcast, compare shapes and dtypes across ranks
             (one extra tiny collective) so a mismatch raises instead of corrupting or hanging.
+        num_processes: local workers. A plain `python train.py` (no launcher) with N > 1 is
+            re-run under torchrun with N workers (this process is replaced, never returns);
+            under a launcher it must equal the launcher's processes per node.
+        max_restarts: torchrun's restarts of those self-launched workers (kill and resume).
+        num_threads: CPU threads per process; default: OMP_NUM_THREADS if set, else torch's
+            default divided among this node's processes (one log line says which).
     """
 
     def __init__(
@@ -84,7 +94,14 @@ class ManualParallelStrategy(Collectives):
         timeout: float | timedelta | None = None,
         process_group: dist.ProcessGroup | None = None,
         check_collectives: bool = False,
+        num_processes: int | None = None,
+        max_restarts: int = 0,
+        num_threads: int | None = None,
     ) -> None:
+        if num_processes is not None:
+            check_num_processes(num_processes, max_restarts)
+            if num_processes > 1 and environment is None and not launched(os.environ):
+                relaunch_under_torchrun(num_processes, max_restarts)
         self.timeout = resolve_timeout(timeout)
         self.check_collectives = check_collectives
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -92,6 +109,15 @@ class ManualParallelStrategy(Collectives):
         detected = environment or detect_environment()
         self.device = pick_device(accelerator, detected.local_rank)  # this process's own GPU
         self.environment = adopted_environment(detected, process_group)
+        if num_processes is not None:
+            self._check_launched_processes(num_processes)
+        threads = choose_threads(
+            num_threads, self.environment.local_world_size, os.environ, torch.get_num_threads()
+        )
+        apply_threads(threads)
+        self.num_threads = threads.count
+        if self.environment.rank == 0:
+            strategy_log.info(threads.describe(self.environment.local_world_size))
         self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         self._owns_group = False
         self._torn_down = False
@@ -110,6 +136,15 @@ class ManualParallelStrategy(Collectives):
             self._answerer = RollCallAnswerer(self.store, self.rank, _ROLL_CALL_KEY)
             self._owns_group = True
             tear_down_at_exit(self)  # a script that ends without teardown() still exits cleanly
+
+    def _check_launched_processes(self, num_processes: int) -> None:
+        local = self.environment.local_world_size
+        if num_processes != local:
+            raise ClusterEnvironmentError(
+                f"ManualParallelStrategy(num_processes={num_processes}) but the launcher started "
+                f"{local} process(es) on this node (rank {self.rank} of {self.world_size}); drop "
+                "num_processes when a launcher starts the workers, or make them agree"
+            )
 
     # ---- rank information -------------------------------------------------------------------
     @property
@@ -217,11 +252,13 @@ class ManualParallelStrategy(Collectives):
 
     def seed_everything(self, seed: int, per_rank: bool = False) -> int:
         """Seed python, numpy and torch; with per_rank, rank r uses seed + r (e.g. dropout)."""
-        return seed_everything((seed + self.rank) % 2**32 if per_rank else seed)
+        return seed_rank(seed, self.rank) if per_rank else seed_everything(seed)
 
     # ---- process group ----------------------------------------------------------------------
     def teardown(self, *, wait_for_peers: bool = True) -> None:
-        """Destroy the process group if this strategy created it. Safe to call twice.
+        """Destroy the process group if this strategy created it. Safe to call twice. Every
+        collective, mesh() and checkpoint save or load raise CollectiveError afterwards, on one
+        process as on N (a script must not work alone and fail at scale).
 
         After a collective failed on this rank, peers are not waited for: the group is broken,
         and a teardown in a `finally:` must not replace that error with its own barrier's.
@@ -248,7 +285,7 @@ class ManualParallelStrategy(Collectives):
         if self._mesh_only_group and dist.is_initialized():
             destroy_group(dist.group.WORLD)
         self._mesh_only_group = False
-        self._torn_down = self.world_size > 1
+        self._torn_down = True  # collectives refuse from now on, at any world size
         if save_error is not None and wait_for_peers:
             raise save_error
 
@@ -268,6 +305,7 @@ class ManualParallelStrategy(Collectives):
         overwrite: bool = True,
     ) -> Path:
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
+        self._check_open("save_checkpoint")  # after teardown each rank would write alone
         self.wait_for_checkpoint()
         return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
@@ -281,6 +319,7 @@ class ManualParallelStrategy(Collectives):
     ) -> dict[str, Any]:
         """Load into `state` on all ranks (collective). See manualpar.checkpoint.load_checkpoint:
         values beyond a narrower dtype's range are refused unless `saturate=True` clamps them."""
+        self._check_open("load_checkpoint")  # after teardown each rank would read alone
         self.wait_for_checkpoint()
         return load_checkpoint(self, path, state, strict=strict, saturate=saturate)
 

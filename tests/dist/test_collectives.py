@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from collective_cases import collectives_report, expected_report
+from collective_cases import (
+    after_teardown_errors,
+    collectives_report,
+    expected_after_teardown,
+    expected_report,
+)
 
 from manualpar import ManualParallelStrategy
 from manualpar.testing import run_distributed
@@ -60,11 +67,8 @@ def test_collective_error_is_caught_as_a_runtime_error() -> None:
     for rank, caught in enumerate(
         run_distributed(_catch_collective_after_teardown_as_runtime_error, world_size=2)
     ):
-        assert caught == (
-            "CollectiveError",
-            f"reduce(op=sum) called on rank {rank} after teardown(); the process group is gone, "
-            "so the result would be this rank's value alone",
-        )
+        message = expected_after_teardown(rank)["reduce"]  # all_reduce(op="sum") reduces
+        assert caught == ("CollectiveError", message.removeprefix("CollectiveError: "))
 
 
 def _subgroup_collectives() -> dict | None:
@@ -114,6 +118,14 @@ def test_collective_after_teardown_raises() -> None:
     for rank, outcome in enumerate(outcomes):
         assert outcome.error_type == "CollectiveError"
         assert outcome.error.startswith(f"reduce(op=mean) called on rank {rank} after teardown()")
+
+
+def test_every_collective_after_teardown_raises_as_on_one_process(tmp_path: Path) -> None:
+    """The differentiable all_gather and checkpoint save/load used to run on each rank alone."""
+    results = run_distributed(after_teardown_errors, world_size=2, args=(str(tmp_path),))
+    for rank, outcomes in enumerate(results):
+        assert outcomes == expected_after_teardown(rank)
+    assert not list(tmp_path.iterdir())  # no checkpoint was written alone
 
 
 def _teardown_in_finally_after_a_failed_collective() -> str:

@@ -15,6 +15,7 @@ from raw_id_cases import (
     check_against_reference,
     check_state,
     checkpoint_job,
+    other_salt_job,
     plan_for,
     reference,
     refusal_job,
@@ -69,6 +70,20 @@ def test_managed_state_reshards_2_to_1_to_3_ranks(tmp_path: Path, before: str, a
     expected = reference(MANAGED_TABLES, [[5, 3], [5, 3], [4, 0, 6]])
     for rank, result in enumerate(three):
         check_state(result["end"], expected, f"after step 3, rank {rank}")
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_under_another_salt_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 writes the tables' record; every rank refuses the load alike, before any read."""
+    path = str(tmp_path / "ckpt")
+    checkpoint_job(None, path, range(1), [3])  # world size 1, in this process
+    messages = run_distributed(other_salt_job, 2, args=(path,), timeout=30)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"CheckpointMismatchError: checkpoint {path}, 'model': ")
+    assert (
+        "table 'm0': raw_ids=ManagedCollisions(policy='lru', salt=0, bucket_rows=4) in the "
+        "checkpoint, raw_ids=ManagedCollisions(policy='lru', salt=7, bucket_rows=4) now"
+    ) in messages[0]
 
 
 @pytest.mark.timeout(60)

@@ -255,6 +255,13 @@ def _until_failure(case: str, directory: str) -> dict:
                 yield (pooled, *rest)
 
         batches = other_features()
+    elif case == "yields None":  # rank 1's batch 3 is None, which is not a batch
+
+        def with_none() -> Iterator:
+            for step, batch in enumerate(_batches(rank, 5)):
+                yield None if rank == 1 and step == 3 else batch
+
+        batches = with_none()
     elif case == "runs out":
         batches = _batches(rank, 3 if rank == 1 else 5)
     else:
@@ -319,6 +326,19 @@ def test_a_loader_error_reaches_the_loop_with_its_traceback_after_the_common_bat
     assert results[1]["error"].startswith(
         "RuntimeError: TrainPipeline: the loader of rank 0 raised"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_that_yields_none_raises_on_every_rank_after_the_common_batches() -> None:
+    """Rank 1 would read None as its loader's end and stop alone, while rank 0 sends batch 3's
+    ids: both raise DataError naming rank 1 after the 3 common batches instead."""
+    results = run_distributed(_until_failure, 2, args=("yields None", ""), timeout=60)
+    for result in results:
+        assert result["done"] == 3, result
+        assert result["error"].startswith(
+            "DataError: TrainPipeline: the loader of rank 1 yielded None as batch 3 (after 3 "
+            "batches handed out); every rank raises this after the same batch."
+        ), result["error"]
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,8 @@
 number of queries (one with none), equal to the unsharded collection holding the same full
 tables: row-wise, table-wise, table-row-wise and data-parallel tables whose scores tie
 (duplicate rows), a rank with fewer rows than k, scoring in small chunks. A bad call on one
-rank stops every rank; a column-wise table is refused."""
+rank stops every rank; a column-wise table is refused; a NaN query on one rank, or NaN scores
+from the rows of one rank, are refused on every rank alike."""
 
 from __future__ import annotations
 
@@ -24,20 +25,24 @@ from manualpar.embeddings import (
     target_ranks,
     top_k_items,
 )
-from manualpar.errors import EmbeddingInputError, PlanError
+from manualpar.errors import EmbeddingInputError, NonFiniteError, PlanError
 from manualpar.testing import run_distributed
 
 ROWS, DIM, K = 23, 4, 10  # 3 row-wise ranks hold 8, 8 and 7 rows: fewer than K
 TABLES = ("rows", "one", "node", "copies")
 BATCHES = {1: [5], 2: [4, 0], 3: [0, 6, 3], 4: [3, 0, 2, 4]}
+NAN_QUERY_RANK = {2: 0, 3: 1}  # a rank with queries
+NAN_ROW = 20  # row-wise: held by the last rank
 
 
 def _collection(world: int) -> EmbeddingBagCollection:
-    names = TABLES + (("cols",) if world > 1 else ())
+    names = TABLES + (("cols", "nans") if world > 1 else ())
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(n, ROWS, DIM) for n in names])
     with torch.no_grad():
         for seed, name in enumerate(names):
             ebc.tables[name].weight.copy_(tied_values(ROWS, DIM, seed))
+        if world > 1:
+            ebc.tables["nans"].weight[NAN_ROW, 1] = float("nan")
     return ebc
 
 
@@ -57,6 +62,7 @@ def _rank(world: int) -> dict:
     }
     if world > 1:
         plan["cols"] = column_wise(ranks=(0, 1))
+        plan["nans"] = row_wise()
     emb = shard_embeddings(_collection(world), strategy, plan, SGD(lr=0.1))
     queries, targets = _inputs(world, strategy.rank)
     found = {}
@@ -67,15 +73,22 @@ def _rank(world: int) -> dict:
     errors = []
     if world > 1:
         bad = queries[:, :3] if strategy.rank == 1 else queries
+        nan = queries.clone()
+        if strategy.rank == NAN_QUERY_RANK[world]:
+            nan[0, 2] = float("nan")
         for call in (
             lambda: top_k_items(emb, "rows", bad, K),
             lambda: target_ranks(emb, "one", bad, targets),
             lambda: top_k_items(emb, "rows", queries, 2 + strategy.rank),
             lambda: top_k_items(emb, "cols", queries, K),
+            lambda: top_k_items(emb, "rows", nan, K),
+            lambda: target_ranks(emb, "one", nan, targets),
+            lambda: top_k_items(emb, "nans", queries, K, scores_per_chunk=16),
+            lambda: target_ranks(emb, "nans", queries, targets, scores_per_chunk=16),
         ):
             try:
                 call()
-            except (EmbeddingInputError, PlanError) as error:
+            except (EmbeddingInputError, PlanError, NonFiniteError) as error:
                 errors.append(f"{type(error).__name__}: {error}")
         found["after"] = top_k_items(emb, "rows", queries, 3)  # the ranks still agree
     strategy.teardown()
@@ -116,10 +129,34 @@ def test_sharded_ranking_equals_the_unsharded_tables(world: int) -> None:
                 "row_wise, table_wise or table_row_wise placement of it (load a checkpoint into "
                 "such a plan), or gather it (full_tensors()) and use "
                 "metrics.target_ranks_from_scores",
+                *_nan_errors(world),
             ]
             assert result["found"]["after"][1].tolist() == [
                 o[:3] for o in reference_order(queries, full.tables["rows"].weight.detach())
             ]
+
+
+def _nan_errors(world: int) -> list[str]:
+    """What every rank raises for a NaN query on one rank, then for NaN scores from the row
+    the last rank holds (each query meets it once)."""
+    query = (
+        f"rank {NAN_QUERY_RANK[world]}: queries hold 1 non-finite value(s) (1 NaN, 0 inf), the "
+        "first in query 0; a NaN or inf query has no order over the items (a diverged model?): "
+        "check the model that made them (every rank stops)"
+    )
+    queries = sum(BATCHES[world])
+    rows = (
+        f"{queries} of {queries * ROWS} scores are NaN, from the rows held by rank {world - 1} "
+        f"({queries}); the queries are finite, so those rows hold NaN or inf (a diverged "
+        "model?). Every rank stops. Check the table's rows (mp.check_finite) and train from an "
+        "earlier checkpoint"
+    )
+    return [
+        f"NonFiniteError: top_k_items on table 'rows': {query}",
+        f"NonFiniteError: target_ranks on table 'one': {query}",
+        f"NonFiniteError: top_k_items on table 'nans': {rows}",
+        f"NonFiniteError: target_ranks on table 'nans': {rows}",
+    ]
 
 
 def _rank_2d() -> dict:

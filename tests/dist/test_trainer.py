@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from trainer_cases import uneven_data, uneven_val_data
+from trainer_cases import none_batch, uneven_data, uneven_val_data
 
 import manualpar as mp
 from manualpar.testing import run_distributed
@@ -111,6 +111,22 @@ def test_checkpoint_cadence_and_metrics_file(tmp_path: Path) -> None:
     assert all(r["lr"] == 0.01 for r in train)
 
 
+def test_an_unreadable_latest_checkpoint_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's object file of the latest checkpoint is cut: only rank 1 reads it, yet both
+    ranks skip that checkpoint for the one before it, together, and say so once."""
+    run_distributed(_fit, world_size=2, args=(str(tmp_path), 8))
+    latest = tmp_path / "checkpoints" / "step_00000008"
+    rank_file = latest / "objects" / "rank_1.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-10])
+    run_distributed(_fit, world_size=2, args=(str(tmp_path), 10))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "checkpoint_skipped"]
+    assert event["step"] == 4 and event["checkpoint"] == str(latest)
+    assert event["resumed_from"] == str(tmp_path / "checkpoints" / "step_00000004")
+    assert f"failed on rank 1: {rank_file} is corrupted or truncated" in event["reason"]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))  # 5-8 redone
+
+
 def _loss_of(step: int) -> float:
     """The mean over both ranks' batches of step `step`, computed by hand (untrained model)."""
     strategy = mp.ManualParallelStrategy()
@@ -167,6 +183,24 @@ def test_data_running_out_on_one_rank_stops_every_rank_at_the_same_step(
     records = results[0]["records"]
     assert records[-1] == {"step": stop, "event": "data_ran_out", "ranks": [short]}
     assert [r["step"] for r in records if "loss" in r][-1] == stop  # the last window recorded
+
+
+def test_a_batch_of_none_on_one_rank_raises_on_every_rank_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """None is not a batch: rank 1's batch 3 is refused at step 3 on both ranks, naming rank 1,
+    instead of failing rank 1's training_step while rank 0 waits in DDP's all-reduce."""
+    results = run_distributed(
+        none_batch, args=(str(tmp_path), 1, 3), collective_timeout=20, timeout=60
+    )
+    for result in results:
+        assert result == {
+            "step": 3,
+            "error": "DataError: data returned None for batch 3 on rank 1; every rank raises "
+            "this at the same step. A batch must not be None, which means 'no batch' to the "
+            "loop: return the batch, or raise StopIteration when this rank's data has ended "
+            "(every rank then stops there)",
+        }
 
 
 def test_validation_data_running_out_on_one_rank_ends_every_rank_at_the_same_batch(

@@ -1,6 +1,7 @@
 """The Trainer pipelines a model that defines `prefetch(batch)`: the next step's batch is fetched
 and its ids sent before each step. The numbers equal the unpipelined Trainer's bit for bit, also
-when one rank's data runs out with a batch in flight and across a resume."""
+when one rank's data runs out with a batch in flight and across a resume (and with step times
+recorded: timing changes no number)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from manualpar.embeddings import (
     shard_embeddings,
     table_wise,
 )
+from manualpar.loop.step_times import PHASES
 from manualpar.testing import run_distributed
 
 
@@ -70,13 +72,15 @@ def _data(ends_at: dict[int, int]):  # type: ignore[no-untyped-def]
     return data
 
 
-def _fit(out: str, pipeline: bool, max_steps: int, ends_at: dict[int, int]) -> dict:
+def _fit(
+    out: str, pipeline: bool, max_steps: int, ends_at: dict[int, int], times: int | None = None
+) -> dict:
     strategy = mp.ManualParallelStrategy()
     with mp.empty_init():
         model = Model()
     trainer = mp.Trainer(
         strategy, out, max_steps=max_steps, checkpoint_every=3, log_every=1, progress=False,
-        pipeline=pipeline,
+        pipeline=pipeline, step_times_every=times,
     )  # fmt: skip
     trainer.fit(model, _data(ends_at))
     with mp.full_tensors():
@@ -94,15 +98,29 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.timeout(120)
 def test_the_pipelined_trainer_equals_the_plain_one_and_resumes(tmp_path: Path) -> None:
     plain = run_distributed(_fit, 2, args=(str(tmp_path / "plain"), False, 7, {}), timeout=60)
-    piped = run_distributed(_fit, 2, args=(str(tmp_path / "piped"), True, 4, {}), timeout=60)
+    piped = run_distributed(_fit, 2, args=(str(tmp_path / "piped"), True, 4, {}, 2), timeout=60)
     assert [r["prefetched"] for r in piped] == [3, 3]  # steps 1..3 were sent ahead
-    resumed = run_distributed(_fit, 2, args=(str(tmp_path / "piped"), True, 7, {}), timeout=60)
+    resumed = run_distributed(_fit, 2, args=(str(tmp_path / "piped"), True, 7, {}, 2), timeout=60)
     assert [r["prefetched"] for r in resumed] == [2, 2]  # steps 5, 6 (4 began the resumed run)
     assert [r["prefetched"] for r in plain] == [0, 0]
     assert _losses(tmp_path / "piped") == _losses(tmp_path / "plain")
+    _check_step_times(tmp_path / "piped", [2, 4, 6])
     for rank in range(2):
         for key, value in plain[rank]["state"].items():
             assert torch.equal(resumed[rank]["state"][key], value), key
+
+
+def _check_step_times(out: Path, steps: list[int]) -> None:
+    """Records of the timed steps, slowest rank's and mean seconds per phase (means add up)."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    timed = [r for r in map(json.loads, lines) if "time/step" in r]
+    assert [r["step"] for r in timed] == steps
+    names = [*PHASES, "step"]
+    for record in timed:
+        assert set(record) == {"step", *(f"time{k}/{n}" for k in ("", "_mean") for n in names)}
+        means = [record[f"time_mean/{name}"] for name in PHASES]
+        assert min(means) >= 0 and sum(means) <= record["time_mean/step"] * (1 + 1e-9), record
+        assert all(record[f"time/{n}"] >= record[f"time_mean/{n}"] for n in names), record
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
-"""The cost benchmarks (the pipeline, the half-row guard, raw ids, row checksums, the disk tier)
-run end to end at toy size and write consistent JSON (numbers are not asserted: timing has no
-place in tests)."""
+"""The cost benchmarks (the pipeline, the half-row guard, raw ids, row checksums, the disk tier,
+step times) run end to end at toy size and write consistent JSON (numbers are not asserted:
+timing has no place in tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from example_modules import EXAMPLES
 from launch import run_python, run_torchrun
+
+from manualpar.loop.step_times import PHASES
 
 TOY = ("--rows", "500", "--tables", "2", "--batch", "64", "--steps", "2", "--warmup", "1")
 
@@ -80,6 +82,21 @@ def test_raw_ids_benchmark_reports_every_variant_against_rows(tmp_path: Path) ->
     )
     # 500 rows in buckets of 8 against raw ids from 4x as many: some ids collide
     assert 0 < result["managed_collision_rate"] < 1
+
+
+def test_step_times_benchmark_reports_each_interval_against_off(tmp_path: Path) -> None:
+    result = _two_ranks(tmp_path, "bench_step_times.py", *TOY, "--repeats", "2")
+    repeats = result["repeats"]
+    assert len(repeats) == 2
+    for name in ("every_10", "every_step"):
+        assert result["ratio"][name] == pytest.approx(
+            statistics.median(r[f"{name}_ms"] / r["off_ms"] for r in repeats)
+        )
+    for fits in (r["fits"] for r in repeats):
+        assert fits["every_step"]["ms"] == fits["every_step"]["timed_ms"]
+        # 2 measured steps (1 and 2): all timed, or none of them under every 10th
+        assert [fits[n]["timed_steps"] for n in ("off", "every_10", "every_step")] == [0, 0, 2]
+    assert set(result["breakdown_ms"]) == {f"time/{n}" for n in (*PHASES, "step")}
 
 
 def test_row_checksum_benchmark_reports_the_cost_per_step(tmp_path: Path) -> None:

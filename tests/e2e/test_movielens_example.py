@@ -36,10 +36,9 @@ def _ratings_file(path: Path) -> Path:
 
 
 def _load_example() -> dict:
-    ratings = load_example(Path("movielens/ratings.py"), "mle_ratings")
-    protocol = load_example(Path("movielens/protocol.py"), "mle_protocol", {"ratings": ratings})
+    protocol = load_example(Path("movielens/protocol.py"), "mle_protocol")
     model = load_example(Path("movielens/model.py"), "mle_model", {"protocol": protocol})
-    return {"ratings": ratings, "protocol": protocol, "model": model}
+    return {"ratings": mp.data, "protocol": protocol, "model": model}
 
 
 def test_trains_on_two_ranks_and_its_metrics_equal_a_plain_torch_evaluation(

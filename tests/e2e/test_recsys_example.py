@@ -17,12 +17,7 @@ import manualpar as mp
 
 RECSYS = EXAMPLES / "recsys"
 data = load_example(Path("recsys/data.py"), "recsys_data")
-criteo_lines = load_example(Path("recsys/criteo_lines.py"), "recsys_criteo_lines")
-criteo = load_example(
-    Path("recsys/criteo.py"),
-    "recsys_criteo",
-    siblings={"data": data, "criteo_lines": criteo_lines},
-)
+criteo = load_example(Path("recsys/write_criteo.py"), "recsys_write_criteo", {"data": data})
 
 
 def _train(*args: str, ranks: int = 2) -> str:
@@ -140,6 +135,6 @@ def test_criteo_bad_lines_policy_from_the_command_line(tmp_path: Path) -> None:
     assert "trained steps 0-4" in out
     refused = run_python(RECSYS / "train.py", *args, "--out", str(tmp_path / "raise"), timeout=120)
     assert refused.returncode != 0
-    assert f"CriteoFormatError: {broken}, line 1501: expected 40 tab-separated fields" in (
+    assert f"DataFileError: {broken}, line 1501: expected 40 tab-separated fields" in (
         refused.stderr + refused.stdout
     )

@@ -1,5 +1,8 @@
 """A rank SIGKILLed mid-training under torchrun with a restart allowed: the job resumes from the
-last checkpoint and ends with exactly the parameters of an uninterrupted run."""
+last checkpoint and ends with exactly the parameters of an uninterrupted run. The killed job is
+a plain `python train.py` whose strategy starts its own 2 workers (`num_processes=2`,
+`max_restarts=1`), which re-runs the script under torchrun: the uninterrupted job is started
+with torchrun directly, so the test also holds the self-launch to torchrun's contract."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from launch import run_torchrun
+from launch import output_tail, run_python, run_torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_regression.py"
 
@@ -18,7 +21,9 @@ def _torchrun(out: Path, *args: str) -> None:
 
 def test_killed_rank_restart_resumes_to_identical_parameters(tmp_path: Path) -> None:
     _torchrun(tmp_path / "straight")
-    _torchrun(tmp_path / "killed", "--kill-at", "6")
+    killed_run = tmp_path / "killed"
+    result = run_python(SCRIPT, "--out", str(killed_run), "--self-launch", "--kill-at", "6")
+    assert result.returncode == 0, output_tail(result)
     assert (tmp_path / "straight" / "restarts.txt").read_text() == "0"
     assert (tmp_path / "killed" / "restarts.txt").read_text() == "1"
     straight = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)

@@ -1,4 +1,5 @@
-"""A Trainer run under torchrun; `--kill-at N` SIGKILLs rank 1 at step N on the first attempt."""
+"""A Trainer run under torchrun; `--kill-at N` SIGKILLs rank 1 at step N on the first attempt.
+`--self-launch`: a plain `python` run that starts its own 2 workers (one restart allowed)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--self-launch", action="store_true")
     args = parser.parse_args()
-    strategy = mp.ManualParallelStrategy()
+    if args.self_launch:
+        strategy = mp.ManualParallelStrategy(num_processes=2, max_restarts=1)
+    else:
+        strategy = mp.ManualParallelStrategy()
     strategy.seed_everything(0)
     model = Regression(args.kill_at)
     trainer = mp.Trainer(

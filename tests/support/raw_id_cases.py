@@ -10,6 +10,7 @@ collection with torch's own optimizer on the mean of the ranks' losses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from embedding_cases import ReferenceUpdates, local_loss, optimizer
@@ -274,6 +275,25 @@ def refusal_job(placement: str = "row_wise") -> str:
         batch = SparseFeatures.from_dict({**bags, "plain": [[11], [], []]})
     try:
         emb(batch)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = "no error"
+    strategy.teardown()
+    return message
+
+
+def other_salt_job(load: str) -> str:
+    """Load a checkpoint of MANAGED_TABLES into the same tables but for table m0's salt: the
+    error each rank raises."""
+    strategy = mp.ManualParallelStrategy()
+    tables = [
+        replace(t, raw_ids=ManagedCollisions(bucket_rows=4, salt=7)) if t.name == "m0" else t
+        for t in MANAGED_TABLES
+    ]
+    emb = sharded(tables, strategy)
+    try:
+        strategy.load_checkpoint(load, {"model": emb})
     except Exception as error:
         message = f"{type(error).__name__}: {error}"
     else:

@@ -44,6 +44,35 @@ class RankData:
         return x, x.sum(-1).sin()
 
 
+class NoneAt(RankData):
+    """RankData, but the batch `index` of rank `rank` is None (not a batch)."""
+
+    def __init__(self, rank: int, index: int) -> None:
+        super().__init__()
+        self.where = (rank, index)
+
+    def __call__(self, index: int, strategy: mp.ManualParallelStrategy) -> tuple | None:
+        if (strategy.rank, index) == self.where:
+            return None
+        return super().__call__(index, strategy)
+
+
+def none_batch(out_dir: str, rank: int, index: int) -> dict:
+    """Train towards 10 steps on data whose batch `index` on `rank` is None: where each rank
+    stopped and what it raised."""
+    strategy = mp.ManualParallelStrategy()
+    model = Regression()
+    trainer = mp.Trainer(strategy, out_dir, max_steps=10, log_every=2, progress=False)
+    error = None
+    try:
+        trainer.fit(model, NoneAt(rank, index))
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    del model  # DDP before the group
+    strategy.teardown()
+    return {"step": trainer.step, "error": error}
+
+
 class _Captured(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -157,7 +157,7 @@ def test_corrupted_tensor_shards_and_manifest(tmp_path: Path) -> None:
     strategy.save_checkpoint(tmp_path / "c", _trained_state())
     shard = next((tmp_path / "c").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(mp.CheckpointError, match=r"load_checkpoint\(.*\): reading tensor shards"):
+    with pytest.raises(mp.CheckpointError, match=r"__0_0\.distcp is truncated: it holds 100 bytes"):
         strategy.load_checkpoint(tmp_path / "c", _trained_state())
     (tmp_path / "c" / "manualpar.json").write_text("{not json")
     with pytest.raises(mp.CheckpointError, match=r"manualpar\.json is unreadable or corrupted"):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from collective_cases import collectives_report, expected_report
+from collective_cases import (
+    after_teardown_errors,
+    collectives_report,
+    expected_after_teardown,
+    expected_report,
+)
 
 from manualpar import ManualParallelStrategy
 
@@ -36,3 +43,12 @@ def test_differentiable_all_gather_on_one_process_keeps_the_graph() -> None:
     (gathered * 3).sum().backward()
     assert x.grad is not None and x.grad.tolist() == [3.0, 3.0]
     assert not strategy.all_gather(x).requires_grad  # the default stays a detached copy
+
+
+def test_every_collective_after_teardown_raises_on_one_process_as_on_several(
+    tmp_path: Path,
+) -> None:
+    """One process has no group to lose, but a script must fail the same way at any world size
+    (tests/dist/test_collectives.py runs the same calls on 2 ranks)."""
+    assert after_teardown_errors(str(tmp_path)) == expected_after_teardown(0)
+    assert not list(tmp_path.iterdir())  # no checkpoint was written alone

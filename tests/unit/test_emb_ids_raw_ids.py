@@ -4,6 +4,9 @@ tests/dist/test_emb_ids_raw_ids_ranks.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from raw_id_cases import (
@@ -15,6 +18,7 @@ from raw_id_cases import (
 )
 
 import manualpar as mp
+from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import (
     SGD,
     EmbeddingBagCollection,
@@ -24,7 +28,7 @@ from manualpar.embeddings import (
     SparseFeatures,
 )
 from manualpar.embeddings.ids.hashing import hashed_rows
-from manualpar.errors import EmbeddingInputError
+from manualpar.errors import CheckpointMismatchError, EmbeddingInputError
 
 IDS = [0, 1, 2, -1, -(2**63), 2**63 - 1, 123456789012345, 42]
 # rows of IDS in a 1000-row table, pinned: a change of the hash would remap every trained table
@@ -112,3 +116,73 @@ def test_sharded_sequence_collection_maps_raw_ids_like_the_unsharded_one() -> No
         got, expected = emb(batch), unsharded(batch)
         for key in ("h", "m"):
             assert torch.equal(got[key].values, expected[key].values), key
+
+
+def _sharded(raw_ids: mp.RawIds, seed: int) -> torch.nn.Module:
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 64, 4, raw_ids=raw_ids)], seed=seed)
+    return mp.shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", SGD(lr=0.1))
+
+
+def _rows(emb: torch.nn.Module) -> torch.Tensor:
+    with full_tensors():
+        return emb.state_dict()["tables.t.weight"].clone()
+
+
+# (saved, loaded): settings under which a raw id's row stands for other ids
+OTHER_SETTINGS = {
+    "hash_salt": (mp.HashIds(salt=0), mp.HashIds(salt=1)),
+    "managed_salt": (
+        mp.ManagedCollisions(bucket_rows=8),
+        mp.ManagedCollisions(salt=1, bucket_rows=8),
+    ),
+    "bucket_rows": (mp.ManagedCollisions(bucket_rows=8), mp.ManagedCollisions(bucket_rows=16)),
+    "hash_to_managed": (mp.HashIds(), mp.ManagedCollisions(bucket_rows=8)),
+}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize("case", sorted(OTHER_SETTINGS))
+def test_a_raw_id_checkpoint_refuses_another_raw_id_setting(
+    tmp_path: Path, case: str, full: bool
+) -> None:
+    saved, now = OTHER_SETTINGS[case]
+    strategy = mp.ManualParallelStrategy()
+    path = strategy.save_checkpoint(tmp_path / "ckpt", {"model": _sharded(saved, 1)}, full=full)
+    target = _sharded(now, 2)
+    before = _rows(target)
+    with pytest.raises(CheckpointMismatchError) as error:
+        strategy.load_checkpoint(path, {"model": target})
+    assert str(error.value) == (
+        f"checkpoint {path}, 'model': the tables were saved with other settings, so their rows "
+        f"would mean other ids: table 't': raw_ids={saved!r} in the checkpoint, "
+        f"raw_ids={now!r} now. Build the tables with the checkpoint's settings to load it, or "
+        "start from fresh tables (another checkpoint directory) to train with the new ones"
+    )
+    assert torch.equal(_rows(target), before)  # refused before anything was loaded
+
+
+def test_a_raw_id_checkpoint_loads_under_another_policy_and_without_records(
+    tmp_path: Path,
+) -> None:
+    strategy = mp.ManualParallelStrategy()
+    source = _sharded(mp.ManagedCollisions(bucket_rows=8), 1)
+    path = strategy.save_checkpoint(tmp_path / "ckpt", {"model": source})
+    manifest = json.loads((path / "manualpar.json").read_text())
+    assert manifest["records"]["model"] == {
+        "tables": {
+            "t": {
+                "rows": 64,
+                "dim": 4,
+                "dtype": "fp32",
+                "raw_ids": {"kind": "managed", "policy": "lru", "salt": 0, "bucket_rows": 8},
+            }
+        }
+    }
+    lfu = _sharded(mp.ManagedCollisions(policy="lfu", bucket_rows=8), 2)
+    strategy.load_checkpoint(path, {"model": lfu})  # the policy only picks whom to evict next
+    assert torch.equal(_rows(lfu), _rows(source))
+    del manifest["records"]  # as written before checkpoints had records: nothing to compare
+    (path / "manualpar.json").write_text(json.dumps(manifest))
+    other_salt = _sharded(mp.ManagedCollisions(salt=1, bucket_rows=8), 2)
+    strategy.load_checkpoint(path, {"model": other_salt})
+    assert torch.equal(_rows(other_salt), _rows(source))

@@ -23,7 +23,7 @@ from manualpar.embeddings import (
     target_ranks,
     top_k_items,
 )
-from manualpar.errors import EmbeddingInputError
+from manualpar.errors import EmbeddingInputError, NonFiniteError
 
 ROWS, DIM = 40, 6
 
@@ -107,3 +107,32 @@ def test_bad_calls_name_the_table_and_the_fix() -> None:
         meta = EmbeddingBagCollection([EmbeddingBagConfig("item", ROWS, DIM)])
     with pytest.raises(EmbeddingInputError, match="on the meta device"):
         top_k_items(meta, "item", queries, 5)
+
+
+def test_nan_queries_and_rows_are_refused() -> None:
+    """A diverged model's NaN queries (or NaN rows) once ranked every item by id; now refused,
+    naming the table and what was NaN (tests/dist: on every rank alike)."""
+    emb = EmbeddingBagCollection([EmbeddingBagConfig("item", ROWS, DIM)])
+    queries = _queries(3, 0)
+    queries[1, 2] = float("nan")
+    queries[2, 0] = float("inf")
+    bad_queries = (
+        r"^{} on table 'item': queries hold 2 non-finite value\(s\) \(1 NaN, 1 inf\), the "
+        r"first in query 1; a NaN or inf query has no order over the items \(a diverged model\?\): "
+        r"check the model that made them$"
+    )
+    with pytest.raises(NonFiniteError, match=bad_queries.format("top_k_items")):
+        top_k_items(emb, "item", queries, 5)
+    with pytest.raises(NonFiniteError, match=bad_queries.format("target_ranks")):
+        target_ranks(emb, "item", queries, torch.tensor([0, 1, 2]))
+    with torch.no_grad():
+        emb.tables["item"].weight[7] = float("nan")
+    bad_rows = (
+        r"^{} on table 'item': 3 of 120 scores are NaN; the queries are finite, so the "
+        r"table's rows hold NaN or inf \(a diverged model\?\)\. "
+        r"Check the table's rows \(mp.check_finite\) and train from an earlier checkpoint$"
+    )
+    with pytest.raises(NonFiniteError, match=bad_rows.format("top_k_items")):
+        top_k_items(emb, "item", _queries(3, 0), 5)
+    with pytest.raises(NonFiniteError, match=bad_rows.format("target_ranks")):
+        target_ranks(emb, "item", _queries(3, 0), torch.tensor([0, 1, 2]))

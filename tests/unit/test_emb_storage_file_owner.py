@@ -1,6 +1,8 @@
 """One owner per disk-tier file, and the tier's edges (reliability rows 71-73): a second tier
 on the same directory is refused before it touches the first one's rows, which then train on
-exactly as if alone; a cache smaller than one row and a row file cut short are named."""
+exactly as if alone; a cache smaller than one row and a row file cut short are named; no link
+is followed and the files stay private. A forked child and the lock it inherits:
+tests/e2e/test_disk_tier_inherited_lock.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import re
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from manualpar.embeddings import (
     row_wise,
     shard_embeddings,
 )
+from manualpar.embeddings.storage.file_owner import owner_path
 from manualpar.errors import BuilderError, CheckpointError, StorageError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)
@@ -156,3 +160,61 @@ def test_a_load_while_rows_are_pinned_is_refused(tmp_path: Path) -> None:
     pooled.values.sum().backward()  # the step ends; its rows are released
     emb.load_state_dict(state)
     assert torch.equal(_table(emb), state["tables.big.weight"])
+
+
+def _path(directory: Path) -> Path:
+    return directory / "big.rows0.cols0.rank0.rows"
+
+
+def test_a_link_named_like_a_row_file_is_refused_and_its_target_kept(tmp_path: Path) -> None:
+    """The tier empties its files when it opens them: through a symbolic link that emptied
+    whatever the link pointed to. Links (and anything but a plain file) are refused."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"not rows")
+    (tmp_path / "tier").mkdir()
+    _path(tmp_path / "tier").symlink_to(precious)
+    with pytest.raises(StorageError) as refused:
+        _sharded(DiskTier(tmp_path / "tier", cache_rows=32))
+    assert re.fullmatch(
+        r"disk tier: the table 'big' \(rank 0\) file '.*big\.rows0\.cols0\.rank0\.rows' is a "
+        r"symbolic link; the tier empties its files when it opens them and does not follow "
+        r"links: remove it, or give DiskTier\(directory=\.\.\.\) a directory of its own",
+        str(refused.value),
+    ), str(refused.value)
+    assert precious.read_bytes() == b"not rows"
+    assert not (tmp_path / "tier" / "big.rows0.cols0.rank0.rows.owner.json").exists()
+
+
+def test_owner_records_follow_no_link_and_files_stay_private(tmp_path: Path) -> None:
+    """A link at the owner record's scratch name used to be written through (its target
+    overwritten); a leftover row file kept its mode, and the owner record took the umask's."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"not an owner record")
+    (tmp_path / "tier").mkdir()
+    path = _path(tmp_path / "tier")
+    record = owner_path(path)
+    record.with_name(record.name + ".partial").symlink_to(precious)
+    path.write_bytes(b"left by an earlier job")
+    path.chmod(0o666)
+    old_umask = os.umask(0)
+    try:
+        _sharded(DiskTier(tmp_path / "tier", cache_rows=32))
+    finally:
+        os.umask(old_umask)
+    assert precious.read_bytes() == b"not an owner record"
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # rows and optimizer state: private
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+
+
+def test_an_owner_record_that_is_a_directory_is_named(tmp_path: Path) -> None:
+    owner_path(_path(tmp_path)).mkdir(parents=True)
+    with pytest.raises(StorageError) as refused:
+        _sharded(DiskTier(tmp_path, cache_rows=32))
+    assert re.fullmatch(
+        r"disk tier: cannot write the owner record '.*big\.rows0\.cols0\.rank0\.rows\.owner\."
+        r"json' of the table 'big' \(rank 0\) file: Is a directory; remove it \(the tier "
+        r"writes there what the file holds and who holds it\), or give "
+        r"DiskTier\(directory=\.\.\.\) a directory of its own",
+        str(refused.value),
+    ), str(refused.value)

@@ -3,9 +3,11 @@ changes. The multi-rank runs are in tests/dist/test_fsdp.py."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from fsdp_cases import DIM, make_net
+from fsdp_cases import DIM, Net, make_net
 from torch import nn
 
 import manualpar as mp
@@ -58,3 +60,32 @@ def test_a_module_list_is_refused_with_how_to_shard_its_blocks() -> None:
         mp.BuilderError, match=r"fsdp\(\): a ModuleList has no forward to shard around; shard each"
     ):
         mp.fsdp(blocks, mp.ManualParallelStrategy())
+
+
+def test_per_rank_seeding_before_an_fsdp_init_warns_and_says_what_to_do() -> None:
+    """Each rank would draw its slice of the parameters from its own stream, so the values
+    would depend on the world size (world size 1 warns too, before a run on more ranks)."""
+    strategy = mp.ManualParallelStrategy()
+    strategy.seed_everything(0, per_rank=True)
+    with mp.empty_init():
+        net = Net()
+    with pytest.warns(UserWarning) as record:
+        fsdp(net, strategy)
+    message = str(record[0].message)
+    assert message.startswith(
+        "fsdp(): torch's RNG is seeded per rank (seed_everything(0, per_rank=True): this rank "
+        "drew from seed 0)"
+    )
+    assert (
+        "Seed the same on every rank before setup (strategy.seed_everything(0)) and per rank "
+        "after it" in message
+    )
+    assert record[0].filename == __file__  # points at the fsdp() call
+    for seed in (lambda: torch.manual_seed(5), lambda: strategy.seed_everything(0)):
+        strategy.seed_everything(0, per_rank=True)
+        seed()  # the same seed on every rank, by manualpar or by torch: nothing to say
+        with mp.empty_init():
+            net = Net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fsdp(net, strategy)

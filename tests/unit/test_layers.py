@@ -28,11 +28,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "manualpar"
 ROOT = "manualpar"
 
 LAYERS = [
-    {"errors", "eager", "dtensors", "deprecated"},
+    {"errors", "eager", "dtensors", "deprecated", "nn"},  # nn: layers built on torch alone
     {"environment", "seed"},
     {"ownership", "meta", "checkpoint"},
     {"strategy", "module"},
     {"builders", "embeddings", "metrics"},
+    {"data"},  # the readers: batches of embeddings' SparseFeatures; the loop may read them
     {"loop"},
     {"cli", "testing", "__main__"},
 ]

@@ -68,3 +68,21 @@ def test_auc_and_log_loss_return_together_with_namespaced_counts() -> None:
     assert values["auc/count"] == values["ll/count"] == 40.0
     alone = compute_metrics({"auc": auc}, None)  # type: ignore[arg-type]
     assert sorted(alone) == ["auc", "count"]  # one object: its names unchanged
+
+
+def test_ctr_metrics_are_bit_equal_whatever_the_order_of_the_samples() -> None:
+    """The same samples in another order (another split over ranks: validation gathers rank 0's
+    samples first, one-process scoring reads them in file order) give the same bits: float64
+    sums in arrival order would differ in the last bit for about half of the permutations."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4096, generator=g, dtype=torch.float64)
+    labels = (torch.rand(4096, generator=g) < 0.3).long()
+    labels[:4] = torch.tensor([0, 1, 0, 1])
+    logits[:4] = 0.25  # ties between a positive and a negative: their order matters too
+    by_rank = torch.cat([torch.arange(0, 4096, 2), torch.arange(1, 4096, 2)])
+    assert float(logits.sum()) != float(logits[by_rank].sum())  # arrival order would show
+    in_order, split = CTRMetrics(), CTRMetrics()
+    in_order.update(logits, labels)
+    split.update(logits[by_rank][:2048], labels[by_rank][:2048])
+    split.update(logits[by_rank][2048:], labels[by_rank][2048:])
+    assert in_order.compute() == split.compute()

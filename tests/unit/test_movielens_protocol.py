@@ -1,5 +1,6 @@
-"""The MovieLens example's data: every GroupLens layout reads to the same ratings, and the split
-is RecBole's leave-one-out by time (ties in file order, nothing filtered, histories of 50)."""
+"""The MovieLens ratings reader (manualpar.data) and the example's split: every GroupLens layout
+reads to the same ratings, and the split is RecBole's leave-one-out by time (ties in file order,
+nothing filtered, histories of 50)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 from example_modules import load_example
 
-ratings = load_example(Path("movielens/ratings.py"), "ml_ratings")
-protocol = load_example(Path("movielens/protocol.py"), "ml_protocol", {"ratings": ratings})
+from manualpar import DataFileError
+from manualpar.data import movielens as ratings
+
+protocol = load_example(Path("movielens/protocol.py"), "ml_protocol")
 
 # (user, item, rating, time) in file order; user 7's items 30 and 31 share a timestamp
 ROWS = [
@@ -52,7 +55,7 @@ def test_every_layout_reads_the_same_ratings_in_file_order(tmp_path: Path) -> No
 def test_a_bad_line_names_its_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "u.data"
     path.write_text("1\t2\t3\t4\n1\t2\n")
-    with pytest.raises(SystemExit, match=r"u\.data, line 2: cannot read '1\\t2'"):
+    with pytest.raises(DataFileError, match=r"u\.data, line 2: cannot read '1\\t2'"):
         ratings.read_ratings(path)
 
 

@@ -1,5 +1,5 @@
 """The recommender example's data and metric: samples depend only on seed and index, and its AUC
-equals the brute-force pair count (criteo.py's reader: test_recsys_criteo_reader.py)."""
+equals the brute-force pair count (the Criteo reader, manualpar.data: test_data_criteo.py)."""
 
 from __future__ import annotations
 

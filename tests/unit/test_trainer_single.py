@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -224,3 +227,45 @@ def test_a_scheduled_exact_resume_reports_no_learning_rate(tmp_path, caplog) -> 
         "schedule, so start a new run (another out_dir) to train with another learning rate"
     ) in caplog.text
     assert "resume_lr='configured'" not in caplog.text
+
+
+def test_a_resume_with_another_global_batch_is_refused_unless_allowed(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    dataset = torch.arange(64.0).reshape(32, 2)
+
+    def fit(batch: int, max_steps: int, accumulate: int = 1, **options: bool) -> mp.Trainer:
+        trainer = mp.Trainer(
+            mp.ManualParallelStrategy(),
+            tmp_path,
+            max_steps=max_steps,
+            accumulate=accumulate,
+            progress=False,
+            **options,
+        )
+        trainer.fit(_Regression(), mp.dataset_batches(dataset, batch))
+        return trainer
+
+    fit(4, max_steps=2)
+    with pytest.raises(mp.CheckpointMismatchError) as error:
+        fit(8, max_steps=4)
+    assert str(error.value) == (
+        f"checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}, 'run': the global batch "
+        "differs: 4 samples a step (data batch 4 x accumulate 1) in the checkpoint, 8 samples "
+        "a step (data batch 8 x accumulate 1) now. Data is addressed by step, so from this step "
+        "on the run would read other samples than the one it resumes (skipping some, repeating "
+        "others). Resume with the checkpoint's batch and accumulate, start a new run (another "
+        "out_dir), or pass Trainer(allow_batch_change=True) if the change is planned (a "
+        "batch-size schedule)"
+    )
+    assert fit(2, max_steps=3, accumulate=2).step == 3  # the same 4 samples a step
+    with caplog.at_level(logging.WARNING, logger="manualpar.trainer"):
+        assert fit(8, max_steps=4, allow_batch_change=True).step == 4
+    assert (
+        "the global batch changes: 4 samples a step (data batch 2 x accumulate 2) in the "
+        "checkpoint, 8 samples a step (data batch 8 x accumulate 1) now (allow_batch_change=True)"
+    ) in caplog.text
+    latest = tmp_path / "checkpoints" / "step_00000004"
+    manifest = json.loads((latest / "manualpar.json").read_text())
+    assert manifest["records"]["run"]["global_batch"] == 8
+    del manifest["records"]  # as written before checkpoints had records: nothing to compare
+    (latest / "manualpar.json").write_text(json.dumps(manifest))
+    assert fit(4, max_steps=5).step == 5

@@ -5,6 +5,8 @@ when tensorboard is missing."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -104,3 +106,36 @@ def test_a_missing_tensorboard_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard fails
     with pytest.raises(ImportError, match=r"pip install 'manualpar\[tensorboard\]'"):
         mp.Trainer(mp.ManualParallelStrategy(), "x", max_steps=1, tensorboard=True)
+
+
+def test_a_tensorboard_directory_that_cannot_be_written_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file in its place, or a read-only directory, once raised a bare FileExistsError at the
+    first record (or nothing until the writer's thread failed); now the Trainer refuses it at
+    construction, and a directory broken after that fails the first write naming it."""
+    (tmp_path / "tensorboard").write_text("")
+    with pytest.raises(
+        mp.OutputPathError,
+        match=r"^Trainer\(tensorboard=True\): cannot write the TensorBoard log to "
+        + re.escape(str(tmp_path / "tensorboard"))
+        + r": it is a file, not a directory\. Move it away, pass another out_dir, or pass "
+        r"tensorboard=False$",
+    ):
+        mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=1, tensorboard=True)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p) != read_only and real_access(p, m))
+    with pytest.raises(mp.OutputPathError, match=rf"{re.escape(str(read_only))} is not writable"):
+        mp.Trainer(mp.ManualParallelStrategy(), read_only / "out", max_steps=1, tensorboard=True)
+    monkeypatch.undo()
+    later = tmp_path / "later"
+    trainer = mp.Trainer(
+        mp.ManualParallelStrategy(), later, max_steps=2, log_every=1, progress=False,
+        tensorboard=True,
+    )  # fmt: skip
+    later.mkdir()
+    (later / "tensorboard").write_text("")  # replaced by a file after the Trainer was made
+    with pytest.raises(mp.OutputPathError, match=r"it is a file, not a directory"):
+        trainer.fit(Crashing(), ramp)

@@ -4,6 +4,9 @@ the decisions, what a rerun does, and the errors that name what was wrong."""
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -66,14 +69,16 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
 
 
 def test_early_stopping_counts_validations_without_an_improvement_beyond_min_delta() -> None:
-    stopping = mp.EarlyStopping("val/loss", mode="min", patience=2, min_delta=0.1)
+    stopping = mp.EarlyStopping(
+        "val/loss", mode="min", patience=2, min_delta=0.1, check_finite=False
+    )
     decisions = [
         stopping.update({"val/loss": value}, step)
         for step, value in enumerate([1.0, 0.95, 0.8, float("nan"), 0.75], start=1)
     ]
     assert decisions == [False, False, False, False, True]  # 0.95 and 0.75: not by > 0.1
     assert (stopping.best, stopping.best_step, stopping.wait) == (0.8, 3, 2)
-    again = mp.EarlyStopping("val/loss", mode="min", patience=2, min_delta=0.1)
+    again = mp.EarlyStopping("val/loss", mode="min", patience=2, min_delta=0.1, check_finite=False)
     again.load_state_dict(stopping.state_dict())
     assert again.should_stop and again.state_dict() == stopping.state_dict()
     other = mp.EarlyStopping("val/auc", mode="max")
@@ -93,6 +98,31 @@ def test_a_missing_monitor_names_the_values_that_were_recorded(tmp_path: Path) -
     best = trainer(tmp_path / "b", best_checkpoints=mp.BestCheckpoints("val/ndcg@10"))
     with pytest.raises(ValueError, match=r"recorded \['val/out', 'val/score'\]. Monitor one"):
         best.fit(Scheduled([0.5] * 30), ramp, val_data=ramp)
+
+
+def test_early_stopping_stops_at_a_nan_value_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NaN validation value (a diverged model) once counted as one more validation without an
+    improvement: the run went on with a NaN model and stopped patience validations later,
+    saying nothing. Now it stops at once, with a warning and the event naming value and step."""
+    torch.manual_seed(0)
+    stopping = mp.EarlyStopping("val/score", "min", patience=10)
+    run = trainer(tmp_path, checkpoint_every=100, early_stopping=stopping)
+    with caplog.at_level(logging.WARNING, logger="manualpar.trainer"):
+        run.fit(Scheduled([0.5, 0.4, float("nan")] + [0.1] * 27), ramp, val_data=ramp)
+    assert (run.step, run.stopped_early, stopping.best, stopping.best_step) == (3, True, 0.4, 2)
+    assert (
+        "early stopping: val/score is nan at step 3 (a diverged model?); every rank stops here "
+        "(best 0.4 at step 2). Pass EarlyStopping(check_finite=False) to count it as a "
+        "validation without an improvement instead"
+    ) in caplog.text
+    event = records(tmp_path)[-1]
+    assert (event["event"], event["step"], event["best_step"]) == ("early_stopping", 3, 2)
+    assert event["reason"] == "non_finite" and math.isnan(event["value"])
+    again = mp.EarlyStopping("val/score", "min", patience=10)
+    again.load_state_dict(stopping.state_dict())  # a resumed run stays stopped
+    assert again.should_stop
 
 
 SCORES = [0.5, 0.4, 0.45, 0.3, 0.35, 0.36, 0.37, 0.1, 0.2, 0.3] + [0.9] * 20  # mode="min"
@@ -177,6 +207,31 @@ def test_metric_objects_are_reset_before_each_pass_and_computed_after(tmp_path: 
 def test_a_metric_object_the_trainer_cannot_reset_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"metric object 'rows' \(Counter\), which the Trainer"):
         trainer(tmp_path, max_steps=1).fit(Counted(held=False), ramp, val_data=ramp)
+
+
+def test_an_edited_or_broken_best_json_is_refused(tmp_path: Path) -> None:
+    """best/best.json names the best checkpoint; an edit could point validate(checkpoint="best")
+    outside best/, and a broken file raised a bare JSONDecodeError or KeyError."""
+    best = tmp_path / "best"
+    (tmp_path / "elsewhere").mkdir()
+    best.mkdir()
+    run = trainer(tmp_path, best_checkpoints=None)
+    index = best / "best.json"
+    for path in ("../elsewhere", str(tmp_path / "elsewhere"), "step_1/../../elsewhere"):
+        index.write_text(json.dumps({"kept": [{"step": 1, "value": 0.5, "path": path}]}))
+        with pytest.raises(
+            mp.CheckpointError,
+            match=rf"^{re.escape(str(index))}: the best checkpoint's path {re.escape(repr(path))} "
+            rf"is not a checkpoint inside {re.escape(str(best))}; best.json lists checkpoints of "
+            r"best/ by name \(step_<n>\)\. Restore the file or delete it \(and pass the "
+            r"checkpoint's path to validate\)$",
+        ):
+            run.validate(Scheduled(SCORES), ramp, checkpoint="best")
+    for garbage in ("{not json", "[]", '{"kept": [{"step": 1}]}', '{"kept": [{"path": 3}]}'):
+        index.write_text(garbage)
+        broken = rf"^{re.escape(str(index))}: not a best-checkpoint index"
+        with pytest.raises(mp.CheckpointError, match=broken):
+            run.best_checkpoint  # noqa: B018 (the property reads the file)
 
 
 def test_validate_outside_fit(tmp_path: Path) -> None:

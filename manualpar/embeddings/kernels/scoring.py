@@ -3,23 +3,32 @@
 The order everywhere: higher score first, then smaller item id. A score is float32, but the dot
 product is summed in float64 and rounded once, so the same (query, row) gets the same bits
 whatever the chunk, the block or the BLAS kernel (float32 sums in another order can differ in
-the last bit, which would break ties differently on another layout). NaN scores count as -inf.
+the last bit, which would break ties differently on another layout). NaN scores are counted
+(`lowest_nan_`; the caller refuses them) and count as -inf meanwhile, so a chunk's k best and
+its counts stay well defined until every rank knows.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SENTINEL_ID", "best_k", "chunk_top_k", "count_before", "score_rows"]
+__all__ = ["SENTINEL_ID", "best_k", "chunk_top_k", "count_before", "lowest_nan_", "score_rows"]
 
 # the id of a padding candidate (a rank with fewer than k rows): it loses every tie
 SENTINEL_ID = torch.iinfo(torch.int64).max
 
 
 def score_rows(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(q, dim) float64 queries x (r, dim) rows of any float dtype -> (q, r) float32 scores."""
-    scores = (queries @ rows.to(torch.float64).T).to(torch.float32)
-    return scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    """(q, dim) float64 queries x (r, dim) rows of any float dtype -> (q, r) float32 scores
+    (NaN where a row holds NaN or inf: see `lowest_nan_`)."""
+    return (queries @ rows.to(torch.float64).T).to(torch.float32)
+
+
+def lowest_nan_(scores: torch.Tensor) -> torch.Tensor:
+    """Set the NaN `scores` to -inf in place; their count (a 0-d int64 tensor, no host sync)."""
+    nans = torch.isnan(scores)
+    scores.masked_fill_(nans, float("-inf"))
+    return nans.sum()
 
 
 def best_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from manualpar.embeddings.kernels.half_lookup import pooled_sum_half
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, accumulation_dtype
 from manualpar.embeddings.kernels.row_memory import empty_rows
 from manualpar.embeddings.modules.table_init import init_rows
+from manualpar.embeddings.modules.table_record import TableRecords
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -113,7 +114,7 @@ def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
     return table
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(TableRecords, nn.Module):
     """Tables looked up by a SparseFeatures batch, one pooled row per (feature, sample): the
     unsharded reference, or the input of `shard_embeddings` (build it under `empty_init()`).
 

@@ -22,6 +22,7 @@ from manualpar.embeddings.ids.hashing import hash_raw_ids
 from manualpar.embeddings.ids.managed_collisions import managed_remapper
 from manualpar.embeddings.kernels.rounding import accumulation_dtype
 from manualpar.embeddings.modules.bag_collection import check_features, make_tables, table_of
+from manualpar.embeddings.modules.table_record import TableRecords
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -108,7 +109,7 @@ class SequenceEmbeddings:
         return dict(self.features)
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(TableRecords, nn.Module):
     """Tables (EmbeddingConfig) whose features return one row per id: `forward(features)` is a
     SequenceEmbeddings. Per-id weights are refused (there is no sum for them to scale)."""
 

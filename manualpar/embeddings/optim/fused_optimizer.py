@@ -319,7 +319,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         value.to(mine.device), f"sparse optimizer state {table}/{key}"
                     )
         for store in self.stores.values():
-            store.loaded()
+            store.loaded(list(self.rule.STATE))
 
 
 def _as_float(value: object) -> object:

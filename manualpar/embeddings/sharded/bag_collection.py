@@ -26,6 +26,7 @@ from manualpar.embeddings.modules.bag_collection import (
 )
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.modules.table_init import init_rows
+from manualpar.embeddings.modules.table_record import TableRecords
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
@@ -36,6 +37,7 @@ from manualpar.embeddings.sharded.managed_collisions import (
     sharded_remapper,
 )
 from manualpar.embeddings.sharded.table_storage import cache_slots, table_stores
+from manualpar.embeddings.step.phase_times import IDS_EXCHANGE, PhaseTimes
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.sharded_step import ShardedStep
@@ -50,11 +52,12 @@ if TYPE_CHECKING:
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(TableRecords, nn.Module):
     """What `shard_embeddings` returns for an EmbeddingBagCollection: this rank's shards, the
     sharded step (forward returns PooledEmbeddings) and `fused_optimizer`; build it through
     `shard_embeddings`, not directly. `plan` and `configs` describe it:
-    `print(emb.plan.describe(emb.configs))`."""
+    `print(emb.plan.describe(emb.configs))`. Its checkpoint record (TableRecords) refuses a
+    checkpoint of tables with other rows, dim or raw-id setting."""
 
     def __init__(
         self,
@@ -161,14 +164,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
         routed = taken[0] if taken is not None else None
-        if isinstance(routed, RemapInFlight):  # raw ids sent ahead: remap them now
-            features, routed = self._remapped(routed), None
-        elif routed is None:
-            features = self._checked(features)
-            if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
-                features = self.raw_id_remap(features)
-        else:
-            features = routed.features
+        with self.phase_times.phase(IDS_EXCHANGE):  # the input dist's preparation
+            if isinstance(routed, RemapInFlight):  # raw ids sent ahead: remap them now
+                features, routed = self._remapped(routed), None
+            elif routed is None:
+                features = self._checked(features)
+                if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
+                    features = self.raw_id_remap(features)
+            else:
+                features = routed.features
         return PooledEmbeddings(
             self._lookup(features, routed), self.feature_names, tuple(self.routing.dims)
         )
@@ -203,10 +207,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         wait for the forward: a remap run early would put the remapper's state, and so a
         checkpoint, a batch ahead (docs/embeddings.md)."""
         self._in_flight.check_free()
-        checked = self._checked(features)
-        if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
-            self._in_flight.hold(features, self.raw_id_remap.send(checked))
-            return
+        with self.phase_times.phase(IDS_EXCHANGE):  # the input dist's preparation
+            checked = self._checked(features)
+            if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
+                self._in_flight.hold(features, self.raw_id_remap.send(checked))
+                return
         self._hold(features, checked)
 
     def _hold(self, key: SparseFeatures, prepared: SparseFeatures, extra: Any = None) -> None:
@@ -242,8 +247,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
     @property
     def skipped_updates(self) -> int:
         """Backward passes whose sparse update was dropped for non-finite gradients (under
-        shard_embeddings(..., non_finite="skip")); the Trainer skips the dense step then too."""
+        shard_embeddings(..., non_finite="skip")); the Trainer skips the dense step then too.
+        Updates undone with a dropped step (`undo_updates`) count too."""
         return self.step.skipped_updates
+
+    @property
+    def phase_times(self) -> PhaseTimes:
+        """Seconds per phase of the steps while switched on: `emb.phase_times.start()`, steps,
+        `emb.phase_times.stop()` (step/phase_times.py; the Trainer's `step_times_every` sets
+        one recorder shared with its own phases)."""
+        return self.step.phase_times
+
+    @phase_times.setter
+    def phase_times(self, times: PhaseTimes) -> None:
+        self.step.phase_times = times
+
+    @property
+    def non_finite(self) -> str:
+        """What a non-finite output gradient does: "raise" or "skip" (shard_embeddings)."""
+        return self.step.backward_phases.finite.mode
+
+    def hold_updates(self) -> None:
+        """Keep the sparse updates of the backwards from now on undoable, until
+        `keep_updates()` or `undo_updates()` (the Trainer's step under "skip";
+        step/update_journal.py: it costs a copy of the touched rows per backward)."""
+        self.step.journal.open()
+
+    def keep_updates(self) -> None:
+        """The held updates stand."""
+        self.step.journal.keep()
+
+    def undo_updates(self) -> int:
+        """Put back the rows, optimizer state and update count the held updates changed;
+        counted in `skipped_updates`. Returns how many were undone."""
+        undone = self.step.journal.undo()
+        self.step.backward_phases.finite.skipped += undone
+        return undone
 
     @property
     def device(self) -> torch.device:
@@ -310,7 +349,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             # then runs whole, on the loaded rows); the first disk table's load does it
             if self.batches_in_flight:
                 self.drop_prefetched()
-            self.storage.by_name[name].loaded()
+            self.storage.by_name[name].loaded([None])  # the weights
         state_dict[key] = table.weight.detach()
 
 

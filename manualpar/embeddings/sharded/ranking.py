@@ -15,6 +15,10 @@ The order is the same on every layout: higher score first, then smaller item id 
 summed in float64 and rounded to float32 once: kernels/scoring.py). An unsharded collection and
 a data-parallel table are scored here alone; a column-wise table is refused (no rank holds a
 whole row).
+
+NaN has no order: a NaN or inf query is refused with the other bad inputs, before any scoring
+collective; NaN scores (rows holding NaN or inf) are counted on each rank and the counts travel
+with the last collective (the all_to_all, the counts' all_reduce), so every rank refuses alike.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ from manualpar.embeddings.kernels.scoring import (
     best_k,
     chunk_top_k,
     count_before,
+    lowest_nan_,
     score_rows,
 )
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, table_of
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
-from manualpar.errors import EmbeddingInputError, PlanError
+from manualpar.errors import EmbeddingInputError, NonFiniteError, PlanError
 from manualpar.strategy.uneven import all_gather_uneven
 
 if TYPE_CHECKING:
@@ -83,8 +88,8 @@ def top_k_items(
             (0, k), dtype=torch.int64, device=where.device
         )
     everyone = _gather(where, queries.detach().to(where.device, torch.float32), batches)
-    top_scores, top_ids = _local_top_k(where, everyone.to(torch.float64), k, scores_per_chunk)
-    return _merge(where, top_scores, top_ids, batches, k)
+    top_scores, top_ids, nans = _local_top_k(where, everyone.to(torch.float64), k, scores_per_chunk)
+    return _merge(where, top_scores, top_ids, nans, batches, k)
 
 
 def target_ranks(
@@ -108,15 +113,19 @@ def target_ranks(
     wanted = _gather(where, targets.detach().to(where.device, torch.int64), batches)
     target_scores = _sum(where, _target_scores(where, everyone, wanted), "target scores")
     counts = torch.zeros(len(wanted), dtype=torch.int64, device=where.device)
+    nans = torch.zeros((), dtype=torch.int64, device=where.device)
     step = _queries_per_chunk(len(wanted), scores_per_chunk)
     for first, rows in where.chunks(max(1, scores_per_chunk // step)):
         for q in range(0, len(wanted), step):
             scores = score_rows(everyone[q : q + step], rows)
+            nans += lowest_nan_(scores)
             counts[q : q + step] += count_before(
                 scores, first, target_scores[q : q + step], wanted[q : q + step]
             )
-    counts = _sum(where, counts, "counts")
-    return 1 + _mine(where, counts, batches)
+    # the NaN counts of every rank ride with the counts: every rank refuses alike
+    summed = _sum(where, torch.cat([counts, _by_rank(where, nans)]), "counts")
+    _refuse_nan_scores(where, "target_ranks", summed[len(wanted) :], len(wanted))
+    return 1 + _mine(where, summed[: len(wanted)], batches)
 
 
 # ---- the table on this rank ------------------------------------------------------------------
@@ -192,6 +201,20 @@ def _check_queries(where: _Table, queries: torch.Tensor) -> str | None:
     return None
 
 
+def _check_finite(queries: torch.Tensor) -> str | None:
+    """What is wrong with queries holding NaN or inf (they have no order over the items)."""
+    bad = ~torch.isfinite(queries.detach())
+    if not bool(bad.any()):
+        return None
+    nans = int(torch.isnan(queries.detach()).sum())
+    total, first = int(bad.sum()), int(bad.any(dim=1).nonzero()[0, 0])
+    return (
+        f"queries hold {total} non-finite value(s) ({nans} NaN, {total - nans} inf), the first in "
+        f"query {first}; a NaN or inf query has no order over the items (a diverged model?): "
+        "check the model that made them"
+    )
+
+
 def _check_targets(where: _Table, queries: torch.Tensor, targets: torch.Tensor) -> str | None:
     rows = where.config.num_embeddings
     if (
@@ -215,21 +238,58 @@ def _check_targets(where: _Table, queries: torch.Tensor, targets: torch.Tensor) 
 def _agree(
     where: _Table, caller: str, queries: torch.Tensor, problem: str | None, k: int | None
 ) -> list[int]:
-    """Every rank's batch size; any rank's bad input raises on every rank (no one waits)."""
-    batch = 0 if problem else int(queries.shape[0])
+    """Every rank's batch size; any rank's bad input (or NaN/inf query: NonFiniteError) raises
+    on every rank (no one waits)."""
+    non_finite = None if problem else _check_finite(queries)
+    batch = 0 if problem or non_finite else int(queries.shape[0])
+    table = f"{caller} on table {where.config.name!r}"
     if where.strategy is None:
         if problem:
             raise EmbeddingInputError(f"{caller}: {problem}")
+        if non_finite:
+            raise NonFiniteError(f"{table}: {non_finite}")
         return [batch]
-    reports = where.strategy.all_gather_object((batch, k, problem), group=where.group)
-    bad = [f"rank {r}: {p}" for r, (_, _, p) in enumerate(reports) if p]
+    report = (batch, k, problem, non_finite, where.strategy.rank)
+    reports = where.strategy.all_gather_object(report, group=where.group)
+    bad = [f"rank {rank}: {p}" for _, _, p, _, rank in reports if p]
     if not bad and len({report[1] for report in reports}) > 1:
         bad = [f"ranks passed different k: {[report[1] for report in reports]}"]
     if bad:
-        raise EmbeddingInputError(
-            f"{caller} on table {where.config.name!r}: " + "; ".join(bad) + " (every rank stops)"
-        )
+        raise EmbeddingInputError(f"{table}: " + "; ".join(bad) + " (every rank stops)")
+    nan = [f"rank {rank}: {n}" for _, _, _, n, rank in reports if n]
+    if nan:
+        raise NonFiniteError(f"{table}: " + "; ".join(nan) + " (every rank stops)")
     return [report[0] for report in reports]
+
+
+def _by_rank(where: _Table, count: torch.Tensor) -> torch.Tensor:
+    """(count, global rank) of this rank at its place among the group's, zeros elsewhere: a sum
+    over the group gives every rank's pair to every rank."""
+    size = 1 if where.strategy is None else where.strategy.group_size(where.group)
+    index = 0 if where.strategy is None else where.strategy.group_rank(where.group)
+    pairs = torch.zeros((size, 2), dtype=torch.int64, device=count.device)
+    pairs[index, 0] = count
+    pairs[index, 1] = 0 if where.strategy is None else where.strategy.rank
+    return pairs.reshape(-1)
+
+
+def _refuse_nan_scores(where: _Table, caller: str, pairs: torch.Tensor, queries: int) -> None:
+    """NonFiniteError when any rank scored a NaN; `pairs` is every rank's (count, global rank),
+    the same on every rank, so every rank raises or none does."""
+    found = pairs.reshape(-1, 2).tolist()
+    total = sum(count for count, _ in found)
+    if total == 0:
+        return
+    scores = queries * where.config.num_embeddings
+    held, whose, stops = "", "the table's", ""
+    if where.strategy is not None:
+        ranks = ", ".join(f"rank {rank} ({count})" for count, rank in found if count)
+        held, whose, stops = f", from the rows held by {ranks}", "those", " Every rank stops."
+    raise NonFiniteError(
+        f"{caller} on table {where.config.name!r}: {total} of {scores} scores are NaN{held}; "
+        f"the queries are finite, so {whose} rows hold NaN or inf (a diverged model?).{stops} "
+        "Check the table's rows (mp.check_finite) and train from an earlier checkpoint"
+    )
 
 
 # ---- collectives (none without a strategy) ----------------------------------------------------
@@ -270,38 +330,54 @@ def _queries_per_chunk(queries: int, scores_per_chunk: int) -> int:
 
 def _local_top_k(
     where: _Table, queries: torch.Tensor, k: int, scores_per_chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's k best among this rank's rows, padded with (-inf, SENTINEL_ID)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query's k best among this rank's rows, padded with (-inf, SENTINEL_ID), and the
+    number of NaN scores (counted as -inf)."""
     count = len(queries)
+    nans = torch.zeros((), dtype=torch.int64, device=where.device)
     scores = torch.full((count, k), float("-inf"), device=where.device)
     ids = torch.full((count, k), SENTINEL_ID, dtype=torch.int64, device=where.device)
     step = _queries_per_chunk(count, scores_per_chunk)
     for first, rows in where.chunks(max(1, scores_per_chunk // step)):
         for q in range(0, count, step):
-            chunk_scores, chunk_ids = chunk_top_k(score_rows(queries[q : q + step], rows), first, k)
+            scores_here = score_rows(queries[q : q + step], rows)
+            nans += lowest_nan_(scores_here)
+            chunk_scores, chunk_ids = chunk_top_k(scores_here, first, k)
             scores[q : q + step], ids[q : q + step] = best_k(
                 torch.cat([scores[q : q + step], chunk_scores], dim=1),
                 torch.cat([ids[q : q + step], chunk_ids], dim=1),
                 k,
             )
-    return scores, ids
+    return scores, ids, nans
 
 
 def _merge(
-    where: _Table, scores: torch.Tensor, ids: torch.Tensor, batches: list[int], k: int
+    where: _Table,
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    nans: torch.Tensor,
+    batches: list[int],
+    k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send each rank the candidates of its queries (one all_to_all) and keep the k best."""
+    """Send each rank the candidates of its queries (one all_to_all) and keep the k best. Each
+    rank's (NaN count, rank) rides at the end of what it sends every rank, so every rank knows
+    them all and refuses alike."""
     if where.strategy is None:
+        _refuse_nan_scores(where, "top_k_items", _by_rank(where, nans), sum(batches))
         return scores, ids
     packed = torch.stack([scores.view(torch.int32).to(torch.int64), ids], dim=-1).reshape(-1)
+    tail = torch.stack([nans, torch.tensor(where.strategy.rank, device=nans.device)])
+    parts = packed.split([b * k * 2 for b in batches])
     mine = batches[where.strategy.group_rank(where.group)]
     received = where.strategy.all_to_all(
-        packed,
-        [b * k * 2 for b in batches],
-        [mine * k * 2] * len(batches),
+        torch.cat([piece for part in parts for piece in (part, tail)]),
+        [b * k * 2 + 2 for b in batches],
+        [mine * k * 2 + 2] * len(batches),
         name=f"top_k_items on table {where.config.name!r}: candidates",
         group=where.group,
-    ).view(len(batches), mine, k, 2)
+    ).view(len(batches), mine * k * 2 + 2)
+    _refuse_nan_scores(where, "top_k_items", received[:, -2:].reshape(-1), sum(batches))
+    received = received[:, :-2].reshape(len(batches), mine, k, 2)
     candidates = received.permute(1, 0, 2, 3).reshape(mine, len(batches) * k, 2)
     theirs = candidates[..., 0].to(torch.int32).view(torch.float32)
     return best_k(theirs, candidates[..., 1].contiguous(), k)

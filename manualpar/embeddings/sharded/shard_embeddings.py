@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
 from manualpar import deprecated
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
@@ -31,6 +33,7 @@ from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCol
 from manualpar.embeddings.sharded.table_storage import check_disk_plan
 from manualpar.embeddings.step.finite_check import check_mode
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
+from manualpar.embeddings.step.wire import WireDtypes, wire_dtypes
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import BuilderError, PlanError
 from manualpar.ownership import claim, mark_replaced
@@ -57,6 +60,7 @@ def shard_embeddings(
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
     guard_half_rows: bool = False,
+    wire_dtype: torch.dtype | WireDtypes | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -83,6 +87,12 @@ def shard_embeddings(
     `non_finite` decides: NonFiniteError, or a counted skip). Off by default: it gathers the
     touched rows twice a step (2.1-2.4x the step of 8 float16 tables, measured); turn it on
     to find where rows overflow (step/half_overflow.py).
+
+    `wire_dtype`: the dtype the pooled outputs and output gradients travel in between ranks
+    (None: float32), one for both or `WireDtypes(forward=torch.float16, backward=
+    torch.bfloat16)`: forward float16, bfloat16 or float8 (e4m3fn, e5m2), backward bfloat16;
+    the sums and updates stay float32, each travelling value is rounded once (step/wire.py;
+    docs/embeddings.md, "Half-precision exchanges").
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -114,6 +124,7 @@ def shard_embeddings(
             f"{BUILDER}(): normalize_by must be one of {NORMALIZATIONS}, got {normalize_by!r}"
         )
     non_finite = check_mode(non_finite)
+    wire = wire_dtypes(wire_dtype)
     layout = table_mesh(mesh, strategy)
     if isinstance(plan, str):
         if plan != "auto":
@@ -136,6 +147,7 @@ def shard_embeddings(
     )
     if guard_half_rows:
         sharded.step.backward_phases.guard_half_rows()
+    sharded.step.use_wire(wire)
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded
 

@@ -7,7 +7,10 @@ the rest (RowPass.REST), so every row is still updated once, with its whole grad
 numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
 replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out. A step
 whose gradient holds NaN or inf updates nothing (finite_check.py); if asked, one whose half
-rows overflow is undone (half_overflow.py).
+rows overflow is undone (half_overflow.py); while the Trainer holds a step open, each update
+stays undoable until it decides (update_journal.py). Each phase times itself into `self.times`
+while it is on (phase_times.py); the update's waits for the gradients (and the non-finite
+flags) count as the gradient exchange.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
 from manualpar.embeddings.step.half_overflow import HalfRowsGuard, half_rows_guard
 from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.phase_times import GRAD_EXCHANGE, UPDATE, PhaseTimes, timed
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
 from manualpar.embeddings.step.row_sums import RowSums, row_sum_update
+from manualpar.embeddings.step.update_journal import UpdateJournal
+from manualpar.embeddings.step.wire import start_on_wire
 
 __all__ = ["BackwardPhases"]
 
@@ -35,6 +41,9 @@ class BackwardPhases:
         self.apply_row_sums = row_sum_update(parts)
         self.finite = FiniteCheck(parts, non_finite)
         self.half_rows: HalfRowsGuard | None = None  # guard_half_rows() sets it
+        self.journal = UpdateJournal(parts)
+        self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
+        self.wire = torch.float32  # the output gradients' wire dtype (wire.py)
 
     def guard_half_rows(self) -> None:
         """Undo and report updates that overflow half rows (half_overflow.py; a cost on every
@@ -46,6 +55,7 @@ class BackwardPhases:
         self.update(self.gradient_dist(grad, saved), saved)
 
     # gradient dist ----------------------------------------------------------------------------
+    @timed(GRAD_EXCHANGE)
     def gradient_dist(self, grad: torch.Tensor, saved: SavedForBackward) -> RoutedGradients:
         """Start sending each owner the gradient of the bags it served (none for frozen
         tables), and cut out this rank's own blocks."""
@@ -57,24 +67,26 @@ class BackwardPhases:
         # first: collectives on a group complete in the order they start, so the tiny flag
         # exchange must not queue behind the gradients (waiting for it would then wait for them
         # too, and the own rows' update would no longer overlap their travel)
-        non_finite = self.finite.start(grad)
+        non_finite = self.finite.start(grad, frozen)
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
         if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
             flat, splits = layout.pack_output_grad(grad, full, frozen, saved.kept)
             receive = layout.grad_receive_splits(saved.bag_counts, full, frozen)
-            grads_in = parts.exchange(flat, splits, receive, "output gradient")
+            grads_in = start_on_wire(parts, flat, splits, receive, "output gradient", self.wire)
         own = layout.own_grad_blocks(grad, full, frozen)
         return RoutedGradients(grad, own, grads_in, non_finite)
 
     # update -----------------------------------------------------------------------------------
+    @timed(UPDATE)
     def update(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """Apply the rule to every row this step touched, then release the step's slots."""
         parts = self.parts
         routing, optimizer = parts.routing, parts.optimizer
         frozen, scales = saved.frozen, saved.scales
         try:
-            finite = self.finite.passed(routed.non_finite)
+            with self.times.phase(GRAD_EXCHANGE):  # waits for every rank's flags
+                finite = self.finite.passed(routed.non_finite)
         except BaseException:
             self._drop(routed, saved)
             raise
@@ -83,6 +95,7 @@ class BackwardPhases:
             return
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
         before = guard.save(saved) if guard else []
+        self.journal.record(saved)
         optimizer.begin_update()
         local = routing.routed_local_shards()
         own_scale = scales[routing.rank]
@@ -101,7 +114,7 @@ class BackwardPhases:
         ]
         others = (
             parts.layout.grad_blocks(
-                routed.grads_in.wait(), saved.bag_counts, optimizer.needs_full_rows, frozen
+                self._grads_in(routed), saved.bag_counts, optimizer.needs_full_rows, frozen
             )
             if routed.grads_in is not None
             else []
@@ -132,13 +145,23 @@ class BackwardPhases:
         except BaseException:
             parts.stores.release(saved.pins, updated=False)  # put back as they were
             raise
-        parts.stores.release(saved.pins, updated=kept)  # written through the slots
+        if not kept:
+            self.journal.forget_last()  # already undone, count included
+        if not self.journal.hold(saved.pins, kept):
+            parts.stores.release(saved.pins, updated=kept)  # written through the slots
 
     def _drop(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """A step that updates nothing: its exchange still completes, its slots are unpinned."""
         if routed.grads_in is not None:
-            routed.grads_in.wait()
+            self._grads_in(routed)
         self.parts.stores.release(saved.pins, updated=False)
+
+    def _grads_in(self, routed: RoutedGradients) -> torch.Tensor:
+        """The other ranks' gradients for our shards, once arrived (the wait is their
+        exchange's)."""
+        assert routed.grads_in is not None
+        with self.times.phase(GRAD_EXCHANGE):
+            return routed.grads_in.wait()
 
     def _step_bags(
         self, shard: LocalShard, bags: ShardBags, grads: BagGradients, rows: RowPass

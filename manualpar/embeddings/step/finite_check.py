@@ -1,13 +1,14 @@
 """Non-finite gradients never reach the table rows.
 
 The fused update runs inside backward, so once a NaN or inf output gradient reaches it nothing
-can skip the step afterwards: one NaN loss used to leave NaN rows for good (`max_grad_norm`
-does not stop NaN). So each rank sums its output gradient (a NaN or inf anywhere makes the sum
+can skip the step afterwards: one NaN loss used to leave NaN rows for good (`max_grad_norm` does
+not stop NaN). So each rank sums its output gradient (a NaN or inf anywhere makes the sum
 non-finite; measured 0.03 ms for a (1024, 512) gradient, against 1 ms for an element-wise
-isfinite) and the flags are summed over the job in one small all_reduce, started beside the
-gradient exchange and waited for before the first row changes. Only when a flag is up do the
-ranks count per table and name the ranks (a finite sum that overflowed is found finite there
-and the step goes on). Then, on every rank alike:
+isfinite; the columns of frozen tables are left out: nothing uses their gradient) and the flags
+are summed over the job in one small all_reduce, started beside the gradient exchange and waited
+for before the first row changes. Only when a flag is up do the ranks count per table and name
+the ranks (a finite sum that overflowed is found finite there and the step goes on). Then, on
+every rank alike:
 
 - "raise" (the default): NonFiniteError naming the tables, the ranks, the update and the counts;
   no row, optimizer state or update count changed anywhere;
@@ -56,21 +57,36 @@ class FiniteCheck:
             column_table[start : start + routing.dims[f]] = t
         self._column_table = column_table
         self._grad = torch.zeros(0)
+        self._frozen: frozenset[int] = frozenset()
 
-    def start(self, grad: torch.Tensor) -> PendingCollective:
+    def start(self, grad: torch.Tensor, frozen: frozenset[int]) -> PendingCollective:
         """Whether any rank's gradient may hold a NaN or inf, summed over the job (in flight on
-        return)."""
-        self._grad = grad
-        flag = (~torch.isfinite(grad.sum())).to(torch.int64).reshape(1)
+        return); `frozen` tables' columns do not count (every rank agrees on them)."""
+        self._grad, self._frozen = grad, frozen
+        total = (
+            grad.sum()
+            if not frozen
+            else grad.sum(0)[self._trained_columns(frozen, grad.device)].sum()
+        )
+        flag = (~torch.isfinite(total)).to(torch.int64).reshape(1)
         return self.parts.strategy.all_reduce_async(
             flag, name=f"{BUILDER}: non-finite gradient flag all_reduce"
         )
 
+    def _trained_columns(self, frozen: frozenset[int], device: torch.device) -> torch.Tensor:
+        """The gradient's columns of the tables not frozen (a mask)."""
+        mask = torch.ones_like(self._column_table, dtype=torch.bool)
+        for t in frozen:
+            mask &= self._column_table != t
+        return mask.to(device)
+
     def _counts(self, grad: torch.Tensor) -> list[int]:
-        """This rank's non-finite values per table (the slow, exact count)."""
+        """This rank's non-finite values per table not frozen (the slow, exact count)."""
         per_column = (~torch.isfinite(grad)).sum(0)
         counts = torch.zeros(len(self.parts.routing.tables), dtype=torch.int64)
         counts.index_add_(0, self._column_table, per_column.cpu())
+        for t in self._frozen:
+            counts[t] = 0
         return counts.tolist()
 
     def passed(self, pending: PendingCollective) -> bool:

@@ -4,14 +4,14 @@ Each exchange runs asynchronously and the compute that does not need it runs mea
 lookup looks this rank's own bags up while the other ranks' ids travel (started by input
 dist), and groups every shard's rows for backward while the pooled rows travel back (collected
 by output dist). Each phase takes the previous one's result, so a caller (a pipeline) may run
-them apart.
+them apart. Each times itself into `self.times` while it is on (phase_times.py); the waits for
+the ids count as their exchange, wherever they happen.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,13 +28,18 @@ from manualpar.embeddings.step.exchange import (
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.phase_times import (
+    IDS_EXCHANGE,
+    LOOKUP,
+    POOLED_EXCHANGE,
+    PhaseTimes,
+    timed,
+)
 from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
 from manualpar.embeddings.step.size_header import check_refusals, header_width, size_header
+from manualpar.embeddings.step.wire import Arriving, start_on_wire
 from manualpar.embeddings.storage.disk_tier import CacheTooSmall
 from manualpar.embeddings.storage.tier import Pins
-
-if TYPE_CHECKING:
-    from manualpar.strategy import PendingCollective
 
 __all__ = ["ForwardPhases", "sender_scales"]
 
@@ -60,12 +65,15 @@ class ForwardPhases:
         # batches are averaged per rank
         self.warn_uneven = parts.normalize_by == "world_size"
         self.fetches_ahead = True  # False once a batch's rows did not fit beside the pinned
+        self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
+        self.wire = torch.float32  # the pooled outputs' wire dtype (wire.py)
 
     def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
         return self.output_dist(self.lookup(self.input_dist(features)))
 
     # input dist -------------------------------------------------------------------------------
+    @timed(IDS_EXCHANGE)
     def input_dist(self, features: SparseFeatures) -> RoutedIds:
         """Agree on sizes and frozen tables (blocking: one small exchange over the job), then
         start sending each owner the bags it serves."""
@@ -113,6 +121,7 @@ class ForwardPhases:
         )
 
     # fetch (a pipeline's, a step early) -----------------------------------------------------
+    @timed(LOOKUP)
     def fetch(self, routed: RoutedIds) -> RoutedIds:
         """A prefetched batch's rows mapped to slots now, before the current step, where a block
         reads its rows in (a disk tier: read into the cache and pinned until this batch's
@@ -147,6 +156,7 @@ class ForwardPhases:
         )
 
     # lookup -----------------------------------------------------------------------------------
+    @timed(LOOKUP)
     def lookup(self, routed: RoutedIds) -> LookedUp:
         """Map rows to slots (storage), look up this rank's own bags while the others' ids
         travel, then the others' bags, and send them their pooled rows. Raw ids of tables
@@ -173,7 +183,7 @@ class ForwardPhases:
         self._add_own_pooled(senders[rank], out, batch)  # while the other ranks' ids travel
         try:
             if not remaps_here:
-                self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+                self._unpack_others(self._ids_in(routed), routed.sizes, senders)
             for sender in self._own_first()[1:]:
                 senders[sender] = stores.to_slots(local, senders[sender], pins)
         except Exception:
@@ -187,8 +197,13 @@ class ForwardPhases:
         senders: list[list[SenderBags]] = [[] for _ in range(self.parts.routing.world_size)]
         senders[self.parts.routing.rank] = list(routed.own)
         if wait:
-            self._unpack_others(routed.ids_in.wait(), routed.sizes, senders)
+            self._unpack_others(self._ids_in(routed), routed.sizes, senders)
         return senders
+
+    def _ids_in(self, routed: RoutedIds) -> torch.Tensor:
+        """The other ranks' ids for our shards, once arrived (the wait is their exchange's)."""
+        with self.times.phase(IDS_EXCHANGE):
+            return routed.ids_in.wait()
 
     def _own_first(self) -> list[int]:
         """Sender ranks, this one first (its bags are looked up while the others' travel)."""
@@ -243,7 +258,7 @@ class ForwardPhases:
         senders: list[list[SenderBags]],
         out: torch.Tensor,
         kept: Kept,
-    ) -> PendingCollective:
+    ) -> Arriving:
         """Look up the other ranks' bags and send them their pooled rows (in flight on
         return; `out`, this rank's output, gives the batch size, dtype and device; `kept`,
         the bags the other owners send us back in a compact layout)."""
@@ -261,16 +276,37 @@ class ForwardPhases:
         ]
         flat, splits = pack_pooled(pooled, like=out)
         receive = parts.layout.output_splits(out.shape[0], kept)
-        return parts.exchange(flat, splits, receive, "pooled output")
+        return start_on_wire(
+            parts, flat, splits, receive, "pooled output", self.wire, lambda: self._beyond(pooled)
+        )
+
+    def _beyond(self, pooled: list[list[torch.Tensor] | None]) -> list[str]:
+        """The tables whose pooled rows sent to other ranks exceed the wire dtype's range (the
+        slow path of an overflow, for its error)."""
+        bound = torch.finfo(self.wire).max
+        local = self.parts.routing.routed_local_shards()
+        return sorted(
+            {
+                self.parts.name(shard.table)
+                for shards in pooled
+                for shard, rows in zip(local, shards or [], strict=False)
+                if bool((rows.abs() > bound).any())
+            }
+        )
 
     # output dist ------------------------------------------------------------------------------
+    @timed(POOLED_EXCHANGE)
     def output_dist(self, looked: LookedUp) -> tuple[torch.Tensor, SavedForBackward]:
         """Add the pooled rows the other owners sent back, look up the data-parallel tables,
         apply mean pooling; returns the output and what backward needs."""
         parts, routed, out = self.parts, looked.routed, looked.out
         layout, batch = parts.layout, routed.batch
         if looked.pooled_in is not None:
-            received = looked.pooled_in.wait()
+            try:
+                received = looked.pooled_in.wait()
+            except BaseException:  # e.g. values beyond the wire dtype: nothing left pinned
+                parts.stores.release(looked.pins, updated=False)
+                raise
             offset = 0
             kept = routed.kept
             for owner, size in enumerate(layout.output_splits(batch, kept)):
@@ -284,7 +320,8 @@ class ForwardPhases:
                     for route, block, rows in blocks:
                         layout.add_block(out, route, block, rows)
                 offset += size
-        feature_ids = self.data_parallel.lookup(routed.features, out)
+        with self.times.phase(LOOKUP):  # the data-parallel tables' own lookup
+            feature_ids = self.data_parallel.lookup(routed.features, out)
         mean_scale = self._mean_scale(routed.lengths, out.dtype)
         if mean_scale is not None:
             out.mul_(mean_scale)

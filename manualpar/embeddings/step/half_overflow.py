@@ -24,7 +24,6 @@ tables build none either way.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -33,22 +32,12 @@ from manualpar.embeddings.kernels.rounding import HALF_DTYPES
 from manualpar.embeddings.step.finite_check import FiniteCheck
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import SavedForBackward
+from manualpar.embeddings.step.rows_before import RowsBefore, restore_rows, save_rows
 from manualpar.errors import NonFiniteError
 
-__all__ = ["HalfRowsGuard", "RowsBefore", "half_rows_guard"]
+__all__ = ["HalfRowsGuard", "half_rows_guard"]
 
 log = logging.getLogger("manualpar.embeddings")
-
-
-@dataclass
-class RowsBefore:
-    """One block's touched rows (slots) as they were before the update, with their state."""
-
-    table: int
-    half: bool  # checked after the update (float32 rows are only restored)
-    slots: torch.Tensor  # may repeat: a row touched twice is saved twice, identically
-    rows: torch.Tensor
-    state: dict[str, torch.Tensor]
 
 
 def half_rows_guard(parts: StepParts, finite: FiniteCheck) -> HalfRowsGuard | None:
@@ -74,29 +63,7 @@ class HalfRowsGuard:
 
     def save(self, saved: SavedForBackward) -> list[RowsBefore]:
         """Copy aside this rank's rows the update may write, and their optimizer state."""
-        parts = self.parts
-        routing = parts.routing
-        touched: list[tuple[int, torch.Tensor]] = [
-            (shard.table, bags.ids)
-            for shard, bags in zip(routing.routed_local_shards(), saved.bags, strict=True)
-        ]
-        for t in routing.data_parallel:  # small by construction: the whole copy
-            touched.append((t, torch.arange(parts.weight(t).shape[0], device=parts.device)))
-        before = []
-        for t, slots in touched:
-            if t in saved.frozen or slots.numel() == 0:
-                continue
-            state = parts.optimizer.table_state[parts.name(t)]
-            before.append(
-                RowsBefore(
-                    t,
-                    t in self.half,
-                    slots,
-                    parts.weight(t).index_select(0, slots),
-                    {key: value.index_select(0, slots) for key, value in state.items()},
-                )
-            )
-        return before
+        return save_rows(self.parts, saved, self.half)
 
     def passed(self, before: list[RowsBefore]) -> bool:
         """After the update: True if no rank's half rows overflowed; else every rank restores
@@ -154,11 +121,5 @@ class HalfRowsGuard:
         return counts
 
     def _restore(self, before: list[RowsBefore]) -> None:
-        parts = self.parts
-        with torch.no_grad():
-            for saved in before:
-                parts.weight(saved.table).index_copy_(0, saved.slots, saved.rows)
-                state = parts.optimizer.table_state[parts.name(saved.table)]
-                for key, value in saved.state.items():
-                    state[key].index_copy_(0, saved.slots, value)
-        parts.optimizer.num_updates -= 1
+        restore_rows(self.parts, before)
+        self.parts.optimizer.num_updates -= 1

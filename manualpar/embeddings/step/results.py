@@ -15,6 +15,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.step.data_parallel import FeatureIds
 from manualpar.embeddings.step.exchange import Kept, SenderBags
+from manualpar.embeddings.step.wire import Arriving
 from manualpar.embeddings.storage.tier import Pins, TableStores
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class LookedUp:
     routed: RoutedIds
     out: torch.Tensor  # (batch, total dim): this rank's own shards' partial sums so far
     bags: list[ShardBags]  # per local shard: every sender's bags (slots), in rank order
-    pooled_in: PendingCollective | None  # pooled rows from the other owners (None alone)
+    pooled_in: Arriving | None  # pooled rows from the other owners (None alone)
     pins: Pins  # slots held until backward (or release on a failed or gradient-free step)
     bag_counts: list[list[int]]  # per local shard, per sender: its bags here (gradient rows)
 
@@ -99,5 +100,5 @@ class RoutedGradients:
 
     grad: torch.Tensor  # the output gradient (mean pooling applied)
     own: list[list[torch.Tensor]]  # per local shard: our own bags' gradient blocks
-    grads_in: PendingCollective | None  # the other ranks' gradients for our shards
+    grads_in: Arriving | None  # the other ranks' gradients for our shards
     non_finite: PendingCollective  # the job's non-finite counts per table (finite_check.py)

@@ -8,6 +8,7 @@ a method of `step.forward_phases` / `step.backward_phases` taking the previous p
 (results.py), so a caller may run one batch's input phases while another computes. The
 replicated tables (data_parallel.py) and the replica combine of 2-D tables (row_sums.py) are
 parts of their own, chosen once here. Frozen tables (frozen.py) are left out of backward.
+Each phase times itself into `step.phase_times` while it is switched on (phase_times.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.forward import ForwardPhases
 from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.phase_times import PhaseTimes
 from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.size_header import REFUSED, header_width
 from manualpar.embeddings.step.table_mesh import TableMesh
+from manualpar.embeddings.step.update_journal import UpdateJournal
+from manualpar.embeddings.step.wire import WireDtypes
 from manualpar.embeddings.storage.tier import TableStores
 
 if TYPE_CHECKING:
@@ -67,6 +71,14 @@ class ShardedStep:
         data_parallel = DataParallelTables(self.parts)
         self.forward_phases = ForwardPhases(self.parts, data_parallel)
         self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite)
+        self.phase_times = PhaseTimes(device)
+        self.wire = WireDtypes()
+
+    def use_wire(self, wire: WireDtypes) -> None:
+        """Send the pooled outputs and output gradients in `wire`'s dtypes (wire.py)."""
+        self.wire = wire
+        self.forward_phases.wire = wire.forward
+        self.backward_phases.wire = wire.backward
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,6 +88,21 @@ class ShardedStep:
     def skipped_updates(self) -> int:
         """Backward passes whose sparse update non_finite="skip" dropped (finite_check.py)."""
         return self.backward_phases.finite.skipped
+
+    @property
+    def phase_times(self) -> PhaseTimes:
+        """The recorder the phases time themselves into (off unless started); a loop may set
+        its own, shared with its other phases."""
+        return self.forward_phases.times
+
+    @phase_times.setter
+    def phase_times(self, times: PhaseTimes) -> None:
+        self.forward_phases.times = self.backward_phases.times = times
+
+    @property
+    def journal(self) -> UpdateJournal:
+        """The undo journal of the Trainer's open step (update_journal.py)."""
+        return self.backward_phases.journal
 
     def forward(
         self, features: SparseFeatures, routed: RoutedIds | None = None

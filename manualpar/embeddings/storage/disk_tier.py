@@ -23,16 +23,18 @@ stays about the cache (no file pages are mapped during training).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from manualpar.checkpoint.local_shards import current_load
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.table_init import init_rows, init_rows_into
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
+from manualpar.embeddings.storage.load_gaps import LoadGaps
 from manualpar.embeddings.storage.row_cache import (
     EVICT_FRACTION,
     LOGGED,
@@ -179,6 +181,7 @@ class DiskTable:
         self.checkpoint_rows = max(1, CHECKPOINT_CHUNK_BYTES // self.file.record)
         self.flush_rows = max(1, FLUSH_CHUNK_BYTES // self.file.record)
         self.log = WriteLog(self.file, self.cache, self.write_back, self.flush_rows)
+        self.gaps = LoadGaps([None, *state], self.initial)  # what a load left to fill
 
     # a step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -200,6 +203,9 @@ class DiskTable:
     def to_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache slot of each local row id (same shape), and the distinct slots pinned."""
         self.file.release_pages()  # a checkpoint's, if any
+        if self.gaps.pending is not None:  # the first step after a load
+            self._fill_gaps()
+        self.file.check_size("look up rows in")  # cut: its writes would regrow it over a hole
         try:
             id_slots, assignment = self.cache.assign_ids(ids.cpu())
         except CacheFull as full:
@@ -264,6 +270,22 @@ class DiskTable:
     def flush(self) -> None:
         """Make the file hold the whole block: dirty cached rows written back, rows never
         written generated (before a checkpoint reads the file)."""
+        self._fill_gaps()
+        self._write_back()
+        every: list[str | None] = [None, *self.state]
+        for start in range(0, self.shard.rows, self.flush_rows):  # bounded: FLUSH_CHUNK_BYTES
+            end = min(start + self.flush_rows, self.shard.rows)
+            never = self.cache.never_written(start, end)
+            if never.numel():
+                self._write_initial(start, end, never, every)
+                self.cache.mark_stored(start, end)
+        self.gaps.flushed()  # no row is left never written
+
+    def _write_back(self) -> None:
+        """Dirty cached rows written to their places and the write log drained. A file cut
+        short raises first: writing the rows back would regrow it over a hole, saved as zero
+        rows."""
+        self.file.check_size("write rows back to")
         rows, slots = self.cache.dirty_entries()
         for start in range(0, rows.numel(), self.flush_rows):  # a copy of a chunk at a time
             end = start + self.flush_rows
@@ -271,13 +293,15 @@ class DiskTable:
             if dirty is not None:
                 self._write(*dirty, in_place=True)
         self.log.drain("before a checkpoint")
+
+    def _write_initial(
+        self, start: int, end: int, rows: torch.Tensor, keys: Collection[str | None]
+    ) -> None:
+        """Fields `keys` (None: the weights) of `rows` (relative to `start`) of records
+        [start, end) set to their initial values in the file; the others are kept."""
         shard = self.shard
-        for start in range(0, shard.rows, self.flush_rows):  # bounded: see FLUSH_CHUNK_BYTES
-            end = min(start + self.flush_rows, shard.rows)
-            never = self.cache.never_written(start, end)
-            if not never.numel():
-                continue
-            records = self.file.read_range(start, end)
+        records = self.file.read_range(start, end)
+        if None in keys:
             values = init_rows(
                 self.config,
                 self.seed,
@@ -285,18 +309,38 @@ class DiskTable:
                 (shard.col_start, shard.col_end),
             )
             weights = self.file.weight_of(records)
-            weights[never] = values[never].to(weights.dtype)
-            for key in self.state:
+            weights[rows] = values[rows].to(weights.dtype)
+        for key in keys:
+            if key is not None:
                 state = self.file.state_of(records, key)
-                state[never] = self.initial[key].expand(never.numel(), *state.shape[1:])
-            self.file.write_range(start, records)
-            self.cache.mark_stored(start, end)
+                state[rows] = self.initial[key].expand(rows.numel(), *state.shape[1:])
+        self.file.write_range(start, records)
+
+    @torch.no_grad()
+    def _fill_gaps(self, unless: object | None = None) -> None:
+        """The fields a load left in rows it found never written set to their initial values
+        (load_gaps.py), a chunk at a time; not yet if `unless`, the load, is still writing."""
+        taken = self.gaps.take(unless)
+        if taken is None:
+            return
+        never, keys = taken
+        for start in range(0, self.shard.rows, self.flush_rows):
+            end = min(start + self.flush_rows, self.shard.rows)
+            rows = torch.nonzero(never[start:end]).flatten()
+            if rows.numel():
+                self._write_initial(start, end, rows, keys)
 
     def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
         """(first row, view) chunks of the weights (None) or a state tensor, views of the
         file's map after `flush`: a checkpoint copies one chunk at a time (a view of a larger
-        storage is cloned before it is written), so memory stays about one chunk."""
-        self.flush()
+        storage is cloned before it is written), so memory stays about one chunk. For a load
+        (loading()) the rows never written are left out of the flush: the load overwrites
+        them, and `loaded` notes the fields it did not (load_gaps.py)."""
+        load = current_load()
+        if load is None:
+            self.flush()
+        else:
+            self._hand_to(load)
         records = self.file.mapped()
         tensor = self.file.weight_of(records) if key is None else self.file.state_of(records, key)
         return [
@@ -309,12 +353,24 @@ class DiskTable:
         return self.directory
 
     def drop_pages(self) -> None:
+        """Before each checkpoint chunk: the last one's pages go, and a cut file is named here
+        rather than met as SIGBUS in the chunk's read (or a load's write) of the map."""
         self.file.release_pages()
+        self.file.check_size("map rows of")
 
-    def loaded(self) -> None:
-        """The file was just written by a checkpoint load: drop the cache (a state_dict()
-        before the load flushed it, so nothing is lost). Refused while rows are pinned: the
-        batch holding them would look up its slots' old values."""
+    def _hand_to(self, load: object) -> None:
+        """Before `load` gets views of the file: an earlier load's gaps filled, dirty cached
+        rows written back (the fields it does not load keep them)."""
+        self._fill_gaps(unless=load)
+        self.gaps.handing_to(load)
+        self._write_back()
+
+    def loaded(self, keys: Collection[str | None]) -> None:
+        """A checkpoint load just wrote fields `keys` (None: the weights) of the whole block:
+        drop the cache (the state_dict() the load wrote into wrote it back, so nothing is
+        lost), and note which fields of the rows never written are still to be filled.
+        Refused while rows are pinned: the batch holding them would look up its slots' old
+        values."""
         if self.cache.pinned:
             raise CheckpointError(
                 f"disk tier: table {self.config.name!r} (rank {self.rank}): a checkpoint was "
@@ -323,6 +379,10 @@ class DiskTable:
                 "would then use their old values; drop the batches in flight first "
                 "(emb.drop_prefetched()) and load between steps"
             )
+        load = current_load()
+        self._fill_gaps(unless=load)  # another load's, if any
+        if load is not None:  # else a flush made every row whole first
+            self.gaps.loaded(load, keys, self.cache.slot_of == NEVER)
         self.log.forget()
         self.cache.drop_all()
         self.file.release_pages()
@@ -331,6 +391,7 @@ class DiskTable:
     def fill_from(self, source: torch.Tensor) -> None:
         """Start from a real (materialized) table's block, written in chunks."""
         self.log.drain("before a fill")  # a fresh table's log is empty: nothing to write
+        self.gaps.take()  # every row is written below
         shard = self.shard
         for start in range(0, shard.rows, self.chunk_rows):
             end = min(start + self.chunk_rows, shard.rows)

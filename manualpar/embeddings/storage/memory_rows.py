@@ -6,7 +6,7 @@ state tensors themselves (one chunk each).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ class MemoryRows:
     def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
         return [(0, self.weight if key is None else self.state[key])]
 
-    def loaded(self) -> None:
+    def loaded(self, keys: Collection[str | None]) -> None:
         pass
 
     @property

@@ -13,6 +13,11 @@ process's resident memory. The map is kept only for checkpoints, whose blocks ar
 
 The file is reserved with fallocate: no bytes are written (a 36 GB table costs no 36 GB of
 writes at start) and a disk without room is reported at once instead of failing mid-training.
+So a file shorter than its reservation was cut by another process: each step, flush, range read
+and checkpoint chunk checks that first (one fstat), since a write into a cut file regrows it
+over a hole that reads back as zero rows, and the map meets it as SIGBUS. The tier opens only
+a plain file of its own (no link followed: it empties the file), private to its user, and a
+process forked from the tier's lets go of its files (they hold the tier's lock, file_owner.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import errno
 import mmap
 import os
 import shutil
+import stat
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -68,6 +75,7 @@ class RowFile:
         )
         self.fd = _reserve(path, rows * self.record, log_rows * self.record, what, {"holds": holds})
         self._map: mmap.mmap | None = None
+        _OPEN_FILES.add(self)
 
     # records <-> tensors ------------------------------------------------------------------------
     def empty(self, count: int) -> torch.Tensor:
@@ -175,6 +183,7 @@ class RowFile:
         return f"row {record}" if record < self.rows else f"write-log record {record - self.rows}"
 
     def read_range(self, start: int, end: int) -> torch.Tensor:
+        self.check_size(f"read rows {start}..{end - 1} from")  # a hole would read as zeros
         out = self.empty(end - start)
         view = out.numpy().data.cast("B")
         done = 0
@@ -186,27 +195,50 @@ class RowFile:
         return out
 
     def write_range(self, start: int, records: torch.Tensor) -> None:
+        self.check_size(f"write rows {start}..{start + records.shape[0] - 1} to")
         view = records.contiguous().numpy().data.cast("B")
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], start * self.record + done)
 
+    @property
+    def reserved(self) -> int:
+        """The file's bytes as reserved: the rows' records, then the write log's."""
+        return (self.rows + self.log_rows) * self.record
+
+    def check_size(self, doing: str) -> None:
+        """Raise StorageError, saying what was `doing` ("write rows back to"), if the file is
+        shorter than reserved: written into, a cut file grows back over a hole that reads as
+        zero rows, and a map of it meets SIGBUS. One fstat (a step, flush, range or chunk)."""
+        if self.fd < 0:
+            raise StorageError(
+                f"disk tier: {self.what}: cannot {doing} {str(self.path)!r}: this process "
+                "closed it, or was forked from the process that holds it (the two would write "
+                "one file); use a disk table in the process that built it"
+            )
+        size = os.fstat(self.fd).st_size
+        if size < self.reserved:
+            raise self._cut(doing, size)
+
     def _short(self, rows: str) -> StorageError:
         """A read past the end: the file lost bytes since the tier reserved it."""
-        size = os.fstat(self.fd).st_size
-        reserved = format_bytes((self.rows + self.log_rows) * self.record)
+        return self._cut(f"read {rows} from", os.fstat(self.fd).st_size)
+
+    def _cut(self, doing: str, size: int) -> StorageError:
         log = f" and {self.log_rows} write-log records" if self.log_rows else ""
         return StorageError(
-            f"disk tier: {self.what}: cannot read {rows} from {str(self.path)!r}: the file has "
-            f"{format_bytes(size)}, {reserved} were reserved for {self.rows} rows{log}; it was "
-            "truncated or replaced while this tier held it. Its rows are lost: restart from the "
-            "last checkpoint (and keep other processes out of the tier's directory)",
+            f"disk tier: {self.what}: cannot {doing} {str(self.path)!r}: the file has "
+            f"{format_bytes(size)}, {format_bytes(self.reserved)} were reserved for {self.rows} "
+            f"rows{log}; it was truncated or replaced while this tier held it. Its rows are "
+            "lost: restart from the last checkpoint (and keep other processes out of the tier's "
+            "directory)",
         )
 
     # checkpoints ----------------------------------------------------------------------------------
     def mapped(self) -> torch.Tensor:
         """All records as a (rows, record) uint8 view of a shared map of the file (for
         checkpoints: reading or writing it is reading or writing the file)."""
+        self.check_size("map rows of")
         if self._map is None:
             self._map = mmap.mmap(
                 self.fd, self.rows * self.record, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
@@ -220,6 +252,11 @@ class RowFile:
             self._map.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
+        """Close the file and its map: each holds the tier's lock (file_owner.py)."""
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a checkpoint's views still hold it
+                self._map.close()
+            self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -229,22 +266,30 @@ class RowFile:
             self.close()
 
 
+_OPEN_FILES: weakref.WeakSet[RowFile] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """In a process just forked from the tier's (a data-loader worker, say): close the
+    inherited files and maps. The lock is the open file's, so the child's copies would keep it
+    after the tier's process ended, and refuse the next job the files."""
+    for file in list(_OPEN_FILES):
+        file.close()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
+
+
 def _reserve(path: Path, row_bytes: int, log_bytes: int, what: str, holds: dict[str, str]) -> int:
     """A new file of the rows' and the write log's bytes reserved on disk (fallocate: unwritten
-    blocks read as zeros),
-    open for reading and writing, locked for this tier (file_owner.py) before it is emptied. A
-    directory that cannot be written, a file another tier holds or a full disk raise
-    BuilderError naming the file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as error:
-        raise BuilderError(
-            f"disk tier: cannot write {what} file {str(path)!r}: {error.strerror}; give "
-            "DiskTier(directory=...) a directory this process can write"
-        ) from None
+    blocks read as zeros), open for reading and writing, private to this user, locked for this
+    tier (file_owner.py) before it is emptied. A directory that cannot be written, a file
+    another tier holds or a full disk raise BuilderError naming the file; a link or anything
+    but a plain file there, StorageError."""
+    fd = _open_plain(path, what)
     try:
         claim_file(fd, path, what, holds)
+        os.fchmod(fd, 0o600)  # a file left by an earlier job keeps its mode otherwise
     except BaseException:
         os.close(fd)  # the other tier's file is left as it was
         raise
@@ -270,3 +315,37 @@ def _reserve(path: Path, row_bytes: int, log_bytes: int, what: str, holds: dict[
             f"{fixes}"
         ) from None
     return fd
+
+
+def _open_plain(path: Path, what: str) -> int:
+    """`path` opened (created if need be) without following a link, refused unless a plain
+    file of one name: the tier empties it, which through a link or a second name would empty
+    another file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as error:
+        if error.errno == errno.ELOOP and path.is_symlink():
+            raise _not_plain(path, what, "a symbolic link") from None
+        raise BuilderError(
+            f"disk tier: cannot write {what} file {str(path)!r}: {error.strerror}; give "
+            "DiskTier(directory=...) a directory this process can write"
+        ) from None
+    info = os.fstat(fd)
+    kind = None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "not a plain file"
+    elif info.st_nlink > 1:
+        kind = f"a plain file with {info.st_nlink} names (hard links)"
+    if kind is not None:
+        os.close(fd)
+        raise _not_plain(path, what, kind)
+    return fd
+
+
+def _not_plain(path: Path, what: str, kind: str) -> StorageError:
+    return StorageError(
+        f"disk tier: the {what} file {str(path)!r} is {kind}; the tier empties its files when "
+        "it opens them and does not follow links: remove it, or give DiskTier(directory=...) a "
+        "directory of its own"
+    )

@@ -15,7 +15,7 @@ Checkpoints read and write the block through `checkpoint_chunks`, and `loaded()`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,8 +53,9 @@ class RowStore(Protocol):
         """(first row, rows) chunks of the whole block's weights (None) or optimizer state
         `key`, in row order: what a checkpoint saves, and where a load writes."""
 
-    def loaded(self) -> None:
-        """A checkpoint load just wrote the chunks: drop anything derived from the old rows."""
+    def loaded(self, keys: Collection[str | None]) -> None:
+        """A checkpoint load just wrote the chunks of `keys` (as in `checkpoint_chunks`): drop
+        anything derived from the old rows."""
 
     @property
     def spill_dir(self) -> Path | None:

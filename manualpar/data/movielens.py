@@ -21,14 +21,17 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from manualpar.errors import DataFileError
+
+__all__ = ["Ratings", "default_cache", "fetch_movielens_100k", "read_ratings"]
+
 RECBOLE_WHEEL = "recbole==1.2.1"
 ML100K_MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
-DEFAULT_CACHE = Path(os.environ.get("MANUALPAR_DATA", Path.home() / ".cache" / "manualpar"))
 
 
 @dataclass(frozen=True)
 class Ratings:
-    """One rating per entry, in file order (the protocol keeps that order for equal times)."""
+    """One rating per entry, in file order (a protocol keeps that order for equal times)."""
 
     users: list[str]  # tokens as in the file
     items: list[str]
@@ -39,9 +42,16 @@ class Ratings:
         return len(self.users)
 
 
-def fetch_movielens_100k(cache: Path = DEFAULT_CACHE / "movielens") -> Path:
-    """ml-100k.inter in `cache`, fetched once (every process may call it: a file lock makes
-    one download and the others wait for it)."""
+def default_cache() -> Path:
+    """$MANUALPAR_DATA/movielens, or ~/.cache/manualpar/movielens."""
+    root = os.environ.get("MANUALPAR_DATA", Path.home() / ".cache" / "manualpar")
+    return Path(root) / "movielens"
+
+
+def fetch_movielens_100k(cache: str | Path | None = None) -> Path:
+    """ml-100k.inter in `cache` (default: `default_cache()`), fetched once with pip (every
+    process may call it: a file lock makes one download and the others wait for it)."""
+    cache = Path(cache) if cache is not None else default_cache()
     target = cache / "ml-100k.inter"
     if target.is_file():
         return target
@@ -50,20 +60,7 @@ def fetch_movielens_100k(cache: Path = DEFAULT_CACHE / "movielens") -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():  # another process fetched it while this one waited
             return target
-        wheel = next(cache.glob("recbole-1.2.1-*.whl"), None)
-        if wheel is None:
-            print(f"fetching MovieLens-100k ({RECBOLE_WHEEL}'s wheel, 2 MB) into {cache}")
-            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
-            done = subprocess.run(
-                [*command, RECBOLE_WHEEL, "-d", str(cache)], capture_output=True, text=True
-            )
-            wheel = next(cache.glob("recbole-1.2.1-*.whl"), None)
-            if done.returncode or wheel is None:
-                raise SystemExit(
-                    f"could not download {RECBOLE_WHEEL} with pip (exit {done.returncode}): "
-                    f"{done.stderr.strip()[-500:]}\nDownload ml-100k from GroupLens yourself and "
-                    "pass --ratings path/to/u.data"
-                )
+        wheel = next(cache.glob("recbole-1.2.1-*.whl"), None) or _download_wheel(cache)
         with zipfile.ZipFile(wheel) as archive:
             partial = target.with_suffix(".partial")
             partial.write_bytes(archive.read(ML100K_MEMBER))
@@ -71,28 +68,44 @@ def fetch_movielens_100k(cache: Path = DEFAULT_CACHE / "movielens") -> Path:
     return target
 
 
+def _download_wheel(cache: Path) -> Path:
+    print(f"fetching MovieLens-100k ({RECBOLE_WHEEL}'s wheel, 2 MB) into {cache}")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+    done = subprocess.run(
+        [*command, RECBOLE_WHEEL, "-d", str(cache)], capture_output=True, text=True
+    )
+    wheel = next(cache.glob("recbole-1.2.1-*.whl"), None)
+    if done.returncode or wheel is None:
+        raise DataFileError(
+            f"could not download {RECBOLE_WHEEL} with pip into {cache} (exit "
+            f"{done.returncode}): {done.stderr.strip()[-500:]}. Download ml-100k from GroupLens "
+            "yourself and read its u.data by path"
+        )
+    return wheel
+
+
 def read_ratings(path: str | Path) -> Ratings:
-    """Every rating of a MovieLens file in any of the layouts above, in file order."""
+    """Every rating of a MovieLens file in any of the layouts above, in file order. Raises
+    DataFileError naming the file (and line) when it cannot be read as one."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"{path}: no such ratings file")
+        raise DataFileError(f"{path}: no such ratings file")
     lines = path.read_text(encoding="latin-1").splitlines()
     first = lines[0] if lines else ""
     if ":token" in first or ":float" in first:  # a RecBole atomic file
         header = [field.split(":")[0] for field in first.split("\t")]
         columns = _columns(header, ("user_id", "item_id", "timestamp"), path)
-        rows, separator, start = lines, "\t", 1
+        separator, start = "\t", 1
     elif path.suffix == ".csv":
-        header = first.split(",")
-        columns = _columns(header, ("userId", "movieId", "timestamp"), path)
-        rows, separator, start = lines, ",", 1
+        columns = _columns(first.split(","), ("userId", "movieId", "timestamp"), path)
+        separator, start = ",", 1
     elif "::" in first:
-        columns, rows, separator, start = (0, 1, 3), lines, "::", 0
+        columns, separator, start = (0, 1, 3), "::", 0
     else:  # u.data
-        columns, rows, separator, start = (0, 1, 3), lines, "\t", 0
+        columns, separator, start = (0, 1, 3), "\t", 0
     users, items, times = [], [], []
     user_at, item_at, time_at = columns
-    for number, line in enumerate(rows[start:], start=start + 1):
+    for number, line in enumerate(lines[start:], start=start + 1):
         if not line.strip():
             continue
         fields = line.split(separator)
@@ -101,16 +114,17 @@ def read_ratings(path: str | Path) -> Ratings:
             items.append(fields[item_at])
             times.append(float(fields[time_at]))
         except (IndexError, ValueError) as error:
-            raise SystemExit(
-                f"{path}, line {number}: cannot read {line[:80]!r} ({error})"
+            raise DataFileError(
+                f"{path}, line {number}: cannot read {line[:80]!r} as a rating ({error}); "
+                "expected user, item and timestamp fields"
             ) from None
     if not users:
-        raise SystemExit(f"{path}: no ratings in it")
+        raise DataFileError(f"{path}: no ratings in it")
     return Ratings(users, items, times, str(path))
 
 
 def _columns(header: list[str], names: tuple[str, ...], path: Path) -> tuple[int, ...]:
     missing = [name for name in names if name not in header]
     if missing:
-        raise SystemExit(f"{path}: the header {header} has no {missing}")
+        raise DataFileError(f"{path}: the header {header} has no {missing}")
     return tuple(header.index(name) for name in names)
