@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from manualpar.cli.plan import UsageError
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -18,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Replace this process with torchrun (so signals and the exit code are torchrun's)."""
+    # checked here: torchrun would answer a bare AssertionError from deep inside its agent
+    if args.nproc < 1:
+        raise UsageError(f"launch --nproc {args.nproc}: expected processes per node, at least 1")
+    if args.max_restarts < 0:
+        raise UsageError(f"launch --max-restarts {args.max_restarts}: expected 0 or more")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(args.nproc), "--max-restarts", str(args.max_restarts),

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ from manualpar.embeddings import (
     check_tables,
     costs_text,
     default_topology,
-    expected_exchange_bytes,
     format_bytes,
     load_topology,
     per_rank_text,
@@ -47,6 +47,7 @@ from manualpar.embeddings import (
     rule_costs,
     table_dtype,
 )
+from manualpar.embeddings.planning.exchange_bytes import expected_sent_bytes
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
@@ -238,6 +239,19 @@ def _check_arguments(args: argparse.Namespace) -> None:
         )
     if not args.table and not args.tables:
         raise UsageError(f"no tables: pass --table {TABLE_SPEC} (repeatable) or --tables FILE")
+    _check_workload(args)
+
+
+def _check_workload(args: argparse.Namespace) -> None:
+    """The step's numbers: a NaN or an infinity would price every plan alike."""
+    if args.batch_per_rank is not None and args.batch_per_rank < 1:
+        raise UsageError(
+            f"--batch-per-rank {args.batch_per_rank}: expected samples a rank per step, at least 1"
+        )
+    if not (math.isfinite(args.ids_per_bag) and args.ids_per_bag >= 0):
+        raise UsageError(f"--ids-per-bag {args.ids_per_bag}: expected a finite mean >= 0")
+    if not (math.isfinite(args.skew) and args.skew >= 0):
+        raise UsageError(f"--skew {args.skew}: expected 0 (uniform) or a finite Zipf exponent > 0")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -255,13 +269,9 @@ def run(args: argparse.Namespace) -> int:
     if budget is None and args.topology is not None:
         budget = topology.device_memory_bytes
     optimizer = OPTIMIZERS[args.optimizer](lr=0.01)  # only its state's shape matters here
-    batch = args.batch_per_rank or DEFAULT_BATCH_PER_RANK
-    if batch < 1 or not args.ids_per_bag >= 0:
-        raise UsageError("--batch-per-rank must be >= 1 and --ids-per-bag >= 0")
+    batch = DEFAULT_BATCH_PER_RANK if args.batch_per_rank is None else args.batch_per_rank
     pooling = {config.name: args.ids_per_bag for config in tables}
     state, full_rows = rule_costs(optimizer)
-    if not args.skew >= 0:
-        raise UsageError(f"--skew {args.skew}: expected 0 (uniform) or a Zipf exponent > 0")
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
@@ -364,8 +374,8 @@ def _traffic(
     """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
     full_rows = rule_costs(optimizer)[1]
-    traffic = expected_exchange_bytes(tables, plan, batch, per_bag, full_rows=full_rows)
-    sent = [int(traffic.sent(r)) for r in range(plan.world_size)]
+    per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows)
+    sent = [int(value) for value in per_rank]
     return (
         f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag): "
         + per_rank_text(sent, format_bytes)

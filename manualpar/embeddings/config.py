@@ -29,6 +29,13 @@ STATE_BYTES = 4  # optimizer state is float32 whatever the rows' dtype
 # An update rule's state: name -> per-row (one float per row) or per-element. Row-wise Adagrad's
 # single per-row float is what plans count when no rule is named (it is the planner's default).
 ROW_WISE_STATE: Mapping[str, bool] = {"sum": True}
+MAX_SIZE = 2**63 - 1  # rows and columns: a tensor's sizes (and the ids) are int64
+
+
+def _plain_name(name: object) -> bool:
+    """A non-empty string without unprintable characters: names become file names, checkpoint
+    keys and lines of text, where a NUL or a newline would cut or corrupt them."""
+    return isinstance(name, str) and bool(name) and name.isprintable()
 
 
 def block_bytes(
@@ -75,10 +82,17 @@ class EmbeddingBagConfig:
                 f"{self.feature_names!r}; write feature_names=({self.feature_names!r},)"
             )
         object.__setattr__(self, "feature_names", tuple(self.feature_names) or (self.name,))
-        if not self.name or "/" in self.name or "." in self.name:
+        if not _plain_name(self.name) or "/" in self.name or "." in self.name:
             raise EmbeddingInputError(
-                f"table name {self.name!r} must be non-empty without '/' or '.'"
+                f"table name {self.name!r} must be a non-empty string without '/', '.' or "
+                "unprintable characters"
             )
+        for feature in self.feature_names:
+            if not _plain_name(feature):
+                raise EmbeddingInputError(
+                    f"table {self.name!r}: feature name {feature!r} must be a non-empty string "
+                    "without unprintable characters"
+                )
         for what, value in (
             ("num_embeddings", self.num_embeddings),
             ("embedding_dim", self.embedding_dim),
@@ -86,6 +100,11 @@ class EmbeddingBagConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise EmbeddingInputError(
                     f"table {self.name!r}: {what} must be a positive int, got {value!r}"
+                )
+            if value > MAX_SIZE:
+                raise EmbeddingInputError(
+                    f"table {self.name!r}: {what} must be at most 2**63 - 1 (a tensor's sizes "
+                    f"are int64), got {value}"
                 )
         if self.pooling not in POOLINGS:
             raise EmbeddingInputError(

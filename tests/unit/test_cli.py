@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_models import make_model
-from png_checks import assert_plots_every_metric, metric_names
+from png_checks import assert_plots_every_metric, line_bands, metric_names
 
 import manualpar as mp
 from manualpar.cli import main
@@ -57,6 +57,22 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert_plots_every_metric(png, tmp_path / "metrics.jsonl")  # one plotted panel each
 
 
+def test_plot_keys_draws_only_the_step_times(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    times = {"time/read": 0.001, "time/lookup": 0.004, "time/step": 0.01}
+    records = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)]
+    records += [{"step": s, **times} for s in (3, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = tmp_path / "times.png"
+    assert main(["plot", str(tmp_path), "--out", str(png), "--keys", "time/"]) == 0
+    assert line_bands(png) == len(times)  # one panel per phase, none for the loss
+    assert main(["plot", str(tmp_path), "--keys", "tme/", "val/"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'metrics.jsonl'} holds no metric starting with 'tme/' or 'val/'; "
+        "it holds loss, time/lookup, time/read, time/step. Pass one of these (or a start of "
+        "one) to --keys\n"
+    )
+
+
 def test_plot_without_metrics_is_a_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -99,3 +115,21 @@ def test_plot_title_sits_above_the_top_panel(panels: int) -> None:
     title = figure.get_suptitle() and figure._suptitle.get_window_extent(renderer)
     top = figure.axes[0].get_tightbbox(renderer)  # the panel with its tick labels
     assert title.y0 >= top.y1, f"title {title} overlaps the top panel {top}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "error: launch --nproc 0: expected processes per node, at least 1"),
+        (["--max-restarts", "-1"], "error: launch --max-restarts -1: expected 0 or more"),
+    ],
+)
+def test_launch_refuses_counts_out_of_range_before_starting_torchrun(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    def execv(*_: object) -> None:
+        raise AssertionError("torchrun started")
+
+    monkeypatch.setattr("manualpar.cli.launch.os.execv", execv)
+    assert main(["launch", *args, "train.py"]) == 2
+    assert capsys.readouterr().err == message + "\n"

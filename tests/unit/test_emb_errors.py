@@ -173,6 +173,32 @@ def test_table_size_must_be_a_positive_int(rows: object) -> None:
         EmbeddingBagConfig("user", rows, 4)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", ["us\x00er", "user\n", 7])
+def test_a_table_name_must_be_a_string_without_unprintable_characters(name: object) -> None:
+    with _raises(
+        EmbeddingInputError,
+        f"table name {name!r} must be a non-empty string without '/', '.' or unprintable "
+        "characters",
+    ):
+        EmbeddingBagConfig(name, 5, 4)  # type: ignore[arg-type]
+    with _raises(
+        EmbeddingInputError,
+        f"table 'user': feature name {name!r} must be a non-empty string without unprintable "
+        "characters",
+    ):
+        EmbeddingBagConfig("user", 5, 4, feature_names=("ok", name))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("what", ["num_embeddings", "embedding_dim"])
+def test_a_table_size_past_int64_is_refused(what: str) -> None:
+    sizes = {"num_embeddings": 5, "embedding_dim": 4, what: 2**63}
+    with _raises(
+        EmbeddingInputError,
+        f"table 'user': {what} must be at most 2**63 - 1 (a tensor's sizes are int64), got {2**63}",
+    ):
+        EmbeddingBagConfig("user", **sizes)
+
+
 def test_a_feature_looked_up_by_two_tables() -> None:
     with _raises(
         EmbeddingInputError,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from manualpar.cli import main
+from manualpar.embeddings import TOPOLOGY_PRESETS
 
 TABLES = [
     "--table",
@@ -214,3 +217,61 @@ def test_replicas_auto_compares_layouts_and_names_those_that_do_not_fit(
     assert "does not fit: the 2 tables" in lines[3]  # a whole copy on every rank: 124 MiB
     code, _, err = _plan(capsys, *args, "--replicas", "3")
     assert code == 2 and err.startswith("error: --replicas '3': expected auto or a count")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--table", f"user:{10**29}:4"],
+            f"error: table 'user': num_embeddings must be at most 2**63 - 1 (a tensor's sizes "
+            f"are int64), got {10**29}",
+        ),
+        (
+            ["--table", "user:10:4", "--batch-per-rank", "0"],
+            "error: --batch-per-rank 0: expected samples a rank per step, at least 1",
+        ),
+        (
+            ["--table", "user:10:4", "--ids-per-bag", "inf"],
+            "error: --ids-per-bag inf: expected a finite mean >= 0",
+        ),
+        (
+            ["--table", "user:10:4", "--skew", "nan"],
+            "error: --skew nan: expected 0 (uniform) or a finite Zipf exponent > 0",
+        ),
+    ],
+)
+def test_plan_refuses_values_out_of_range(
+    capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    code, out, err = _plan(capsys, "--world-size", "2", *args)
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+@pytest.mark.parametrize("speed", ["NaN", "Infinity", "-Infinity"])
+def test_plan_refuses_a_topology_with_a_speed_that_is_not_finite(
+    capsys: pytest.CaptureFixture, tmp_path: Path, speed: str
+) -> None:
+    fields = {**TOPOLOGY_PRESETS["cpu-host"], "memory_bandwidth": "SPEED"}
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(fields).replace('"SPEED"', speed))
+    code, out, err = _plan(capsys, "--world-size", "2", "--topology", str(path), *TABLES)
+    value = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[speed]
+    assert (code, out) == (2, "")
+    assert err == (
+        f"error: --topology: topology 'host': memory_bandwidth must be a finite number >= 0, "
+        f"got {value}; measure the host with `python -m manualpar calibrate --out FILE`\n"
+    )
+
+
+def test_plan_refuses_a_table_name_with_an_unprintable_character(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps([{"name": "us\u0000er", "num_embeddings": 10, "embedding_dim": 4}]))
+    code, out, err = _plan(capsys, "--world-size", "2", "--tables", str(path))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"error: --tables {path}: entry 0: table name 'us\\x00er' must be a non-empty string "
+        "without '/', '.' or unprintable characters\n"
+    )

@@ -24,7 +24,11 @@ from manualpar.embeddings import (
     table_wise,
 )
 from manualpar.embeddings.planning.cost_model import placement_costs, plan_costs
-from manualpar.embeddings.planning.exchange_bytes import EXCHANGES, expected_exchange_bytes
+from manualpar.embeddings.planning.exchange_bytes import (
+    EXCHANGES,
+    expected_exchange_bytes,
+    expected_sent_bytes,
+)
 from manualpar.embeddings.planning.popularity import distinct_rows
 from manualpar.embeddings.planning.rank_costs import Workload, sequence_padding
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
@@ -109,6 +113,17 @@ def test_bytes_per_rank_are_the_exact_matrices_summed(
             sum(total(r, rank) for r in other)
         )
         assert costs.sent[rank].item() == pytest.approx(matrix.sent(rank))
+    # the same sums without the matrices (what `plan --batch-per-rank` prints at any scale),
+    # added in another order: equal to the last bits
+    replicated = EmbeddingPlan(world, {**plan.tables, "user": data_parallel()})
+    for placed in (plan, replicated):
+        sums = expected_exchange_bytes(
+            configs, placed, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
+        )
+        sent = expected_sent_bytes(
+            configs, placed, 16, per_feature, weighted=weighted, frozen=frozen, full_rows=full_rows
+        )
+        assert sent == pytest.approx([sums.sent(r) for r in range(world)], rel=1e-14, abs=0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -29,10 +29,20 @@ LEAST_BUSY = 4  # ranks (and nodes) tried for a whole table or a node's row spli
 COST_REPLICATE_BYTES = 64 * 2**20
 COLUMN_SPLITS = (2, 4, 8)
 MIN_COLUMNS = 16  # a column block narrower than this costs more in ids than it saves
+SORT_ALL = 2048  # up to this many ranks, least_busy sorts them all (quicker than selecting)
 
 
 def least_busy(values: torch.Tensor, count: int) -> list[int]:
-    return torch.argsort(values, stable=True)[:count].tolist()
+    """The `count` smallest values' indices, ties to the lower index (a stable sort's first)."""
+    if values.numel() <= SORT_ALL:
+        return torch.argsort(values, stable=True)[:count].tolist()
+    # with thousands of ranks, select, then sort the few: a full sort per candidate list
+    # took most of a plan's time
+    kth = torch.topk(values, count, largest=False).values.max()
+    below = (values < kth).nonzero().flatten()
+    below = below[torch.argsort(values[below], stable=True)]
+    ties = (values == kth).nonzero().flatten()[: count - below.numel()]
+    return torch.cat([below, ties]).tolist()
 
 
 def candidates(
@@ -54,7 +64,7 @@ def candidates(
         yield on_disk(row_wise())
     nodes = topology.nodes
     if nodes > 1 and config.num_embeddings >= per_node:
-        node_busy = busy.view(nodes, per_node).max(dim=1).values
+        node_busy = busy.view(nodes, per_node).amax(dim=1)  # (max(dim=) also finds indices)
         for node in least_busy(node_busy, LEAST_BUSY):
             yield table_row_wise(node, per_node)
     for split in COLUMN_SPLITS:

@@ -125,18 +125,17 @@ def placement_costs(
         return _two_d(config, placement, topology, workload, disk_tier, name, replicas)
     world, per_node = topology.world_size, topology.ranks_per_node
     costs = RankCosts.zeros(world)
-    plan = EmbeddingPlan(world, {config.name: placement})
-    shards = plan.shards(config)
     ids = workload.ids(config, name)  # per rank and step, all features of the table
     features = len(config.feature_names)
     batch = workload.batch_per_rank
     state, full_rows = workload.rule(name)
     row_state, col_state = _state_widths(state)
     frozen = name in workload.frozen
-    if placement.sharding == "data_parallel":
+    if placement.sharding == "data_parallel":  # (no blocks to list: a copy on every rank)
         skew = workload.skew_of(name)
         _replicated(costs, config, skew, world, per_node, ids, row_state, col_state, frozen)
         return costs
+    shards = EmbeddingPlan(world, {config.name: placement}).shards(config)
     copies = 2 if workload.weighted else 1
     # bag lengths sent per feature, and the rows (and gradients) each block returns per
     # feature summed: a bag collection's every bag; a sequence collection pads each feature
@@ -158,11 +157,12 @@ def placement_costs(
     )
     returned = ids * fraction if sequence else torch.full_like(fraction, batch * features)
     sent_to = (lengths + ids * fraction * copies) * INT64
+    # rows and gradients in their wire dtypes (a float16/float8 flag, 1 value a pair, left out)
     if not frozen:
-        sent_to = sent_to + returned * grad_cols * FLOAT32
+        sent_to = sent_to + returned * grad_cols * workload.wire.backward.itemsize
     to_owner = torch.zeros(world, dtype=torch.float64).index_add_(0, owners, sent_to)
     from_owner = torch.zeros(world, dtype=torch.float64).index_add_(
-        0, owners, returned * cols * FLOAT32
+        0, owners, returned * cols * workload.wire.forward.itemsize
     )
     _owner_traffic(costs, to_owner, from_owner, per_node)
     if placement.sharding in REMAPPED_AT_OWNER and remaps_at_owner:  # its blocks' remappers

@@ -53,6 +53,10 @@ __all__ = ["CostPlan", "plan_by_cost"]
 REFINE_ROUNDS = 3  # passes of single-table moves after the greedy (more rarely moved anything)
 TIGHTEN_STEPS = 8  # bisection steps of the target time (each places every table once)
 TIGHTEN_TOLERANCE = 0.01  # stop bisecting within 1% of the best time found
+# Candidates' costs kept for reuse across the passes, beyond those of splits over more than
+# KEEP_BLOCKS ranks (always kept: one or two a table); the rest are recomputed when asked again
+CACHE_BYTES = 256 * 2**20
+KEEP_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def plan_by_cost(
     plan = EmbeddingPlan(search.group.world_size, dict(search.placements), search.notes())
     added = {
         key: float(search.total.seconds(topology).max())
-        - float((search.total - search.chosen[key]).seconds(topology).max())
+        - float((search.total - search.chosen_costs(key)).seconds(topology).max())
         for key in tables
     }
     changed = {k: d for k, d in search.dtype.items() if d != tables[k].dtype}
@@ -141,11 +145,14 @@ class _Search:
         self.start = collection_costs(configs, first, topology, replicas)  # remappers' shares too
         self.total = self.start
         self._cache: dict[tuple[str, TablePlacement, torch.dtype], RankCosts] = {}
+        self._cached_bytes = 0
         self.dtype: dict[str, torch.dtype] = {}
         self.alone = {key: self._cheapest(key) for key in tables}
         self.order = sorted(tables, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True)
         self.placements: dict[str, TablePlacement] = {}
-        self.chosen: dict[str, RankCosts] = {}
+        # each placed table's placement and dtype: its costs are looked up (or recomputed)
+        # when needed, not held, so the plan takes no world-size tensors per table
+        self.chosen: dict[str, tuple[TablePlacement, torch.dtype]] = {}
 
     def _cheapest(self, key: str) -> tuple[float, float]:
         """A table's slowest rank whole on one rank (its place in the greedy order), and its
@@ -174,8 +181,28 @@ class _Search:
                 key,
                 self.replicas,
             )
-            self._cache[(key, placement, dtype)] = found
+            if self._keeps(placement, found):
+                self._cache[(key, placement, dtype)] = found
         return found
+
+    def _keeps(self, placement: TablePlacement, costs: RankCosts) -> bool:
+        """Whether to keep a candidate's costs for reuse: while the kept ones take under
+        CACHE_BYTES, and always for a split over many ranks (costing it builds a block per
+        rank). Costs are world-size tensors: keeping every candidate's grew with tables x ranks
+        x the candidates the passes try (over 8 GB for 1,000 tables on 2,000 ranks)."""
+        size = costs.nbytes
+        blocks = len(placement.ranks) or (
+            self.group.world_size if placement.sharding == "row_wise" else 1
+        )
+        if blocks <= KEEP_BLOCKS and self._cached_bytes + size > CACHE_BYTES:
+            return False  # recomputed when asked again: the same numbers, some time
+        self._cached_bytes += size
+        return True
+
+    def chosen_costs(self, key: str) -> RankCosts:
+        """The costs of `key`'s placement in the plan."""
+        placement, dtype = self.chosen[key]
+        return self.costs(key, placement, dtype)
 
     def options(
         self, key: str, base: RankCosts, still_to_place: float, final: bool = False
@@ -221,9 +248,9 @@ class _Search:
 
     def place(self, key: str, option: Option) -> None:
         if key in self.chosen:
-            self.total = self.total - self.chosen[key]
+            self.total = self.total - self.chosen_costs(key)
         self.total = self.total + option.costs
-        self.placements[key], self.chosen[key] = option.placement, option.costs
+        self.placements[key], self.chosen[key] = option.placement, (option.placement, option.dtype)
         self.dtype[key] = option.dtype
 
     def greedy(self) -> None:
@@ -269,10 +296,11 @@ class _Search:
 
     def adopt(self, placements: Mapping[str, TablePlacement]) -> bool:
         """Take `placements` (every table) if they fit the budget and beat the current plan."""
-        chosen = {key: self.costs(key, placements[key]) for key in self.tables}
+        dtypes = {key: self.dtype.get(key, config.dtype) for key, config in self.tables.items()}
+        chosen = {key: (placements[key], dtypes[key]) for key in self.tables}
         total = self.start
-        for costs in chosen.values():
-            total = total + costs
+        for key, (placement, dtype) in chosen.items():
+            total = total + self.costs(key, placement, dtype)
         if self.budget is not None and float(total.memory.max()) > self.budget:
             return False
         now = plan_score(self.total, self.topology, 0.0).final()
@@ -336,7 +364,7 @@ class _Search:
         for _ in range(rounds):
             moved = False
             for key in self.order:
-                base = self.total - self.chosen[key]
+                base = self.total - self.chosen_costs(key)
                 now = plan_score(self.total, self.topology, 0.0).final()
                 best = self.options(key, base, 0.0, final=True)[0]
                 if best.score.final() < now and best.placement != self.placements[key]:
@@ -349,8 +377,9 @@ class _Search:
         """Per table: what it adds to the slowest rank, and the runner-up given the others."""
         notes = {}
         for key in self.tables:
-            base = self.total - self.chosen[key]
-            placement, costs, dtype = self.placements[key], self.chosen[key], self.dtype[key]
+            costs = self.chosen_costs(key)
+            base = self.total - costs
+            placement, dtype = self.placements[key], self.dtype[key]
             chosen = Option(placement, costs, plan_score(base + costs, self.topology, 0.0), dtype)
             rest = [
                 o

@@ -4,13 +4,17 @@ cost model, exact, computed from a plan without a job.
 A step of a 1-D plan runs four all_to_alls (step/exchange.py): the sizes (`3 + flag words`
 int64 to every other rank), the ids (per routed feature: its bag lengths, then its ids, then
 its weights' bits, all int64; a row-split table's ids only to the rows' owner), the pooled rows
-back (float32, batch x the columns an owner serves) and, in backward, the output gradient to
-the owners (float32, batch x the columns each owner needs, full rows for a column-split table
-whose rule needs them; none for frozen tables). A rank's own part never travels.
+back (float32 or the collection's wire dtype, step/wire.py; batch x the columns an owner
+serves, and in float16 or float8 one overflow flag value per pair of ranks) and, in backward,
+the output gradient to the owners (float32 or bfloat16; batch x the columns each owner needs,
+full rows for a column-split table whose rule needs them; none for frozen tables). A rank's
+own part never travels.
 
 `exchange_bytes(configs, plan, batches)` counts them from each rank's batch (exact: the test
 compares them with the splits the exchanges really send); `expected_exchange_bytes` from batch
-sizes and ids per bag, with ids spread evenly over a table's rows (a plan's expectation).
+sizes and ids per bag, with ids spread evenly over a table's rows (a plan's expectation);
+`expected_sent_bytes` the same expectation's bytes each rank sends, without the matrices (for
+thousands of ranks: four world x world matrices took 8 GB at 8,192).
 Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
 
 Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a bag of its own,
@@ -21,6 +25,7 @@ and gradients only for the bags with an id in the owner's block, so one id's row
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,12 +37,14 @@ from manualpar.embeddings.modules.sequence_collection import EmbeddingConfig
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.step.frozen import num_words
 from manualpar.embeddings.step.routing import Routing
+from manualpar.embeddings.step.wire import FLOAT32_WIRE, WireDtypes, flag_bytes
 
 __all__ = [
     "EXCHANGES",
     "ExchangeBytes",
     "exchange_bytes",
     "expected_exchange_bytes",
+    "expected_sent_bytes",
     "is_sequence",
 ]
 
@@ -89,6 +96,7 @@ def _step_bytes(
     frozen: frozenset[str],
     full_rows: bool,
     compact: bool = False,
+    wire: WireDtypes = FLOAT32_WIRE,
 ) -> ExchangeBytes:
     """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank; `batches`: the
     bags per feature on each rank. `compact`: one id per bag, and rows and gradients travel
@@ -105,6 +113,7 @@ def _step_bytes(
         for routes in routing.routes_to
         for route in routes
     }
+    flag = flag_bytes(wire.forward)
     for sender in range(world):
         batch, copies = batches[sender], 2 if weighted[sender] else 1
         for owner in range(world):
@@ -120,8 +129,9 @@ def _step_bytes(
                 if route.table not in frozen_tables:
                     grads += bags * grad_cols[id(route)]
             out["ids"][sender][owner] = ids * INT64
-            out["pooled"][owner][sender] = pooled * FLOAT32
-            out["gradients"][sender][owner] = grads * FLOAT32
+            # in the wire dtypes, with a range-limited dtype's overflow flag on every pair
+            out["pooled"][owner][sender] = pooled * wire.forward.itemsize + flag
+            out["gradients"][sender][owner] = grads * wire.backward.itemsize
     # a feature sent whole to several owners (column blocks) goes once to each: counted above
     return ExchangeBytes(out)
 
@@ -133,11 +143,12 @@ def exchange_bytes(
     *,
     frozen: frozenset[str] = frozenset(),
     full_rows: bool = False,
+    wire: WireDtypes = FLOAT32_WIRE,
 ) -> ExchangeBytes:
     """The exact bytes of one step in which rank r looks up `batches[r]` (features in the
     collection's order; a sequence collection's batch as its forward takes it). `full_rows`:
     the rule needs whole rows' gradients (row-wise Adagrad and clipping do, for column-split
-    tables: FusedOptimizer.needs_full_rows)."""
+    tables: FusedOptimizer.needs_full_rows). `wire`: the collection's wire_dtype."""
     if len(batches) != plan.world_size:
         raise ValueError(
             f"exchange_bytes: {len(batches)} batches for a plan of {plan.world_size} ranks; "
@@ -159,6 +170,7 @@ def exchange_bytes(
         frozen,
         full_rows,
         compact=sequence,
+        wire=wire,
     )
 
 
@@ -171,6 +183,7 @@ def expected_exchange_bytes(
     weighted: bool = False,
     frozen: frozenset[str] = frozenset(),
     full_rows: bool = False,
+    wire: WireDtypes = FLOAT32_WIRE,
 ) -> ExchangeBytes:
     """The expected bytes of a step with `batch_per_rank` samples on every rank and, per
     feature, `ids_per_bag` ids a sample on average, spread evenly over the table's rows (a
@@ -192,5 +205,60 @@ def expected_exchange_bytes(
             ids_of[(rank, f)] = share
     world = plan.world_size
     return _step_bytes(
-        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, sequence
+        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, sequence, wire
     )
+
+
+def expected_sent_bytes(
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    batch_per_rank: int,
+    ids_per_bag: Mapping[str, float],
+    *,
+    weighted: bool = False,
+    frozen: frozenset[str] = frozenset(),
+    full_rows: bool = False,
+    wire: WireDtypes = FLOAT32_WIRE,
+) -> list[float]:
+    """Per rank, the bytes `expected_exchange_bytes(...).sent(rank)` sums, in memory linear in
+    the ranks: with every rank's batch alike, what a sender exchanges with an owner depends on
+    the owner alone, so each owner's exchange is summed once, table by table, in the routes'
+    order (Routing: table, row block, column block, feature), to the same numbers."""
+    world, copies = plan.world_size, 2 if weighted else 1
+    sequence = is_sequence(configs)
+    bags = float(batch_per_rank)
+    if sequence:  # padded to the largest feature's expected id count
+        names = [n for c in configs for n in c.feature_names]
+        bags = max((batch_per_rank * ids_per_bag.get(n, 1.0) for n in names), default=0.0)
+    ids, pooled, grads = [0.0] * world, [0.0] * world, [0.0] * world  # per owner, from a sender
+    for config in configs:
+        if plan.tables[config.name].sharding == "data_parallel":
+            continue
+        shards = sorted(plan.shards(config), key=lambda s: (s.row_start, s.col_start))
+        rows = config.num_embeddings
+        starts = sorted({s.row_start for s in shards})
+        group = {start: g for g, start in enumerate(starts)}
+        ends = [*starts[1:], rows]
+        whole_rows = full_rows and any(s.cols != config.embedding_dim for s in shards)
+        frozen_table = config.name in frozen
+        for shard in shards:
+            owner, g = shard.rank, group[shard.row_start]
+            grad_cols = config.embedding_dim if whole_rows else shard.cols
+            for name in config.feature_names:
+                total = batch_per_rank * ids_per_bag.get(name, 1.0)
+                here = total * (ends[g] - starts[g]) / rows
+                returned = here if sequence else bags  # the bags whose rows come back
+                ids[owner] += bags + here * copies
+                pooled[owner] += returned * shard.cols
+                if not frozen_table:
+                    grads[owner] += returned * grad_cols
+    sizes = (world - 1) * (3 + num_words(len(configs))) * INT64
+    sizes += (world - 1) * flag_bytes(wire.forward)  # beside the pooled rows (step/wire.py)
+    row, grad = wire.forward.itemsize, wire.backward.itemsize
+    all_ids = math.fsum(ids) * INT64  # (exactly rounded, then each owner's own taken off)
+    all_grads = math.fsum(grads) * grad
+    # a rank sends every other owner ids and gradients, and every other rank its pooled rows
+    return [
+        sizes + (all_ids - i * INT64) + p * row * (world - 1) + (all_grads - g * grad)
+        for i, p, g in zip(ids, pooled, grads, strict=True)
+    ]

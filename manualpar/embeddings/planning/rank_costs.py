@@ -18,6 +18,7 @@ from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
 from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, SparseOptimizer
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.topology import Topology
+from manualpar.embeddings.step.wire import FLOAT32_WIRE, WireDtypes
 
 __all__ = ["CALLS", "RankCosts", "Workload", "rule_costs", "sequence_padding"]
 
@@ -52,6 +53,8 @@ class Workload:
     # sequence tables: the ids per sample their collection pads each feature to (its largest;
     # sequence_padding), by table; default the table's own
     padded_ids: Mapping[str, float] = field(default_factory=dict)
+    # the dtypes the pooled rows and their gradients travel in (shard_embeddings' wire_dtype)
+    wire: WireDtypes = FLOAT32_WIRE
 
     def skew_of(self, table: str) -> float:
         if isinstance(self.skew, Mapping):
@@ -134,6 +137,11 @@ class RankCosts:
         }
         users = {k: self.users.get(k, 0) - other.users.get(k, 0) for k in self.users}
         return RankCosts(**rest, users=users)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-rank tensors."""
+        return sum(getattr(self, f.name).nbytes for f in fields(self) if f.name != "users")
 
     @property
     def collectives(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,14 @@ __all__ = ["TOPOLOGY_PRESETS", "Topology", "load_topology"]
 
 GB = 10**9
 GiB = 2**30
+COUNTS = ("world_size", "ranks_per_node", "cores_per_node")  # the fields that count, not measure
+REMEASURE = "measure the host with `python -m manualpar calibrate --out FILE`"
+
+
+def _finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # (a huge int is finite, not a float)
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,15 @@ class Topology:
             value = getattr(self, field.name)
             if field.name == "name":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            # a NaN or an infinite speed would price every plan alike ("nan ms" on every rank)
+            if not _finite_number(value) or value < 0:
                 raise PlanError(
-                    f"topology {self.name!r}: {field.name} must be a number >= 0, got {value!r}"
+                    f"topology {self.name!r}: {field.name} must be a finite number >= 0, got "
+                    f"{value!r}; {REMEASURE}"
+                )
+            if field.name in COUNTS and not isinstance(value, int):
+                raise PlanError(
+                    f"topology {self.name!r}: {field.name} must be a whole number, got {value!r}"
                 )
         if self.world_size < 1 or self.ranks_per_node < 1:
             raise PlanError(
@@ -184,7 +199,8 @@ def load_topology(
         )
     fields = dict(fields)
     fields["world_size"] = world_size
-    fields["ranks_per_node"] = ranks_per_node or min(
-        int(fields.get("ranks_per_node", world_size)), world_size
-    )
+    per_node = fields.get("ranks_per_node", world_size)
+    if isinstance(per_node, int) and not isinstance(per_node, bool):  # else Topology says why
+        per_node = min(per_node, world_size)
+    fields["ranks_per_node"] = ranks_per_node or per_node
     return Topology(**fields)
