@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from manualpar.dtensors import is_dtensor, local_part
-from manualpar.errors import BuilderError
+from manualpar.errors import BuilderError, ConfigTypeError
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -226,11 +226,11 @@ def _target_device(target: Any) -> torch.device:
     elif isinstance(getattr(target, "device", None), torch.device):
         device = target.device
     else:
-        raise TypeError(
+        raise ConfigTypeError(
             f"materialize(): expected a strategy or a torch.device, got {type(target).__name__}"
         )
     if device.type == "meta":
-        raise ValueError("materialize(): the target device must be a real device, not meta")
+        raise BuilderError("materialize(): the target device must be a real device, not meta")
     return device
 
 
@@ -247,7 +247,7 @@ def _selected(root: nn.Module, skip: Skip | None) -> list[tuple[str, nn.Module]]
         known = {name for name, _ in modules}
         unknown = sorted(set(skip) - known)
         if unknown:
-            raise ValueError(
+            raise BuilderError(
                 f"materialize(): skip names {unknown} are not submodules of "
                 f"{type(root).__name__}; known names include {sorted(known)[:10]}"
             )
@@ -373,7 +373,7 @@ def _seeded(seed: int | None, name: str, device: torch.device) -> Iterator[None]
         yield
         return
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"materialize(seed=...): supported on cpu and cuda, not {device.type}")
+        raise BuilderError(f"materialize(seed=...): supported on cpu and cuda, not {device.type}")
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     derived = int.from_bytes(digest, "little") % 2**63
     on_cuda = device.type == "cuda"

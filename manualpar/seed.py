@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from manualpar.errors import ConfigError
+
 __all__ = [
     "RNGState",
     "Seeding",
@@ -53,7 +55,7 @@ def seed_rank(seed: int, rank: int) -> int:
 def _seed(seeding: Seeding) -> int:
     seed = seeding.applied
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+        raise ConfigError(f"seed must be in [0, 2**32), got {seed}")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

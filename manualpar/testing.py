@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from manualpar.errors import ConfigError
 from manualpar.strategy.timeouts import TIMEOUT_ENV_VAR
 
 __all__ = ["DistributedTestError", "RankOutcome", "free_port", "run_distributed"]
@@ -155,7 +156,7 @@ def run_distributed(
     not taken for a hung one; a test of the timeout itself passes its own, shorter one.
     """
     if local_world_size is not None and (local_world_size < 1 or world_size % local_world_size):
-        raise ValueError(
+        raise ConfigError(
             f"run_distributed: local_world_size={local_world_size} must divide "
             f"world_size={world_size} (nodes of equal size)"
         )

@@ -187,7 +187,7 @@ def _global_samples_hook(
     """Sum over ranks of n_r / N * grad_r: the gradient of the mean over the global batch."""
     buffer = bucket.buffer()
     if state.scale is None:
-        raise RuntimeError(
+        raise BuilderError(
             "ddp(normalize_by='global_samples'): backward ran before any forward "
             "through the wrapper, so the sample count is unknown"
         )

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from manualpar.dtensors import is_dtensor, local_part
-from manualpar.errors import NonFiniteError
+from manualpar.errors import BuilderError, NonFiniteError
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "total_grad_norm"]
 
@@ -64,7 +64,7 @@ def clip_grad_norm_(
     they have no `.grad` (their fused optimizer updates them inside backward).
     """
     if max_norm <= 0 or math.isnan(max_norm):
-        raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        raise BuilderError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     params = _as_list(parameters)
     total = total_grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

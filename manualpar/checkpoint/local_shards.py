@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from manualpar.errors import CheckpointMismatchError
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem
@@ -168,7 +170,9 @@ class LocalShards(torch.Tensor):
                 if block.prepare is not None:
                     block.prepare()
                 return block.tensor
-        raise ValueError(f"{index.fqn}: this rank holds no block at offset {index.offset}")
+        raise CheckpointMismatchError(
+            f"{index.fqn}: this rank holds no block at offset {index.offset}"
+        )
 
     # full tensors ---------------------------------------------------------------------------
     def primary_sum(self) -> torch.Tensor:
@@ -183,7 +187,7 @@ class LocalShards(torch.Tensor):
     def copy_from_full(self, full: torch.Tensor, what: str) -> None:
         """Fill the local blocks from a full tensor (loading a full export)."""
         if tuple(full.shape) != tuple(self.shape):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{what}: a full tensor of shape {tuple(full.shape)} does not fit "
                 f"shape {tuple(self.shape)}"
             )

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from manualpar.eager import eager_only
-from manualpar.errors import EmbeddingInputError
+from manualpar.errors import EmbeddingInputError, MissingDependencyError
 
 __all__ = ["JaggedFeature", "SparseFeatures"]
 
@@ -247,7 +247,7 @@ class SparseFeatures:
                 isinstance(error, ModuleNotFoundError)
                 and (error.name or "").split(".")[0] == "torchrec"
             )
-            raise ImportError(
+            raise MissingDependencyError(
                 "SparseFeatures.to_kjt() needs TorchRec, which is not installed (pip install "
                 "torchrec; manualpar itself does not need it)"
                 if absent

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from manualpar.errors import CheckpointError
+from manualpar.errors import CheckpointError, ConfigError
 from manualpar.loop.monitor import Monitor
 
 __all__ = ["BestCheckpoints", "read_best_index"]
@@ -36,7 +36,7 @@ class BestCheckpoints:
     def __init__(self, monitor: str, mode: str = "max", keep: int = 1) -> None:
         self._monitor = Monitor("BestCheckpoints", monitor, mode)
         if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"BestCheckpoints: keep must be an int >= 1, got {keep!r}")
+            raise ConfigError(f"BestCheckpoints: keep must be an int >= 1, got {keep!r}")
         self.keep = keep
         self.directory: Path | None = None  # set by the Trainer: <out_dir>/best
         self.kept: list[tuple[float, int]] = []  # (value, step), best first
@@ -54,7 +54,7 @@ class BestCheckpoints:
 
     def path(self, step: int) -> Path:
         if self.directory is None:
-            raise ValueError("BestCheckpoints: pass it to a Trainer (best_checkpoints=...)")
+            raise ConfigError("BestCheckpoints: pass it to a Trainer (best_checkpoints=...)")
         return self.directory / f"step_{step:08d}"
 
     @property

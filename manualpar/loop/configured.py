@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from manualpar.errors import ConfigError, ConfigTypeError
+
 __all__ = ["optimizer_and_schedulers", "optimizers_of"]
 
 
@@ -12,7 +14,7 @@ def optimizers_of(model: Any, optimizer: Any, schedulers: Any) -> tuple[Any, lis
     """fit()'s optimizer and schedulers: those passed, else `model.configure_optimizers()`'s."""
     if optimizer is None:
         if not hasattr(model, "configure_optimizers"):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{type(model).__name__} has no configure_optimizers(); pass optimizer= to fit()"
             )
         optimizer, configured = optimizer_and_schedulers(
@@ -32,7 +34,7 @@ def optimizer_and_schedulers(configured: Any, model_name: str) -> tuple[Any, lis
         return configured, []
     unknown = set(configured) - {"optimizer", "schedulers"}
     if "optimizer" not in configured or unknown:
-        raise ValueError(
+        raise ConfigError(
             f"{model_name}.configure_optimizers() returned a dict with keys "
             f"{sorted(configured)}; return an optimizer or "
             "{'optimizer': optimizer, 'schedulers': [scheduler, ...]}"

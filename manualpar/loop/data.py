@@ -40,7 +40,7 @@ def dataset_batches(
     collate = collate or default_collate
     size = len(dataset)
     if global_batch_size < 1 or size < global_batch_size:
-        raise ValueError(
+        raise DataError(
             f"dataset_batches: global_batch_size {global_batch_size} must be in "
             f"[1, len(dataset)={size}]"
         )
@@ -49,7 +49,7 @@ def dataset_batches(
 
     def data(index: int, strategy: ManualParallelStrategy) -> Any:
         if global_batch_size % strategy.world_size:
-            raise ValueError(
+            raise DataError(
                 f"dataset_batches: global_batch_size {global_batch_size} is not a "
                 f"multiple of the world size {strategy.world_size}"
             )

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from manualpar.errors import ConfigError
 from manualpar.loop.monitor import Monitor
 
 __all__ = ["EarlyStopping"]
@@ -43,9 +44,9 @@ class EarlyStopping:
     ) -> None:
         self._monitor = Monitor("EarlyStopping", monitor, mode)
         if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"EarlyStopping: patience must be an int >= 1, got {patience!r}")
+            raise ConfigError(f"EarlyStopping: patience must be an int >= 1, got {patience!r}")
         if not min_delta >= 0:
-            raise ValueError(f"EarlyStopping: min_delta must be >= 0, got {min_delta!r}")
+            raise ConfigError(f"EarlyStopping: min_delta must be >= 0, got {min_delta!r}")
         self.patience, self.min_delta = patience, float(min_delta)
         self.check_finite = check_finite
         self.reset()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from manualpar.errors import ConfigTypeError, MetricError
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["compute_metrics", "held_metrics", "is_metric", "reset_all"]
@@ -72,7 +73,7 @@ def compute_metrics(
         for key, value in values.items():
             recorded = key if owners[key] == 1 else f"{name}/{key}"
             if recorded in merged:
-                raise ValueError(
+                raise MetricError(
                     f"validation_step's metric {name!r} computes {key!r}, recorded as "
                     f"{recorded!r}, which another metric also computes; rename one of them"
                 )
@@ -83,7 +84,7 @@ def compute_metrics(
 def _computed(name: str, metric: Any, strategy: ManualParallelStrategy) -> dict[str, float]:
     computed = metric.compute(strategy)
     if not isinstance(computed, Mapping):
-        raise TypeError(
+        raise ConfigTypeError(
             f"validation_step's {name!r} ({type(metric).__name__}): compute(strategy) "
             f"returned {type(computed).__name__}; return a dict of name -> number"
         )

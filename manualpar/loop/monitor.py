@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from manualpar.errors import ConfigError
+
 __all__ = ["MODES", "Monitor"]
 
 MODES = ("max", "min")
@@ -17,9 +19,9 @@ class Monitor:
 
     def __init__(self, owner: str, monitor: str, mode: str) -> None:
         if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"{owner}: monitor must be a non-empty str, got {monitor!r}")
+            raise ConfigError(f"{owner}: monitor must be a non-empty str, got {monitor!r}")
         if mode not in MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"{owner}(monitor={monitor!r}): mode must be one of {MODES}, got {mode!r}"
             )
         self.owner, self.monitor, self.mode = owner, monitor, mode
@@ -32,7 +34,7 @@ class Monitor:
         hint = ""
         if f"val/{self.monitor}" in values:
             hint = f" (did you mean monitor='val/{self.monitor}'?)"
-        raise ValueError(
+        raise ConfigError(
             f"{self.owner}(monitor={self.monitor!r}): the validation pass at step {step} "
             f"recorded no such value; it recorded {sorted(values)}{hint}. Monitor one of "
             "these (validation values are recorded as 'val/<name>')"

@@ -111,7 +111,7 @@ class TrainPipeline:
                 "same batch)"
             )
         if failed:
-            raise RuntimeError(
+            raise DataError(
                 f"TrainPipeline: the loader of rank {', '.join(map(str, failed))} raised after "
                 f"{self.handed_out} batches (its own error is raised there); every rank stops "
                 "after the same batch"

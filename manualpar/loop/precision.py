@@ -21,6 +21,7 @@ from torch import nn
 from manualpar.builders import sharded_grad_scaler
 from manualpar.dtensors import is_dtensor
 from manualpar.embeddings import ShardedEmbeddingBagCollection
+from manualpar.errors import ConfigError
 from manualpar.ownership import trained_by_owner
 from manualpar.strategy import ManualParallelStrategy
 
@@ -36,7 +37,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 class Precision:
     def __init__(self, precision: str) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"Trainer: precision must be one of {tuple(PRECISIONS)}, got {precision!r}"
             )
         self.name, self.dtype = precision, PRECISIONS[precision]
@@ -95,7 +96,7 @@ class Precision:
         ]
         if tables or any(trained_by_owner(p) for p in model.parameters()):
             where = f" ({', '.join(n or type(model).__name__ for n in tables)})" if tables else ""
-            raise ValueError(
+            raise ConfigError(
                 f"Trainer(precision='fp16-mixed'): {type(model).__name__} holds sharded "
                 f"embedding tables{where}, which their fused optimizer updates inside backward "
                 "from the loss-scaled gradient; use precision='bf16-mixed' (no loss scaling)"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from manualpar.errors import DataError
+from manualpar.errors import ConfigError, ConfigTypeError, DataError
 from manualpar.loop.data import Data, step_batches
 from manualpar.strategy import ManualParallelStrategy
 from manualpar.strategy.uneven import all_gather_uneven
@@ -55,9 +55,9 @@ class Predictions:
         autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         if order not in ORDERS:
-            raise ValueError(f"predict: order must be one of {ORDERS}, got {order!r}")
+            raise ConfigError(f"predict: order must be one of {ORDERS}, got {order!r}")
         if not callable(getattr(model, "predict_step", None)):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"predict: {type(model).__name__} has no predict_step(batch); define it to "
                 "return one row of outputs per sample of the batch (first dim: samples)"
             )
@@ -146,7 +146,7 @@ def predict(
 def _checked(outputs: Any, index: int) -> torch.Tensor:
     if not isinstance(outputs, torch.Tensor) or outputs.dim() == 0:
         got = f"a {outputs.dim()}-d tensor" if isinstance(outputs, torch.Tensor) else outputs
-        raise TypeError(
+        raise ConfigTypeError(
             f"predict_step returned {got!r} for batch {index}; return a tensor with one row "
             "per sample of the batch (first dim: samples), e.g. logits.reshape(-1)"
         )
@@ -165,14 +165,12 @@ def scoring_batches(
     collate = collate or default_collate
     size = len(dataset)
     if global_batch_size < 1:
-        raise ValueError(
-            f"scoring_batches: global_batch_size must be >= 1, got {global_batch_size}"
-        )
+        raise DataError(f"scoring_batches: global_batch_size must be >= 1, got {global_batch_size}")
 
     def data(index: int, strategy: ManualParallelStrategy) -> Any:
         world = strategy.world_size
         if size < world or global_batch_size < world:
-            raise ValueError(
+            raise DataError(
                 f"scoring_batches: {size} samples in global batches of {global_batch_size} "
                 f"cannot give each of {world} ranks a sample; use a batch (and dataset) of at "
                 "least the world size"

@@ -41,6 +41,7 @@ from manualpar.embeddings.step.phase_times import (
     UPDATE,
     PhaseTimes,
 )
+from manualpar.errors import ConfigError
 from manualpar.loop.metrics_file import MetricsFile
 from manualpar.strategy import ManualParallelStrategy
 
@@ -68,7 +69,7 @@ class StepTimes:
         self, strategy: ManualParallelStrategy, every: int | None, metrics: MetricsFile
     ) -> None:
         if every is not None and (type(every) is not int or every < 1):
-            raise ValueError(f"Trainer: step_times_every must be >= 1 or None, got {every!r}")
+            raise ConfigError(f"Trainer: step_times_every must be >= 1 or None, got {every!r}")
         self.strategy, self.every, self.metrics = strategy, every, metrics
         self.recorder = PhaseTimes(strategy.device)
         self._own: list[tuple[ShardedEmbeddingBagCollection, PhaseTimes]] = []

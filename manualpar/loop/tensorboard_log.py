@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from manualpar.errors import OutputPathError
+from manualpar.errors import MissingDependencyError, OutputPathError
 
 __all__ = ["TensorBoardLog", "check_log_directory", "require_tensorboard"]
 
@@ -28,7 +28,7 @@ def require_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError as error:
-        raise ImportError(
+        raise MissingDependencyError(
             "Trainer(tensorboard=True) needs the tensorboard package, which is not installed: "
             "pip install 'manualpar[tensorboard]' (or pass tensorboard=False)"
         ) from error

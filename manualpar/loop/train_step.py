@@ -26,6 +26,7 @@ from manualpar.builders import total_grad_norm
 from manualpar.builders.grad_norm import clip_grads_with_norm_
 from manualpar.embeddings import ShardedEmbeddingBagCollection
 from manualpar.embeddings.step.phase_times import UPDATE, PhaseTimes, timed
+from manualpar.errors import ConfigError
 from manualpar.loop.dense_finite import DenseFiniteCheck
 from manualpar.loop.precision import Precision
 from manualpar.loop.step_times import DENSE_FORWARD_BACKWARD
@@ -111,7 +112,7 @@ class TrainStep:
                 out = user.training_step(batch, step * self.accumulate + micro)
             metrics = dict(out) if isinstance(out, Mapping) else {"loss": out}
             if "loss" not in metrics:
-                raise ValueError(
+                raise ConfigError(
                     f"{type(model).__name__}.training_step must return a loss tensor or a dict "
                     "with 'loss'"
                 )

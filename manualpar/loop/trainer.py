@@ -31,6 +31,7 @@ from torch import nn
 
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import read_manifest
+from manualpar.errors import ConfigError
 from manualpar.loop.best_checkpoints import BestCheckpoints
 from manualpar.loop.configured import optimizers_of
 from manualpar.loop.data import Data, dataset_batches, step_batches
@@ -148,11 +149,11 @@ class Trainer:
             ("val_steps", val_steps),
         ):
             if value < 1:
-                raise ValueError(f"Trainer: {name} must be >= 1, got {value}")
+                raise ConfigError(f"Trainer: {name} must be >= 1, got {value}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"Trainer: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
+            raise ConfigError(f"Trainer: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
         if resume_lr not in RESUME_LR:
-            raise ValueError(f"Trainer: resume_lr must be one of {RESUME_LR}, got {resume_lr!r}")
+            raise ConfigError(f"Trainer: resume_lr must be one of {RESUME_LR}, got {resume_lr!r}")
         self.strategy = strategy
         log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
@@ -181,7 +182,7 @@ class Trainer:
         self._remappers: dict[str, Any] = {}
         self._schedulers: list[Scheduler] = []
         if non_finite not in (None, *NON_FINITE_MODES):
-            raise ValueError(
+            raise ConfigError(
                 f"Trainer: non_finite must be one of {NON_FINITE_MODES} or None, got {non_finite!r}"
             )
         self._step = TrainStep(self._precision, strategy, accumulate, clip_grad_norm, non_finite)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from manualpar.errors import MetricError
 from manualpar.loop.data import Data, step_batches
 from manualpar.loop.metric_objects import compute_metrics, held_metrics, is_metric, reset_all
 from manualpar.loop.metrics_file import MetricsFile, mean_over_ranks
@@ -75,7 +76,7 @@ def validation_pass(
 
 def _check_same_metric(first: Any, value: Any, name: str) -> None:
     if value is not first:
-        raise ValueError(
+        raise MetricError(
             f"validation_step returned {name!r} as {type(value).__name__} after "
             f"{type(first).__name__} (another object) in the same pass; return the same metric "
             "object on every batch (hold it on the model: self.metric = Metric())"
@@ -134,7 +135,7 @@ class Validation:
         done = validation_pass(model, val_data, self.strategy, self.val_steps, autocast)
         for name, metric in done.metrics.items():
             if id(metric) not in reset:
-                raise ValueError(
+                raise MetricError(
                     f"validation_step returned the metric object {name!r} "
                     f"({type(metric).__name__}), which the Trainer could not find on the model "
                     "to reset before the pass; hold it as an attribute of the model or of a "
@@ -145,7 +146,7 @@ class Validation:
             computed = compute_metrics(done.metrics, self.strategy) if done.batches else {}
         clash = sorted(set(computed) & set(done.means))
         if clash:
-            raise ValueError(
+            raise MetricError(
                 f"validation_step returned plain values and metric objects computing the same "
                 f"names {clash}; rename one of them"
             )

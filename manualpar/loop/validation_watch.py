@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from manualpar.checkpoint.files import latest_checkpoint
+from manualpar.errors import ConfigError, ConfigTypeError
 from manualpar.loop.best_checkpoints import BestCheckpoints, read_best_index
 from manualpar.loop.early_stopping import EarlyStopping
 
@@ -32,9 +33,9 @@ class ValidationWatch:
             ("best_checkpoints", best_checkpoints, BestCheckpoints),
         ):
             if value is not None and not isinstance(value, kind):
-                raise TypeError(f"Trainer: {name} must be a {kind.__name__}, got {value!r}")
+                raise ConfigTypeError(f"Trainer: {name} must be a {kind.__name__}, got {value!r}")
             if value is not None and not val_every:
-                raise ValueError(
+                raise ConfigError(
                     f"Trainer({name}=...) watches validation values, which run every val_every "
                     "steps: pass val_every (and fit(val_data=...))"
                 )
@@ -110,13 +111,13 @@ class ValidationWatch:
             path = latest_checkpoint(checkpoint_dir) if name == "latest" else best and best[1]
             if path is None:
                 where = checkpoint_dir if name == "latest" else self.best_dir
-                raise ValueError(
+                raise ConfigError(
                     f"Trainer.{caller}(checkpoint={name!r}): no checkpoint under {where}; "
                     "train first (fit), or pass a checkpoint path"
                 )
             return Path(path)
         if not Path(name).is_dir():
-            raise ValueError(
+            raise ConfigError(
                 f"Trainer.{caller}(checkpoint={str(name)!r}): no such checkpoint directory; "
                 "pass None, 'latest', 'best' or the path of a checkpoint"
             )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from manualpar.errors import MetricError
 from manualpar.metrics.nan_check import refuse_nan
 from manualpar.metrics.protocol import gather_rows
 
@@ -28,7 +29,7 @@ def exact_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     positives = int(labels.sum())
     negatives = labels.numel() - positives
     if positives == 0 or negatives == 0:
-        raise ValueError(
+        raise MetricError(
             f"AUC: needs both classes, got {positives} positive and {negatives} negative "
             "samples over all ranks; AUC is undefined with one class (evaluate on more samples)"
         )
@@ -52,7 +53,7 @@ class AUC:
     @torch.no_grad()
     def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
         if scores.numel() != labels.numel():
-            raise ValueError(
+            raise MetricError(
                 f"AUC.update: {scores.numel()} scores but {labels.numel()} labels; give one "
                 "label per score"
             )
@@ -60,7 +61,7 @@ class AUC:
         label = labels.detach().reshape(-1).to(torch.float64, copy=True).to(score.device)
         refuse_nan(score, "scores", "AUC.update")
         if ((label != 0) & (label != 1)).any():
-            raise ValueError(
+            raise MetricError(
                 "AUC.update: labels must be 0 or 1, got "
                 f"{sorted(set(label[(label != 0) & (label != 1)].tolist()))[:5]}"
             )

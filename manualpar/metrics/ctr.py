@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from manualpar.errors import MetricError
 from manualpar.metrics.auc import exact_auc
 from manualpar.metrics.log_loss import logit_loss_sum
 from manualpar.metrics.nan_check import refuse_nan
@@ -44,7 +45,7 @@ class CTRMetrics:
     def update(self, predictions: torch.Tensor, labels: torch.Tensor) -> None:
         what = "logits" if self.from_logits else "probabilities"
         if predictions.numel() != labels.numel():
-            raise ValueError(
+            raise MetricError(
                 f"CTRMetrics.update: {predictions.numel()} {what} but {labels.numel()} labels; "
                 "give one label per prediction"
             )
@@ -52,12 +53,12 @@ class CTRMetrics:
         y = labels.detach().reshape(-1).to(torch.float64, copy=True).to(x.device)
         refuse_nan(x, what, "CTRMetrics.update")
         if ((y != 0) & (y != 1)).any():
-            raise ValueError(
+            raise MetricError(
                 "CTRMetrics.update: labels must be 0 or 1, got "
                 f"{sorted(set(y[(y != 0) & (y != 1)].tolist()))[:5]}"
             )
         if not self.from_logits and ((x < 0) | (x > 1)).any():
-            raise ValueError(
+            raise MetricError(
                 "CTRMetrics.update: probabilities must lie in [0, 1]; pass logits with "
                 "CTRMetrics(from_logits=True)"
             )
@@ -68,7 +69,7 @@ class CTRMetrics:
         local = torch.cat(self._parts) if self._parts else torch.zeros((0, 2), dtype=torch.float64)
         pairs = gather_rows(local, strategy)
         if pairs.shape[0] == 0:
-            raise ValueError(
+            raise MetricError(
                 "CTRMetrics.compute: no sample was added on any rank; call update(...) before "
                 "compute"
             )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from manualpar.errors import MetricError
 from manualpar.metrics.nan_check import refuse_nan
 from manualpar.metrics.protocol import sum_over_ranks
 
@@ -57,7 +58,7 @@ class LogLoss:
     def update(self, predictions: torch.Tensor, labels: torch.Tensor) -> None:
         what = "logits" if self.from_logits else "probabilities"
         if predictions.numel() != labels.numel():
-            raise ValueError(
+            raise MetricError(
                 f"LogLoss.update: {predictions.numel()} {what} but {labels.numel()} labels; "
                 "give one label per prediction"
             )
@@ -65,9 +66,9 @@ class LogLoss:
         y = labels.detach().reshape(-1).to(x.device, torch.float64)
         refuse_nan(x, what, "LogLoss.update")
         if ((y < 0) | (y > 1) | torch.isnan(y)).any():
-            raise ValueError("LogLoss.update: labels must lie in [0, 1]")
+            raise MetricError("LogLoss.update: labels must lie in [0, 1]")
         if not self.from_logits and ((x < 0) | (x > 1)).any():
-            raise ValueError(
+            raise MetricError(
                 "LogLoss.update: probabilities must lie in [0, 1]; pass logits with "
                 "LogLoss(from_logits=True)"
             )
@@ -86,7 +87,7 @@ class LogLoss:
         local = self._sums if self._sums is not None else torch.zeros(3, dtype=torch.float64)
         loss, count, positives = sum_over_ranks(local, strategy).tolist()
         if count == 0:
-            raise ValueError(
+            raise MetricError(
                 "LogLoss.compute: no sample was added on any rank; call update(...) before compute"
             )
         rate = positives / count

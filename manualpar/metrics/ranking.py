@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from manualpar.errors import MetricError
 from manualpar.metrics.protocol import sum_over_ranks
 
 if TYPE_CHECKING:
@@ -26,9 +27,9 @@ class RankingMetrics:
 
     def __init__(self, ks: Sequence[int] = (10, 20)) -> None:
         if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
-            raise ValueError(f"RankingMetrics: ks must be integers >= 1, got {list(ks)!r}")
+            raise MetricError(f"RankingMetrics: ks must be integers >= 1, got {list(ks)!r}")
         if len(set(ks)) != len(ks):
-            raise ValueError(f"RankingMetrics: ks holds a K twice: {list(ks)!r}")
+            raise MetricError(f"RankingMetrics: ks holds a K twice: {list(ks)!r}")
         self.ks = tuple(ks)
         self._sums: torch.Tensor | None = None  # count, then hits, ndcg, mrr for each K
 
@@ -39,14 +40,14 @@ class RankingMetrics:
     def update(self, ranks: torch.Tensor) -> None:
         """Add queries whose targets ranked `ranks` (integers >= 1, any shape)."""
         if ranks.is_floating_point() or ranks.is_complex() or ranks.dtype == torch.bool:
-            raise ValueError(
+            raise MetricError(
                 f"RankingMetrics.update: ranks must be an integer tensor, got {ranks.dtype} "
                 "(1-based ranks, e.g. from target_ranks_from_scores)"
             )
         flat = ranks.detach().reshape(-1)
         if flat.numel() and int(flat.min()) < 1:
             at = int(flat.argmin())
-            raise ValueError(
+            raise MetricError(
                 f"RankingMetrics.update: ranks are 1-based, got {int(flat[at])} at position "
                 f"{at} of {flat.numel()}"
             )
@@ -70,7 +71,7 @@ class RankingMetrics:
         sums = sum_over_ranks(local, strategy).tolist()
         count = sums[0]
         if count == 0:
-            raise ValueError(
+            raise MetricError(
                 "RankingMetrics.compute: no query was added on any rank; call update(ranks) "
                 "before compute"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from manualpar.errors import MetricError
 from manualpar.metrics.nan_check import refuse_nan
 
 __all__ = ["target_ranks_from_scores"]
@@ -18,13 +19,13 @@ __all__ = ["target_ranks_from_scores"]
 def target_ranks_from_scores(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(B, N) scores of every item, (B,) target item ids -> (B,) int64 ranks, 1-based."""
     if scores.dim() != 2 or not scores.is_floating_point():
-        raise ValueError(
+        raise MetricError(
             "target_ranks_from_scores: scores must be a floating (queries, items) matrix, got "
             f"shape {tuple(scores.shape)} {scores.dtype}"
         )
     batch, items = scores.shape
     if targets.shape != (batch,) or targets.is_floating_point() or targets.dtype == torch.bool:
-        raise ValueError(
+        raise MetricError(
             f"target_ranks_from_scores: targets must be {batch} integer item ids (one per row of "
             f"scores), got shape {tuple(targets.shape)} {targets.dtype}"
         )
@@ -32,7 +33,7 @@ def target_ranks_from_scores(scores: torch.Tensor, targets: torch.Tensor) -> tor
     outside = (targets < 0) | (targets >= items)
     if outside.any():
         at = int(outside.nonzero()[0, 0])
-        raise ValueError(
+        raise MetricError(
             f"target_ranks_from_scores: target {int(targets[at])} of query {at} is not an item "
             f"id in [0, {items})"
         )

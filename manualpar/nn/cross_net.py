@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from manualpar.errors import ConfigError
+
 __all__ = ["CrossNet"]
 
 
@@ -39,9 +41,9 @@ class CrossNet(nn.Module):
         super().__init__()
         for name, value in (("in_features", in_features), ("num_layers", num_layers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CrossNet({name}={value!r}): pass a whole number >= 1")
+                raise ConfigError(f"CrossNet({name}={value!r}): pass a whole number >= 1")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(
+            raise ConfigError(
                 f"CrossNet(rank={rank!r}): pass a whole number >= 1, or None for full-rank layers"
             )
         self.in_features, self.num_layers, self.rank = in_features, num_layers, rank
@@ -68,7 +70,7 @@ class CrossNet(nn.Module):
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         if x0.shape[-1] != self.in_features:
-            raise ValueError(
+            raise ConfigError(
                 f"CrossNet: inputs of width {x0.shape[-1]}, but the layers take "
                 f"{self.in_features} features; pass (..., {self.in_features}) inputs"
             )

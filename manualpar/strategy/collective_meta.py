@@ -16,6 +16,8 @@ import zlib
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from manualpar.errors import ConfigError, MeshError
+
 __all__ = ["MAX_DIMS", "describe", "mesh_dim", "mismatch"]
 
 MAX_DIMS = 14  # a description holds the dim count, the dtype and up to this many sizes
@@ -43,7 +45,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 def describe(operation: str, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`'s dim count, dtype and shape as (MAX_DIMS + 2,) int64 on its device."""
     if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"{operation}: tensors with more than {MAX_DIMS} dims are not supported")
+        raise ConfigError(f"{operation}: tensors with more than {MAX_DIMS} dims are not supported")
     meta = torch.full((MAX_DIMS + 2,), -1, dtype=torch.int64, device=tensor.device)
     meta[0], meta[1] = tensor.dim(), _dtype_code(tensor.dtype)
     meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
@@ -68,7 +70,7 @@ def mesh_dim(mesh: DeviceMesh) -> DeviceMesh:
     """A mesh passed as a collective's group must be one dim of a mesh (mesh["shard"])."""
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
-        raise ValueError(
+        raise MeshError(
             f"a collective over a {mesh.ndim}-D mesh {dict(zip(names, mesh.shape, strict=False))} "
             f"is ambiguous; pass one dim, e.g. group=mesh[{names[0]!r}]"
             if names

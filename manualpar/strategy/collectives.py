@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from manualpar.errors import CollectiveError
+from manualpar.errors import CollectiveError, ConfigError
 from manualpar.strategy.collective_meta import describe, mesh_dim, mismatch
 from manualpar.strategy.differentiable import gather_with_gradient
 
@@ -148,7 +148,7 @@ class Collectives:
         """Validate a rank of the group; return it as torch's global rank."""
         size = self.group_size(group)
         if not 0 <= src < size:
-            raise ValueError(f"{operation}: rank {src} is not in [0, {size})")
+            raise ConfigError(f"{operation}: rank {src} is not in [0, {size})")
         over = self._group(operation, group)
         return src if over is None else dist.get_global_rank(over, src)
 
@@ -228,7 +228,7 @@ class Collectives:
         None). "mean" of an integer tensor is returned as a floating tensor.
         """
         if op not in _TORCH_OPS:
-            raise ValueError(f"reduce: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
+            raise ConfigError(f"reduce: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
         self._check_open(f"reduce(op={op})")
         global_dst = None if dst is None else self._check_src("reduce", dst, group)
         tensor = torch.as_tensor(
@@ -277,7 +277,7 @@ class Collectives:
     ) -> torch.Tensor:
         """Reduce `tensor` over the ranks in place (no copy: for large buffers) and return it."""
         if op not in _TORCH_OPS:
-            raise ValueError(f"{name}: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
+            raise ConfigError(f"{name}: op must be one of {sorted(_TORCH_OPS)}, got {op!r}")
         self._check_open(name)
         if self.is_distributed and self.group_size(group) > 1:
             with self.collective_guard(f"{name} (op={op}, shape={tuple(tensor.shape)})"):
@@ -316,12 +316,12 @@ class Collectives:
         self._check_open(name)
         size = self.group_size(group)
         if len(send_splits) != size or len(receive_splits) != size:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: {len(send_splits)} send and {len(receive_splits)} receive splits for "
                 f"{size} ranks; give one split per rank"
             )
         if sum(send_splits) != tensor.numel():
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: the send splits add up to {sum(send_splits)} elements but the tensor "
                 f"has {tensor.numel()}; send exactly the tensor's elements"
             )

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from manualpar.environment import ClusterEnvironment
-from manualpar.errors import CollectiveError
+from manualpar.errors import ClusterEnvironmentError, CollectiveError, ConfigError
 
 __all__ = [
     "adopted_environment",
@@ -103,10 +103,10 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator == "cpu":
         return torch.device("cpu")
     if accelerator != "cuda":
-        raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {accelerator!r}")
+        raise ConfigError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {accelerator!r}")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise RuntimeError(
+        raise ClusterEnvironmentError(
             f"local rank {local_rank} needs cuda:{local_rank}, but this node shows {count} "
             "CUDA device(s); launch at most one process per GPU or set CUDA_VISIBLE_DEVICES"
         )
@@ -122,7 +122,7 @@ def adopted_environment(
         return detected
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
-        raise ValueError(
+        raise ClusterEnvironmentError(
             "this process is not a member of the adopted process group; "
             "create the strategy only on the group's members"
         )
@@ -132,7 +132,7 @@ def adopted_environment(
         and detected.source != "single"
         and (detected.rank, detected.world_size) != (rank, world)
     ):
-        raise ValueError(
+        raise ClusterEnvironmentError(
             f"the adopted process group has rank {rank} of {world}, but the {detected.source} "
             f"environment says rank {detected.rank} of {detected.world_size}; pass a matching "
             "ClusterEnvironment or the world group"
@@ -163,7 +163,7 @@ def init_process_group(
         # restart, so each attempt gets its own prefix (plain env:// init reuses the dead
         # attempt's gloo addresses and times out after a restart).
         if env.master_addr is None or env.master_port is None:
-            raise ValueError("no master address and port in the environment")
+            raise ClusterEnvironmentError("no master address and port in the environment")
         store: dist.Store = dist.TCPStore(
             env.master_addr,
             env.master_port,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from manualpar.errors import ClusterEnvironmentError
+from manualpar.errors import ClusterEnvironmentError, ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV_VAR", "resolve_timeout"]
 
@@ -34,7 +34,7 @@ def resolve_timeout(timeout: float | timedelta | None) -> timedelta:
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"collective timeout must be positive, got {timeout.total_seconds():g} s; "
             f"pass seconds > 0 (or set {TIMEOUT_ENV_VAR})"
         )

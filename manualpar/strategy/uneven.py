@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from manualpar.errors import ConfigError
+
 __all__ = ["all_gather_uneven"]
 
 Group = Any  # collectives.py's Group, kept opaque (this module needs nothing of the class)
@@ -33,7 +35,7 @@ def all_gather_uneven(
     """Every rank's `tensor` (lengths along dim 0 may differ), in rank order. `lengths`:
     every rank's length when the caller already exchanged them (no size collective then)."""
     if tensor.dim() == 0:
-        raise ValueError("all_gather_uneven: takes a tensor with at least one dim, got a scalar")
+        raise ConfigError("all_gather_uneven: takes a tensor with at least one dim, got a scalar")
     if lengths is None:
         length = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
         lengths = strategy.all_gather(length, group=group)[:, 0].tolist()

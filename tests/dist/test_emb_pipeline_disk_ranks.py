@@ -208,7 +208,7 @@ def test_a_loader_error_with_rows_pinned_reaches_the_loop_and_leaves_nothing_pin
     assert (own_type, own_message) == ("_LoaderBroke", "rank 1: the loader broke at batch 3")
     assert "_batches_then_error" in own_traceback  # raised from the loader's own frame
     other_type, other_message, _ = results[0]["error"]
-    assert other_type == "RuntimeError"
+    assert other_type == "DataError"
     assert "the loader of rank 1 raised after 3 batches" in other_message
     for result in results:
         assert result["pinned"] == 0 and result["in_flight"] == 0

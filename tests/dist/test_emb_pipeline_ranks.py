@@ -323,9 +323,7 @@ def test_a_loader_error_reaches_the_loop_with_its_traceback_after_the_common_bat
     assert [r["done"] for r in results] == [3, 3]
     assert results[0]["error"] == "ValueError: the loader hit a corrupt shard"
     assert "raise_in_the_loader" in results[0]["frames"]
-    assert results[1]["error"].startswith(
-        "RuntimeError: TrainPipeline: the loader of rank 0 raised"
-    )
+    assert results[1]["error"].startswith("DataError: TrainPipeline: the loader of rank 0 raised")
 
 
 @pytest.mark.timeout(120)

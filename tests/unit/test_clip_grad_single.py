@@ -38,7 +38,7 @@ def test_no_gradients_gives_zero_and_changes_nothing() -> None:
 
 def test_bad_max_norm_and_nonfinite_gradients_are_refused() -> None:
     params = _params_with_grads(1)
-    with pytest.raises(ValueError, match="clip_grad_norm_: max_norm must be > 0, got 0"):
+    with pytest.raises(mp.BuilderError, match="clip_grad_norm_: max_norm must be > 0, got 0"):
         mp.clip_grad_norm_(params, 0)
     params[0].grad[0, 0] = float("nan")
     with pytest.raises(mp.NonFiniteError, match="the total gradient norm is nan"):

@@ -13,7 +13,7 @@ from collective_cases import (
     expected_report,
 )
 
-from manualpar import ManualParallelStrategy
+from manualpar import ConfigError, ManualParallelStrategy
 
 
 def test_collectives_single_process_without_group(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,9 +27,9 @@ def test_collectives_single_process_without_group(monkeypatch: pytest.MonkeyPatc
 def test_single_process_rejects_bad_arguments() -> None:
     strategy = ManualParallelStrategy()
     ops = r"\['max', 'mean', 'min', 'sum'\]"
-    with pytest.raises(ValueError, match=rf"reduce: op must be one of {ops}, got 'avg'"):
+    with pytest.raises(ConfigError, match=rf"reduce: op must be one of {ops}, got 'avg'"):
         strategy.reduce(torch.ones(1), op="avg")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"broadcast: rank 1 is not in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"broadcast: rank 1 is not in \[0, 1\)"):
         strategy.broadcast(1, src=1)
     with pytest.raises(ValueError, match=r"reduce: rank 3 is not in \[0, 1\)"):
         strategy.reduce(torch.ones(1), dst=3)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, SparseFeatures
-from manualpar.errors import EmbeddingInputError
+from manualpar.errors import EmbeddingInputError, MissingDependencyError
 
 BAGS = {"user": [[1, 2], [], [7]], "item": [[3], [4], [5, 6, 0]]}
 WEIGHTS = {"user": [[0.5, 1.0], [], [2.0]], "item": [[1.5], [0.25], [1.0, 3.0, 0.5]]}
@@ -198,7 +198,7 @@ def test_to_kjt_without_torchrec_says_so(monkeypatch: pytest.MonkeyPatch) -> Non
         "SparseFeatures.to_kjt() needs TorchRec, which is not installed (pip install torchrec; "
         "manualpar itself does not need it)"
     )
-    with pytest.raises(ImportError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(MissingDependencyError, match=f"^{re.escape(message)}$"):
         SparseFeatures.from_dict(BAGS).to_kjt()
 
 

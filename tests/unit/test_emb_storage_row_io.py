@@ -84,7 +84,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
     read_only = os.open(tmp_path / "t.rows", os.O_RDONLY)
     file.fd = read_only
     writes.submit(torch.tensor([3, 9]), _records(file, 2, 0))
-    with pytest.raises(OSError, match=re.escape("cannot write row 3 of ") + ".*t.rows"):
+    with pytest.raises(StorageError, match=re.escape("cannot write row 3 of ") + ".*t.rows"):
         writes.settle()
     writes.settle()  # raised once; nothing is left in flight
     writes.submit(torch.tensor([5002, 5003]), _records(file, 2, 0))  # past the rows: the log

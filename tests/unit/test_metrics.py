@@ -47,7 +47,7 @@ def test_ranking_metrics_are_the_means_of_the_per_query_formulas() -> None:
 
 def test_ranking_metrics_refuse_bad_ranks() -> None:
     metric = RankingMetrics()
-    with pytest.raises(ValueError, match="ranks are 1-based, got 0 at position 1 of 3"):
+    with pytest.raises(mp.MetricError, match="ranks are 1-based, got 0 at position 1 of 3"):
         metric.update(torch.tensor([3, 0, 2]))
     with pytest.raises(ValueError, match=r"must be an integer tensor, got torch\.float32"):
         metric.update(torch.tensor([1.0]))
@@ -82,7 +82,7 @@ def test_auc_is_the_pairwise_probability_with_ties_counting_half() -> None:
 def test_auc_refuses_one_class_and_bad_labels() -> None:
     metric = AUC()
     metric.update(torch.tensor([0.1, 0.9]), torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match="needs both classes, got 2 positive and 0 negative"):
+    with pytest.raises(mp.MetricError, match="needs both classes, got 2 positive and 0 negative"):
         metric.compute()
     with pytest.raises(ValueError, match=r"labels must be 0 or 1, got \[2.0\]"):
         metric.update(torch.tensor([0.5]), torch.tensor([2]))
@@ -115,7 +115,7 @@ def test_log_loss_and_normalized_entropy_follow_their_formulas() -> None:
     one_class = LogLoss()
     one_class.update(torch.tensor([0.0]), torch.tensor([1]))
     assert math.isnan(one_class.compute()["normalized_entropy"])
-    with pytest.raises(ValueError, match="probabilities must lie in"):
+    with pytest.raises(mp.MetricError, match="probabilities must lie in"):
         from_probabilities.update(torch.tensor([1.5]), torch.tensor([1]))
 
 
@@ -144,7 +144,9 @@ def test_target_ranks_break_ties_by_the_smaller_id() -> None:
     reference = _reference_ranks(scores, targets)
     assert got.tolist() == reference and got.dtype == torch.int64
     assert target_ranks_from_scores(torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([2])).item() == 3
-    with pytest.raises(ValueError, match=r"target 12 of query 0 is not an item id in \[0, 12\)"):
+    with pytest.raises(
+        mp.MetricError, match=r"target 12 of query 0 is not an item id in \[0, 12\)"
+    ):
         target_ranks_from_scores(scores[:1], torch.tensor([12]))
 
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from manualpar.errors import MetricError
 from manualpar.loop.metric_objects import compute_metrics
 from manualpar.metrics import AUC, CTRMetrics, LogLoss
 
@@ -48,11 +49,11 @@ def test_ctr_metrics_refuse_nan_bad_labels_and_no_samples() -> None:
     ctr = CTRMetrics()
     with pytest.raises(ValueError, match=r"CTRMetrics.update: 1 of 2 logits are NaN"):
         ctr.update(torch.tensor([0.0, math.nan]), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=r"labels must be 0 or 1, got \[2.0\]"):
+    with pytest.raises(MetricError, match=r"labels must be 0 or 1, got \[2.0\]"):
         ctr.update(torch.tensor([0.0, 1.0]), torch.tensor([0, 2]))
     with pytest.raises(ValueError, match=r"probabilities must lie in \[0, 1\]"):
         CTRMetrics(from_logits=False).update(torch.tensor([1.5]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="no sample was added on any rank"):
+    with pytest.raises(MetricError, match="no sample was added on any rank"):
         ctr.compute()
 
 

@@ -89,11 +89,11 @@ def test_gradients_reach_every_parameter() -> None:
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(mp.ConfigError) as caught:
         CrossNet(**kwargs)
     assert message in str(caught.value)
 
 
 def test_inputs_of_another_width_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"inputs of width 3, but the layers take 4 features"):
+    with pytest.raises(mp.ConfigError, match=r"inputs of width 3, but the layers take 4 features"):
         CrossNet(4, 1)(torch.zeros(2, 3))

@@ -59,18 +59,20 @@ def test_scoring_batches_give_every_rank_a_sample_of_every_batch() -> None:
     assert [data(i, ranks[1]) for i in range(2)] == [[1, 3], [5, 7]]
     with pytest.raises(StopIteration):
         data(2, ranks[0])
-    with pytest.raises(ValueError, match="cannot give each of 2 ranks a sample"):
+    with pytest.raises(mp.DataError, match="cannot give each of 2 ranks a sample"):
         mp.scoring_batches([0], 4, collate=list)(0, ranks[0])
 
 
 def test_a_model_without_predict_step_or_with_a_bad_output(tmp_path: Path) -> None:
     strategy = mp.ManualParallelStrategy()
     data = mp.scoring_batches(DATASET, 4)
-    with pytest.raises(TypeError, match=re.escape("predict: Linear has no predict_step(batch)")):
+    with pytest.raises(
+        mp.ConfigTypeError, match=re.escape("predict: Linear has no predict_step(batch)")
+    ):
         mp.predict(nn.Linear(3, 1), data, strategy)
     model = Net()
     model.predict_step = lambda batch: {"logits": batch[0]}  # type: ignore[method-assign]
-    with pytest.raises(TypeError, match=re.escape("predict_step returned {'logits'")):
+    with pytest.raises(mp.ConfigTypeError, match=re.escape("predict_step returned {'logits'")):
         list(mp.predict(model, data, strategy))
-    with pytest.raises(ValueError, match=re.escape("order must be one of ('interleaved', ")):
+    with pytest.raises(mp.ConfigError, match=re.escape("order must be one of ('interleaved', ")):
         mp.predict(Net(), data, strategy, order="sorted")

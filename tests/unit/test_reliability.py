@@ -222,7 +222,7 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
             "MANUALPAR_TIMEOUT_S='abc' is not a number of seconds; set it "
             "to e.g. 120 or unset it for the 5-minute default",
         ),
-        ("-5", ValueError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
+        ("-5", mp.ConfigError, "collective timeout must be positive, got -5 s; pass seconds > 0"),
     ],
     ids=["not_a_number", "negative"],
 )

@@ -101,11 +101,13 @@ class Tabled(Net):
 
 def test_fp16_mixed_is_refused_with_sharded_tables(tmp_path: Path) -> None:
     trainer = mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=1, precision="fp16-mixed")
-    with pytest.raises(ValueError, match=r"Tabled holds sharded embedding tables \(emb\).*use "
+    with pytest.raises(mp.ConfigError, match=r"Tabled holds sharded embedding tables \(emb\).*use "
                        r"precision='bf16-mixed'"):  # fmt: skip
         trainer.fit(Tabled(), data)
 
 
 def test_an_unknown_precision_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"precision must be one of \('32', 'bf16-mixed', 'fp16"):
+    with pytest.raises(
+        mp.ConfigError, match=r"precision must be one of \('32', 'bf16-mixed', 'fp16"
+    ):
         mp.Trainer(mp.ManualParallelStrategy(), "x", max_steps=1, precision="16")

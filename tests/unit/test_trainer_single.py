@@ -19,9 +19,9 @@ def _no_batches(step: int, strategy: mp.ManualParallelStrategy) -> None:
 
 def test_bad_arguments() -> None:
     strategy = mp.ManualParallelStrategy()
-    with pytest.raises(ValueError, match="Trainer: accumulate must be >= 1, got 0"):
+    with pytest.raises(mp.ConfigError, match="Trainer: accumulate must be >= 1, got 0"):
         mp.Trainer(strategy, "x", max_steps=1, accumulate=0)
-    with pytest.raises(TypeError, match=r"Linear has no configure_optimizers\(\)"):
+    with pytest.raises(mp.ConfigTypeError, match=r"Linear has no configure_optimizers\(\)"):
         mp.Trainer(strategy, "x", max_steps=1).fit(nn.Linear(1, 1), _no_batches)
 
 
@@ -39,9 +39,9 @@ def test_dataset_batches_cover_each_epoch_once_across_ranks() -> None:
     assert sorted(torch.cat(epoch).tolist()) == list(range(24))
     assert torch.equal(mp.dataset_batches(dataset, 6, seed=3)(5, ranks[1]), data(5, ranks[1]))
     assert not torch.equal(data(4, ranks[0]), epoch[0])  # reshuffled next epoch
-    with pytest.raises(ValueError, match="global_batch_size 5 is not a multiple of the world"):
+    with pytest.raises(mp.DataError, match="global_batch_size 5 is not a multiple of the world"):
         mp.dataset_batches(dataset, 5)(0, ranks[0])
-    with pytest.raises(ValueError, match=r"global_batch_size 30 must be in \[1, len\(dataset\)"):
+    with pytest.raises(mp.DataError, match=r"global_batch_size 30 must be in \[1, len\(dataset\)"):
         mp.dataset_batches(dataset, 30)
 
 
@@ -149,7 +149,9 @@ def test_configure_optimizers_dict_with_unknown_keys_is_refused(tmp_path) -> Non
             return {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1), "lr_scheduler": 1}
 
     trainer = mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=1, progress=False)
-    with pytest.raises(ValueError, match=r"Bad.configure_optimizers\(\) returned a dict with keys"):
+    with pytest.raises(
+        mp.ConfigError, match=r"Bad.configure_optimizers\(\) returned a dict with keys"
+    ):
         trainer.fit(Bad(), _ramp)
 
 
@@ -193,7 +195,7 @@ def test_resume_reports_the_learning_rate_it_overrode(tmp_path, caplog, resume_l
 
 def test_bad_clip_and_resume_arguments() -> None:
     strategy = mp.ManualParallelStrategy()
-    with pytest.raises(ValueError, match="Trainer: clip_grad_norm must be > 0 or None, got 0"):
+    with pytest.raises(mp.ConfigError, match="Trainer: clip_grad_norm must be > 0 or None, got 0"):
         mp.Trainer(strategy, "x", max_steps=1, clip_grad_norm=0)
     with pytest.raises(ValueError, match=r"resume_lr must be one of \('checkpoint'"):
         mp.Trainer(strategy, "x", max_steps=1, resume_lr="new")

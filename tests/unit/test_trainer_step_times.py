@@ -104,7 +104,9 @@ def test_off_records_no_time_and_runs_no_extra_collective(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("every", [0, -1, 2.5, True])
 def test_step_times_every_must_be_a_positive_count(tmp_path: Path, every: Any) -> None:
-    with pytest.raises(ValueError, match=r"Trainer: step_times_every must be >= 1 or None, got"):
+    with pytest.raises(
+        mp.ConfigError, match=r"Trainer: step_times_every must be >= 1 or None, got"
+    ):
         mp.Trainer(mp.ManualParallelStrategy(), tmp_path, max_steps=1, step_times_every=every)
 
 

@@ -54,17 +54,19 @@ def trainer(out: Path, **kwargs: object) -> mp.Trainer:
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"EarlyStopping\(monitor='val/x'\): mode must be one"):
+    with pytest.raises(mp.ConfigError, match=r"EarlyStopping\(monitor='val/x'\): mode must be one"):
         mp.EarlyStopping("val/x", mode="up")
-    with pytest.raises(ValueError, match="EarlyStopping: patience must be an int >= 1, got 0"):
+    with pytest.raises(mp.ConfigError, match="EarlyStopping: patience must be an int >= 1, got 0"):
         mp.EarlyStopping("val/x", patience=0)
     with pytest.raises(ValueError, match="EarlyStopping: min_delta must be >= 0, got -1"):
         mp.EarlyStopping("val/x", min_delta=-1)
-    with pytest.raises(ValueError, match="BestCheckpoints: keep must be an int >= 1, got 0"):
+    with pytest.raises(mp.ConfigError, match="BestCheckpoints: keep must be an int >= 1, got 0"):
         mp.BestCheckpoints("val/x", keep=0)
-    with pytest.raises(ValueError, match=r"Trainer\(early_stopping=...\) watches validation"):
+    with pytest.raises(mp.ConfigError, match=r"Trainer\(early_stopping=...\) watches validation"):
         trainer(tmp_path, val_every=None, early_stopping=mp.EarlyStopping("val/x"))
-    with pytest.raises(TypeError, match="Trainer: best_checkpoints must be a BestCheckpoints"):
+    with pytest.raises(
+        mp.ConfigTypeError, match="Trainer: best_checkpoints must be a BestCheckpoints"
+    ):
         trainer(tmp_path, best_checkpoints="val/x")
 
 
@@ -96,7 +98,7 @@ def test_a_missing_monitor_names_the_values_that_were_recorded(tmp_path: Path) -
     ):
         fit.fit(Scheduled([0.5] * 30), ramp, val_data=ramp)
     best = trainer(tmp_path / "b", best_checkpoints=mp.BestCheckpoints("val/ndcg@10"))
-    with pytest.raises(ValueError, match=r"recorded \['val/out', 'val/score'\]. Monitor one"):
+    with pytest.raises(mp.ConfigError, match=r"recorded \['val/out', 'val/score'\]. Monitor one"):
         best.fit(Scheduled([0.5] * 30), ramp, val_data=ramp)
 
 
@@ -205,7 +207,9 @@ def test_metric_objects_are_reset_before_each_pass_and_computed_after(tmp_path: 
 
 
 def test_a_metric_object_the_trainer_cannot_reset_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"metric object 'rows' \(Counter\), which the Trainer"):
+    with pytest.raises(
+        mp.MetricError, match=r"metric object 'rows' \(Counter\), which the Trainer"
+    ):
         trainer(tmp_path, max_steps=1).fit(Counted(held=False), ramp, val_data=ramp)
 
 
@@ -238,7 +242,9 @@ def test_validate_outside_fit(tmp_path: Path) -> None:
     torch.manual_seed(0)
     run = trainer(tmp_path, max_steps=4, checkpoint_every=2, keep_last=5, val_every=None,
                   best_checkpoints=None)  # fmt: skip
-    with pytest.raises(ValueError, match=r"validate\(checkpoint='latest'\): no checkpoint under"):
+    with pytest.raises(
+        mp.ConfigError, match=r"validate\(checkpoint='latest'\): no checkpoint under"
+    ):
         run.validate(Scheduled(SCORES), ramp, checkpoint="latest")
     model = Scheduled(SCORES)
     assert not model.is_setup
@@ -259,5 +265,5 @@ def test_validate_outside_fit(tmp_path: Path) -> None:
     assert [r["step"] for r in records(tmp_path) if "val/out" in r] == [0, 2, 4, 4]
     with pytest.raises(ValueError, match=r"validate\(checkpoint='best'\): no checkpoint under"):
         run.validate(model, ramp, checkpoint="best")
-    with pytest.raises(ValueError, match="no such checkpoint directory"):
+    with pytest.raises(mp.ConfigError, match="no such checkpoint directory"):
         run.validate(model, ramp, checkpoint=tmp_path / "nowhere")

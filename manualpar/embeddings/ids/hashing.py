@@ -23,6 +23,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.id_spaces import HashIds
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.splitmix import mix64, mix64_int
+from manualpar.errors import ConfigError
 
 __all__ = [
     "hash_ids",
@@ -53,7 +54,7 @@ def unsigned_mod(bits: torch.Tensor, modulus: int | torch.Tensor) -> torch.Tenso
     """(bits read as uint64) mod `modulus` (an int, or one per element), in int64 ops:
     u = 2q + b with q = u >> 1."""
     if isinstance(modulus, int) and not 1 <= modulus <= _MAX_MODULUS:
-        raise ValueError(f"modulus must be in [1, 2**62], got {modulus}")
+        raise ConfigError(f"modulus must be in [1, 2**62], got {modulus}")
     half = (bits >> 1) & ((1 << 63) - 1)  # logical shift: q, non-negative
     return (half % modulus * 2 + (bits & 1)) % modulus
 

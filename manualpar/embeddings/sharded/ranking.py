@@ -41,7 +41,13 @@ from manualpar.embeddings.kernels.scoring import (
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, table_of
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
-from manualpar.errors import EmbeddingInputError, NonFiniteError, PlanError
+from manualpar.errors import (
+    ConfigError,
+    ConfigTypeError,
+    EmbeddingInputError,
+    NonFiniteError,
+    PlanError,
+)
 from manualpar.strategy.uneven import all_gather_uneven
 
 if TYPE_CHECKING:
@@ -319,9 +325,9 @@ def _mine(where: _Table, tensor: torch.Tensor, batches: list[int]) -> torch.Tens
 # ---- scoring ----------------------------------------------------------------------------------
 def _check_chunk(scores_per_chunk: int) -> None:
     if isinstance(scores_per_chunk, bool) or not isinstance(scores_per_chunk, int):
-        raise TypeError(f"scores_per_chunk must be an int, got {scores_per_chunk!r}")
+        raise ConfigTypeError(f"scores_per_chunk must be an int, got {scores_per_chunk!r}")
     if scores_per_chunk < 1:
-        raise ValueError(f"scores_per_chunk must be >= 1, got {scores_per_chunk}")
+        raise ConfigError(f"scores_per_chunk must be >= 1, got {scores_per_chunk}")
 
 
 def _queries_per_chunk(queries: int, scores_per_chunk: int) -> int:

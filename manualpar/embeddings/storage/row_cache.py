@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
+from manualpar.errors import ConfigError
 
 __all__ = [
     "EVICT_FRACTION",
@@ -75,7 +76,7 @@ class SlotAssignment:
 class RowCache:
     def __init__(self, num_rows: int, capacity: int, policy: str = "lru") -> None:
         if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+            raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.num_rows, self.capacity, self.policy = num_rows, capacity, policy
         self.slot_of = torch.full((num_rows,), NEVER, dtype=torch.int32)
         self.row_of = torch.full((capacity,), -1, dtype=torch.int64)

@@ -164,7 +164,7 @@ class RowFile:
         for i, row in enumerate(rows.tolist()):
             if os.pwrite(self.fd, buffer[i], row * size) != size:
                 name = self.record_name(row)
-                raise OSError(errno.ENOSPC, f"short write of {name} to {self.path}")
+                raise StorageError(errno.ENOSPC, f"short write of {name} to {self.path}")
 
     def check(self, rows: torch.Tensor, failed: list[int], how: str) -> None:
         """Raise for the C++ batch's first failed row (kernels/csrc/row_io.cpp), if any."""
@@ -173,10 +173,10 @@ class RowFile:
             return
         row = self.record_name(int(rows[index]))
         if error:
-            raise OSError(error, f"cannot {how} {row} of {self.path}: {os.strerror(error)}")
+            raise StorageError(error, f"cannot {how} {row} of {self.path}: {os.strerror(error)}")
         if how == "read":
             raise self._short(row)
-        raise OSError(errno.ENOSPC, f"short write of {row} to {self.path}")
+        raise StorageError(errno.ENOSPC, f"short write of {row} to {self.path}")
 
     def record_name(self, record: int) -> str:
         """A record number as errors name it: a row, or a record of the write log."""
