@@ -37,6 +37,7 @@ from manualpar.embeddings import (
     check_tables,
     costs_text,
     default_topology,
+    expected_sent_bytes,
     format_bytes,
     load_topology,
     per_rank_text,
@@ -47,7 +48,6 @@ from manualpar.embeddings import (
     rule_costs,
     table_dtype,
 )
-from manualpar.embeddings.planning.exchange_bytes import expected_sent_bytes
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 

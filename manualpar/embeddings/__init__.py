@@ -67,6 +67,7 @@ from manualpar.embeddings.planning.exchange_bytes import (
     ExchangeBytes,
     exchange_bytes,
     expected_exchange_bytes,
+    expected_sent_bytes,
 )
 from manualpar.embeddings.planning.planner import (
     DEFAULT_BATCH_PER_RANK,
@@ -138,6 +139,7 @@ __all__ = [
     "dtype_name",
     "exchange_bytes",
     "expected_exchange_bytes",
+    "expected_sent_bytes",
     "format_bytes",
     "format_seconds",
     "full_tensors",

@@ -223,7 +223,8 @@ def expected_sent_bytes(
     """Per rank, the bytes `expected_exchange_bytes(...).sent(rank)` sums, in memory linear in
     the ranks: with every rank's batch alike, what a sender exchanges with an owner depends on
     the owner alone, so each owner's exchange is summed once, table by table, in the routes'
-    order (Routing: table, row block, column block, feature), to the same numbers."""
+    order (Routing: table, row block, column block, feature); the ranks' totals, added in
+    another order, agree to the last bits."""
     world, copies = plan.world_size, 2 if weighted else 1
     sequence = is_sequence(configs)
     bags = float(batch_per_rank)
