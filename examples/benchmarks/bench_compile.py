@@ -8,7 +8,8 @@ dot interaction) on synthetic Criteo batches. Two measurements, each eager again
 
 - "step": a whole training step, `torch.compile(model)`: forward, loss, backward (the tables'
   fused update included) and Adam's step. The sharded lookup runs eagerly in both variants (a
-  graph break by design, see docs/embeddings.md), so this is what a user of the example gains.
+  graph break by design, see docs/embeddings-training.md), so this is what a user of the example
+  gains.
 - "dense": the dense part alone, `torch.compile(model.dense_forward)` on fixed pooled embeddings
   (a leaf that requires grad, so backward computes their gradient as in a real step): bottom MLP,
   interaction, top MLP, loss, backward with DDP's all-reduce, Adam's step.

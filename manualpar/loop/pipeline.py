@@ -12,8 +12,8 @@ generator, see loop/prefetch.py) and calls `prefetch(batch)`, which starts each 
 collection's input dist for it (`emb.prefetch(features)`: checks, hashing, the size exchange,
 then the ids' all_to_all, in flight on return). Step i's forward takes its own batch's ids,
 sent one step earlier. Nothing in an input dist touches a row, so the numbers are those of the
-plain loop, bit for bit; see docs/embeddings.md, "Pipelined training", for what may not change
-while a batch is in flight.
+plain loop, bit for bit; see docs/embeddings-pipelining.md, "Pipelined training", for what may
+not change while a batch is in flight.
 
 Every rank must hand out the same number of batches, so before each prefetch the ranks agree (one
 all_reduce of one number) that every one of them has a next batch: when one rank's loader ends,

@@ -48,7 +48,7 @@ def _mix(z: int) -> int:
 
 
 def _documented_row(raw_id: int, salt: int, rows: int) -> int:
-    """The hash as docs/embeddings.md defines it, in plain Python integers."""
+    """The hash as docs/embeddings-raw-ids.md defines it, in plain Python integers."""
     key = _mix((salt + 0x9E3779B97F4A7C15) & MASK)
     return _mix((raw_id & MASK) ^ key) % rows
 

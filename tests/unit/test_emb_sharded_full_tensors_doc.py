@@ -1,5 +1,5 @@
-"""The documented way to read a sharded table's values (docs/embeddings.md, "Reading a sharded
-table's values") runs as written on one process and gives the table's plain values."""
+"""The documented way to read a sharded table's values (docs/embeddings-storage.md, "Reading a
+sharded table's values") runs as written on one process and gives the table's plain values."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "embeddings.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "embeddings-storage.md"
 MARKER = "<!-- test: tests/unit/test_emb_sharded_full_tensors_doc.py runs this block -->"
 
 

@@ -1,5 +1,5 @@
 """A model with two sharded collections, on one process: the names its checkpoint entries and
-metrics get (what docs/embeddings.md promises), and how its pooled outputs are indexed."""
+metrics get (what docs/embeddings-tables.md promises), and how its pooled outputs are indexed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Raw int64 ids to rows: the stable salted hash behind `HashIds` (and the buckets of
 `ManagedCollisions`).
 
-The hash, documented so that anyone can reproduce it (docs/embeddings.md, "Raw ids"), with
+The hash, documented so that anyone can reproduce it (docs/embeddings-raw-ids.md, "Hashing"), with
 mix(z) splitmix64's finalizer on unsigned 64-bit integers (table_init.mix64):
 
     key(salt)    = mix((salt + 0x9E3779B97F4A7C15) mod 2**64)

@@ -5,7 +5,7 @@ a row on this machine, about 40 of the 122 ms a disk step added in the documente
 Their records are copied out of the cache at once (the slots take new rows), and the write runs
 on a C++ thread while the step goes on (kernels/csrc/row_io.cpp, `BackgroundWrite`: no
 interpreter on either side, no Python thread to hand the GIL to; the step measured the same or
-slightly faster than with a Python thread pool, docs/embeddings.md). At most one batch is in
+slightly faster than with a Python thread pool, docs/benchmarks.md). At most one batch is in
 flight: the next eviction, a checkpoint's flush and a load wait for it, and a read of any of its
 rows takes them from the batch's own records (`read`), so what is read is never behind the
 file's future; an error (a full disk) is raised at the next wait, in the training thread,
@@ -58,7 +58,7 @@ class BackgroundWrites:
         records (the bytes being written), the others from the file, without waiting for the
         write. Waiting took seconds at the documented workload: an eviction batch dirties a
         page a row, and the kernel throttles its writer once too many pages are dirty, while
-        the next steps' misses often hit a row of that batch (docs/embeddings.md)."""
+        the next steps' misses often hit a row of that batch (docs/benchmarks.md)."""
         if self._pending is not None and self._pending.done():
             self.settle()  # its error, if any, surfaces here
         batch, records = self._rows, self._records

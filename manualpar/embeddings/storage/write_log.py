@@ -3,9 +3,9 @@ their places, until the log is full or a checkpoint needs the file whole.
 
 A row written to its place dirties a 4 KiB page of the page cache for its 260 bytes, and an
 eviction batch dirtied pages by the hundred thousand: the kernel then throttled the writer and
-the step's reads waited behind the writeback (docs/embeddings.md, "The write log"). Appended,
-a batch is one run of records and one system call per run (kernels/csrc/row_io.cpp): 0.09 us
-a row against 4.85 us to their places on this machine's ext4 (bench_row_writes.py).
+the step's reads waited behind the writeback (docs/embeddings-storage.md, "The write log").
+Appended, a batch is one run of records and one system call per run (kernels/csrc/row_io.cpp):
+0.09 us a row against 4.85 us to their places on this machine's ext4 (bench_row_writes.py).
 
 Where a row is lives in its `slot_of` entry (row_cache.py): a slot, NEVER, STORED (at its
 place) or LOGGED - record (record `record` of the log), so the log costs no memory. A logged row
