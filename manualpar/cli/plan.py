@@ -29,24 +29,30 @@ from manualpar.embeddings import (
     UNIFORM_PLANS,
     Adagrad,
     Adam,
+    DiskTier,
     EmbeddingBagConfig,
     RowWiseAdagrad,
     SparseOptimizer,
+    TablePlacement,
     Topology,
     Workload,
     check_tables,
     costs_text,
+    data_parallel,
     default_topology,
     expected_sent_bytes,
     format_bytes,
     load_topology,
+    on_disk,
     per_rank_text,
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
     remapper_bytes_on_ranks,
+    row_wise,
     rule_costs,
     table_dtype,
+    table_wise,
 )
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
@@ -71,6 +77,11 @@ UNITS = {
     "tib": 2**40,
 }
 TABLE_SPEC = "NAME:ROWS:DIM[:FEATURE,...]"
+PIN_PLACEMENTS = {
+    "disk": on_disk(row_wise()),
+    "row_wise": row_wise(),
+    "data_parallel": data_parallel(),
+}
 
 
 class UsageError(ManualParError, ValueError):
@@ -165,6 +176,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of the tables, gradients summed across the copies); auto compares 1, 2, 4 and 8 and "
         "keeps the fastest predicted (default 1: a 1-D plan)",
     )
+    add(
+        "--disk-cache",
+        default=None,
+        metavar="SIZE",
+        help="plan with a disk tier whose cache takes SIZE per rank (DiskTier(cache_bytes=)): "
+        "over the budget, the largest tables go on disk until the rest plus the cache fit",
+    )
+    add(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="TABLE=PLACEMENT",
+        help="keep TABLE's placement (repeat): disk (rows over every rank, on disk; needs "
+        "--disk-cache), row_wise, data_parallel or table_wise:RANK; the rest is planned around it",
+    )
     add("--json", metavar="OUT", default=None, help="also write the plan's JSON to OUT")
 
 
@@ -213,13 +239,13 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
     return tables
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, option: str = "--memory-budget") -> int:
     """'2GiB', '512MiB', '1.5GB' or plain bytes -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in UNITS or float(match.group(1)) <= 0:
         raise UsageError(
-            f"--memory-budget {text!r}: expected a positive size such as 2GiB, "
+            f"{option} {text!r}: expected a positive size such as 2GiB, "
             "512MiB, 1.5GB or plain bytes"
         )
     return int(float(match.group(1)) * UNITS[unit])
@@ -273,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     pooling = {config.name: args.ids_per_bag for config in tables}
     state, full_rows = rule_costs(optimizer)
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
+    disk_tier, pinned = _disk_options(args)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
             plan_tables,
@@ -281,7 +308,11 @@ def run(args: argparse.Namespace) -> int:
             batch_per_rank=batch,
             pooling_factors=pooling,
             skew=args.skew,
+            disk_tier=disk_tier,
+            pinned=pinned,
         )
+    elif disk_tier is not None or pinned:
+        raise UsageError("--disk-cache and --pin: only --plan auto and --plan memory take them")
     else:
         place = functools.partial(plan_uniform, args.plan)
     layouts, refused = plan_layouts(
@@ -293,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         _precisions(args),
         functools.partial(place, memory_budget_bytes=budget, optimizer=optimizer),
         cost_kwargs=args.plan in ("auto", "memory"),
+        disk_tier=disk_tier,
     )
     best = min(layouts, key=lambda layout: layout.slowest(topology))
     replicas, plan, costs, tables = best.replicas, best.plan, best.costs, best.tables
@@ -322,6 +354,29 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {args.json}: cannot write the plan: {error}") from None
         print(f"plan written to {args.json}")
     return 0
+
+
+def _disk_options(
+    args: argparse.Namespace,
+) -> tuple[DiskTier | None, dict[str, TablePlacement]]:
+    """--disk-cache and --pin: the disk tier the job would pass (its directory is not used to
+    plan) and the pinned placements."""
+    tier = None
+    if args.disk_cache is not None:
+        tier = DiskTier(".", cache_bytes=parse_bytes(args.disk_cache, "--disk-cache"))
+    pinned = {}
+    for spec in args.pin:
+        name, _, kind = spec.partition("=")
+        placement = PIN_PLACEMENTS.get(kind)
+        if kind.startswith("table_wise:") and kind[len("table_wise:") :].isdigit():
+            placement = table_wise(int(kind[len("table_wise:") :]))
+        if not name or placement is None:
+            raise UsageError(
+                f"--pin {spec!r}: expected TABLE=PLACEMENT with PLACEMENT one of "
+                f"{', '.join(PIN_PLACEMENTS)} or table_wise:RANK, e.g. --pin ads=disk"
+            )
+        pinned[name] = placement
+    return tier, pinned
 
 
 def _topology(args: argparse.Namespace) -> Topology:

@@ -11,6 +11,7 @@ import torch
 
 from manualpar import PlanError
 from manualpar.embeddings import (
+    DiskTier,
     EmbeddingBagConfig,
     EmbeddingPlan,
     RankCosts,
@@ -48,10 +49,12 @@ def plan_layouts(
     precisions: tuple[torch.dtype, ...],
     place: Callable[..., EmbeddingPlan],
     cost_kwargs: bool,
+    disk_tier: DiskTier | None = None,
 ) -> tuple[list[Layout], list[tuple[int, PlanError]]]:
     """A layout per replica count in `choices` (`place(tables, shard_ranks, ranks_per_node=,
     [replicas=])` makes each plan, or the cost planner itself with `precisions`), and the counts
-    whose plan does not fit, with the planner's error; raises the first if none fits."""
+    whose plan does not fit, with the planner's error; raises the first if none fits. Disk
+    tables are priced with `disk_tier`'s cache in memory, as the job holds them."""
     layouts, refused = [], []
     for replicas in choices:
         shard = topology.world_size // replicas
@@ -78,7 +81,7 @@ def plan_layouts(
         except PlanError as error:  # e.g. a full copy per 1/replicas of the ranks does not fit
             refused.append((replicas, error))
             continue
-        costs = plan_costs(stored, plan, topology, workload, replicas=replicas)
+        costs = plan_costs(stored, plan, topology, workload, disk_tier, replicas=replicas)
         layouts.append(Layout(replicas, plan, costs, stored))
     if not layouts:
         raise refused[0][1]

@@ -61,7 +61,7 @@ class EmbeddingBagConfig:
     Rows start uniform in [-init_bound, init_bound] (default 1/sqrt(num_embeddings), as TorchRec).
 
     `dtype` is how rows are stored (float32, float16 or bfloat16); lookups sum in float32 and
-    the fused update computes in float32 and rounds back (docs/embeddings.md, "Precision").
+    the fused update computes in float32 and rounds back (docs/embeddings-storage.md, "Precision").
     `raw_ids`: None (ids are rows in [0, num_embeddings)), `HashIds(salt)` or
     `ManagedCollisions(...)` for raw int64 ids from an unbounded space (id_spaces.py).
     """

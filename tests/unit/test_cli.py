@@ -133,3 +133,35 @@ def test_launch_refuses_counts_out_of_range_before_starting_torchrun(
     monkeypatch.setattr("manualpar.cli.launch.os.execv", execv)
     assert main(["launch", *args, "train.py"]) == 2
     assert capsys.readouterr().err == message + "\n"
+
+
+def test_plan_with_a_disk_cache_and_a_pin_prints_the_plan_the_job_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from manualpar.embeddings import DiskTier, EmbeddingBagConfig, EmbeddingPlan, on_disk, row_wise
+    from manualpar.embeddings.planning.planner import default_topology, plan_tables
+
+    tables = ["--table", "mid:10000000:16", "--table", "big:20000000:16", "--table", "s:1000:16"]
+    budget = ["--world-size", "2", "--memory-budget", "1200MB", "--disk-cache", "64MiB"]
+    out = tmp_path / "plan.json"
+    assert main(["plan", *tables, *budget, "--pin", "mid=disk", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "  mid " in printed and "row_wise on disk" in printed and "(pinned: " in printed
+    job = plan_tables(
+        [EmbeddingBagConfig(*t.split(":")[:1], *map(int, t.split(":")[1:])) for t in tables[1::2]],
+        2,
+        memory_budget_bytes=1_200_000_000,
+        disk_tier=DiskTier(tmp_path, cache_bytes=64 * 2**20),
+        pinned={"mid": on_disk(row_wise())},
+        topology=default_topology(2, 2),
+    )
+    assert EmbeddingPlan.from_json(out.read_text()) == job
+    assert main(["plan", *tables, "--world-size", "2", "--pin", "mid=disk"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "pinned= puts tables ['mid'] on disk, but no disk tier was given; pass "
+            "disk_tier=DiskTier(directory, cache_bytes=...)"
+        )
+    )

@@ -85,6 +85,7 @@ def plan_by_cost(
     disk_tier: DiskTier | None = None,
     replicas: int = 1,
     precisions: Sequence[torch.dtype] | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> CostPlan:
     """Place `tables` (keyed by the names used in notes and errors, e.g. "collection.table") on
     `topology` for `workload`, within `memory_budget_bytes` per rank (managed-collision
@@ -92,7 +93,9 @@ def plan_by_cost(
     one shard group of a 2-D mesh (world / replicas ranks), costed with the replicas' sums.
     `precisions` (e.g. float32, bfloat16): the row dtypes a table may take, most precise first;
     a table takes a less precise one only where no placement of a more precise one fits the
-    budget, and before any goes on disk (`CostPlan.dtypes` lists the tables it changed)."""
+    budget, and before any goes on disk (`CostPlan.dtypes` lists the tables it changed).
+    `pinned`: {table: placement} kept as given, their costs counted before the others are
+    placed (planner.py checks them and applies the disk rule this way)."""
     search = _Search(
         tables,
         topology,
@@ -102,6 +105,7 @@ def plan_by_cost(
         disk_tier,
         replicas,
         tuple(precisions or ()),
+        dict(pinned or {}),
     )
     search.greedy()
     search.tighten()
@@ -130,8 +134,10 @@ class _Search:
         disk_tier: DiskTier | None,
         replicas: int = 1,
         precisions: tuple[torch.dtype, ...] = (),
+        pinned: Mapping[str, TablePlacement] | None = None,
     ) -> None:
         self.tables, self.topology, self.workload = tables, topology, workload
+        self.pinned = dict(pinned or {})
         self.precisions = precisions
         self.replicas = replicas
         self.group = shard_group(topology, replicas) if replicas > 1 else topology
@@ -143,16 +149,21 @@ class _Search:
         configs = list(tables.values())
         first = EmbeddingPlan(self.group.world_size, {c.name: row_wise() for c in configs})
         self.start = collection_costs(configs, first, topology, replicas)  # remappers' shares too
-        self.total = self.start
         self._cache: dict[tuple[str, TablePlacement, torch.dtype], RankCosts] = {}
         self._cached_bytes = 0
-        self.dtype: dict[str, torch.dtype] = {}
-        self.alone = {key: self._cheapest(key) for key in tables}
-        self.order = sorted(tables, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True)
-        self.placements: dict[str, TablePlacement] = {}
+        self.dtype: dict[str, torch.dtype] = {key: tables[key].dtype for key in self.pinned}
         # each placed table's placement and dtype: its costs are looked up (or recomputed)
         # when needed, not held, so the plan takes no world-size tensors per table
-        self.chosen: dict[str, tuple[TablePlacement, torch.dtype]] = {}
+        self.fixed = {key: (p, tables[key].dtype) for key, p in self.pinned.items()}
+        for key, placement in self.pinned.items():  # every pass starts with them placed
+            self.start = self.start + self.costs(key, placement)
+        self.total = self.start
+        self.alone = {key: self._cheapest(key) for key in tables if key not in self.pinned}
+        self.order = sorted(
+            self.alone, key=lambda k: (self.alone[k][0], self.sizes[k]), reverse=True
+        )
+        self.placements: dict[str, TablePlacement] = dict(self.pinned)
+        self.chosen: dict[str, tuple[TablePlacement, torch.dtype]] = dict(self.fixed)
 
     def _cheapest(self, key: str) -> tuple[float, float]:
         """A table's slowest rank whole on one rank (its place in the greedy order), and its
@@ -263,7 +274,7 @@ class _Search:
     def pack(self, target: float) -> bool:
         """Place every table anew, costliest first, each at its least time over all ranks that
         keeps every rank within `target` seconds; False if some table cannot."""
-        self.total, self.placements, self.chosen = self.start, {}, {}
+        self.total, self.placements, self.chosen = self.start, dict(self.pinned), dict(self.fixed)
         still_to_place = sum(summed for _, summed in self.alone.values())
         for key in self.order:
             still_to_place -= self.alone[key][1]
@@ -296,11 +307,12 @@ class _Search:
 
     def adopt(self, placements: Mapping[str, TablePlacement]) -> bool:
         """Take `placements` (every table) if they fit the budget and beat the current plan."""
+        placements = {**placements, **self.pinned}
         dtypes = {key: self.dtype.get(key, config.dtype) for key, config in self.tables.items()}
         chosen = {key: (placements[key], dtypes[key]) for key in self.tables}
-        total = self.start
-        for key, (placement, dtype) in chosen.items():
-            total = total + self.costs(key, placement, dtype)
+        total = self.start  # (the pinned tables' costs included)
+        for key in self.order:
+            total = total + self.costs(key, *chosen[key])
         if self.budget is not None and float(total.memory.max()) > self.budget:
             return False
         now = plan_score(self.total, self.topology, 0.0).final()
@@ -352,6 +364,7 @@ class _Search:
                 self.budget,
                 REPLICATE_BYTES,
                 self.disk_tier,
+                self.pinned,
             )
         except PlanError:  # it cannot fit where the search did: nothing to try
             return
@@ -375,8 +388,8 @@ class _Search:
 
     def notes(self) -> dict[str, str]:
         """Per table: what it adds to the slowest rank, and the runner-up given the others."""
-        notes = {}
-        for key in self.tables:
+        notes = {key: f"pinned: {placement}" for key, placement in self.pinned.items()}
+        for key in self.order:
             costs = self.chosen_costs(key)
             base = self.total - costs
             placement, dtype = self.placements[key], self.dtype[key]
@@ -394,4 +407,4 @@ class _Search:
                     f"exceed the {format_bytes(self.budget or 0)} budget per rank; {note}"
                 )
             notes[key] = note
-        return notes
+        return {key: notes[key] for key in self.tables}

@@ -10,8 +10,9 @@ says which applied):
    (it would leave one rank the straggler), is split by rows over every rank (row_wise), or
    over one node's ranks (table_row_wise) when that fits, keeping its traffic on the node.
 4. If even an even split cannot fit the budget, PlanError says how much memory is needed.
-0. Before these, with a `disk_tier`: when all tables do not fit the budget, the largest go on
-   disk (row-split, `on_disk`), until the others plus the caches fit (disk_budget.py).
+0. Before these, tables `pinned` to a placement keep it (their memory counted); then, with a
+   `disk_tier`, when the tables do not fit the budget, the largest go on disk (row-split,
+   `on_disk`), in order, until the others plus the caches fit (disk_budget.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
-from manualpar.embeddings.planning.disk_budget import place_on_disk
+from manualpar.embeddings.planning.disk_budget import (
+    pinned_bytes_per_rank,
+    pinned_notes,
+    place_on_disk,
+)
 from manualpar.embeddings.planning.remapper_budget import remapper_bytes_on_ranks
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.errors import PlanError
@@ -64,15 +69,22 @@ def place_by_memory(
     budget: int | None,
     replicate_bytes: int,
     disk_tier: DiskTier | None,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> tuple[dict[str, TablePlacement], dict[str, str]]:
-    """method="memory": the rules of the module docstring."""
-    order = list(tables)
-    on_disk, disk_notes, budget = place_on_disk(tables, sizes, world_size, budget, disk_tier)
-    if on_disk:
-        tables = {k: c for k, c in tables.items() if k not in on_disk}
-        sizes = {k: b for k, b in sizes.items() if k not in on_disk}
-    check_fits(sizes, world_size, budget)
-    memory = [0] * world_size
+    """method="memory": the rules of the module docstring, around the `pinned` tables."""
+    order, pinned = list(tables), dict(pinned or {})
+    on_disk, disk_notes, budget = place_on_disk(
+        tables, sizes, world_size, budget, disk_tier, pinned
+    )
+    memory = pinned_bytes_per_rank(tables, sizes, pinned, world_size)
+    fixed = {**pinned, **on_disk}
+    check_fits(
+        {k: b for k, b in sizes.items() if not fixed.get(k, row_wise()).on_disk},
+        world_size,
+        budget,
+    )
+    tables = {k: c for k, c in tables.items() if k not in fixed}
+    sizes = {k: b for k, b in sizes.items() if k not in fixed}
     work = [0.0] * world_size
     total_work = sum(pooling[k] * c.embedding_dim * len(c.feature_names) for k, c in tables.items())
     placements: dict[str, TablePlacement] = {}
@@ -139,8 +151,8 @@ def place_by_memory(
         )
         memory = [m + share for m in memory]
         work = [w + lookups / world_size for w in work]
-    placements.update(on_disk)
-    notes.update(disk_notes)
+    placements.update(fixed)
+    notes.update(disk_notes | pinned_notes(pinned))
     return {k: placements[k] for k in order}, {k: notes[k] for k in order}
 
 

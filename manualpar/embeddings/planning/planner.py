@@ -32,8 +32,14 @@ from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
     format_bytes,
+    row_wise,
 )
 from manualpar.embeddings.planning.cost_planner import COST_REPLICATE_BYTES, plan_by_cost
+from manualpar.embeddings.planning.disk_budget import (
+    check_pinned,
+    check_tier_layout,
+    place_on_disk,
+)
 from manualpar.embeddings.planning.memory_planner import (
     REPLICATE_BYTES,
     UNIFORM_PLANS,
@@ -64,6 +70,7 @@ __all__ = [
 GiB = 2**30
 METHODS = ("cost", "memory")
 DEFAULT_BATCH_PER_RANK = 1024  # samples a rank per step, when the caller does not say
+_IN_MEMORY = row_wise()  # what a table neither pinned nor put on disk counts as
 
 
 def default_topology(
@@ -93,6 +100,7 @@ def plan_tables(
     batch_per_rank: int | None = None,
     replicas: int = 1,
     skew: float = 0.0,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> EmbeddingPlan:
     """A plan for `tables` on `world_size` ranks; see the module docstring. With method="cost",
     `topology` (default: default_topology) prices the plan for `batch_per_rank` samples a rank
@@ -100,7 +108,9 @@ def plan_tables(
     Zipf(`skew`) popularity. `replicas` > 1: the plan is for the shard dim (`world_size` ranks)
     of a replicas x world_size mesh. `replicate_bytes`: the largest table (weights + state) that
     may be replicated; by default 64 MiB for method="cost", whose model weighs the gradient
-    all_reduce against the exchanges saved, and 256 KiB for method="memory"."""
+    all_reduce against the exchanges saved, and 256 KiB for method="memory". `pinned`:
+    {table: placement} kept as given (e.g. `on_disk(row_wise())`, with `disk_tier`), the
+    others planned around them with their memory counted."""
     placements, notes = _place(
         {c.name: c for c in tables},
         {c.name: table_bytes(c, optimizer) for c in tables},
@@ -111,6 +121,7 @@ def plan_tables(
         replicate_bytes,
         disk_tier,
         _Cost(method, topology, batch_per_rank, optimizer, replicas=replicas, skew=skew),
+        pinned,
     )
     return EmbeddingPlan(world_size, placements, notes)
 
@@ -129,6 +140,7 @@ def plan_collections(
     method: str = "cost",
     topology: Topology | None = None,
     batch_per_rank: int | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> dict[str, EmbeddingPlan]:
     """One plan per collection, made together: plan="auto"'s rules applied to the tables of all
     `collections` at once, so memory and lookups balance over every table of the model (planned
@@ -144,7 +156,8 @@ def plan_collections(
     one for all, or given per collection name. `method`, `topology` and `batch_per_rank` as for
     `plan_tables` (with the strategy, the default topology follows its device). Hand each plan to
     `shard_embeddings(ebc, strategy, plan=plans[name], optimizer=...)`. With several
-    collections, notes and errors name a table "collection.table".
+    collections, notes and errors name a table "collection.table", and so does `pinned`
+    ({table: placement} kept as given, as for `plan_tables`).
     """
     configs = _collection_configs(collections)
     if mesh is not None and not isinstance(world, ManualParallelStrategy):
@@ -163,6 +176,7 @@ def plan_collections(
         )
     if world_size < 1:
         raise PlanError(f"plan_collections(): the world size must be >= 1, got {world_size}")
+    check_tier_layout(disk_tier, _replicas(world, world_size))  # before the budget's note
     rules = _per_collection(optimizer, configs, "optimizer", SparseOptimizer)
     pooling = _per_collection(pooling_factors, configs, "pooling_factors", None)
     several = len(configs) > 1
@@ -198,6 +212,7 @@ def plan_collections(
                 else None,
                 collection_of={labels[c, t.name]: c for c, ts in configs.items() for t in ts},
             ),
+            pinned,
         )
     except PlanError as error:
         if not measured:
@@ -295,30 +310,38 @@ def _place(
     replicate_bytes: int | None,
     disk_tier: DiskTier | None,
     cost: _Cost,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> tuple[dict[str, TablePlacement], dict[str, str]]:
     """Placements and notes by the module docstring's rules, keyed (and named in errors) by the
-    keys of `tables`, in their order."""
+    keys of `tables`, in their order; `pinned` tables keep their placement."""
     if cost.method not in METHODS:
         raise PlanError(f"plan method must be one of {METHODS}, got {cost.method!r}")
+    check_tier_layout(disk_tier, cost.replicas)  # before any budget error
+    pinned = check_pinned(pinned, tables, world_size, disk_tier)
     net = budget_after_remappers(tables.values(), world_size, budget)  # (its error first)
-    if cost.method == "cost":
-        if disk_tier is None or budget is None:
-            check_fits(sizes, world_size, net)
-        topology = cost.topology_for(world_size, ranks_per_node)
-        planned = plan_by_cost(
-            tables,
-            topology,
-            cost.workload(tables, pooling),
-            memory_budget_bytes=budget,
-            replicate_bytes=COST_REPLICATE_BYTES if replicate_bytes is None else replicate_bytes,
-            disk_tier=disk_tier,
-            replicas=cost.replicas,
+    if cost.method == "memory":
+        replicate = REPLICATE_BYTES if replicate_bytes is None else replicate_bytes
+        return place_by_memory(
+            tables, sizes, pooling, world_size, ranks_per_node, net, replicate, disk_tier, pinned
         )
-        return dict(planned.plan.tables), dict(planned.plan.notes)
-    replicate = REPLICATE_BYTES if replicate_bytes is None else replicate_bytes
-    return place_by_memory(
-        tables, sizes, pooling, world_size, ranks_per_node, net, replicate, disk_tier
+    # the documented disk rule first: the largest tables on disk until the rest fits
+    disk, disk_notes, left = place_on_disk(tables, sizes, world_size, net, disk_tier, pinned)
+    fixed = {**pinned, **disk}
+    check_fits(
+        {k: b for k, b in sizes.items() if not fixed.get(k, _IN_MEMORY).on_disk}, world_size, left
     )
+    planned = plan_by_cost(
+        tables,
+        cost.topology_for(world_size, ranks_per_node),
+        cost.workload(tables, pooling),
+        memory_budget_bytes=budget,
+        replicate_bytes=COST_REPLICATE_BYTES if replicate_bytes is None else replicate_bytes,
+        disk_tier=disk_tier,
+        replicas=cost.replicas,
+        pinned=fixed,
+    )
+    notes = {**planned.plan.notes, **disk_notes}
+    return dict(planned.plan.tables), {key: notes[key] for key in tables}
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def _shared_cores(seconds: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Where a node has fewer cores than ranks (`cores_per_node`, CPU jobs), its ranks share
     them: a rank takes at least its node's total work over the cores. Measured on 4 processes
     over 2 cores, this turned the model's ranking of 8 plans into the measured one
-    (docs/embeddings.md). `seconds` may be one shard group's ranks (a 2-D mesh): a node then
+    (docs/benchmarks.md). `seconds` may be one shard group's ranks (a 2-D mesh): a node then
     holds ranks_per_node / len(seconds) such groups, all alike."""
     cores, per_node = topology.cores_per_node, topology.ranks_per_node
     if not cores or cores >= per_node:

@@ -118,7 +118,7 @@ class Topology:
 #   Latencies are typical NCCL small-message all_to_all times, and block_seconds a few kernel
 #   launches (about 5 us each) per block: assumptions.
 # - "cpu-host": the project's 2-core test machine (gloo over loopback, local SSD), measured by
-#   `python -m manualpar calibrate` (docs/embeddings.md has the command and its output).
+#   `python -m manualpar calibrate` (docs/launch.md has the command, docs/benchmarks.md its runs).
 TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
     "a100-nvlink-hdr": {
         "ranks_per_node": 8,
@@ -148,7 +148,7 @@ TOPOLOGY_PRESETS: dict[str, dict[str, Any]] = {
         "disk_row_seconds": 20e-6,
         "block_seconds": 30e-6,
     },
-    "cpu-host": {  # medians of 3 calibrations on an idle machine (docs/embeddings.md)
+    "cpu-host": {  # medians of 3 calibrations on an idle machine (docs/benchmarks.md)
         "ranks_per_node": 2,
         "device_memory_bytes": 11922583552,
         "host_memory_bytes": 11922583552,

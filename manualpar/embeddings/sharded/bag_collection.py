@@ -159,7 +159,7 @@ class ShardedEmbeddingBagCollection(TableRecords, nn.Module):
     # A deliberate graph break under torch.compile: the lookup runs eagerly between compiled
     # dense graphs. Its exchange sizes are known only at run time (host syncs, no CUDA graph
     # capture either way) and its backward updates tables in place, which an opaque custom op
-    # would have to hide from the compiler (docs/embeddings.md, "torch.compile").
+    # would have to hide from the compiler (docs/embeddings-training.md, "torch.compile").
     @eager_only(f"{BUILDER}: the table exchange runs eagerly")
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
@@ -205,7 +205,7 @@ class ShardedEmbeddingBagCollection(TableRecords, nn.Module):
         remapped by their owners at the lookup; with tables that need the remap exchange, the
         raw ids start travelling to their remappers instead, and the remap and the input dist
         wait for the forward: a remap run early would put the remapper's state, and so a
-        checkpoint, a batch ahead (docs/embeddings.md)."""
+        checkpoint, a batch ahead (docs/embeddings-pipelining.md)."""
         self._in_flight.check_free()
         with self.phase_times.phase(IDS_EXCHANGE):  # the input dist's preparation
             checked = self._checked(features)

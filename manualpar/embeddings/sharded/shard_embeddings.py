@@ -61,6 +61,7 @@ def shard_embeddings(
     non_finite: str = "raise",
     guard_half_rows: bool = False,
     wire_dtype: torch.dtype | WireDtypes | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
 
@@ -78,6 +79,9 @@ def shard_embeddings(
     places `on_disk` (and, with plan="auto", for those the budget cannot hold): their rows live
     in files, each rank caching the rows in use (disk_tier.py).
 
+    `pinned` (with plan="auto"): {table: placement} the planner keeps as given, planning the
+    others around them, e.g. `pinned={"ads": on_disk(row_wise())}` with `disk_tier=`.
+
     `non_finite`: what a step whose output gradient holds NaN or inf does, on every rank
     alike, before any row changes: "raise" (NonFiniteError naming tables, ranks and counts) or
     "skip" (drop the sparse update and count it in `skipped_updates`; step/finite_check.py).
@@ -92,7 +96,7 @@ def shard_embeddings(
     (None: float32), one for both or `WireDtypes(forward=torch.float16, backward=
     torch.bfloat16)`: forward float16, bfloat16 or float8 (e4m3fn, e5m2), backward bfloat16;
     the sums and updates stay float32, each travelling value is rounded once (step/wire.py;
-    docs/embeddings.md, "Half-precision exchanges").
+    docs/embeddings-training.md, "Half-precision exchanges").
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
@@ -126,10 +130,15 @@ def shard_embeddings(
     non_finite = check_mode(non_finite)
     wire = wire_dtypes(wire_dtype)
     layout = table_mesh(mesh, strategy)
+    if pinned is not None and not isinstance(plan, str):
+        raise PlanError(
+            f"pinned= is for plan='auto'; with an explicit plan, put the pinned tables "
+            f"{sorted(pinned)} in the plan itself"
+        )
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
-        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout, disk_tier)
+        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout, disk_tier, pinned)
     elif not isinstance(plan, EmbeddingPlan):
         plan = EmbeddingPlan(layout.shard_size, dict(plan))
     layout.check_plan_size(plan.world_size)
@@ -159,6 +168,7 @@ def _auto_plan(
     budget: int | None,
     layout: TableMesh,
     disk_tier: DiskTier | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
 ) -> EmbeddingPlan:
     """The planner's plan for the shard group, within `budget` bytes per rank; by default the
     memory every rank can still allocate, so a table that cannot fit is named before anything
@@ -172,5 +182,6 @@ def _auto_plan(
         optimizer=optimizer,
         mesh=layout.shard if layout.replicate is not None else None,
         disk_tier=disk_tier,
+        pinned=pinned,
     )
     return plans["tables"]

@@ -21,7 +21,7 @@ rank) and a 2-D mesh's replica combine stay as they are.
   float16 and 8-bit gradients are refused rather than silently flushed to zero.
 
 8-bit values travel as their raw bytes (a uint8 view): an all_to_all only moves bytes, and
-gloo (and older NCCL) refuse float8 tensors. Costs and bounds: docs/embeddings.md, "Half-
+gloo (and older NCCL) refuse float8 tensors. Costs and bounds: docs/embeddings-training.md, "Half-
 precision exchanges".
 """
 

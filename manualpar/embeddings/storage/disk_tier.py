@@ -75,7 +75,7 @@ class DiskTier:
     its disk tables together (weights + optimizer state), split in proportion to their blocks,
     the evicted rows on their way to the file included (a 1/17 of it).
     `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
-    docs/embeddings.md) or "lfu". `io_threads`: threads reading a step's missing rows (reads
+    docs/embeddings-storage.md) or "lfu". `io_threads`: threads reading a step's missing rows (reads
     that wait on the device overlap; writes go one at a time, see DiskTable).
     `write_log`: each block's write log (write_log.py), in multiples of its cache slots (at
     most the block's rows): evicted rows are appended there and written to their places when

@@ -1,0 +1,106 @@
+"""The planner's disk rule (largest tables to disk, in order, until the rest plus the caches fit),
+tables pinned to a placement, and the disk tier's refusal on a 2-D mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+from manualpar.embeddings import DiskTier, EmbeddingBagConfig, on_disk, row_wise, table_wise
+from manualpar.embeddings.planning.planner import plan_collections, plan_tables
+from manualpar.errors import PlanError
+
+MB = 10**6
+# with row-wise Adagrad: 20M x 17 x 4 = 1.36 GB, 10M x 17 x 4 = 680 MB
+TABLES = [EmbeddingBagConfig("mid", 10_000_000, 16), EmbeddingBagConfig("big", 20_000_000, 16)]
+
+
+def _tier(tmp_path) -> DiskTier:  # type: ignore[no-untyped-def]
+    return DiskTier(tmp_path, cache_bytes=64 * 2**20)
+
+
+@pytest.mark.parametrize("method", ["cost", "memory"])
+@pytest.mark.parametrize(
+    ("world", "budget"),
+    [(1, 1400 * MB), (1, 1500 * MB), (2, 700 * MB)],
+    ids=["1-rank-only-largest-fits", "1-rank-either-fits", "2-ranks-only-largest-fits"],
+)
+def test_the_largest_table_goes_to_disk_first(tmp_path, method, world, budget) -> None:  # type: ignore[no-untyped-def]
+    plan = plan_tables(
+        TABLES, world, memory_budget_bytes=budget, disk_tier=_tier(tmp_path), method=method
+    )
+    assert plan.tables["big"] == on_disk(row_wise())
+    assert not plan.tables["mid"].on_disk
+    assert plan.notes["big"].startswith("on disk: 1.27 GiB with the other tables exceed the ")
+
+
+def test_a_pinned_table_keeps_its_placement_and_the_rest_is_planned_around_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tables = [*TABLES, EmbeddingBagConfig("small", 100_000, 16)]
+    for method in ("cost", "memory"):
+        plan = plan_tables(
+            tables,
+            2,
+            memory_budget_bytes=1200 * MB,
+            disk_tier=_tier(tmp_path),
+            pinned={"mid": on_disk(row_wise())},
+            method=method,
+        )
+        assert plan.tables["mid"] == on_disk(row_wise()), method
+        assert not plan.tables["big"].on_disk and not plan.tables["small"].on_disk, method
+        assert plan.notes["mid"] == "pinned: row_wise on disk", method
+    # pinned in memory: the whole table on rank 1, counted there (the big one cannot join it)
+    plan = plan_tables(tables, 2, memory_budget_bytes=1400 * MB, pinned={"mid": table_wise(1)})
+    assert plan.tables["mid"] == table_wise(1) and plan.notes["mid"] == "pinned: table_wise[1]"
+    assert plan.tables["big"] != table_wise(1)
+
+
+def test_pinning_is_checked_before_planning(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanError, match=r"^pinned= names tables \['nope'\] that are not planned"):
+        plan_tables(TABLES, 2, pinned={"nope": row_wise()})
+    with pytest.raises(
+        PlanError,
+        match=r"^pinned= puts tables \['big'\] on disk, but no disk tier was given; pass "
+        r"disk_tier=DiskTier\(directory, cache_bytes=\.\.\.\)",
+    ):
+        plan_tables(TABLES, 2, pinned={"big": on_disk(row_wise())})
+    with pytest.raises(PlanError, match=r"^table 'big' \(table_wise\[2\]\): ranks \[2\] do not"):
+        plan_tables(TABLES, 2, pinned={"big": table_wise(2)})
+
+
+def test_a_2d_mesh_refuses_the_disk_tier_before_any_budget_failure(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(
+        PlanError,
+        match=r"^the disk tier does not support a 2-D mesh \(2 replicated shard groups\)",
+    ):
+        plan_tables(TABLES, 2, memory_budget_bytes=MB, disk_tier=_tier(tmp_path), replicas=2)
+
+
+def test_plan_collections_pins_by_the_names_in_its_notes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plans = plan_collections(
+        {"user": TABLES[:1], "item": TABLES[1:]},
+        2,
+        memory_budget_bytes=1200 * MB,
+        disk_tier=_tier(tmp_path),
+        pinned={"user.mid": on_disk(row_wise())},
+    )
+    assert plans["user"].tables["mid"] == on_disk(row_wise())
+    assert not plans["item"].tables["big"].on_disk
+
+
+def test_shard_embeddings_auto_keeps_a_pinned_table_on_disk(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import manualpar as mp
+    from manualpar.embeddings import EmbeddingBagCollection, RowWiseAdagrad, shard_embeddings
+
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig("a", 64, 4), EmbeddingBagConfig("b", 32, 4)], seed=1
+        )
+    sharded = shard_embeddings(
+        ebc,
+        mp.ManualParallelStrategy(),
+        "auto",
+        RowWiseAdagrad(lr=0.1),
+        disk_tier=DiskTier(tmp_path, cache_rows=8),
+        pinned={"a": on_disk(row_wise())},
+    )
+    assert sharded.plan.tables["a"] == on_disk(row_wise())
+    assert not sharded.plan.tables["b"].on_disk
