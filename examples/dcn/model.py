@@ -23,14 +23,11 @@ from manualpar.embeddings import (
     DiskTier,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
-    EmbeddingPlan,
     RowWiseAdagrad,
     on_disk,
-    plan_tables,
     row_wise,
     shard_embeddings,
 )
-from manualpar.embeddings.step.wire import WIRE_NAMES
 from manualpar.metrics import CTRMetrics
 
 
@@ -42,20 +39,6 @@ def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
         if last_relu or index < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-def disk_plan(
-    tables: Sequence[EmbeddingBagConfig], world_size: int, disk_table: str, emb_lr: float
-) -> EmbeddingPlan:
-    """`disk_table` on disk, its rows split over every rank; the planner places the others."""
-    if disk_table not in {t.name for t in tables}:
-        raise ValueError(f"--disk-table {disk_table!r} is not one of the tables cat_0 ... cat_25")
-    others = [t for t in tables if t.name != disk_table]
-    planned = plan_tables(others, world_size, optimizer=RowWiseAdagrad(lr=emb_lr))
-    placements = {t.name: planned.tables.get(t.name) for t in tables}
-    placements[disk_table] = on_disk(row_wise())
-    note = "on disk: rows split over all ranks, each rank caching some in memory"
-    return EmbeddingPlan(world_size, placements, {**planned.notes, disk_table: note})
 
 
 class DeepCross(nn.Module):
@@ -91,7 +74,7 @@ class DCN(mp.ParallelModule):
         wire_dtype: str = "fp32",
     ) -> None:
         super().__init__()
-        self.wire_dtype = WIRE_NAMES[wire_dtype]  # the exchanges' dtype, e.g. "bf16"
+        self.wire_dtype = wire_dtype  # the exchanges' dtype by its short name, e.g. "bf16"
         self.dim = tables[0].embedding_dim
         if any(t.embedding_dim != self.dim for t in tables):
             raise ValueError("DCN needs one embedding_dim for all tables")
@@ -104,11 +87,11 @@ class DCN(mp.ParallelModule):
         self.ctr = CTRMetrics()  # validation: AUC, log loss, NE, calibration over every rank
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        plan = disk_plan(self.tables, strategy.world_size, self.disk_table, self.emb_lr)
         self.embeddings = shard_embeddings(
             self.embeddings,
             strategy,
-            plan=plan,
+            plan="auto",  # the planner places the other 25 tables around the pinned one
+            pinned={self.disk_table: on_disk(row_wise())},  # rows split over every rank
             optimizer=RowWiseAdagrad(lr=self.emb_lr),
             disk_tier=self.tier,
             wire_dtype=self.wire_dtype,

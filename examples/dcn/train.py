@@ -27,7 +27,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import manualpar as mp
 from manualpar.data import CRITEO_FEATURES, CriteoStream
 from manualpar.embeddings import EmbeddingBagConfig, HashIds
-from manualpar.embeddings.step.wire import WIRE_NAMES
 
 METRICS = ("auc", "log_loss", "normalized_entropy", "calibration")
 
@@ -58,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--emb-lr", type=float, default=0.05, help="row-wise Adagrad rate of the tables")
     add(
         "--wire-dtype",
-        choices=tuple(WIRE_NAMES),
+        choices=("fp32", "bf16", "fp16", "fp8"),
         default="fp32",
         help="dtype the pooled outputs and their gradients travel in between ranks: fp16 "
         "sends pooled outputs in float16 and gradients in bfloat16, bf16 both in bfloat16, "

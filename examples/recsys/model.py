@@ -31,7 +31,6 @@ from manualpar.embeddings import (
     shard_embeddings,
     table_wise,
 )
-from manualpar.embeddings.step.wire import WIRE_NAMES
 
 
 class MLP(nn.Sequential):
@@ -117,7 +116,7 @@ class DLRM(mp.ParallelModule):
     ) -> None:
         super().__init__()
         self.mesh_kind = mesh
-        self.wire_dtype = WIRE_NAMES[wire_dtype]  # the exchanges' dtype, e.g. "bf16"
+        self.wire_dtype = wire_dtype  # the exchanges' dtype by its short name, e.g. "bf16"
         self.dim = tables[0].embedding_dim
         if any(t.embedding_dim != self.dim for t in tables):
             raise ValueError("DLRM needs one embedding_dim for all tables")

@@ -34,7 +34,6 @@ from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
 from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
 from manualpar.embeddings.id_spaces import raw_ids_to_json
 from manualpar.embeddings.planning.planner import plan_tables
-from manualpar.embeddings.step.wire import WIRE_NAMES
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     )
     add(
         "--wire-dtype",
-        choices=tuple(WIRE_NAMES),
+        choices=("fp32", "bf16", "fp16", "fp8"),
         default="fp32",
         help="dtype the pooled outputs and their gradients travel in between ranks: fp16 "
         "sends pooled outputs in float16 and gradients in bfloat16, bf16 both in bfloat16, "

@@ -91,7 +91,8 @@ def test_the_cost_model_prices_the_wire_dtype() -> None:
             ("output gradients cannot travel in torch.float8_e5m2", "torch.bfloat16"),
         ),
         (WireDtypes(torch.int8), ("pooled outputs cannot travel in torch.int8", "float8_e4m3fn")),
-        ("bf16", ("wire_dtype takes a torch dtype or WireDtypes", "got str")),
+        ("b16", ("wire_dtype='b16' is not a wire dtype name; use one of ['bf16', 'fp16'",)),
+        (16, ("wire_dtype takes a torch dtype, WireDtypes(forward=, backward=) or", "got int")),
     ],
 )
 def test_shard_embeddings_refuses_a_wire_dtype_an_exchange_cannot_carry(
@@ -106,3 +107,15 @@ def test_shard_embeddings_refuses_a_wire_dtype_an_exchange_cannot_carry(
             SGD(lr=0.1),
             wire_dtype=wire,  # type: ignore[arg-type]
         )
+
+
+def test_a_short_name_is_the_wire_it_names() -> None:
+    """`wire_dtype="fp16"` (what a command line passes) is float16 out, bfloat16 back."""
+    emb = shard_embeddings(
+        EmbeddingBagCollection(tiny_tables(), seed=0),
+        mp.ManualParallelStrategy(),
+        {"user": table_wise(0), "item": table_wise(0)},
+        SGD(lr=0.1),
+        wire_dtype="fp16",
+    )
+    assert emb.step.wire == WireDtypes(torch.float16, torch.bfloat16)

@@ -60,7 +60,7 @@ def shard_embeddings(
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
     guard_half_rows: bool = False,
-    wire_dtype: torch.dtype | WireDtypes | None = None,
+    wire_dtype: torch.dtype | WireDtypes | str | None = None,
     pinned: Mapping[str, TablePlacement] | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.

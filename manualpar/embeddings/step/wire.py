@@ -82,16 +82,24 @@ WIRE_NAMES = {
 }
 
 
-def wire_dtypes(value: torch.dtype | WireDtypes | None) -> WireDtypes:
-    """`shard_embeddings(wire_dtype=...)`: None (float32), one dtype for both exchanges, or a
-    WireDtypes; BuilderError for a dtype an exchange cannot carry (see above)."""
+def wire_dtypes(value: torch.dtype | WireDtypes | str | None) -> WireDtypes:
+    """`shard_embeddings(wire_dtype=...)`: None (float32), one dtype for both exchanges, a
+    WireDtypes, or a short name of WIRE_NAMES ("bf16": what a command line passes);
+    BuilderError for a dtype an exchange cannot carry (see above) or an unknown name."""
     if value is None:
         return FLOAT32_WIRE
+    if isinstance(value, str):
+        if value not in WIRE_NAMES:
+            raise BuilderError(
+                f"{BUILDER}(): wire_dtype={value!r} is not a wire dtype name; use one of "
+                f"{sorted(WIRE_NAMES)}, a torch dtype or WireDtypes(forward=, backward=)"
+            )
+        return WIRE_NAMES[value]
     wire = WireDtypes(value, value) if isinstance(value, torch.dtype) else value
     if not isinstance(wire, WireDtypes):
         raise BuilderError(
-            f"{BUILDER}(): wire_dtype takes a torch dtype or WireDtypes(forward=, backward=), "
-            f"got {type(value).__name__}"
+            f"{BUILDER}(): wire_dtype takes a torch dtype, WireDtypes(forward=, backward=) or "
+            f"one of {sorted(WIRE_NAMES)}, got {type(value).__name__}"
         )
     if wire.forward not in FORWARD_DTYPES:
         raise BuilderError(
