@@ -13,7 +13,7 @@ from collective_cases import (
     expected_report,
 )
 
-from manualpar import ManualParallelStrategy
+from manualpar import ConfigError, ManualParallelStrategy
 from manualpar.testing import run_distributed
 
 
@@ -149,3 +149,10 @@ def test_teardown_after_a_failed_collective_keeps_the_first_error() -> None:
     assert first.error_type == "CollectiveError"
     assert first.error is not None
     assert first.error.startswith("reduce(op=sum, shape=(1,)) failed on rank 0 of 2"), first.error
+
+
+def test_run_distributed_refuses_a_node_size_that_does_not_divide_the_world() -> None:
+    """Refused before any rank starts: a ConfigError, still the ValueError callers catch."""
+    with pytest.raises(ConfigError, match="must divide") as refused:
+        run_distributed(print, 4, local_world_size=3)
+    assert isinstance(refused.value, ValueError)

@@ -30,7 +30,6 @@ from manualpar.strategy.collective_meta import describe
 from manualpar.strategy.process_group import pick_device
 from manualpar.strategy.timeouts import resolve_timeout
 from manualpar.strategy.uneven import all_gather_uneven
-from manualpar.testing import run_distributed
 
 PACKAGE = Path(mp.__file__).parent
 BUILTIN_ERRORS = {
@@ -211,13 +210,6 @@ CASES: list[tuple[str, type[Exception], type[Exception], str, Callable[..., obje
         lambda _: _one_block((2,)).copy_from_full(torch.zeros(3), "w"),
     ),
     ("tensorboard", mp.MissingDependencyError, ImportError, "pip install", _no_tensorboard),
-    (
-        "run_distributed",
-        mp.ConfigError,
-        ValueError,
-        "must divide",
-        lambda _: run_distributed(print, 4, local_world_size=3),
-    ),
 ]
 
 
