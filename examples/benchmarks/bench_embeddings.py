@@ -6,6 +6,7 @@
         [--peer-python .venv-torchrec/bin/python]        # TorchRec's own growth alongside
     ... --floor     # also manualpar's step with no exchanges: the floor its kernels set
     ... --pipelined # also manualpar's step through TrainPipeline (against the floor too)
+    ... --batch-tables  # also manualpar's step with its table batch (one call for all tables)
     ... --sequence --peer-python .venv-torchrec/bin/python   # EmbeddingCollection, unpooled
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
@@ -85,6 +86,8 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     keys = tuple(f"f{i}" for i in range(args.tables))
     if args.padded:  # the exchange before compact layouts: every bag, every owner
         emb.step.parts.layout.compact = False
+    if args.batch_tables:  # one lookup and one update call for all tables, not one per table
+        emb.step.batches_tables = True
 
     def features(index: int) -> SparseFeatures:
         ids = batch_ids(args, rank, world, index)
@@ -387,6 +390,12 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
         )
     if args.floor:
         found["local"] = (sys.executable, Path(__file__), ["--worker", "local"])
+    if args.batch_tables:
+        found["batched"] = (
+            sys.executable,
+            Path(__file__),
+            ["--worker", "manualpar", "--batch-tables"],
+        )
     return found
 
 
@@ -487,6 +496,7 @@ def compare(args: argparse.Namespace) -> dict:
                 "pairs": len(pairs),
             }
         for mine, theirs in (
+            ("batched", "torchrec"),
             ("local", "torchrec"),
             ("pipelined", "local"),
             ("pipelined", "torchrec"),
@@ -566,6 +576,7 @@ def main() -> None:
         add_workload_args(parser)
         parser.add_argument("--padded", action="store_true", help=argparse.SUPPRESS)
         parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
+        parser.add_argument("--batch-tables", action="store_true", help=argparse.SUPPRESS)
         args = parser.parse_args()
         {"manualpar": worker_manualpar, "baseline": worker_baseline, "local": worker_local}[
             args.worker
@@ -588,6 +599,11 @@ def main() -> None:
         "--pipelined",
         action="store_true",
         help="also run manualpar's step through TrainPipeline (the next batch's input dist ahead)",
+    )
+    parser.add_argument(
+        "--batch-tables",
+        action="store_true",
+        help="also run manualpar's step with all tables in one kernel call per phase",
     )
     parser.add_argument("--scale", action="store_true", help="1 -> 4 -> 16 GiB of tables")
     parser.add_argument(

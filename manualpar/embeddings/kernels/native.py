@@ -28,10 +28,18 @@ __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take", "wait_fo
 # sparse_rows.cpp holds the module definition; the other files register their functions in it
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("sparse_rows.cpp", "raw_ids.cpp", "row_io.cpp", "row_cache.cpp")
+    for name in (
+        "sparse_rows.cpp",
+        "raw_ids.cpp",
+        "row_io.cpp",
+        "row_cache.cpp",
+        "table_batch.cpp",
+    )
 )
 # included by the sources: part of the version too
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("avx2_rows.h", "prefetch.h"))
+HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("avx2_rows.h", "prefetch.h", "rowwise_row.h")
+)
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine
 CFLAGS = ["-O3", "-ffp-contract=off"]

@@ -33,6 +33,7 @@ from manualpar import deprecated
 from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
+from manualpar.embeddings.kernels.table_batch import TableBatch
 from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
 from manualpar.embeddings.optim.update_rules import SparseOptimizer, check_lr
 from manualpar.embeddings.plan import Shard
@@ -208,6 +209,37 @@ class FusedOptimizer(torch.optim.Optimizer):
             rows,
             **self._rounding(table, weight),
         )
+
+    @property
+    def batches_tables(self) -> bool:
+        """Whether the rule's fused pass runs over many tables' float rows in one call
+        (`step_tables`)."""
+        return self.fuses_bags and self.rule.batches_tables
+
+    @torch.no_grad()
+    def step_tables(
+        self,
+        tables: list[str],
+        weights: list[torch.Tensor],
+        batch: TableBatch,
+        grads: BagGradients,
+        widths: list[int],
+        rows: RowPass,
+    ) -> None:
+        """`step_bags` over the float rows of `tables` (each table's bags a run of `batch`,
+        kernels/table_batch.py) in one call; `widths`: each table's gradient width (full
+        width for a column block)."""
+        if not self.batches_tables:
+            raise BuilderError(
+                f"{self.rule.describe()} has no table-batched update; its tables take step_bags"
+            )
+        shards = [self._held(table) for table in tables]
+        col_starts = [
+            shard.col_start if width != shard.cols else 0
+            for shard, width in zip(shards, widths, strict=True)
+        ]
+        states = [self.table_state[table] for table in tables]
+        self.rule.step_tables(weights, states, batch, grads, widths, col_starts, rows)
 
     def _rounding(self, table: str, weight: torch.Tensor) -> dict[str, RowRounding]:
         """The `rounding` argument of this update of half rows (none for float32 ones, so rules

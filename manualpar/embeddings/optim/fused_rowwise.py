@@ -15,8 +15,9 @@ import torch
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
+from manualpar.embeddings.kernels.table_batch import TableBatch
 
-__all__ = ["rowwise_adagrad_fused"]
+__all__ = ["rowwise_adagrad_fused", "rowwise_adagrad_tables"]
 
 
 def rowwise_adagrad_fused(
@@ -78,3 +79,43 @@ def rowwise_adagrad_fused(
             rounding.slot_rows,
         )
     return True
+
+
+def rowwise_adagrad_tables(
+    weights: list[torch.Tensor],
+    states: list[torch.Tensor],
+    batch: TableBatch,
+    grads: BagGradients,
+    widths: list[int],
+    col_starts: list[int],
+    rows: RowPass,
+    lr: float,
+    eps: float,
+) -> None:
+    """The fused pass over every table of a batch in one call (table_batch.py; float rows,
+    grouped by `group_batch`): row by row the arithmetic of `rowwise_adagrad_fused`."""
+    bags = batch.bags
+    groups = bags.groups
+    assert groups is not None
+    run_begin, run_end, first_bag, end_bag = rows.span(bags)
+    loaded_kernels().rowwise_adagrad_update_tables(
+        weights,
+        states,
+        bags.weights,
+        groups.order,
+        groups.starts,
+        groups.bags,
+        groups.rows,
+        groups.runs,
+        run_begin,
+        run_end,
+        grads.blocks,
+        grads.scales,
+        first_bag,
+        end_bag,
+        batch.row_offsets,
+        widths,
+        col_starts,
+        lr,
+        eps,
+    )

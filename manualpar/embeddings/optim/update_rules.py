@@ -22,7 +22,8 @@ import torch
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, add_to_rows
 from manualpar.embeddings.kernels.rounding import RowRounding
 from manualpar.embeddings.kernels.row_memory import empty_rows, zeros_rows
-from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_fused
+from manualpar.embeddings.kernels.table_batch import TableBatch
+from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_fused, rowwise_adagrad_tables
 from manualpar.embeddings.optim.row_clipping import check_max_norm
 from manualpar.errors import BuilderError
 
@@ -69,6 +70,8 @@ class SparseOptimizer:
     needs_full_rows: ClassVar[bool] = False
     # has a fused `step_bags` (it needs the rows grouped in forward)
     fuses_bags: ClassVar[bool] = False
+    # has `step_tables`: the fused pass over many tables' float rows in one call
+    batches_tables: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.lr = check_lr(self.lr, type(self).__name__)
@@ -121,6 +124,20 @@ class SparseOptimizer:
         False: not done, the caller sums row gradients (once all have come) and calls
         `step_rows`."""
         return False
+
+    def step_tables(
+        self,
+        weights: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        batch: TableBatch,
+        grads: BagGradients,
+        widths: list[int],
+        col_starts: list[int],
+        rows: RowPass,
+    ) -> None:
+        """`step_bags` over every table of a table batch (kernels/table_batch.py) in one call,
+        for rules with `batches_tables` (the step asks before it batches any table)."""
+        raise NotImplementedError(f"{type(self).__name__} has no table-batched update")
 
     @property
     def clips(self) -> bool:
@@ -191,6 +208,7 @@ class RowWiseAdagrad(SparseOptimizer):
     STATE = {"sum": True}
     needs_full_rows = True
     fuses_bags = True
+    batches_tables = True
 
     def step_rows(
         self,
@@ -221,6 +239,28 @@ class RowWiseAdagrad(SparseOptimizer):
     ) -> bool:
         return rowwise_adagrad_fused(
             weight, state["sum"], bags, grads, col_start, rows, self.lr, self.eps, rounding
+        )
+
+    def step_tables(
+        self,
+        weights: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        batch: TableBatch,
+        grads: BagGradients,
+        widths: list[int],
+        col_starts: list[int],
+        rows: RowPass,
+    ) -> None:
+        rowwise_adagrad_tables(
+            weights,
+            [state["sum"] for state in states],
+            batch,
+            grads,
+            widths,
+            col_starts,
+            rows,
+            self.lr,
+            self.eps,
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
+from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
 from manualpar.embeddings.step.half_overflow import HalfRowsGuard, half_rows_guard
@@ -34,10 +35,15 @@ __all__ = ["BackwardPhases"]
 
 class BackwardPhases:
     def __init__(
-        self, parts: StepParts, data_parallel: DataParallelTables, non_finite: str = "raise"
+        self,
+        parts: StepParts,
+        data_parallel: DataParallelTables,
+        non_finite: str = "raise",
+        batched: BatchedTables | None = None,
     ) -> None:
         self.parts = parts
         self.data_parallel = data_parallel
+        self.batched = batched or BatchedTables(parts)  # the forward's, when it batched
         self.apply_row_sums = row_sum_update(parts)
         self.finite = FiniteCheck(parts, non_finite)
         self.half_rows: HalfRowsGuard | None = None  # guard_half_rows() sets it
@@ -97,6 +103,43 @@ class BackwardPhases:
         before = guard.save(saved) if guard else []
         self.journal.record(saved)
         optimizer.begin_update()
+        own_scale = scales[routing.rank]
+        if saved.batch is not None:
+            self._update_batched(routed, saved)
+        else:
+            self._update_tables(routed, saved)
+        self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
+        optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
+        try:
+            kept = guard.passed(before) if guard else True  # False: overflowed rows put back
+        except BaseException:
+            parts.stores.release(saved.pins, updated=False)  # put back as they were
+            raise
+        if not kept:
+            self.journal.forget_last()  # already undone, count included
+        if not self.journal.hold(saved.pins, kept):
+            parts.stores.release(saved.pins, updated=kept)  # written through the slots
+
+    def _update_batched(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
+        """Every table in one fused pass: the rows only our own bags touched while the other
+        ranks' gradients travel, then the rest (batched_tables.py)."""
+        batch, scales = saved.batch, saved.scales
+        assert batch is not None
+        if self.parts.routing.world_size == 1:  # alone: every row is our own bags'
+            self.batched.update(batch, routed.own, None, scales, RowPass.ALL)
+            return
+        self.batched.update(batch, routed.own, None, scales, RowPass.OWN)
+        assert routed.grads_in is not None  # no table frozen: every owner gets gradients
+        others = self.parts.layout.grad_blocks(
+            self._grads_in(routed), saved.bag_counts, self.parts.optimizer.needs_full_rows
+        )
+        self.batched.update(batch, routed.own, others, scales, RowPass.REST)
+
+    def _update_tables(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
+        """Table by table: the rule's fused pass, or the row sums (clipping, 2-D tables)."""
+        parts = self.parts
+        routing, optimizer = parts.routing, parts.optimizer
+        frozen, scales = saved.frozen, saved.scales
         local = routing.routed_local_shards()
         own_scale = scales[routing.rank]
         alone = routing.world_size == 1
@@ -138,17 +181,6 @@ class BackwardPhases:
             elif not alone:
                 self._step_bags(shard, bags, grads, RowPass.REST)
         self.apply_row_sums(summed_rows)
-        self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
-        optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
-        try:
-            kept = guard.passed(before) if guard else True  # False: overflowed rows put back
-        except BaseException:
-            parts.stores.release(saved.pins, updated=False)  # put back as they were
-            raise
-        if not kept:
-            self.journal.forget_last()  # already undone, count included
-        if not self.journal.hold(saved.pins, kept):
-            parts.stores.release(saved.pins, updated=kept)  # written through the slots
 
     def _drop(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """A step that updates nothing: its exchange still completes, its slots are unpinned."""

@@ -18,6 +18,7 @@ import torch
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
+from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import (
     Kept,
@@ -58,9 +59,15 @@ def sender_scales(
 
 
 class ForwardPhases:
-    def __init__(self, parts: StepParts, data_parallel: DataParallelTables) -> None:
+    def __init__(
+        self,
+        parts: StepParts,
+        data_parallel: DataParallelTables,
+        batched: BatchedTables | None = None,
+    ) -> None:
         self.parts = parts
         self.data_parallel = data_parallel
+        self.batched = batched or BatchedTables(parts)  # many tables, one call each phase
         # batches are samples (not a sequence collection's padded ids): say once when uneven
         # batches are averaged per rank
         self.warn_uneven = parts.normalize_by == "world_size"
@@ -171,6 +178,8 @@ class ForwardPhases:
             senders, pins = routed.fetched.senders, routed.fetched.pins
             self._add_own_pooled(senders[rank], out, batch)
             return self._send_and_group(routed, senders, out, pins)
+        if self.batched.takes(routed):
+            return self._lookup_batched(routed, out)
         pins = []  # slots held from here to the step's backward
         stores.begin_step()
         remap = parts.owner_remap
@@ -190,6 +199,36 @@ class ForwardPhases:
             stores.release(pins, updated=False)
             raise
         return self._send_and_group(routed, senders, out, pins)
+
+    def _lookup_batched(self, routed: RoutedIds, out: torch.Tensor) -> LookedUp:
+        """The lookup with every table in one call per sender group (batched_tables.py): our
+        own bags while the others' ids travel, then theirs, sent back, and the rows grouped
+        while they travel. Slots are rows here: nothing is mapped or pinned."""
+        parts, batched = self.parts, self.batched
+        routing = parts.routing
+        world = routing.world_size
+        parts.stores.begin_step()
+        senders = self._senders(routed, wait=False)
+        batched.pool_own(senders[routing.rank], out)
+        self._unpack_others(self._ids_in(routed), routed.sizes, senders)
+        batch = batched.batch(senders)
+        pooled_in = None
+        if world > 1:
+            flat, splits = batched.pool_others(batch, out)
+            receive = parts.layout.output_splits(out.shape[0], routed.kept)
+            bound = torch.finfo(self.wire).max
+            pooled_in = start_on_wire(
+                parts,
+                flat,
+                splits,
+                receive,
+                "pooled output",
+                self.wire,
+                lambda: batched.beyond(batch, flat, bound),
+            )
+        batched.group(batch)  # while the pooled rows travel
+        counts = [[batch.counts[s][k] for s in range(world)] for k in range(len(batched.local))]
+        return LookedUp(routed, out, [], pooled_in, [], counts, batch)
 
     def _senders(self, routed: RoutedIds, wait: bool) -> list[list[SenderBags]]:
         """Every sender's bags for this rank's shards: ours, and (`wait`) the others' once
@@ -337,6 +376,7 @@ class ForwardPhases:
             pins=looked.pins,
             bag_counts=looked.bag_counts,
             kept=routed.kept,
+            batch=looked.batch,
         )
 
     def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import torch
 
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
+from manualpar.embeddings.kernels.table_batch import TableBatch
 from manualpar.embeddings.step.data_parallel import FeatureIds
 from manualpar.embeddings.step.exchange import Kept, SenderBags
 from manualpar.embeddings.step.wire import Arriving
@@ -75,6 +76,8 @@ class LookedUp:
     pooled_in: Arriving | None  # pooled rows from the other owners (None alone)
     pins: Pins  # slots held until backward (or release on a failed or gradient-free step)
     bag_counts: list[list[int]]  # per local shard, per sender: its bags here (gradient rows)
+    # every shard's bags in one batch (batched_tables.py; then `bags` is empty), or None
+    batch: TableBatch | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class SavedForBackward:
     pins: Pins
     bag_counts: list[list[int]]  # LookedUp's: the gradient rows each sender sends us
     kept: Kept  # RoutedIds': the gradient rows we send
+    batch: TableBatch | None = None  # LookedUp's
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,13 @@ def save_rows(
     """Copy aside this rank's rows the step's update may write, and their optimizer state
     (frozen tables are not updated: nothing to copy)."""
     routing = parts.routing
-    touched: list[tuple[int, torch.Tensor]] = [
-        (shard.table, bags.ids)
-        for shard, bags in zip(routing.routed_local_shards(), saved.bags, strict=True)
-    ]
+    local = routing.routed_local_shards()
+    batch = saved.batch  # every table's bags in one batch (batched_tables.py)
+    touched: list[tuple[int, torch.Tensor]] = (
+        [(shard.table, batch.table_ids(k)) for k, shard in enumerate(local)]
+        if batch is not None
+        else [(shard.table, bags.ids) for shard, bags in zip(local, saved.bags, strict=True)]
+    )
     for t in routing.data_parallel:  # small by construction: the whole copy
         touched.append((t, torch.arange(parts.weight(t).shape[0], device=parts.device)))
     before = []

@@ -6,8 +6,9 @@
 `step.forward(features)` and `step.backward(grad, saved)` run them in order; each phase is also
 a method of `step.forward_phases` / `step.backward_phases` taking the previous phase's result
 (results.py), so a caller may run one batch's input phases while another computes. The
-replicated tables (data_parallel.py) and the replica combine of 2-D tables (row_sums.py) are
-parts of their own, chosen once here. Frozen tables (frozen.py) are left out of backward.
+replicated tables (data_parallel.py), the replica combine of 2-D tables (row_sums.py) and the
+table batch (batched_tables.py: many tables, one kernel call per phase) are parts of their own,
+chosen once here. Frozen tables (frozen.py) are left out of backward.
 Each phase times itself into `step.phase_times` while it is switched on (phase_times.py).
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.backward import BackwardPhases
+from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.forward import ForwardPhases
@@ -69,8 +71,9 @@ class ShardedStep:
             owner_remap,
         )
         data_parallel = DataParallelTables(self.parts)
-        self.forward_phases = ForwardPhases(self.parts, data_parallel)
-        self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite)
+        batched = BatchedTables(self.parts)
+        self.forward_phases = ForwardPhases(self.parts, data_parallel, batched)
+        self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite, batched)
         self.phase_times = PhaseTimes(device)
         self.wire = WireDtypes()
 
@@ -83,6 +86,17 @@ class ShardedStep:
     @property
     def dtype(self) -> torch.dtype:
         return self.parts.dtype
+
+    @property
+    def batches_tables(self) -> bool:
+        """Whether steps may look up and update all of this rank's tables in one kernel call
+        each (batched_tables.py; the same bits either way). Off by default: measured no faster
+        than one call per table yet (docs/benchmarks.md, "Many small tables")."""
+        return self.forward_phases.batched.enabled
+
+    @batches_tables.setter
+    def batches_tables(self, value: bool) -> None:
+        self.forward_phases.batched.enabled = value
 
     @property
     def skipped_updates(self) -> int:

@@ -1,0 +1,178 @@
+"""The step's table batch: every routed table of this rank looked up, grouped and updated in one
+kernel call each (kernels/table_batch.py), where the per-table calls of forward.py and
+backward.py would cost more than the rows (many small tables).
+
+Switched on by `ShardedStep.batches_tables` (off by default: measured no faster yet), a step
+batches its tables when all of them can be: float32 or float64 rows of one dtype whose
+slots are their rows (in memory: nothing read in, nothing pinned), a rule with a table-batched
+pass (row-wise Adagrad without clipping, 1-D tables), no raw ids remapped in the step, no
+compact layout; and, per step, no per-id weights, no frozen table, no batch fetched ahead.
+Otherwise the step takes the per-table path, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
+from manualpar.embeddings.kernels.native import native_kernels_take
+from manualpar.embeddings.kernels.table_batch import (
+    BATCHED_DTYPES,
+    Segments,
+    TableBatch,
+    group_batch,
+    pool_tables,
+)
+from manualpar.embeddings.step.exchange import SenderBags
+from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.results import RoutedIds
+
+__all__ = ["BatchedTables"]
+
+
+class BatchedTables:
+    """This rank's routed tables as one batch: whether a step takes it, and its calls."""
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+        self.local = parts.routing.routed_local_shards()
+        self.tables = [shard.table for shard in self.local]
+        self.names = [parts.name(t) for t in self.tables]
+        self._usable: bool | None = None  # decided at the first step (stores are final then)
+        # off by default: on this project's CPU benchmarks it measured no faster than the
+        # per-table path (docs/benchmarks.md, "Many small tables"); ShardedStep.batches_tables
+        self.enabled = False
+
+    @property
+    def usable(self) -> bool:
+        """Whether this rank's tables can ever take the batch (see the module docstring)."""
+        if self._usable is None:
+            self._usable = self._decide()
+        return self._usable
+
+    def _decide(self) -> bool:
+        parts = self.parts
+        if not self.local or parts.owner_remap is not None or parts.layout.compact:
+            return False
+        if not (parts.fuses_bags and parts.optimizer.batches_tables):
+            return False
+        stores = [parts.stores.stores[t] for t in self.tables]
+        if any(store.reads_rows or store.slot_rows is not None for store in stores):
+            return False  # slots are not rows (a cache): the per-table path maps them
+        self.weights = [parts.weight(t) for t in self.tables]
+        dtypes = {weight.dtype for weight in self.weights}
+        if len(dtypes) != 1 or dtypes.pop() not in BATCHED_DTYPES:
+            return False
+        full = parts.optimizer.needs_full_rows
+        self.widths = [parts.layout.grad_width(shard, full) for shard in self.local]
+        rows = [weight.shape[0] for weight in self.weights]
+        self.row_offsets = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+        return all(w.is_contiguous() for w in self.weights) and native_kernels_take(*self.weights)
+
+    def takes(self, routed: RoutedIds) -> bool:
+        """Whether this step batches its tables (decided by every rank alike: the exchange
+        layout is the same either way)."""
+        return (
+            routed.fetched is None
+            and routed.features.weights is None
+            and not any(size[2] for size in routed.sizes)
+            and not any(t in routed.frozen for t in self.tables)
+            and self.enabled
+            and self.usable
+        )
+
+    # forward ----------------------------------------------------------------------------------
+    def pool_own(self, own: list[SenderBags], out: torch.Tensor) -> None:
+        """Look this rank's own bags up straight into its output columns (one call)."""
+        routing = self.parts.routing
+        segments = Segments()
+        batch = out.shape[0]
+        for k, shard in enumerate(self.local):
+            for f in shard.features:
+                start = routing.feature_offsets[f] + shard.shard.col_start
+                segments.add(k, batch, 0, start, out.stride(0))
+        ids = torch.cat([bags[0] for bags in own])
+        lengths = torch.cat([bags[1] for bags in own])
+        pool_tables(self.weights, ids, lengths, segments.tensor(), [out])
+
+    def batch(self, senders: list[list[SenderBags]]) -> TableBatch:
+        """Every sender's bags, in (sender, table) order, as one batch."""
+        rank = self.parts.routing.rank
+        segments = Segments()
+        counts = [[bags[1].numel() for bags in sender] for sender in senders]
+        own_begin = sum(sum(c) for c in counts[:rank])
+        for sender_counts in counts:
+            for k, bags in enumerate(sender_counts):
+                segments.add(k, bags)
+        flat = [bags for sender in senders for bags in sender]
+        shard_bags = ShardBags(
+            torch.cat([bags[0] for bags in flat]),
+            torch.cat([bags[1] for bags in flat]),
+            None,
+            own_begin,
+            own_begin + sum(counts[rank]),
+        )
+        return TableBatch(shard_bags, segments.tensor(), self.row_offsets, counts)
+
+    def pool_others(self, batch: TableBatch, like: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The other senders' pooled rows, in one buffer by destination (as pack_pooled lays
+        them out), and the send splits (0 to ourselves)."""
+        rank = self.parts.routing.rank
+        segments = Segments()
+        splits = []
+        offset = 0
+        for sender, sender_counts in enumerate(batch.counts):
+            start = offset
+            for k, bags in enumerate(sender_counts):
+                cols = self.local[k].shard.cols
+                if sender == rank:
+                    segments.bags += bags  # looked up already (pool_own)
+                    continue
+                segments.add(k, bags, 0, offset, cols)
+                offset += bags * cols
+            splits.append(offset - start)
+        flat = like.new_zeros(offset)
+        every = batch.bags
+        pool_tables(self.weights, every.ids, every.lengths, segments.tensor(), [flat])
+        return flat, splits
+
+    def beyond(self, batch: TableBatch, flat: torch.Tensor, bound: float) -> list[str]:
+        """The tables whose pooled rows in `flat` exceed `bound` (an overflow's error)."""
+        rank = self.parts.routing.rank
+        found = set()
+        offset = 0
+        for sender, sender_counts in enumerate(batch.counts):
+            if sender == rank:
+                continue
+            for k, bags in enumerate(sender_counts):
+                size = bags * self.local[k].shard.cols
+                if bool((flat[offset : offset + size].abs() > bound).any()):
+                    found.add(self.names[k])
+                offset += size
+        return sorted(found)
+
+    @staticmethod
+    def group(batch: TableBatch) -> None:
+        group_batch(batch)
+
+    # backward ---------------------------------------------------------------------------------
+    def update(
+        self,
+        batch: TableBatch,
+        own: list[list[torch.Tensor]],
+        others: list[list[torch.Tensor | None]] | None,
+        scales: list[float],
+        rows: RowPass,
+    ) -> None:
+        """One fused pass over every table: the rows of `rows` (OWN: from `own`, this rank's
+        own blocks per table; else every sender's, `others[k][sender]` the others')."""
+        rank = self.parts.routing.rank
+        grads = BagGradients([], [])
+        senders = [rank] if rows is RowPass.OWN else range(len(scales))
+        for sender in senders:
+            for k in range(len(self.local)):
+                other = None if others is None else others[k][sender]
+                blocks = own[k] if other is None else [other]
+                grads.blocks += blocks
+                grads.scales += [scales[sender]] * len(blocks)
+        self.parts.optimizer.step_tables(self.names, self.weights, batch, grads, self.widths, rows)
