@@ -16,6 +16,7 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingConfig,
     EmbeddingPlan,
+    TablePlacement,
     column_wise,
     data_parallel,
     on_disk,
@@ -248,3 +249,40 @@ def test_sequence_tables_are_padded_to_their_collections_largest_ids_per_sample(
     groups = {"a.x": "a", "a.y": "a", "b.z": "b", "b.w": "b"}
     assert sequence_padding(tables, per_bag, groups) == {"a.x": 5.0, "a.y": 5.0, "b.z": 1.0}
     assert sequence_padding(tables, per_bag) == {"a.x": 5.0, "a.y": 5.0, "b.z": 5.0}
+
+
+def test_a_row_split_over_a_group_of_nodes_returns_a_pooled_row_per_bag_from_every_block() -> None:
+    """Why the planner offers no row split over a group of nodes for bag tables: every block
+    of a row split returns a partial pooled row for every bag of every rank, so a block's owner
+    sends as many bytes as a whole table's owner (by hand: batch x dim float32 to each other
+    rank), and receives as many gradients, however many ranks share the rows; a split spreads
+    memory and lookups, not the owners' links."""
+    config = EmbeddingBagConfig("hot", 800, 16)
+    world, per_node, batch = 8, 2, 32
+    topology = _topology(world, per_node)  # 4 nodes of 2 ranks
+    group = row_wise(range(4, 8))  # nodes 2 and 3
+    matrices = {
+        str(p): expected_exchange_bytes([config], EmbeddingPlan(world, {"hot": p}), batch, {})
+        for p in (table_wise(4), table_row_wise(2, per_node), group)
+    }
+    pooled = batch * 16 * 4  # one float32 row per bag, to each rank
+    for matrix in matrices.values():
+        assert matrix.bytes["pooled"][4] == [pooled] * 4 + [0] + [pooled] * 3
+        assert [matrix.bytes["gradients"][r][4] for r in range(world)] == matrix.bytes["pooled"][4]
+    # the group's every owner, by hand: pooled rows to 7 ranks, and its own bags' lengths and
+    # ids (a quarter of them) and gradients to the 3 other owners
+    by_hand = 7 * pooled + 3 * (batch * 8 + batch // 4 * 8 + pooled)
+    assert [matrices[str(group)].sent(r) - 7 * 4 * 8 for r in range(4, 8)] == [by_hand] * 4
+    costs = placement_costs(config, group, topology, Workload(batch))
+    assert costs.sent[4:].tolist() == [by_hand] * 4
+    # at scale: a 40M-row table's slowest rank, whole, over a node, over 2, 4 and 16 nodes
+    big = EmbeddingBagConfig("cat_0", 39_884_406, 128)
+    h100 = load_topology("h100-nvlink-ndr", 1024)
+    work = Workload(1024, full_rows=True)
+
+    def slowest(placement: TablePlacement) -> float:
+        return float(placement_costs(big, placement, h100, work).seconds(h100).max())
+
+    node = slowest(table_row_wise(0, 8))
+    assert node < slowest(table_wise(0))
+    assert all(slowest(row_wise(range(8 * k))) >= node for k in (2, 4, 16))

@@ -2,7 +2,7 @@
 
 Candidates per table, each costed by the model (cost_model.py) on top of the tables already
 placed: replicated (tables up to `replicate_bytes`), whole on one of the least-busy ranks, rows
-over all ranks or over one of the least-busy nodes, columns over the least-busy 2, 4 or 8 ranks,
+over all ranks or over one of the least-busy nodes, columns over the least-busy 2 to 32 ranks,
 and on disk when a DiskTier is given. Candidates that overflow the memory budget are dropped.
 Three passes:
 1. greedy: costliest table first (whole on one rank), each where the least the slowest rank can
