@@ -12,6 +12,11 @@ pytest started by torchrun, srun or mpirun does not leak its ranks into the job)
 timeout short enough for a test, one CPU thread per process and no visible GPU (the CPU/gloo
 path everywhere). A job that outlives `timeout` is stopped, its launcher first (which stops its
 workers), and the test fails with the output so far.
+
+`run_python` and `run_torchrun` start their interpreters (and torchrun its workers) as forks of a
+warm server that has torch and manualpar imported (warm.py): 2.5-3.5 s of CPU less a process.
+A job whose start-up settings differ, and `start_nodes` (whose tests kill a node's process
+tree), get fresh interpreters; MANUALPAR_TEST_WARM=0 gives every job one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+import warm
 
 __all__ = [
     "TIMEOUT_S",
@@ -164,6 +171,53 @@ def _run(
     timeout: float,
     check: bool,
 ) -> subprocess.CompletedProcess[str]:
+    result = _run_warm(command, env, timeout)
+    if result is None:
+        result = _run_fresh(command, env, timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"failed\n{output_tail(result)}")
+    return result
+
+
+def _run_warm(
+    command: Sequence[str], env: Mapping[str, str | None] | None, timeout: float
+) -> subprocess.CompletedProcess[str] | None:
+    """The job as a fork of the warm server (see warm.py), which saves each process the imports
+    of a fresh interpreter; None where it must be a fresh interpreter."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = warm.start(command, clean_env(env), stdout=out, stderr=err)
+        if process is None:
+            return None
+        stopped = False
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            process.terminate()  # as _stop: the launcher first, which stops its workers
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        texts = []
+        for file in (out, err):
+            file.seek(0)
+            texts.append(file.read())
+    code = process.wait()  # known by now: it exited or was stopped
+    result = subprocess.CompletedProcess(list(command), code, *texts)
+    if stopped:
+        raise AssertionError(
+            f"did not finish in {timeout:g}s and was stopped\n{output_tail(result)}"
+        )
+    return result
+
+
+def _run_fresh(
+    command: Sequence[str],
+    env: Mapping[str, str | None] | None,
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
     with subprocess.Popen(
         list(command),
         stdout=subprocess.PIPE,
@@ -180,10 +234,7 @@ def _run(
             raise AssertionError(
                 f"did not finish in {timeout:g}s and was stopped\n{output_tail(result)}"
             ) from None
-    result = subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
-    if check and result.returncode != 0:
-        raise AssertionError(f"failed\n{output_tail(result)}")
-    return result
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
 
 
 def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
