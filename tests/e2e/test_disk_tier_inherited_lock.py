@@ -58,12 +58,21 @@ def test_a_lock_inherited_by_a_forked_child_is_let_go(tmp_path: Path) -> None:
     store = first.storage.by_name["big"]
     del store.checkpoint_chunks(None)[:]  # the checkpoint's map of the file, kept open
     reading, writing = os.pipe()
+    ready_reading, ready_writing = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child only waits to be told to end
+        # fork() returns here once the at-fork handlers ran: say so, then wait
         os.close(writing)
+        os.write(ready_writing, b"r")
         os.read(reading, 1)
         os._exit(0)
     os.close(reading)
+    os.close(ready_writing)
+    # Wait for the child to be past fork(): until then a loaded machine may not have run its
+    # at-fork handler, and the lock (the open file's, shared with the child) would still be
+    # held through the child's copy, which is what the handler is there to prevent.
+    assert os.read(ready_reading, 1) == b"r"
+    os.close(ready_reading)
     try:
         store.file.close()  # as when the first tier's process ends: its own hold goes
         again = _sharded(DiskTier(tmp_path, cache_rows=32))  # the child holds nothing
