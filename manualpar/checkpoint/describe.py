@@ -1,4 +1,5 @@
-"""Describe a checkpoint without loading it into a model: entries, keys, shapes, step, sharding.
+"""Describe a checkpoint without loading it into a model: entries, keys, shapes, step, sharding,
+and the records that give its tensors their meaning (checkpoint/records.py).
 
 Reads the manifest and torch.distributed.checkpoint's metadata (tensor sizes and how they were
 split into chunks), or the header of a full export; it never builds a model.
@@ -13,13 +14,15 @@ from typing import Any
 import torch
 
 from manualpar.checkpoint.files import FULL_KEY, read_full, read_manifest
+from manualpar.checkpoint.records import MANIFEST_KEY as RECORDS
 from manualpar.errors import CheckpointError
 
 __all__ = ["describe_checkpoint"]
 
 
 def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A plain dict: kind, step, world size, entries, and per tensor its shape, dtype, chunks."""
+    """A plain dict: kind, step, world size, entries, records (empty for a checkpoint saved
+    before records existed), and per tensor its shape, dtype, chunks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -45,6 +48,7 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "step": manifest.get("step"),
         "world_size": manifest["world_size"],
         "entries": manifest["entries"],
+        "records": manifest.get(RECORDS) or {},
         "tensors": tensors,
         "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
     }
@@ -69,6 +73,7 @@ def _describe_full(path: Path) -> dict[str, Any]:
         "step": header.get("step"),
         "world_size": header.get("world_size"),
         "entries": header.get("entries", {}),
+        "records": header.get(RECORDS) or {},
         "tensors": tensors,
         "bytes": path.stat().st_size,
     }

@@ -1,4 +1,5 @@
-"""`python -m manualpar inspect CKPT`: keys, shapes, sharding and step of a checkpoint.
+"""`python -m manualpar inspect CKPT`: keys, shapes, sharding and step of a checkpoint, and the
+records a load checks (each table's raw-id setting, the Trainer's global batch).
 
 CKPT may also be a folder of checkpoints or a Trainer run (its `checkpoints/`): the latest
 committed checkpoint in it is described.
@@ -47,6 +48,7 @@ def format_description(info: dict[str, Any]) -> str:
         f"  kind {info['kind']}, step {info['step']}, saved by {info['world_size']} rank(s), "
         f"{info['bytes'] / 2**20:.2f} MiB on disk",
         "  entries: " + ", ".join(f"{k} ({v})" for k, v in info["entries"].items()),
+        *(f"  record {name}: {json.dumps(record)}" for name, record in info["records"].items()),
         f"  {len(info['tensors'])} tensors:",
     ]
     width = max((len(k) for k in info["tensors"]), default=0)

@@ -165,3 +165,24 @@ def test_plan_with_a_disk_cache_and_a_pin_prints_the_plan_the_job_runs(
             "disk_tier=DiskTier(directory, cache_bytes=...)"
         )
     )
+
+
+def test_inspect_shows_the_records_a_load_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A raw-id table's setting, recorded in the manifest (and a full export's header), is
+    what a load compares: inspect prints it, so a refused load can be understood from disk."""
+    from manualpar.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, HashIds
+
+    tables = EmbeddingBagCollection([EmbeddingBagConfig("t", 8, 2, raw_ids=HashIds(salt=3))])
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "c", {"model": tables})
+    strategy.save_checkpoint(tmp_path / "full.pt", {"model": tables}, full=True)
+    for path in (tmp_path / "c", tmp_path / "full.pt"):
+        assert main(["inspect", "--json", str(path)]) == 0
+        records = json.loads(capsys.readouterr().out)["records"]
+        assert records["model"]["tables"]["t"]["rows"] == 8
+        assert records["model"]["tables"]["t"]["raw_ids"]["salt"] == 3
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "record model:" in x)
+    assert '"salt": 3' in line
