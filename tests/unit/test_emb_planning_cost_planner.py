@@ -201,9 +201,9 @@ def test_a_hot_table_is_split_by_columns_over_a_group_of_nodes() -> None:
     placement = planned.plan.tables["hot"]
     assert placement.sharding == "column_wise" and len(placement.ranks) == 32, placement
     assert len({rank // 8 for rank in placement.ranks}) == 4  # whole nodes
-    seconds = planned.seconds
-    assert float(seconds.max()) < 2 * float(seconds.median())
+    predicted = planned.seconds  # the cost model's per-rank step, not a wall-clock time
+    assert float(predicted.max()) < 2 * float(predicted.median())
     eight = plan_costs(
         [hot], EmbeddingPlan(64, {"hot": column_wise(range(8))}), topology, Workload(4096)
     )
-    assert float(seconds.max()) < 0.7 * float(eight.seconds(topology).max())
+    assert float(predicted.max()) < 0.7 * float(eight.seconds(topology).max())

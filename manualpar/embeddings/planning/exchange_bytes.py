@@ -174,6 +174,17 @@ def exchange_bytes(
     )
 
 
+def _expected_bags(
+    configs: Sequence[EmbeddingBagConfig], batch_per_rank: int, ids_per_bag: Mapping[str, float]
+) -> float:
+    """Bags a rank sends for each feature: its samples; for a sequence collection, its expected
+    ids padded to the largest feature's count (the step pads every feature alike)."""
+    if not is_sequence(configs):
+        return float(batch_per_rank)
+    names = [n for c in configs for n in c.feature_names]
+    return max((batch_per_rank * ids_per_bag.get(n, 1.0) for n in names), default=0.0)
+
+
 def expected_exchange_bytes(
     configs: Sequence[EmbeddingBagConfig],
     plan: EmbeddingPlan,
@@ -191,11 +202,7 @@ def expected_exchange_bytes(
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
     sequence = is_sequence(configs)
-    bags = float(batch_per_rank)
-    if sequence:
-        bags = max(
-            (batch_per_rank * ids_per_bag.get(n, 1.0) for n, _ in routing.features), default=0.0
-        )
+    bags = _expected_bags(configs, batch_per_rank, ids_per_bag)
     for f, (name, table) in enumerate(routing.features):
         rows = configs[table].num_embeddings
         starts = [*routing.row_starts[table], rows]
@@ -227,10 +234,7 @@ def expected_sent_bytes(
     another order, agree to the last bits."""
     world, copies = plan.world_size, 2 if weighted else 1
     sequence = is_sequence(configs)
-    bags = float(batch_per_rank)
-    if sequence:  # padded to the largest feature's expected id count
-        names = [n for c in configs for n in c.feature_names]
-        bags = max((batch_per_rank * ids_per_bag.get(n, 1.0) for n in names), default=0.0)
+    bags = _expected_bags(configs, batch_per_rank, ids_per_bag)
     ids, pooled, grads = [0.0] * world, [0.0] * world, [0.0] * world  # per owner, from a sender
     for config in configs:
         if plan.tables[config.name].sharding == "data_parallel":
