@@ -6,7 +6,7 @@
 One recommender-like collection (tables of 1k to 2M rows, 16 to 64 wide, 1 to 20 ids a bag) is
 planned by plan="auto" (the cost model on --topology) and compared with the plans it ranked
 below its pick: each table's runner-up alone (the notes say which), the memory-only placement
-(method="memory"), and table-, row- and column-wise for every table. Every variant trains the
+(price="memory"), and table-, row- and column-wise for every table. Every variant trains the
 same batches (uniform or Zipf(1.05) ids, rank r's from a seed of its own) with row-wise Adagrad,
 in the same processes; repeats run the variants in rotating order, each timing --steps steps
 (the slowest rank's, median). Printed and written per variant: the median step time, its ratio
@@ -38,17 +38,19 @@ from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseFeatures,
     TablePlacement,
-    Workload,
     column_wise,
+    row_wise,
+    shard_embeddings,
+    table_wise,
+)
+from manualpar.embeddings.planning import (
+    Workload,
     load_topology,
     plan_by_cost,
     plan_costs,
     plan_tables,
     plan_uniform,
-    row_wise,
     rule_costs,
-    shard_embeddings,
-    table_wise,
 )
 
 ZIPF = 1.05  # the exponent of --ids zipf
@@ -144,7 +146,7 @@ def candidates(
             plans[f"{name} -> {runner}"] = EmbeddingPlan(shards, moved)
     per_node = min(topology.ranks_per_node, shards)
     plans["memory"] = plan_tables(
-        tables, shards, method="memory", ranks_per_node=per_node, pooling_factors=per_bag()
+        tables, shards, price="memory", ranks_per_node=per_node, pooling_factors=per_bag()
     )
     for kind in ("table_wise", "row_wise"):
         plans[kind] = plan_uniform(kind, tables, shards)

@@ -5,12 +5,12 @@
         --world-sizes 8 64 512 --global-batch 65536 --ids-per-bag 1 \\
         --peer-python .venv-torchrec/bin/python --out runs/compare_planners.json
 
-For each world size: manualpar's plan_tables (method "cost" and "memory") and TorchRec's
-EmbeddingShardingPlanner (peer_torchrec_planner.py in TorchRec's environment, `make
-torchrec-peer`), each plan then priced by both models: manualpar's cost model (predicted slowest
-rank, bytes sent per rank on and across nodes, memory per rank) and TorchRec's shard estimators
-(its perf in ms and HBM per rank, as its planner rates plans). Nothing runs a step: these are
-predictions, for datasheet hardware. Without --peer-python only manualpar's plans are compared.
+For each world size: manualpar's plan_tables (price "time" and "memory", named "cost" and
+"memory" in the output) and TorchRec's EmbeddingShardingPlanner (peer_torchrec_planner.py in
+TorchRec's environment, `make torchrec-peer`), each plan then priced by both models:
+manualpar's cost model (predicted slowest rank, bytes sent per rank on and across nodes, memory
+per rank) and TorchRec's shard estimators (its perf in ms and HBM per rank, as its planner rates
+plans). Nothing runs a step: these are predictions, for datasheet hardware. Without --peer-python only manualpar's plans are compared.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from manualpar.embeddings import (
-    EmbeddingBagConfig,
-    EmbeddingPlan,
-    RowWiseAdagrad,
+from manualpar.embeddings import EmbeddingBagConfig, EmbeddingPlan, RowWiseAdagrad
+from manualpar.embeddings.planning import (
     Workload,
     format_bytes,
     format_seconds,
@@ -133,7 +131,7 @@ def compare_world(args: argparse.Namespace, world: int, scratch: Path) -> dict[s
     workload = Workload(batch, pooling, state=state, full_rows=full_rows)
     plans: dict[str, EmbeddingPlan] = {}
     planners: dict[str, dict[str, Any]] = {}
-    for method in ("cost", "memory"):
+    for method, price in (("cost", "time"), ("memory", "memory")):
         started = time.perf_counter()
         plans[method] = plan_tables(
             tables,
@@ -142,7 +140,7 @@ def compare_world(args: argparse.Namespace, world: int, scratch: Path) -> dict[s
             memory_budget_bytes=topology.device_memory_bytes,
             optimizer=optimizer,
             pooling_factors=pooling,
-            method=method,
+            price=price,
             topology=topology,
             batch_per_rank=batch,
         )

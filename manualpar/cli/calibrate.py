@@ -36,10 +36,10 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     RowWiseAdagrad,
     SparseFeatures,
-    available_bytes,
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.planning import available_bytes
 from manualpar.testing import run_distributed
 
 __all__ = ["add_arguments", "measure_links", "run"]

@@ -2,7 +2,7 @@
 
 Sizing a job before it runs: how many ranks or how much memory per rank the tables need, and a
 plan file that a training script can load (`EmbeddingPlan.from_json`, e.g. examples/recsys's
-`--plan FILE`). The placement itself comes from manualpar.embeddings.planning.planner; this
+`--plan FILE`). The placement itself comes from manualpar.embeddings.planning; this
 module only reads the command line into it.
 """
 
@@ -19,46 +19,48 @@ from typing import Any
 
 import torch
 
-from manualpar import EmbeddingInputError, ManualParError
+from manualpar import EmbeddingInputError, ManualParError, PlanError
 from manualpar.cli.plan_layouts import layouts_text, plan_layouts
 from manualpar.embeddings import (
-    DEFAULT_BATCH_PER_RANK,
-    DTYPE_NAMES,
     SGD,
-    TOPOLOGY_PRESETS,
-    UNIFORM_PLANS,
     Adagrad,
     Adam,
     DiskTier,
     EmbeddingBagConfig,
     RowWiseAdagrad,
-    SparseOptimizer,
     TablePlacement,
+    UpdateRule,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning import (
+    DEFAULT_BATCH_PER_RANK,
+    DTYPE_NAMES,
+    TOPOLOGY_PRESETS,
+    UNIFORM_PLANS,
+    PlanConstraints,
     Topology,
     Workload,
     check_tables,
     costs_text,
-    data_parallel,
     default_topology,
     expected_sent_bytes,
     format_bytes,
     load_topology,
-    on_disk,
     per_rank_text,
     plan_tables,
     plan_uniform,
     raw_ids_from_json,
     remapper_bytes_on_ranks,
-    row_wise,
     rule_costs,
     table_dtype,
-    table_wise,
 )
 
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
 PLANS = ("auto", "memory", *UNIFORM_PLANS)
-OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+OPTIMIZERS: dict[str, type[UpdateRule]] = {
     "rowwise_adagrad": RowWiseAdagrad,
     "adagrad": Adagrad,
     "adam": Adam,
@@ -78,7 +80,7 @@ UNITS = {
 }
 TABLE_SPEC = "NAME:ROWS:DIM[:FEATURE,...]"
 PIN_PLACEMENTS = {
-    "disk": on_disk(row_wise()),
+    "disk": row_wise(on_disk=True),
     "row_wise": row_wise(),
     "data_parallel": data_parallel(),
 }
@@ -133,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--optimizer",
         default="rowwise_adagrad",
-        help=f"sparse optimizer whose state is counted: {', '.join(OPTIMIZERS)}",
+        help=f"update rule whose state is counted: {', '.join(OPTIMIZERS)}",
     )
     add(
         "--ranks-per-node",
@@ -160,6 +162,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DTYPE,...",
         help="row dtypes the planner may choose per table, most precise first, e.g. fp32,bf16: "
         "a table takes a less precise one only where memory forces it, before going to disk",
+    )
+    add(
+        "--wire-dtypes",
+        default=None,
+        metavar="NAME,...",
+        help="wire dtypes the planner may give the exchanges, most precise first, e.g. "
+        "fp32,bf16 (names: fp32, bf16, fp16, fp8): it takes the one the predicted step is "
+        "fastest with and writes it into the plan (default: float32)",
     )
     add(
         "--skew",
@@ -300,16 +310,16 @@ def run(args: argparse.Namespace) -> int:
     state, full_rows = rule_costs(optimizer)
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
     disk_tier, pinned = _disk_options(args)
+    wires = _wire_dtypes(args)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
             plan_tables,
-            method="cost" if args.plan == "auto" else "memory",
+            constraints=PlanConstraints(disk_tier=disk_tier, pinned=pinned, wire_dtypes=wires),
+            price="time" if args.plan == "auto" else "memory",
             topology=topology,
             batch_per_rank=batch,
             pooling_factors=pooling,
             skew=args.skew,
-            disk_tier=disk_tier,
-            pinned=pinned,
         )
     elif disk_tier is not None or pinned:
         raise UsageError("--disk-cache and --pin: only --plan auto and --plan memory take them")
@@ -325,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         functools.partial(place, memory_budget_bytes=budget, optimizer=optimizer),
         cost_kwargs=args.plan in ("auto", "memory"),
         disk_tier=disk_tier,
+        wire_dtypes=wires,
     )
     best = min(layouts, key=lambda layout: layout.slowest(topology))
     replicas, plan, costs, tables = best.replicas, best.plan, best.costs, best.tables
@@ -400,6 +411,20 @@ def _precisions(args: argparse.Namespace) -> tuple[torch.dtype, ...]:
         raise UsageError(f"--precisions: {error}") from None
 
 
+def _wire_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
+    """--wire-dtypes fp32,bf16: the exchanges' dtypes the planner may choose from."""
+    if not args.wire_dtypes:
+        return ()
+    if args.plan != "auto":
+        raise UsageError("--wire-dtypes: only --plan auto prices the exchanges' dtypes")
+    names = tuple(name for name in args.wire_dtypes.split(",") if name)
+    try:
+        PlanConstraints(wire_dtypes=names)
+    except PlanError as error:
+        raise UsageError(f"--wire-dtypes: {error}") from None
+    return names
+
+
 def _replica_choices(text: str, topology: Topology) -> list[int]:
     """--replicas: one count, or "auto": every count that splits the job into shard groups of
     whole nodes (or of equal parts of one), up to 8."""
@@ -424,12 +449,13 @@ def _traffic(
     plan: Any,
     batch: int,
     ids_per_bag: float,
-    optimizer: SparseOptimizer,
+    optimizer: UpdateRule,
 ) -> str:
     """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
     full_rows = rule_costs(optimizer)[1]
-    per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows)
+    wire = {"wire": plan.wire} if plan.wire is not None else {}  # the planner's pick
+    per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows, **wire)
     sent = [int(value) for value in per_rank]
     return (
         f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag): "

@@ -10,10 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from manualpar import PlanError
-from manualpar.embeddings import (
-    DiskTier,
-    EmbeddingBagConfig,
-    EmbeddingPlan,
+from manualpar.embeddings import DiskTier, EmbeddingBagConfig, EmbeddingPlan
+from manualpar.embeddings.planning import (
     RankCosts,
     Topology,
     Workload,
@@ -50,11 +48,13 @@ def plan_layouts(
     place: Callable[..., EmbeddingPlan],
     cost_kwargs: bool,
     disk_tier: DiskTier | None = None,
+    wire_dtypes: tuple[str, ...] = (),
 ) -> tuple[list[Layout], list[tuple[int, PlanError]]]:
     """A layout per replica count in `choices` (`place(tables, shard_ranks, ranks_per_node=,
     [replicas=])` makes each plan, or the cost planner itself with `precisions`), and the counts
     whose plan does not fit, with the planner's error; raises the first if none fits. Disk
-    tables are priced with `disk_tier`'s cache in memory, as the job holds them."""
+    tables are priced with `disk_tier`'s cache in memory, as the job holds them, and each plan
+    with the wire dtypes it records (`wire_dtypes`: those the planner may choose)."""
     layouts, refused = [], []
     for replicas in choices:
         shard = topology.world_size // replicas
@@ -67,6 +67,7 @@ def plan_layouts(
                     memory_budget_bytes=budget,
                     replicas=replicas,
                     precisions=precisions,
+                    wire_dtypes=wire_dtypes,
                 )
                 plan = planned.plan
                 stored = [

@@ -26,6 +26,12 @@ import torch
 
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.dtype_names import dtype_name
+from manualpar.embeddings.exchange_layout import (
+    WireDtypes,
+    wire_from_dict,
+    wire_name,
+    wire_to_dict,
+)
 from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.plan_text import per_rank_text, shards_text
 from manualpar.environment import detect_environment
@@ -83,7 +89,7 @@ class TablePlacement:
     """How one table is placed; build with table_wise(), row_wise(), ... rather than directly.
 
     `ranks` is empty for data_parallel and for row_wise over all ranks. `on_disk`: the block's
-    rows live in files with a cache in memory (disk_tier.py; `on_disk(row_wise())`).
+    rows live in files with a cache in memory (disk_tier.py; `row_wise(on_disk=True)`).
     """
 
     sharding: str
@@ -117,33 +123,37 @@ def _ranks(sharding: str, ranks: Sequence[int]) -> tuple[int, ...]:
         raise PlanError(f"{sharding}: ranks must be integers, got {list(ranks)!r}") from None
 
 
-def table_wise(rank: int) -> TablePlacement:
-    """The whole table on one rank."""
-    return TablePlacement("table_wise", (rank,))
+def table_wise(rank: int, *, on_disk: bool = False) -> TablePlacement:
+    """The whole table on one rank. `on_disk` (here and below): its rows live in files on that
+    rank, cached in memory (shard_embeddings(disk_tier=...))."""
+    return TablePlacement("table_wise", (rank,), on_disk)
 
 
-def row_wise(ranks: Sequence[int] | None = None) -> TablePlacement:
+def row_wise(ranks: Sequence[int] | None = None, *, on_disk: bool = False) -> TablePlacement:
     """Rows split evenly over `ranks` (default: every rank)."""
-    return TablePlacement("row_wise", tuple(ranks or ()))
+    return TablePlacement("row_wise", tuple(ranks or ()), on_disk)
 
 
-def column_wise(ranks: Sequence[int]) -> TablePlacement:
+def column_wise(ranks: Sequence[int], *, on_disk: bool = False) -> TablePlacement:
     """Columns split evenly into len(ranks) blocks; block i (all rows) on ranks[i]."""
-    return TablePlacement("column_wise", tuple(ranks))
+    return TablePlacement("column_wise", tuple(ranks), on_disk)
 
 
-def table_row_wise(node: int, ranks_per_node: int | None = None) -> TablePlacement:
+def table_row_wise(
+    node: int, ranks_per_node: int | None = None, *, on_disk: bool = False
+) -> TablePlacement:
     """Rows split over the ranks of one node: row-wise traffic stays on the node's fast links.
     `ranks_per_node` defaults to the launcher's processes per node (LOCAL_WORLD_SIZE, SLURM's
     or MPI's equivalent), the layout the strategy reads."""
     if ranks_per_node is None:
         ranks_per_node = detect_environment().local_world_size
     start = node * ranks_per_node
-    return TablePlacement("table_row_wise", tuple(range(start, start + ranks_per_node)))
+    return TablePlacement("table_row_wise", tuple(range(start, start + ranks_per_node)), on_disk)
 
 
 def on_disk(placement: TablePlacement) -> TablePlacement:
-    """`placement` with its rows on disk, cached in memory (shard_embeddings(disk_tier=...))."""
+    """`placement` with its rows on disk: the spelling before 0.3, which
+    `manualpar.embeddings.on_disk` still gives with a warning (row_wise(on_disk=True), ...)."""
     return TablePlacement(placement.sharding, placement.ranks, on_disk=True)
 
 
@@ -179,11 +189,16 @@ def _row_blocks(config: EmbeddingBagConfig, parts: int) -> list[tuple[int, int]]
 @dataclass(frozen=True)
 class EmbeddingPlan:
     """Where each table lives on `world_size` ranks: table name -> TablePlacement, with the
-    planner's `notes`; `describe(configs)` prints it, `to_json`/`from_json` store it."""
+    planner's `notes`; `describe(configs)` prints it, `to_json`/`from_json` store it.
+    `wire`: the dtypes the collection's exchanges travel in, where the planner chose them
+    (PlanConstraints.wire_dtypes), and `wire_note` why; shard_embeddings uses them unless
+    given its own wire_dtype= (None: float32)."""
 
     world_size: int
     tables: Mapping[str, TablePlacement] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)  # why the planner chose each placement
+    wire: WireDtypes | None = None
+    wire_note: str = ""
 
     def __post_init__(self) -> None:
         if (
@@ -295,10 +310,15 @@ class EmbeddingPlan:
                 for name, p in self.tables.items()
             },
             "notes": dict(self.notes),
-        }
+        } | (
+            {"wire": wire_to_dict(self.wire), "wire_note": self.wire_note}
+            if self.wire is not None
+            else {}
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingPlan:
+        wire = wire_from_dict(data["wire"]) if "wire" in data else None
         try:
             return cls(
                 int(data["world_size"]),
@@ -309,6 +329,8 @@ class EmbeddingPlan:
                     for name, p in data["tables"].items()
                 },
                 dict(data.get("notes", {})),
+                wire,
+                str(data.get("wire_note", "")),
             )
         except (KeyError, TypeError) as error:
             raise PlanError(
@@ -353,6 +375,9 @@ class EmbeddingPlan:
         if disk:  # those blocks are files; memory holds their caches (disk_tier.py)
             on_disk = EmbeddingPlan(self.world_size, self.tables).bytes_per_rank(disk)
             lines.append("  of which on disk: " + per_rank_text(on_disk, format_bytes))
+        if self.wire is not None:
+            why = f" ({self.wire_note})" if self.wire_note else ""
+            lines.append(f"  exchanges in {wire_name(self.wire)}{why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -2,9 +2,13 @@
 link: on 4 ranks of two simulated nodes and within the shard groups of a 2 x 2 mesh, a step's
 all_to_all splits (ids, pooled rows, output gradients, sizes) summed over same-node and
 other-node peers equal the model's sent/received intra/inter bytes exactly, for every placement
-kind. The batch spreads its ids evenly over each table's row blocks, as the model assumes."""
+kind, with the exchanges in float32 and in the half wire dtypes (bf16: the pooled rows and
+gradients in half the bytes; fp16: float16 rows and their overflow flags). The batch spreads
+its ids evenly over each table's row blocks, as the model assumes."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -26,6 +30,7 @@ from manualpar.embeddings import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.exchange_layout import WIRE_NAMES
 from manualpar.embeddings.planning.cost_model import shard_group
 from manualpar.testing import run_distributed
 
@@ -40,6 +45,8 @@ CONFIGS = [
 BATCH, PER_BAG = 4, 2  # every rank: 4 samples, 2 ids a bag in every feature
 # the sizes and ids all_to_alls both end with "ids all_to_all" (step/exchange.py)
 EXCHANGE_NAMES = ("ids all_to_all", "pooled output all_to_all", "output gradient all_to_all")
+WIRES = ("fp32", "bf16", "fp16")  # shard_embeddings' wire_dtype, each priced as Workload.wire
+Recorded = dict[str, tuple[list[int], list[int], int]]
 
 
 def _plan(shards: int) -> EmbeddingPlan:
@@ -71,17 +78,9 @@ def _even_batch(rank: int, shards: int) -> SparseFeatures:
     return SparseFeatures.from_dict(bags)
 
 
-def _recorded(two_d: bool) -> tuple[list[int], list[int]]:
-    """Bytes this rank's exchanges sent to and received from each rank of the job."""
-    strategy = mp.ManualParallelStrategy()
-    mesh = strategy.mesh(replicate=2, shard=2) if two_d else None
-    shards = 2 if two_d else strategy.world_size
-    with mp.empty_init():
-        ebc = EmbeddingBagCollection(CONFIGS, seed=0)
-    emb = shard_embeddings(ebc, strategy, _plan(shards), RowWiseAdagrad(lr=0.1), mesh=mesh)
-    emb.tables["cold"].weight.requires_grad_(False)
-    sent, received = [0] * strategy.world_size, [0] * strategy.world_size
-    start = strategy.all_to_all_async
+def _recording(strategy, start, sent, received, halved):  # type: ignore[no-untyped-def]
+    """`start` (all_to_all_async), adding the bytes of the step's exchanges to `sent` and
+    `received` per peer, and those of the pooled and gradient exchanges to `halved[0]`."""
 
     def recording(tensor, send, receive, *, name="", group=None):  # type: ignore[no-untyped-def]
         if name.endswith(EXCHANGE_NAMES):
@@ -90,13 +89,37 @@ def _recorded(two_d: bool) -> tuple[list[int], list[int]]:
                 if peer != strategy.rank:
                     sent[peer] += send[index] * tensor.element_size()
                     received[peer] += receive[index] * tensor.element_size()
+                    if not name.endswith("ids all_to_all"):
+                        halved[0] += send[index] * tensor.element_size()
         return start(tensor, send, receive, name=name, group=group)
 
-    strategy.all_to_all_async = recording  # type: ignore[method-assign]
-    features = _even_batch(strategy.rank % shards, shards)
-    emb(features).values.sum().backward()
+    return recording
+
+
+def _recorded(two_d: bool) -> Recorded:
+    """Per wire dtype, the bytes this rank's exchanges sent to and received from each rank of
+    the job, and those its pooled and gradient exchanges sent."""
+    strategy = mp.ManualParallelStrategy()
+    mesh = strategy.mesh(replicate=2, shard=2) if two_d else None
+    shards = 2 if two_d else strategy.world_size
+    start = strategy.all_to_all_async
+    recorded = {}
+    for wire in WIRES:
+        with mp.empty_init():
+            ebc = EmbeddingBagCollection(CONFIGS, seed=0)
+        emb = shard_embeddings(
+            ebc, strategy, _plan(shards), RowWiseAdagrad(lr=0.1), mesh=mesh, wire_dtype=wire
+        )
+        emb.tables["cold"].weight.requires_grad_(False)
+        sent, received = [0] * strategy.world_size, [0] * strategy.world_size
+        halved = [0]
+        recording = _recording(strategy, start, sent, received, halved)
+        strategy.all_to_all_async = recording  # type: ignore[method-assign]
+        features = _even_batch(strategy.rank % shards, shards)
+        emb(features).values.sum().backward()
+        recorded[wire] = (sent, received, halved[0])
     strategy.teardown()
-    return sent, received
+    return recorded
 
 
 @pytest.mark.timeout(120)
@@ -117,18 +140,25 @@ def test_the_cost_model_counts_every_byte_of_a_step(two_d: bool) -> None:
     # the exchanges alone: the shard group's own plan, without the replicas' sums
     sharded = [c for c in CONFIGS if c.name != "tiny"]
     plan = EmbeddingPlan(shards, {c.name: _plan(shards).tables[c.name] for c in sharded})
-    costs = plan_costs(sharded, plan, group, workload)
-    for rank, (sent, received) in enumerate(recorded):
-        me = rank % shards
-        peers = [p for p in range(4) if p != rank and (p // shards == rank // shards or not two_d)]
-        same = [p for p in peers if p // 2 == rank // 2]
-        other = [p for p in peers if p // 2 != rank // 2]
+    for wire in WIRES:
+        costs = plan_costs(sharded, plan, group, replace(workload, wire=WIRE_NAMES[wire]))
+        for rank, by_wire in enumerate(recorded):
+            sent, received, halved = by_wire[wire]
+            me = rank % shards
+            peers = [
+                p for p in range(4) if p != rank and (p // shards == rank // shards or not two_d)
+            ]
+            same = [p for p in peers if p // 2 == rank // 2]
+            other = [p for p in peers if p // 2 != rank // 2]
 
-        def total(values: list[int], ranks: list[int]) -> int:
-            return sum(values[p] for p in ranks)
+            def total(values: list[int], ranks: list[int]) -> int:
+                return sum(values[p] for p in ranks)
 
-        assert total(sent, same) == costs.sent_intra[me].item(), (rank, "sent intra")
-        assert total(sent, other) == costs.sent_inter[me].item(), (rank, "sent inter")
-        assert total(received, same) == costs.received_intra[me].item(), (rank, "recv intra")
-        assert total(received, other) == costs.received_inter[me].item(), (rank, "recv inter")
-        assert costs.sent[me].item() > 0
+            where = (wire, rank)
+            assert total(sent, same) == costs.sent_intra[me].item(), (where, "sent intra")
+            assert total(sent, other) == costs.sent_inter[me].item(), (where, "sent inter")
+            assert total(received, same) == costs.received_intra[me].item(), (where, "recv intra")
+            assert total(received, other) == costs.received_inter[me].item(), (where, "recv inter")
+            assert costs.sent[me].item() > 0
+            flags = (shards - 1) * 2 if wire == "fp16" else 0  # one float16 value a peer
+            assert halved * (1 if wire == "fp32" else 2) == by_wire["fp32"][2] + 2 * flags, where

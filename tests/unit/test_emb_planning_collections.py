@@ -48,11 +48,11 @@ def _bytes_per_rank(plans: dict, towers: dict) -> list[int]:
 def test_two_towers_share_the_ranks_evenly_where_separate_plans_do_not() -> None:
     towers = _two_towers()
     table = table_bytes(towers["user"].configs[0])
-    separate = {name: plan_tables(ebc.configs, 2, method="memory") for name, ebc in towers.items()}
+    separate = {name: plan_tables(ebc.configs, 2, price="memory") for name, ebc in towers.items()}
     assert _tables_per_rank(separate, 2) == [4, 2]  # each tower starts from empty ranks
     assert _bytes_per_rank(separate, towers) == [4 * table, 2 * table]
 
-    plans = plan_collections(towers, 2, method="memory")
+    plans = plan_collections(towers, 2, price="memory")
     assert list(plans) == ["user", "item"]
     assert _tables_per_rank(plans, 2) == [3, 3]
     per_rank = _bytes_per_rank(plans, towers)
@@ -81,7 +81,7 @@ def test_odd_counts_and_sizes_stay_within_one_table_per_rank() -> None:
 def test_big_tables_are_split_by_rows_and_tiny_ones_replicated_across_collections() -> None:
     user = [*_tables("user_", 400_000, 40_000), EmbeddingBagConfig("user_tiny", 100, 8)]
     item = _tables("item_", 40_000, 30_000)
-    plans = plan_collections({"user": user, "item": item}, 2, method="memory")
+    plans = plan_collections({"user": user, "item": item}, 2, price="memory")
     assert plans["user"].tables["user_0"] == TablePlacement("row_wise")
     assert "larger than an even share" in plans["user"].notes["user_0"]
     assert plans["user"].tables["user_tiny"] == TablePlacement("data_parallel")
@@ -120,7 +120,7 @@ def test_each_collection_may_have_its_own_optimizer() -> None:
         {"user": user, "item": item},
         2,
         optimizer={"user": SGD(lr=0.1), "item": Adam(lr=0.1)},
-        method="memory",
+        price="memory",
     )
     # Adam's two moments triple the item table: more than an even share of the two, so split
     assert plans["item"].notes["i0"] == (
@@ -128,7 +128,7 @@ def test_each_collection_may_have_its_own_optimizer() -> None:
     )
     assert plans["user"].notes["u0"] == "whole on rank 0 (625.0 KiB; least-loaded rank)"
     shared = plan_collections(
-        {"user": user, "item": item}, 2, optimizer=RowWiseAdagrad(lr=0.1), method="memory"
+        {"user": user, "item": item}, 2, optimizer=RowWiseAdagrad(lr=0.1), price="memory"
     )
     assert shared["user"].notes["u0"] == "whole on rank 0 (664.1 KiB; least-loaded rank)"
     assert shared["item"].notes["i0"] == "whole on rank 1 (664.1 KiB; least-loaded rank)"
@@ -156,7 +156,7 @@ def test_a_table_no_split_can_fit_is_named_with_its_collection() -> None:
         match=r"^table 'b\.b0' needs 298\.8 KiB per rank split over 2 ranks, but ranks already "
         r"hold \['796\.9 KiB', '597\.7 KiB'\] of a 996\.1 KiB budget",
     ):
-        plan_collections({"a": first, "b": second}, 2, memory_budget_bytes=budget, method="memory")
+        plan_collections({"a": first, "b": second}, 2, memory_budget_bytes=budget, price="memory")
 
 
 def test_measured_budget_says_where_it_came_from() -> None:

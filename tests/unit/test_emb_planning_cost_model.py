@@ -31,8 +31,8 @@ from manualpar.embeddings.planning.exchange_bytes import (
     expected_sent_bytes,
 )
 from manualpar.embeddings.planning.popularity import distinct_rows
-from manualpar.embeddings.planning.rank_costs import Workload, sequence_padding
 from manualpar.embeddings.planning.topology import TOPOLOGY_PRESETS, Topology, load_topology
+from manualpar.embeddings.planning.workload import Workload, sequence_padding
 from manualpar.errors import PlanError
 
 CONFIGS = [

@@ -23,7 +23,7 @@ from manualpar.embeddings import (
     plan_uniform,
     rule_costs,
 )
-from manualpar.embeddings.planning import cost_planner
+from manualpar.embeddings.planning import price_cache
 from manualpar.embeddings.planning.candidates import least_busy
 from manualpar.errors import PlanError
 
@@ -65,7 +65,7 @@ def test_the_pick_is_no_slower_than_any_uniform_plan_or_the_memory_placement(
     )  # type: ignore[arg-type]
     ours = _slowest(tables, auto, topology, workload)
     others = {
-        "memory": plan_tables(tables, world, method="memory", pooling_factors=pooling, **options),  # type: ignore[arg-type]
+        "memory": plan_tables(tables, world, price="memory", pooling_factors=pooling, **options),  # type: ignore[arg-type]
         **{
             kind: plan_uniform(kind, tables, world, **options)
             for kind in ("table_wise", "row_wise", "table_row_wise")
@@ -147,7 +147,7 @@ def test_costs_recomputed_past_the_cache_give_the_same_plan(
     tables = {t.name: t for t in _tables(30, seed=3)}
     topology = load_topology("h100-nvlink-ndr", 64)
     kept = plan_by_cost(tables, topology, Workload(512))
-    monkeypatch.setattr(cost_planner, "CACHE_BYTES", 0)
+    monkeypatch.setattr(price_cache, "CACHE_BYTES", 0)
     recomputed = plan_by_cost(tables, topology, Workload(512))
     assert recomputed.plan.to_json() == kept.plan.to_json()
     assert torch.equal(recomputed.seconds, kept.seconds)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from manualpar.embeddings import DiskTier, EmbeddingBagConfig, on_disk, row_wise, table_wise
-from manualpar.embeddings.planning.planner import plan_collections, plan_tables
+from manualpar.embeddings.planning import plan_collections, plan_tables
 from manualpar.errors import PlanError
 
 MB = 10**6
@@ -18,15 +18,15 @@ def _tier(tmp_path) -> DiskTier:  # type: ignore[no-untyped-def]
     return DiskTier(tmp_path, cache_bytes=64 * 2**20)
 
 
-@pytest.mark.parametrize("method", ["cost", "memory"])
+@pytest.mark.parametrize("price", ["time", "memory"])
 @pytest.mark.parametrize(
     ("world", "budget"),
     [(1, 1400 * MB), (1, 1500 * MB), (2, 700 * MB)],
     ids=["1-rank-only-largest-fits", "1-rank-either-fits", "2-ranks-only-largest-fits"],
 )
-def test_the_largest_table_goes_to_disk_first(tmp_path, method, world, budget) -> None:  # type: ignore[no-untyped-def]
+def test_the_largest_table_goes_to_disk_first(tmp_path, price, world, budget) -> None:  # type: ignore[no-untyped-def]
     plan = plan_tables(
-        TABLES, world, memory_budget_bytes=budget, disk_tier=_tier(tmp_path), method=method
+        TABLES, world, memory_budget_bytes=budget, disk_tier=_tier(tmp_path), price=price
     )
     assert plan.tables["big"] == on_disk(row_wise())
     assert not plan.tables["mid"].on_disk
@@ -35,18 +35,18 @@ def test_the_largest_table_goes_to_disk_first(tmp_path, method, world, budget) -
 
 def test_a_pinned_table_keeps_its_placement_and_the_rest_is_planned_around_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     tables = [*TABLES, EmbeddingBagConfig("small", 100_000, 16)]
-    for method in ("cost", "memory"):
+    for price in ("time", "memory"):
         plan = plan_tables(
             tables,
             2,
             memory_budget_bytes=1200 * MB,
             disk_tier=_tier(tmp_path),
             pinned={"mid": on_disk(row_wise())},
-            method=method,
+            price=price,
         )
-        assert plan.tables["mid"] == on_disk(row_wise()), method
-        assert not plan.tables["big"].on_disk and not plan.tables["small"].on_disk, method
-        assert plan.notes["mid"] == "pinned: row_wise on disk", method
+        assert plan.tables["mid"] == on_disk(row_wise()), price
+        assert not plan.tables["big"].on_disk and not plan.tables["small"].on_disk, price
+        assert plan.notes["mid"] == "pinned: row_wise on disk", price
     # pinned in memory: the whole table on rank 1, counted there (the big one cannot join it)
     plan = plan_tables(tables, 2, memory_budget_bytes=1400 * MB, pinned={"mid": table_wise(1)})
     assert plan.tables["mid"] == table_wise(1) and plan.notes["mid"] == "pinned: table_wise[1]"
@@ -104,3 +104,48 @@ def test_shard_embeddings_auto_keeps_a_pinned_table_on_disk(tmp_path) -> None:  
     )
     assert sharded.plan.tables["a"] == on_disk(row_wise())
     assert not sharded.plan.tables["b"].on_disk
+
+
+def test_the_planner_prices_a_tier_through_the_storage_interface(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Any tier with `slots` and `cache_memory` (storage/cached_tier.py) is planned like the
+    disk tier: its cache counts against the budget and in the costs."""
+    from manualpar.embeddings.planning import Workload as PlanWorkload
+    from manualpar.embeddings.planning import load_topology, plan_costs, rule_costs
+
+    cached_bytes = 64 * 2**20
+    assert DiskTier(tmp_path, cache_bytes=cached_bytes).cache_memory({}) == 0
+    assert DiskTier(tmp_path, cache_bytes=cached_bytes).cache_memory({"t": (10, 8)}) == cached_bytes
+    assert DiskTier(tmp_path, cache_rows=4).cache_memory({"a": (10, 8), "b": (2, 100)}) == 232
+
+    class HalfRows:  # a tier caching half of every block
+        def slots(self, blocks):  # type: ignore[no-untyped-def]
+            return {name: rows // 2 for name, (rows, _) in blocks.items()}
+
+        def cache_memory(self, blocks):  # type: ignore[no-untyped-def]
+            return sum(rows // 2 * width for rows, width in blocks.values())
+
+    plan = plan_tables(
+        TABLES,
+        2,
+        memory_budget_bytes=1200 * MB,
+        disk_tier=HalfRows(),
+        pinned={"big": row_wise(on_disk=True)},
+    )
+    assert plan.tables["big"] == row_wise(on_disk=True) and not plan.tables["mid"].on_disk
+    state, full_rows = rule_costs(None)
+    costs = plan_costs(
+        TABLES,
+        plan,
+        load_topology("cpu-host", 2),
+        PlanWorkload(64, state=state, full_rows=full_rows),
+        HalfRows(),
+    )
+    big_block = 10_000_000 * 17 * 4  # a rank's half of big: rows x (16 floats + 1 state)
+    mid_block = 5_000_000 * 17 * 4
+    assert costs.memory.tolist() == [big_block / 2 + mid_block] * 2
+    assert costs.disk.tolist() == [big_block] * 2
+
+
+def test_a_table_pinned_on_disk_without_a_budget_plans_the_rest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plan = plan_tables(TABLES, 2, disk_tier=_tier(tmp_path), pinned={"big": row_wise(on_disk=True)})
+    assert plan.tables["big"] == row_wise(on_disk=True) and not plan.tables["mid"].on_disk

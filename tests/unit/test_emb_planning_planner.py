@@ -44,7 +44,7 @@ def test_plan_bytes_per_rank_sums_the_blocks_each_rank_holds() -> None:
 def test_memory_method_replicates_small_tables_and_splits_one_larger_than_an_even_share() -> None:
     tables = _tables(("huge", 200_000, 64), ("mid_a", 40_000, 64), ("mid_b", 30_000, 64))
     tables.append(EmbeddingBagConfig("tiny", 100, 8))
-    plan = plan_tables(tables, 2, method="memory")
+    plan = plan_tables(tables, 2, price="memory")
     assert plan.tables["tiny"] == TablePlacement("data_parallel")
     assert plan.tables["huge"] == TablePlacement("row_wise")
     # the two mid tables go whole to the least-loaded ranks: one each
@@ -56,7 +56,7 @@ def test_memory_method_replicates_small_tables_and_splits_one_larger_than_an_eve
 
 def test_memory_method_keeps_a_large_table_on_one_node_when_it_fits_there() -> None:
     tables = _tables(("huge", 400_000, 64), ("a", 20_000, 64), ("b", 20_000, 64))
-    plan = plan_tables(tables, 4, ranks_per_node=2, method="memory")
+    plan = plan_tables(tables, 4, ranks_per_node=2, price="memory")
     assert plan.tables["huge"].sharding == "table_row_wise"
     assert plan.tables["huge"].ranks in {(0, 1), (2, 3)}
     assert plan.notes["huge"].startswith("rows split over node")
@@ -102,3 +102,63 @@ def test_table_row_wise_defaults_to_the_launchers_processes_per_node(monkeypatch
         monkeypatch.setenv(key, value)
     assert table_row_wise(1).ranks == (2, 3)
     assert table_row_wise(1, 3).ranks == (3, 4, 5)
+
+
+def test_constraints_and_options_objects_plan_as_the_keywords_do() -> None:
+    from manualpar.embeddings.planning import PlanConstraints, PlanOptions
+    from manualpar.errors import ConfigTypeError
+
+    tables = _tables(("huge", 200_000, 64), ("mid", 40_000, 64), ("tiny", 100, 8))
+    budget = 40 * MiB
+    by_keywords = plan_tables(tables, 4, memory_budget_bytes=budget, ranks_per_node=2, skew=1.05)
+    by_objects = plan_tables(
+        tables,
+        4,
+        PlanConstraints(memory_budget_bytes=budget),
+        PlanOptions(ranks_per_node=2, skew=1.05),
+    )
+    assert by_objects.tables == by_keywords.tables and by_objects.notes == by_keywords.notes
+    with pytest.raises(ConfigTypeError, match=r"memory_budget_bytes= was given twice"):
+        plan_tables(tables, 4, PlanConstraints(memory_budget_bytes=budget), memory_budget_bytes=1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'budget'"):
+        plan_tables(tables, 4, budget=budget)  # type: ignore[call-arg]
+    with pytest.raises(PlanError, match=r"price must be one of \('time', 'memory'\)"):
+        plan_tables(tables, 4, price="fastest")
+
+
+def test_method_is_the_old_spelling_of_price_and_warns() -> None:
+    tables = _tables(("huge", 200_000, 64), ("mid_a", 40_000, 64), ("tiny", 100, 8))
+    with pytest.warns(FutureWarning, match=r"plan_tables\(method=\.\.\.\) was renamed"):
+        old = plan_tables(tables, 2, method="memory")
+    assert old.tables == plan_tables(tables, 2, price="memory").tables
+    with pytest.warns(FutureWarning, match=r'method="cost" is price="time"'):
+        assert plan_tables(tables, 2, method="cost").tables == plan_tables(tables, 2).tables
+    with pytest.raises(PlanError, match=r"plan method must be one of \('cost', 'memory'\)"):
+        plan_tables(tables, 2, method="fastest")
+
+
+def test_allowed_dtypes_are_a_constraint_of_the_cost_search() -> None:
+    import torch
+
+    from manualpar.embeddings.planning import (
+        PlanConstraints,
+        load_topology,
+        plan_by_cost,
+        rule_costs,
+    )
+    from manualpar.embeddings.planning import Workload as PlanWorkload
+
+    tables = {t.name: t for t in _tables(("a", 400_000, 64), ("b", 100_000, 64))}
+    state, full_rows = rule_costs(None)
+    workload = PlanWorkload(256, state=state, full_rows=full_rows)
+    topology = load_topology("cpu-host", 2)
+    budget = table_bytes(tables["a"]) * 3 // 4  # a whole table fits no rank in float32
+    dtypes = (torch.float32, torch.bfloat16)
+    limits = PlanConstraints(memory_budget_bytes=budget, dtypes=dtypes)
+    planned = plan_by_cost(tables, topology, workload, constraints=limits)
+    keywords = plan_by_cost(
+        tables, topology, workload, memory_budget_bytes=budget, precisions=list(dtypes)
+    )
+    assert planned.plan.tables == keywords.plan.tables and planned.dtypes == keywords.dtypes
+    with pytest.raises(PlanError, match=r"plan_tables\(\): dtypes= changes how tables store"):
+        plan_tables(list(tables.values()), 2, dtypes=dtypes)

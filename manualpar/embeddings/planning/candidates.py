@@ -19,7 +19,7 @@ from manualpar.embeddings.plan import (
     table_wise,
 )
 from manualpar.embeddings.planning.topology import Topology
-from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.embeddings.storage.cached_tier import CachedTier
 
 __all__ = ["COST_REPLICATE_BYTES", "candidates"]
 
@@ -56,7 +56,7 @@ def candidates(
     topology: Topology,
     busy: torch.Tensor,
     replicate_bytes: int,
-    disk_tier: DiskTier | None,
+    disk_tier: CachedTier | None,
 ) -> Iterator[TablePlacement]:
     world, per_node = topology.world_size, topology.ranks_per_node
     if world > 1 and size <= replicate_bytes:

@@ -27,65 +27,36 @@ overlap of phases on GPUs are not modelled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 
 import torch
 
-from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
+from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes, flag_bytes, header_width
 from manualpar.embeddings.ids.buckets import (
     REMAPPED_AT_OWNER,
     remapper_bytes_at_owner,
     remapper_bytes_per_rank,
 )
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
+from manualpar.embeddings.planning.block_costs import (
+    FLOAT32,
+    INT64,
+    block_work,
+    distinct,
+    owner_traffic,
+    replicated,
+    state_bytes,
+    state_widths,
+)
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
-from manualpar.embeddings.planning.popularity import distinct_rows
-from manualpar.embeddings.planning.rank_costs import RankCosts, Workload
+from manualpar.embeddings.planning.rank_costs import RankCosts
 from manualpar.embeddings.planning.topology import Topology
-from manualpar.embeddings.step.frozen import num_words
-from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.embeddings.planning.workload import Workload
+from manualpar.embeddings.storage.cached_tier import CachedTier
 from manualpar.errors import PlanError
 
 __all__ = ["collection_costs", "placement_costs", "plan_costs", "shard_group"]
-
-INT64, FLOAT32 = 8, 4
-
-
-def _owner_traffic(
-    costs: RankCosts, to_owner: torch.Tensor, from_owner: torch.Tensor, per_node: int
-) -> None:
-    """Add all-to-all traffic where every rank sends `to_owner[o]` bytes to each other rank o and
-    each rank o sends `from_owner[o]` bytes to every other rank (uniform batches)."""
-    world = to_owner.numel()
-    node_of = torch.arange(world) // per_node
-    nodes = world // per_node
-
-    def node_sums(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(nodes, dtype=torch.float64).index_add_(0, node_of, values)[node_of]
-
-    for send, receive in ((to_owner, "to"), (from_owner, "from")):
-        on_my_node = node_sums(send) - send  # what my node's other ranks take or give each
-        elsewhere = send.sum() - node_sums(send)
-        if receive == "to":  # I send to the others; each other rank sends `send[me]` to me
-            costs.sent_intra += on_my_node
-            costs.sent_inter += elsewhere
-            costs.received_intra += send * (per_node - 1)
-            costs.received_inter += send * (world - per_node)
-        else:  # I send `send[me]` to each other rank; each other rank sends me its own
-            costs.sent_intra += send * (per_node - 1)
-            costs.sent_inter += send * (world - per_node)
-            costs.received_intra += on_my_node
-            costs.received_inter += elsewhere
-
-
-def _distinct(
-    lookups: torch.Tensor, rows: torch.Tensor, table_rows: int, skew: float
-) -> torch.Tensor:
-    """Expected distinct rows a step touches in each block (`rows[i]` of a `table_rows` table,
-    serving `lookups[i]` ids): the popular rows are spread over the blocks (ids are scattered by
-    the remap or the data), so a block sees its share of the table's distinct rows."""
-    share = rows / table_rows
-    return share * distinct_rows(lookups / share.clamp(min=1e-30), table_rows, skew)
 
 
 def shard_group(topology: Topology, replicas: int) -> Topology:
@@ -108,7 +79,7 @@ def placement_costs(
     placement: TablePlacement,
     topology: Topology,
     workload: Workload,
-    disk_tier: DiskTier | None = None,
+    disk_tier: CachedTier | None = None,
     name: str | None = None,
     replicas: int = 1,
     remaps_at_owner: bool = True,
@@ -129,11 +100,11 @@ def placement_costs(
     features = len(config.feature_names)
     batch = workload.batch_per_rank
     state, full_rows = workload.rule(name)
-    row_state, col_state = _state_widths(state)
+    row_state, col_state = state_widths(state)
     frozen = name in workload.frozen
     if placement.sharding == "data_parallel":  # (no blocks to list: a copy on every rank)
         skew = workload.skew_of(name)
-        _replicated(costs, config, skew, world, per_node, ids, row_state, col_state, frozen)
+        replicated(costs, config, skew, world, per_node, ids, row_state, col_state, frozen)
         return costs
     shards = EmbeddingPlan(world, {config.name: placement}).shards(config)
     copies = 2 if workload.weighted else 1
@@ -157,18 +128,19 @@ def placement_costs(
     )
     returned = ids * fraction if sequence else torch.full_like(fraction, batch * features)
     sent_to = (lengths + ids * fraction * copies) * INT64
-    # rows and gradients in their wire dtypes (a float16/float8 flag, 1 value a pair, left out)
+    # rows and gradients in their wire dtypes (a float16/float8 flag: collection_costs')
+    wire = workload.wire
     if not frozen:
-        sent_to = sent_to + returned * grad_cols * workload.wire.backward.itemsize
+        sent_to = sent_to + returned * grad_cols * wire.backward.itemsize
     to_owner = torch.zeros(world, dtype=torch.float64).index_add_(0, owners, sent_to)
     from_owner = torch.zeros(world, dtype=torch.float64).index_add_(
-        0, owners, returned * cols * workload.wire.forward.itemsize
+        0, owners, returned * cols * wire.forward.itemsize
     )
-    _owner_traffic(costs, to_owner, from_owner, per_node)
+    owner_traffic(costs, to_owner, from_owner, per_node)
     if placement.sharding in REMAPPED_AT_OWNER and remaps_at_owner:  # its blocks' remappers
         beyond = [float(remapper_bytes_at_owner(config, world, s.rows)) for s in shards]
         costs.memory.index_add_(0, owners, torch.tensor(beyond, dtype=torch.float64))
-    _block_work(
+    block_work(
         costs,
         config,
         name,
@@ -189,7 +161,7 @@ def _two_d(
     placement: TablePlacement,
     topology: Topology,
     workload: Workload,
-    disk_tier: DiskTier | None,
+    disk_tier: CachedTier | None,
     name: str,
     replicas: int,
 ) -> RankCosts:
@@ -198,11 +170,11 @@ def _two_d(
     if placement.sharding == "data_parallel":  # replicated over the whole job
         state, _ = workload.rule(name)
         costs = RankCosts.zeros(shard)
-        row_state, col_state = _state_widths(state)
+        row_state, col_state = state_widths(state)
         frozen = name in workload.frozen
         ids = workload.ids(config, name)
         skew = workload.skew_of(name)
-        _replicated(
+        replicated(
             costs, config, skew, topology.world_size, per_node, ids, row_state, col_state, frozen
         )
         return costs
@@ -224,7 +196,7 @@ def _two_d(
     )
     lookups = workload.ids(config, name) * rows / config.num_embeddings * shard
     skew = workload.skew_of(name)
-    touched = _distinct(lookups, rows, config.num_embeddings, skew)  # by this group's batches
+    touched = distinct(lookups, rows, config.num_embeddings, skew)  # by this group's batches
     payload = (touched * (widths + 2) * FLOAT32 + INT64) * (replicas - 1)
     combine = torch.zeros(shard, dtype=torch.float64).index_add_(0, owners, payload)
     same_node = max(per_node // shard - 1, 0)  # replicas of my block on my node
@@ -234,124 +206,36 @@ def _two_d(
     costs.sent_inter += combine - intra
     costs.received_inter += combine - intra
     # every replica updates the union of the rows all replicas touched
-    union = _distinct(lookups * replicas, rows, config.num_embeddings, skew) - touched
-    row_bytes = cols * config.dtype.itemsize + _state_bytes(workload.rule(name)[0], cols)
+    union = distinct(lookups * replicas, rows, config.num_embeddings, skew) - touched
+    row_bytes = cols * config.dtype.itemsize + state_bytes(workload.rule(name)[0], cols)
     costs.memory_traffic.index_add_(0, owners, union * (2 * row_bytes + widths * FLOAT32))
     costs.rows_touched.index_add_(0, owners, union)
     costs.users["combine"] = 1
     return costs
 
 
-def _state_bytes(state: Mapping[str, bool], cols: torch.Tensor) -> torch.Tensor:
-    row_state, col_state = _state_widths(state)
-    return (row_state + col_state * cols) * STATE_BYTES
-
-
-def _state_widths(state: Mapping[str, bool]) -> tuple[int, int]:
-    """(state floats per row, state floats per element) of an update rule's STATE."""
-    per_row = sum(1 for whole_row in state.values() if whole_row)
-    return per_row, len(state) - per_row
-
-
-def _block_work(
-    costs: RankCosts,
-    config: EmbeddingBagConfig,
-    name: str,
-    owners: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
-    lookups: torch.Tensor,
-    placement: TablePlacement,
-    workload: Workload,
-    disk_tier: DiskTier | None,
-) -> None:
-    """Memory, lookups, updates and disk IO of a table's blocks (block i: `rows[i]` x `cols[i]`
-    on rank `owners[i]`, serving `lookups[i]` ids a step)."""
-    row_state, col_state = _state_widths(workload.rule(name)[0])
-    row_bytes = cols * config.dtype.itemsize + (row_state + col_state * cols) * STATE_BYTES
-    held = rows * row_bytes
-    frozen = name in workload.frozen
-    skew = workload.skew_of(name)
-    distinct = _distinct(lookups, rows, config.num_embeddings, skew)
-    updated = torch.zeros_like(distinct) if frozen else distinct
-    # lookups read rows; an update reads and writes a row and its state and reads its gradient
-    traffic = lookups * cols * config.dtype.itemsize + updated * (2 * row_bytes + cols * FLOAT32)
-    costs.memory_traffic.index_add_(0, owners, traffic)
-    costs.rows_touched.index_add_(0, owners, lookups + updated)
-    costs.blocks.index_add_(0, owners, torch.ones_like(rows))
-    if not placement.on_disk or disk_tier is None:  # (no tier given: counted as in memory)
-        costs.memory.index_add_(0, owners, held)
-        return
-    slots = torch.tensor(
-        [
-            disk_tier.slots({name: (int(r), int(w))})[name]
-            for r, w in zip(rows.tolist(), row_bytes.tolist(), strict=True)
-        ],
-        dtype=torch.float64,
-    )
-    costs.memory.index_add_(0, owners, slots * row_bytes)
-    costs.disk.index_add_(0, owners, held)
-    # the cache keeps the block's most popular rows (LRU and LFU both, near enough)
-    share = rows / config.num_embeddings
-    missed = torch.stack(
-        [
-            f * distinct_rows(n / f, config.num_embeddings, skew, int(k / f))
-            for n, f, k in zip(lookups.tolist(), share.tolist(), slots.tolist(), strict=True)
-        ]
-    )
-    written = torch.zeros_like(missed) if frozen else missed  # dirty rows evicted
-    costs.disk_traffic.index_add_(0, owners, (missed + written) * row_bytes)
-    costs.disk_rows.index_add_(0, owners, missed + written)
-
-
-def _replicated(
-    costs: RankCosts,
-    config: EmbeddingBagConfig,
-    skew: float,
-    world: int,
-    per_node: int,
-    ids: float,
-    row_state: int,
-    col_state: int,
-    frozen: bool,
-) -> None:
-    """A data-parallel table: a full copy everywhere, its dense gradient all-reduced (a ring:
-    each rank sends and receives 2 (W - 1) / W of the buffer, across nodes when there are
-    several; step/data_parallel.py)."""
-    rows, dim = config.num_embeddings, config.embedding_dim
-    row_bytes = dim * config.dtype.itemsize + (row_state + col_state * dim) * STATE_BYTES
-    costs.memory += rows * row_bytes
-    updated = 0.0 if frozen else float(distinct_rows(torch.tensor(ids * world), rows, skew))
-    costs.memory_traffic += ids * dim * config.dtype.itemsize + updated * (
-        2 * row_bytes + dim * FLOAT32
-    )
-    costs.rows_touched += ids + updated
-    costs.blocks += 1
-    if frozen or world == 1:
-        return
-    ring = 2 * (world - 1) / world * rows * (dim + 1) * FLOAT32
-    across = world > per_node
-    (costs.sent_inter if across else costs.sent_intra).add_(ring)
-    (costs.received_inter if across else costs.received_intra).add_(ring)
-    costs.users["all_reduce"] = 1
-
-
 def collection_costs(
-    configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, topology: Topology, replicas: int = 1
+    configs: list[EmbeddingBagConfig],
+    plan: EmbeddingPlan,
+    topology: Topology,
+    replicas: int = 1,
+    wire: WireDtypes = FLOAT32_WIRE,
 ) -> RankCosts:
     """Costs shared by a collection's tables: every rank's share of the managed-collision
     remappers (split over the whole job, ids/buckets.py; an owner's state beyond it is its
-    placement's), and the sizes all_to_all (3 + flag words int64 to every other rank of the
-    shard group), when any table is sharded."""
+    placement's), and when any table is sharded, the sizes all_to_all (3 + flag words int64 to
+    every other rank of the shard group) and a range-limited `wire`'s overflow flag (one
+    value to every other rank beside the pooled rows, step/wire.py)."""
     share = remapper_bytes_per_rank(configs, topology.world_size)
     topology = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(topology.world_size)
     costs.memory += share
     if all(plan.tables[c.name].sharding == "data_parallel" for c in configs):
         return costs
-    words = (3 + num_words(len(configs))) * INT64
+    words = header_width(len(configs)) * INT64
     to_owner = torch.full((topology.world_size,), float(words), dtype=torch.float64)
-    _owner_traffic(costs, to_owner, torch.zeros_like(to_owner), topology.ranks_per_node)
+    flags = torch.full_like(to_owner, float(flag_bytes(wire.forward)))
+    owner_traffic(costs, to_owner, flags, topology.ranks_per_node)
     return costs
 
 
@@ -360,12 +244,15 @@ def plan_costs(
     plan: EmbeddingPlan,
     topology: Topology,
     workload: Workload,
-    disk_tier: DiskTier | None = None,
+    disk_tier: CachedTier | None = None,
     replicas: int = 1,
 ) -> RankCosts:
     """A whole plan's costs per rank: its tables' plus the collection's (with `replicas`, per
-    rank of a shard group, the plan being for that group)."""
-    total = collection_costs(configs, plan, topology, replicas)
+    rank of a shard group, the plan being for that group). A plan that records its wire
+    dtypes (EmbeddingPlan.wire, the planner's pick) is priced with them, as it will run."""
+    if plan.wire is not None:
+        workload = dataclasses.replace(workload, wire=plan.wire)
+    total = collection_costs(configs, plan, topology, replicas, workload.wire)
     for config in configs:
         placement = plan.tables[config.name]
         total = total + placement_costs(

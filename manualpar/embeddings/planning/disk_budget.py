@@ -22,7 +22,7 @@ from manualpar.embeddings.plan import (
     on_disk,
     row_wise,
 )
-from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.embeddings.storage.cached_tier import CachedTier
 from manualpar.errors import PlanError
 
 __all__ = [
@@ -38,7 +38,7 @@ def check_pinned(
     pinned: Mapping[str, TablePlacement] | None,
     tables: Mapping[str, EmbeddingBagConfig],
     world_size: int,
-    disk_tier: DiskTier | None,
+    disk_tier: CachedTier | None,
 ) -> dict[str, TablePlacement]:
     """`pinned`, checked before any planning: known tables, placements on existing ranks, and a
     disk tier for those pinned on disk."""
@@ -77,7 +77,7 @@ def _check_placement(
         raise PlanError(f"pinned[{key!r}]: {error}") from None
 
 
-def check_tier_layout(disk_tier: DiskTier | None, replicas: int) -> None:
+def check_tier_layout(disk_tier: CachedTier | None, replicas: int) -> None:
     """The disk tier is for a 1-D layout: refused first on a 2-D mesh, before any budget check
     could fail for a reason the user cannot act on."""
     if disk_tier is not None and replicas > 1:
@@ -111,7 +111,7 @@ def place_on_disk(
     sizes: Mapping[str, int],
     world_size: int,
     budget: int | None,
-    disk_tier: DiskTier | None,
+    disk_tier: CachedTier | None,
     pinned: Mapping[str, TablePlacement] | None = None,
 ) -> tuple[dict[str, TablePlacement], dict[str, str], int | None]:
     """Placements and notes of the tables the rule puts on disk, and the budget left for the
@@ -122,16 +122,15 @@ def place_on_disk(
     chosen: list[str] = [k for k, p in pinned.items() if p.on_disk]
     rest = {k: b for k, b in sizes.items() if k not in chosen}  # pins in memory: an even share
 
-    def cache_cost() -> int:
-        if disk_tier.cache_bytes is not None:
-            return disk_tier.cache_bytes if chosen else 0
-        assert disk_tier.cache_rows is not None
-        return sum(
-            min(
-                disk_tier.cache_rows, -(-tables[n].num_embeddings // _blocks(n, pinned, world_size))
-            )
-            * -(-sizes[n] // tables[n].num_embeddings)
-            for n in chosen
+    def cache_cost() -> int:  # what the tier's cache takes on a rank (storage/cached_tier.py)
+        return disk_tier.cache_memory(
+            {
+                n: (
+                    -(-tables[n].num_embeddings // _blocks(n, pinned, world_size)),
+                    -(-sizes[n] // tables[n].num_embeddings),
+                )
+                for n in chosen
+            }
         )
 
     def fits() -> bool:

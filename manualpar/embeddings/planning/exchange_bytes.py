@@ -1,10 +1,11 @@
 """The bytes a sharded step's exchanges send between every pair of ranks: the traffic half of a
 cost model, exact, computed from a plan without a job.
 
-A step of a 1-D plan runs four all_to_alls (step/exchange.py): the sizes (`3 + flag words`
-int64 to every other rank), the ids (per routed feature: its bag lengths, then its ids, then
-its weights' bits, all int64; a row-split table's ids only to the rows' owner), the pooled rows
-back (float32 or the collection's wire dtype, step/wire.py; batch x the columns an owner
+A step of a 1-D plan runs four all_to_alls (step/exchange.py; what they carry is
+exchange_layout.py's, the routes routes.py's): the sizes (`3 + flag words` int64 to every other
+rank), the ids (per routed feature: its bag lengths, then its ids, then its weights' bits, all
+int64; a row-split table's ids only to the rows' owner), the pooled rows back (float32 or the
+collection's wire dtype, step/wire.py; batch x the columns an owner
 serves, and in float16 or float8 one overflow flag value per pair of ranks) and, in backward,
 the output gradient to the owners (float32 or bfloat16; batch x the columns each owner needs,
 full rows for a column-split table whose rule needs them; none for frozen tables). A rank's
@@ -32,12 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
+from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes, flag_bytes, header_width
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.modules.sequence_collection import EmbeddingConfig
 from manualpar.embeddings.plan import EmbeddingPlan
-from manualpar.embeddings.step.frozen import num_words
-from manualpar.embeddings.step.routing import Routing
-from manualpar.embeddings.step.wire import FLOAT32_WIRE, WireDtypes, flag_bytes
+from manualpar.embeddings.routes import Routing
+from manualpar.errors import PlanError
 
 __all__ = [
     "EXCHANGES",
@@ -103,7 +104,7 @@ def _step_bytes(
     only for the bags with an id in the owner's block (a sequence collection)."""
     world = plan.world_size
     out = {name: _zeros(world) for name in EXCHANGES}
-    width = 3 + num_words(len(configs))
+    width = header_width(len(configs))
     frozen_tables = {t for t, c in enumerate(configs) if c.name in frozen}
     routing = Routing(configs, plan, 0)  # who serves which route: the same from every sender
     grad_cols = {
@@ -150,7 +151,7 @@ def exchange_bytes(
     the rule needs whole rows' gradients (row-wise Adagrad and clipping do, for column-split
     tables: FusedOptimizer.needs_full_rows). `wire`: the collection's wire_dtype."""
     if len(batches) != plan.world_size:
-        raise ValueError(
+        raise PlanError(
             f"exchange_bytes: {len(batches)} batches for a plan of {plan.world_size} ranks; "
             "give each rank's batch"
         )
@@ -257,7 +258,7 @@ def expected_sent_bytes(
                 pooled[owner] += returned * shard.cols
                 if not frozen_table:
                     grads[owner] += returned * grad_cols
-    sizes = (world - 1) * (3 + num_words(len(configs))) * INT64
+    sizes = (world - 1) * header_width(len(configs)) * INT64
     sizes += (world - 1) * flag_bytes(wire.forward)  # beside the pooled rows (step/wire.py)
     row, grad = wire.forward.itemsize, wire.backward.itemsize
     all_ids = math.fsum(ids) * INT64  # (exactly rounded, then each owner's own taken off)

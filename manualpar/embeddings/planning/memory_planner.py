@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.ids.buckets import largest_block_rows, remapper_bytes_at_owner
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
@@ -38,8 +38,9 @@ from manualpar.embeddings.planning.disk_budget import (
     pinned_notes,
     place_on_disk,
 )
+from manualpar.embeddings.planning.fit_errors import check_fits
 from manualpar.embeddings.planning.remapper_budget import remapper_bytes_on_ranks
-from manualpar.embeddings.storage.disk_tier import DiskTier
+from manualpar.embeddings.storage.cached_tier import CachedTier
 from manualpar.errors import PlanError
 
 REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replicated
@@ -47,14 +48,13 @@ REPLICATE_BYTES = 256 * 2**10  # tables up to this size (with state) are replica
 __all__ = [
     "REPLICATE_BYTES",
     "UNIFORM_PLANS",
-    "check_fits",
     "place_by_memory",
     "plan_uniform",
     "table_bytes",
 ]
 
 
-def table_bytes(config: EmbeddingBagConfig, optimizer: SparseOptimizer | None = None) -> int:
+def table_bytes(config: EmbeddingBagConfig, optimizer: UpdateRule | None = None) -> int:
     """A whole table's weights plus `optimizer`'s state (row-wise Adagrad's if none given)."""
     state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
     return block_bytes(config.num_embeddings, config.embedding_dim, state, config.dtype)
@@ -68,7 +68,7 @@ def place_by_memory(
     ranks_per_node: int,
     budget: int | None,
     replicate_bytes: int,
-    disk_tier: DiskTier | None,
+    disk_tier: CachedTier | None,
     pinned: Mapping[str, TablePlacement] | None = None,
 ) -> tuple[dict[str, TablePlacement], dict[str, str]]:
     """method="memory": the rules of the module docstring, around the `pinned` tables."""
@@ -164,27 +164,6 @@ def _owned_remapper(config: EmbeddingBagConfig, world_size: int, parts: int) -> 
     return remapper_bytes_at_owner(config, world_size, largest_block_rows(config, parts))
 
 
-def check_fits(sizes: Mapping[str, int], world_size: int, budget: int | None) -> None:
-    if budget is None:
-        return
-    need = -(-sum(sizes.values()) // world_size)
-    if need > budget:
-        raise PlanError(
-            f"{_tables(sizes)} {format_bytes(sum(sizes.values()))} with optimizer state: at "
-            f"least {format_bytes(need)} per rank on {world_size} ranks, more than the budget of "
-            f"{format_bytes(budget)}; raise the memory budget to {format_bytes(need)} or more, use "
-            f"{-(-sum(sizes.values()) // budget)} or more ranks, or shrink the tables"
-        )
-
-
-def _tables(sizes: Mapping[str, int]) -> str:
-    """Who holds the bytes: the table by name, or how many tables and the largest."""
-    largest = max(sizes, key=lambda name: sizes[name])
-    if len(sizes) == 1:
-        return f"table {largest!r} holds"
-    return f"the {len(sizes)} tables (largest {largest!r}: {format_bytes(sizes[largest])}) hold"
-
-
 # plan_uniform(kind, ...) and `python -m manualpar plan --plan KIND`: one kind for all tables.
 UNIFORM_PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
@@ -196,7 +175,7 @@ def plan_uniform(
     *,
     ranks_per_node: int | None = None,
     memory_budget_bytes: int | None = None,
-    optimizer: SparseOptimizer | None = None,
+    optimizer: UpdateRule | None = None,
 ) -> EmbeddingPlan:
     """Every table placed the same way: table_wise and table_row_wise put the largest tables
     first on the least-loaded rank (node); the others split every table over all ranks.
@@ -247,7 +226,7 @@ def plan_uniform(
 def _least_loaded(
     tables: Sequence[EmbeddingBagConfig],
     bins: int,
-    optimizer: SparseOptimizer | None,
+    optimizer: UpdateRule | None,
     place: Callable[[int], TablePlacement],
 ) -> dict[str, TablePlacement]:
     """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""

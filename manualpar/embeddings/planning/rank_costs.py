@@ -1,94 +1,26 @@
-"""What a step costs each rank (`RankCosts`), and what the step does (`Workload`).
+"""What a step costs each rank (`RankCosts`): the prices stage's currency.
 
 `RankCosts` holds per-rank totals as float64 tensors, adds and subtracts (a plan's total is the
 sum of its tables'; the planner takes a table out to try another placement) and turns them into
-seconds on a `Topology`. `Workload` says how many ids a step looks up per table, how popular
-they are, and what the update rule needs.
+seconds on a `Topology`. What the step does is `Workload`'s (workload.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
-from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, SparseOptimizer
-from manualpar.embeddings.planning.exchange_bytes import is_sequence
 from manualpar.embeddings.planning.topology import Topology
-from manualpar.embeddings.step.wire import FLOAT32_WIRE, WireDtypes
 
-__all__ = ["CALLS", "RankCosts", "Workload", "rule_costs", "sequence_padding"]
+__all__ = ["CALLS", "RankCosts"]
 
 # Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
 # pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
 # replicated tables' gradients (step/data_parallel.py), and on a 2-D mesh the two all_to_alls
 # that sum the touched rows' gradients across the replicas (step/replica_combine.py).
 CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2}
-
-
-def rule_costs(optimizer: SparseOptimizer | None) -> tuple[Mapping[str, bool], bool]:
-    """(optimizer state per row, whether it needs whole rows' gradients) of an update rule; by
-    default shard_embeddings' row-wise Adagrad's, which does."""
-    if optimizer is None:
-        return ROW_WISE_STATE, RowWiseAdagrad.needs_full_rows
-    return optimizer.STATE, optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What a step looks up: `batch_per_rank` samples a rank, `ids_per_bag[table]` ids per
-    sample in each of the table's features (default 1), and the update rule's needs."""
-
-    batch_per_rank: int = 512
-    ids_per_bag: Mapping[str, float] = field(default_factory=dict)
-    weighted: bool = False
-    frozen: frozenset[str] = frozenset()
-    full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
-    state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
-    rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
-    skew: float | Mapping[str, float] = 0.0  # Zipf exponent of the ids (0: uniform), or per table
-    # sequence tables: the ids per sample their collection pads each feature to (its largest;
-    # sequence_padding), by table; default the table's own
-    padded_ids: Mapping[str, float] = field(default_factory=dict)
-    # the dtypes the pooled rows and their gradients travel in (shard_embeddings' wire_dtype)
-    wire: WireDtypes = FLOAT32_WIRE
-
-    def skew_of(self, table: str) -> float:
-        if isinstance(self.skew, Mapping):
-            return float(self.skew.get(table, 0.0))
-        return float(self.skew)
-
-    def rule(self, table: str) -> tuple[Mapping[str, bool], bool]:
-        """(optimizer state, needs full rows) of `table`: its own in `rules`, else the shared."""
-        return self.rules.get(table, (self.state, self.full_rows))
-
-    def ids(self, config: EmbeddingBagConfig, name: str | None = None) -> float:
-        """Ids a rank looks up in `config`'s table (`name`: its key here) per step, over all
-        its features."""
-        per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
-        return self.batch_per_rank * per_bag * len(config.feature_names)
-
-
-def sequence_padding(
-    tables: Mapping[str, EmbeddingBagConfig],
-    ids_per_bag: Mapping[str, float],
-    collection_of: Mapping[str, str] | None = None,
-) -> dict[str, float]:
-    """Per sequence table (EmbeddingConfig), the ids per sample its collection pads every
-    feature to: the largest `ids_per_bag` of the sequence tables in its collection
-    (`collection_of`: table key -> collection; default one collection)."""
-    groups: dict[str, list[str]] = {}
-    for key, config in tables.items():
-        if is_sequence([config]):
-            groups.setdefault((collection_of or {}).get(key, ""), []).append(key)
-    return {
-        key: max(float(ids_per_bag.get(k, 1.0)) for k in keys)
-        for keys in groups.values()
-        for key in keys
-    }
 
 
 @dataclass

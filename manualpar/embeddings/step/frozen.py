@@ -16,12 +16,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from manualpar.embeddings.exchange_layout import WORD_BITS, num_words
 from manualpar.embeddings.modules.bag_collection import table_of
 from manualpar.errors import BuilderError
 
 __all__ = ["agreed_frozen", "frozen_from_words", "frozen_tables", "frozen_to_words", "num_words"]
-
-WORD_BITS = 62  # bits per int64 word of the flags, clear of the sign (REFUSED is -1)
 
 
 def frozen_tables(tables: nn.ModuleDict, names: Sequence[str]) -> frozenset[int]:
@@ -29,10 +28,6 @@ def frozen_tables(tables: nn.ModuleDict, names: Sequence[str]) -> frozenset[int]
     return frozenset(
         t for t, name in enumerate(names) if not table_of(tables, name).weight.requires_grad
     )
-
-
-def num_words(num_tables: int) -> int:
-    return max(1, -(-num_tables // WORD_BITS))
 
 
 def frozen_to_words(frozen: frozenset[int], num_tables: int) -> list[int]:

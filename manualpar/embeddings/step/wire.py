@@ -34,6 +34,15 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.exchange_layout import (  # (the planner prices them too)
+    BACKWARD_DTYPES,
+    FLOAT32_WIRE,
+    FORWARD_DTYPES,
+    WIRE_NAMES,
+    WireDtypes,
+    flag_bytes,
+    limited,
+)
 from manualpar.errors import BuilderError, NonFiniteError
 
 if TYPE_CHECKING:
@@ -50,36 +59,6 @@ __all__ = [
     "start_on_wire",
     "wire_dtypes",
 ]
-
-FORWARD_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-)
-BACKWARD_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class WireDtypes:
-    """The dtypes a collection's pooled outputs (`forward`) and output gradients (`backward`)
-    travel in; the math stays float32 either way."""
-
-    forward: torch.dtype = torch.float32
-    backward: torch.dtype = torch.float32
-
-
-FLOAT32_WIRE = WireDtypes()  # the default: both exchanges in float32
-
-# Short names for command lines (`--wire-dtype`): the gradients travel in bfloat16 under every
-# half name (float16 and 8-bit gradients are refused, see above).
-WIRE_NAMES = {
-    "fp32": FLOAT32_WIRE,
-    "bf16": WireDtypes(torch.bfloat16, torch.bfloat16),
-    "fp16": WireDtypes(torch.float16, torch.bfloat16),
-    "fp8": WireDtypes(torch.float8_e4m3fn, torch.bfloat16),
-}
 
 
 def wire_dtypes(value: torch.dtype | WireDtypes | str | None) -> WireDtypes:
@@ -119,17 +98,6 @@ def wire_dtypes(value: torch.dtype | WireDtypes | str | None) -> WireDtypes:
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return ", ".join(str(d) for d in dtypes)
-
-
-def limited(dtype: torch.dtype) -> bool:
-    """Whether `dtype` holds less than float32's range (its exchange carries overflow flags;
-    bfloat16 shares float32's exponent)."""
-    return dtype != torch.float32 and torch.finfo(dtype).max < 1e30
-
-
-def flag_bytes(dtype: torch.dtype) -> int:
-    """Bytes of the overflow flag a sender adds for each other rank (0: no flag)."""
-    return dtype.itemsize if limited(dtype) else 0
 
 
 class Arriving(Protocol):

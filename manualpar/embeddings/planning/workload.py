@@ -1,0 +1,76 @@
+"""What a step does, as the planner prices it (`Workload`): how many ids a step looks up per
+table, how popular they are, what the update rule needs, the wire dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
+from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes
+from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, UpdateRule
+from manualpar.embeddings.planning.exchange_bytes import is_sequence
+
+__all__ = ["Workload", "rule_costs", "sequence_padding"]
+
+
+def rule_costs(optimizer: UpdateRule | None) -> tuple[Mapping[str, bool], bool]:
+    """(optimizer state per row, whether it needs whole rows' gradients) of an update rule; by
+    default shard_embeddings' row-wise Adagrad's, which does."""
+    if optimizer is None:
+        return ROW_WISE_STATE, RowWiseAdagrad.needs_full_rows
+    return optimizer.STATE, optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step looks up: `batch_per_rank` samples a rank, `ids_per_bag[table]` ids per
+    sample in each of the table's features (default 1), and the update rule's needs."""
+
+    batch_per_rank: int = 512
+    ids_per_bag: Mapping[str, float] = field(default_factory=dict)
+    weighted: bool = False
+    frozen: frozenset[str] = frozenset()
+    full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
+    state: Mapping[str, bool] = field(default_factory=lambda: dict(ROW_WISE_STATE))
+    rules: Mapping[str, tuple[Mapping[str, bool], bool]] = field(default_factory=dict)
+    skew: float | Mapping[str, float] = 0.0  # Zipf exponent of the ids (0: uniform), or per table
+    # sequence tables: the ids per sample their collection pads each feature to (its largest;
+    # sequence_padding), by table; default the table's own
+    padded_ids: Mapping[str, float] = field(default_factory=dict)
+    # the dtypes the pooled rows and their gradients travel in (shard_embeddings' wire_dtype)
+    wire: WireDtypes = FLOAT32_WIRE
+
+    def skew_of(self, table: str) -> float:
+        if isinstance(self.skew, Mapping):
+            return float(self.skew.get(table, 0.0))
+        return float(self.skew)
+
+    def rule(self, table: str) -> tuple[Mapping[str, bool], bool]:
+        """(optimizer state, needs full rows) of `table`: its own in `rules`, else the shared."""
+        return self.rules.get(table, (self.state, self.full_rows))
+
+    def ids(self, config: EmbeddingBagConfig, name: str | None = None) -> float:
+        """Ids a rank looks up in `config`'s table (`name`: its key here) per step, over all
+        its features."""
+        per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
+        return self.batch_per_rank * per_bag * len(config.feature_names)
+
+
+def sequence_padding(
+    tables: Mapping[str, EmbeddingBagConfig],
+    ids_per_bag: Mapping[str, float],
+    collection_of: Mapping[str, str] | None = None,
+) -> dict[str, float]:
+    """Per sequence table (EmbeddingConfig), the ids per sample its collection pads every
+    feature to: the largest `ids_per_bag` of the sequence tables in its collection
+    (`collection_of`: table key -> collection; default one collection)."""
+    groups: dict[str, list[str]] = {}
+    for key, config in tables.items():
+        if is_sequence([config]):
+            groups.setdefault((collection_of or {}).get(key, ""), []).append(key)
+    return {
+        key: max(float(ids_per_bag.get(k, 1.0)) for k in keys)
+        for keys in groups.values()
+        for key in keys
+    }
