@@ -20,7 +20,7 @@ from torch import nn
 
 from manualpar.builders import sharded_grad_scaler
 from manualpar.dtensors import is_dtensor
-from manualpar.embeddings import ShardedEmbeddingBagCollection
+from manualpar.embeddings import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
 from manualpar.errors import ConfigError
 from manualpar.ownership import trained_by_owner
 from manualpar.strategy import ManualParallelStrategy
@@ -92,7 +92,7 @@ class Precision:
         tables = [
             name
             for name, module in model.named_modules()
-            if isinstance(module, ShardedEmbeddingBagCollection)  # sequence ones included
+            if isinstance(module, ShardedEmbeddingBagCollection | ShardedEmbeddingCollection)
         ]
         if tables or any(trained_by_owner(p) for p in model.parameters()):
             where = f" ({', '.join(n or type(model).__name__ for n in tables)})" if tables else ""

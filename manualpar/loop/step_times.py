@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
-from manualpar.embeddings import ShardedEmbeddingBagCollection
+from manualpar.embeddings import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
 from manualpar.embeddings.step.phase_times import (
     GRAD_EXCHANGE,
     IDS_EXCHANGE,
@@ -60,6 +60,7 @@ PHASES = (
     UPDATE,
     CHECKPOINT,
 )
+_Sharded = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
 
 
 class StepTimes:
@@ -72,10 +73,10 @@ class StepTimes:
             raise ConfigError(f"Trainer: step_times_every must be >= 1 or None, got {every!r}")
         self.strategy, self.every, self.metrics = strategy, every, metrics
         self.recorder = PhaseTimes(strategy.device)
-        self._own: list[tuple[ShardedEmbeddingBagCollection, PhaseTimes]] = []
+        self._own: list[tuple[_Sharded, PhaseTimes]] = []
         self._started: float | None = None  # perf_counter at the timed step's start
 
-    def track(self, collections: Iterable[ShardedEmbeddingBagCollection]) -> None:
+    def track(self, collections: Iterable[_Sharded]) -> None:
         """Have the collections time their phases into this recorder (until `untrack`)."""
         if self.every is None:
             return

@@ -24,7 +24,7 @@ from torch import nn
 
 from manualpar.builders import total_grad_norm
 from manualpar.builders.grad_norm import clip_grads_with_norm_
-from manualpar.embeddings import ShardedEmbeddingBagCollection
+from manualpar.embeddings import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
 from manualpar.embeddings.step.phase_times import UPDATE, PhaseTimes, timed
 from manualpar.errors import ConfigError
 from manualpar.loop.dense_finite import DenseFiniteCheck
@@ -52,7 +52,7 @@ class TrainStep:
         self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
         self.non_finite = non_finite  # None: the sharded collections' choice (track())
         self.dense_check = DenseFiniteCheck(strategy, non_finite or "raise")
-        self.sharded: list[ShardedEmbeddingBagCollection] = []
+        self.sharded: list[ShardedEmbeddingBagCollection | ShardedEmbeddingCollection] = []
         self.schedulers: Sequence[Any] = []
         self._undoable = False  # whether this fit's steps can be dropped (some "skip")
         self.times = PhaseTimes(strategy.device)  # the Trainer's step times (step_times.py)
@@ -92,7 +92,11 @@ class TrainStep:
     def track(self, model: nn.Module, schedulers: Sequence[Any]) -> None:
         """The model's sharded collections (their skipped updates), the parameter names and
         the schedulers; settles this fit's non-finite policy."""
-        self.sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+        self.sharded = [
+            m
+            for m in model.modules()
+            if isinstance(m, ShardedEmbeddingBagCollection | ShardedEmbeddingCollection)
+        ]
         self.schedulers = schedulers
         self.dense_check.track(model)
         skips = [module.non_finite == "skip" for module in self.sharded]

@@ -131,6 +131,20 @@ def test_sharded_output_has_the_jagged_structure_of_the_batch() -> None:
     assert [empty[k].values.shape for k in BATCH] == [(0, 4), (0, 3), (0, 3)]
 
 
+def test_a_prefetched_batch_keyed_in_another_order_keeps_its_jagged_structure() -> None:
+    strategy = mp.ManualParallelStrategy()
+    plan = {"user": table_wise(0), "item": table_wise(0)}
+    emb = shard_embeddings(EmbeddingCollection(SMALL, seed=3), strategy, plan, SGD(lr=0.1))
+    expected = EmbeddingCollection(SMALL, seed=3)(SparseFeatures.from_dict(BATCH))
+    batch = SparseFeatures.from_dict({k: BATCH[k] for k in ("last_item", "item", "user")})
+    emb.prefetch(batch)
+    with torch.no_grad():
+        out = emb(batch)
+    for feature in BATCH:  # each feature's own lengths, not those of the key in its place
+        assert torch.equal(out[feature].lengths, expected[feature].lengths), feature
+        assert torch.equal(out[feature].values, expected[feature].values), feature
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_weighted_ids_are_refused_naming_the_features() -> None:
     weights = {k: [[0.5] * len(bag) for bag in bags] for k, bags in BATCH.items()}

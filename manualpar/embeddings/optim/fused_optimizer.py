@@ -23,21 +23,20 @@ torch's per-parameter optimizer state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from manualpar import deprecated
-from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full_tensors
+from manualpar.checkpoint.local_shards import LocalShards, gathering_full_tensors
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.kernels.table_batch import TableBatch
 from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
 from manualpar.embeddings.optim.update_rules import SparseOptimizer, check_lr
 from manualpar.embeddings.plan import Shard
-from manualpar.embeddings.storage.memory_rows import MemoryRows
+from manualpar.embeddings.storage.table_blocks import TableBlocks, local_shards
 from manualpar.embeddings.storage.tier import RowStore
 from manualpar.errors import BuilderError
 
@@ -61,37 +60,29 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         rule: SparseOptimizer,
-        weights: dict[str, nn.Parameter],
-        shards: dict[str, Shard | None],
-        dims: dict[str, int],
-        rows: dict[str, int],
-        device: torch.device,
+        blocks: TableBlocks,
         full_tensor: Callable[[LocalShards], torch.Tensor],
         *,
         primary_replica: bool = True,
         seed: int = 0,
-        block_rows: Mapping[str, int] | None = None,
     ) -> None:
-        super().__init__(list(weights.items()), {"lr": rule.lr})
+        super().__init__([(block.name, block.weight) for block in blocks], {"lr": rule.lr})
         self.rule = rule
         self.num_updates = 0  # backwards taken (Adam's bias correction counts them)
-        self._shards, self._dims, self._rows = shards, dims, rows
+        self._blocks = blocks  # each table's shard, state and store (storage/table_blocks.py)
         self._full_tensor = full_tensor
         self._primary_replica = primary_replica  # 2-D: the first replica's state is saved
         self._seed = seed  # the collection's: half rows' stochastic rounding streams (rounding.py)
         self.table_state: dict[str, dict[str, torch.Tensor]] = {
-            name: rule.init_state((block_rows or {}).get(name, shard.rows), shard.cols, device)
-            for name, shard in shards.items()
-            if shard is not None
+            block.name: block.state for block in blocks if block.state is not None
         }
-        # where each block's rows live (storage/tier.py): in memory unless the collection puts
-        # the table on disk, whose table_state is then its cache's (checkpoints read the file)
+        # where each block's rows live (storage/tier.py): a disk table's state is its cache's
+        # (checkpoints read the file)
         self.stores: dict[str, RowStore] = {
-            name: MemoryRows(weights[name].detach(), state)
-            for name, state in self.table_state.items()
+            block.name: block.store for block in blocks if block.store is not None
         }
-        for name, state in self.table_state.items():  # torch's view: state by parameter
-            self.state[weights[name]] = state
+        for block in blocks.held():  # torch's view: state by parameter
+            self.state[block.weight] = self.table_state[block.name]
         self._deferred: list[_RowUpdate] | None = None
 
     @property
@@ -135,7 +126,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "FusedOptimizer has one param group, the collection's tables, updated by one "
                 "rule; other parameters need their own torch optimizer"
             )
-        super().add_param_group(param_group)
+        # torch's add_param_group is wrapped to stay out of torch.compile graphs, a wrapper that
+        # imports torch._dynamo at its first call: about 0.5 s of each rank's shard_embeddings
+        # (docs/benchmarks.md, "Import time"). This optimizer is built eagerly in setup, never
+        # inside a compiled graph, so the group is added by the function the wrapper holds.
+        add = torch.optim.Optimizer.add_param_group
+        getattr(add, "__wrapped__", add)(self, param_group)
 
     # updates (inside backward) ----------------------------------------------------------------
     def begin_update(self) -> None:
@@ -148,7 +144,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._deferred = [] if self.rule.max_grad_norm is not None else None
 
     def _held(self, table: str) -> Shard:
-        shard = self._shards.get(table)
+        block = self._blocks.by_name.get(table)
+        shard = block.shard if block is not None else None
         if shard is None:
             raise KeyError(f"table {table!r} has no block on this rank to update")
         return shard
@@ -256,7 +253,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 table,
                 self.num_updates,
                 offsets,
-                self._dims[table],
+                self._blocks.by_name[table].config.embedding_dim,
                 slot_rows,
             )
         }
@@ -300,32 +297,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # checkpoint ---------------------------------------------------------------------------------
     def _shards_of(self, table: str, key: str) -> LocalShards:
-        per_row = self.rule.STATE[key]
-        shape = (self._rows[table],) if per_row else (self._rows[table], self._dims[table])
-        shard = self._shards.get(table)
-        if shard is None:  # no block of this table here: an entry without blocks
-            return LocalShards(shape, [], torch.float32)
-        store = self.stores[table]
-        chunks = store.checkpoint_chunks(key)  # a disk tier's: of its file, one at a time
-        primary = self._primary_replica and (not shard.replicated or shard.rank == 0)
-        if per_row:  # column blocks all hold the same row statistics: one of them saves them
-            primary = primary and shard.col_start == 0
-        blocks = [
-            Block(
-                (shard.row_start + r, shard.col_start)[: 1 if per_row else 2],
-                t,
-                primary,
-                store.drop_pages,
-                store.spill_dir,
-            )
-            for r, t in chunks
-        ]
-        return LocalShards(shape, blocks, torch.float32)
+        block, per_row = self._blocks.by_name[table], self.rule.STATE[key]
+        return local_shards(block, key, torch.float32, self._primary_replica, per_row)
 
     def state_dict(self) -> dict[str, Any]:
         shards = {
             table: {key: self._shards_of(table, key) for key in self.rule.STATE}
-            for table in self._rows
+            for table in self._blocks.by_name
         }
         state: dict[str, dict[str, torch.Tensor]] = {t: dict(keys) for t, keys in shards.items()}
         if gathering_full_tensors():
@@ -338,7 +316,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.lr = state_dict["lr"]
         self.num_updates = int(state_dict["step"])
-        for table in self._rows:
+        for table in self._blocks.by_name:
             for key in self.rule.STATE:
                 value = state_dict["state"][table][key]
                 mine = self._shards_of(table, key)

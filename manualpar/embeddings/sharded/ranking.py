@@ -40,7 +40,7 @@ from manualpar.embeddings.kernels.scoring import (
 )
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, table_of
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
-from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
+from manualpar.embeddings.sharded.sharded_tables import ShardedTables
 from manualpar.errors import (
     ConfigError,
     ConfigTypeError,
@@ -57,7 +57,7 @@ __all__ = ["DEFAULT_SCORES_PER_CHUNK", "target_ranks", "top_k_items"]
 
 DEFAULT_SCORES_PER_CHUNK = 1 << 22  # 4M scores: about 64 MiB of temporaries
 QUERIES_PER_CHUNK = 1024
-Collection = EmbeddingBagCollection | EmbeddingCollection | ShardedEmbeddingBagCollection
+Collection = EmbeddingBagCollection | EmbeddingCollection | ShardedTables
 Chunks = Callable[[int], Iterator[tuple[int, torch.Tensor]]]
 
 
@@ -146,7 +146,7 @@ def _table(emb: Collection, name: str, caller: str) -> _Table:
             "shard_embeddings, and one of its table names"
         )
     config = configs[name]
-    if not isinstance(emb, ShardedEmbeddingBagCollection):
+    if not isinstance(emb, ShardedTables):
         weight = table_of(emb.tables, name).weight.detach()
         if weight.is_meta:
             raise EmbeddingInputError(
@@ -162,8 +162,8 @@ def _table(emb: Collection, name: str, caller: str) -> _Table:
             "table_row_wise placement of it (load a checkpoint into such a plan), or gather "
             "it (full_tensors()) and use metrics.target_ranks_from_scores"
         )
-    shard = emb._shards[name]
-    store = emb.storage.by_name.get(name)
+    block = emb.blocks.by_name[name]
+    shard, store = block.shard, block.store
     if shard is None or store is None:
         pieces = _pieces([], None)
     else:

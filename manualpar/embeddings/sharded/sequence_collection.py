@@ -1,9 +1,10 @@
-"""Sequence (unpooled) embeddings on the sharded bag machinery: the pieces that
-`ShardedEmbeddingCollection` (below, on the bag collection it extends) is made of.
+"""Sequence (unpooled) embeddings on the sharded bag machinery: `ShardedEmbeddingCollection`,
+the parts of ShardedTables (sharded/sharded_tables.py) with an input shape and an output of its
+own.
 
 An unpooled lookup is a sum-pooled lookup whose bags hold one id each. So a feature's n ids
 become n bags of length one, padded with empty bags to the batch's largest feature (the bag
-machinery has one batch size for every feature); the sharded bag collection's forward and
+machinery has one batch size for every feature); the sharded bag machinery's forward and
 backward run unchanged (plans, routing, exchanges, the fused update, checkpoints, resharding),
 and its (bags, total dim) output is cut back into each feature's first n rows. The padding rows
 get a zero gradient, so the update sees exactly the ids' gradients.
@@ -21,12 +22,13 @@ each rank's own lookup computes its padding rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from manualpar.eager import eager_only
-from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.config import BUILDER, EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.modules.sequence_collection import (
     EmbeddingCollection,
@@ -36,12 +38,10 @@ from manualpar.embeddings.modules.sequence_collection import (
 )
 from manualpar.embeddings.optim.update_rules import SparseOptimizer
 from manualpar.embeddings.plan import EmbeddingPlan
-from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
-from manualpar.embeddings.sharded.managed_collisions import RemapInFlight
+from manualpar.embeddings.sharded.sharded_tables import ShardedTables
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.disk_tier import DiskTier
-from manualpar.errors import EmbeddingInputError
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -71,14 +71,50 @@ def split_rows(
 ) -> SequenceEmbeddings:
     """Each feature's rows (its first counts[f] bags, its columns) with the batch's lengths."""
     batch = features.batch_size
-    out = {}
-    for f, (name, _) in enumerate(routing.features):
-        start = routing.feature_offsets[f]
-        out[name] = JaggedEmbeddings(
-            pooled[: counts[f], start : start + routing.dims[f]],
-            features.lengths[f * batch : (f + 1) * batch],
-        )
-    return SequenceEmbeddings(out)
+    blocks = [
+        (counts[f], routing.feature_offsets[f], routing.dims[f])
+        for f in range(len(routing.features))
+    ]
+    if torch.is_grad_enabled() and pooled.requires_grad:
+        rows = _FeatureRows.apply(pooled, blocks)
+    else:
+        rows = [pooled[:count, start : start + dim] for count, start, dim in blocks]
+    return SequenceEmbeddings(
+        {
+            name: JaggedEmbeddings(rows[f], features.lengths[f * batch : (f + 1) * batch])
+            for f, (name, _) in enumerate(routing.features)
+        }
+    )
+
+
+class _FeatureRows(torch.autograd.Function):
+    """Each feature's rows of the pooled output, copied out by one autograd node whose backward
+    writes every feature's gradient into one buffer of the pooled shape. A slice per feature
+    instead gave each feature a zero-filled gradient of the whole output, added into the
+    others': 2 writes of the output per feature, a third of a 200k-row sequence step."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pooled: torch.Tensor, blocks: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.blocks, ctx.shape = blocks, pooled.shape
+        ctx.set_materialize_grads(False)  # an unused feature's gradient: None, not zeros
+        return tuple(pooled[:count, start : start + dim].clone() for count, start, dim in blocks)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        given = next((g for g in grads if g is not None), None)
+        if given is None:
+            return None, None
+        out = given.new_empty(ctx.shape)  # the blocks tile its columns (cumulative offsets)
+        for (count, start, dim), grad in zip(ctx.blocks, grads, strict=True):
+            block = out[:, start : start + dim]
+            if grad is None:
+                block.zero_()
+                continue
+            block[:count].copy_(grad)
+            block[count:].zero_()  # padding bags: no id, no gradient
+        return out, None
 
 
 def sample_share(strategy: ManualParallelStrategy, batch: int) -> float:
@@ -108,9 +144,9 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
-    """`shard_embeddings` of an EmbeddingCollection: the bag collection above with one id per
-    bag (unit_bags above); forward returns SequenceEmbeddings, the rest is the same."""
+class ShardedEmbeddingCollection(ShardedTables):
+    """`shard_embeddings` of an EmbeddingCollection: ShardedTables with one id per bag
+    (unit_bags above); forward returns SequenceEmbeddings, the rest is as a bag collection's."""
 
     def __init__(
         self,
@@ -123,47 +159,41 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         disk_tier: DiskTier | None = None,
         non_finite: str = "raise",
     ) -> None:
-        super().__init__(ec, strategy, plan, optimizer, "world_size", layout, disk_tier, non_finite)
-        self.normalize_by = normalize_by
-        self.step.forward_phases.warn_uneven = False  # its bag counts are padded id counts
+        super().__init__(
+            ec,
+            strategy,
+            plan,
+            optimizer,
+            normalize_by,
+            layout,
+            disk_tier,
+            non_finite,
+            shape=_UnitBags(ec.configs, strategy.device),
+            step_normalize_by="world_size",  # the sample share is applied here (forward)
+            compact_bags=True,  # bags hold one id each: exchange only those with ids
+            warn_uneven=False,  # its bag counts are padded id counts, not samples
+        )
 
     @eager_only(f"{BUILDER}: the table exchange runs eagerly")
-    def forward(  # type: ignore[override]  # the same machinery, another output type
-        self, features: SparseFeatures
-    ) -> SequenceEmbeddings:
-        taken = self._in_flight.take(features)  # this very batch's ids, if prefetched
-        if taken is not None:
-            routed, counts = taken
-            features = features.to(self.strategy.device)
-            if isinstance(routed, RemapInFlight):  # raw ids sent ahead: remap them now
-                pooled = self._lookup(self._remapped(routed), None)
-            else:
-                pooled = self._lookup(routed.features, routed)
-        else:
-            features, bags, counts = self._unit(features)
-            pooled = super().forward(bags).values
+    def forward(self, features: SparseFeatures) -> SequenceEmbeddings:
+        batch = self.inputs.prepare(features)
+        features, counts = batch.context
+        pooled = self.lookup(batch)
         if self.normalize_by == "global_samples":
             pooled = scale_gradient(pooled, sample_share(self.strategy, features.batch_size))
         return split_rows(pooled, features, counts, self.routing)
 
-    def _unit(self, features: SparseFeatures) -> tuple[SparseFeatures, SparseFeatures, list[int]]:
-        """Checked (a bad batch stops every rank), on the device, and as one bag per id."""
-        try:
-            features = check_sequence_features(features, self.configs)
-        except EmbeddingInputError:
-            self._refuse_step()
-            raise
-        features = features.to(self.strategy.device)
-        bags, counts = unit_bags(features)
-        return features, bags, counts
 
-    def prefetch(self, features: SparseFeatures) -> None:
-        """As the bag collection's: this batch's ids start travelling now (collective); raw
-        ids of ManagedCollisions tables to their remappers."""
-        self._in_flight.check_free()
-        _, bags, counts = self._unit(features)
-        checked = self._checked(bags)
-        if self.raw_id_remap is not None and self.raw_id_remap.exchanges:
-            self._in_flight.hold(features, self.raw_id_remap.send(checked), counts)
-            return
-        self._hold(features, checked, counts)
+class _UnitBags:
+    """The input shape (batch_inputs.py): checked, on the device, one bag per id; the
+    batch's features (on the device) and id counts for the output."""
+
+    def __init__(self, configs: Sequence[EmbeddingBagConfig], device: torch.device) -> None:
+        self.configs, self.device = configs, device
+
+    def __call__(
+        self, features: SparseFeatures
+    ) -> tuple[SparseFeatures, tuple[SparseFeatures, list[int]]]:
+        features = check_sequence_features(features, self.configs).to(self.device)
+        bags, counts = unit_bags(features)
+        return bags, (features, counts)

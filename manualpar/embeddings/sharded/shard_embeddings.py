@@ -1,6 +1,6 @@
 """shard_embeddings: split an EmbeddingBagCollection over the ranks, with a fused optimizer.
 
-    emb = shard_embeddings(model.emb, strategy, plan="auto", optimizer=RowWiseAdagrad(lr=0.05))
+    emb = shard_embeddings(model.emb, strategy, plan="auto", rule=RowWiseAdagrad(lr=0.05))
     pooled = emb(features)            # (local batch, sum of dims); differentiable
     loss.backward()                   # the tables are updated here, inside backward
 
@@ -18,7 +18,7 @@ an EmbeddingCollection (one row per id) a ShardedEmbeddingCollection
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -26,7 +26,7 @@ from manualpar import deprecated
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.sharded.bag_collection import ShardedEmbeddingBagCollection
 from manualpar.embeddings.sharded.sequence_collection import ShardedEmbeddingCollection
@@ -48,11 +48,12 @@ __all__ = ["shard_embeddings"]
 NORMALIZATIONS = ("world_size", "global_samples")  # the spellings ddp() takes
 
 
+@overload
 def shard_embeddings(
-    ebc: EmbeddingBagCollection | EmbeddingCollection,
+    ebc: EmbeddingCollection,
     strategy: ManualParallelStrategy,
     plan: EmbeddingPlan | Mapping[str, TablePlacement] | str = "auto",
-    optimizer: SparseOptimizer | None = None,
+    rule: UpdateRule | None = None,
     *,
     memory_budget_bytes: int | None = None,
     normalize_by: str = "world_size",
@@ -62,8 +63,48 @@ def shard_embeddings(
     guard_half_rows: bool = False,
     wire_dtype: torch.dtype | WireDtypes | str | None = None,
     pinned: Mapping[str, TablePlacement] | None = None,
-) -> ShardedEmbeddingBagCollection:
-    """Shard `ebc` (meta or materialized) by `plan` and train it with the fused `optimizer`.
+    optimizer: UpdateRule | None = None,
+) -> ShardedEmbeddingCollection: ...
+
+
+@overload
+def shard_embeddings(
+    ebc: EmbeddingBagCollection,
+    strategy: ManualParallelStrategy,
+    plan: EmbeddingPlan | Mapping[str, TablePlacement] | str = "auto",
+    rule: UpdateRule | None = None,
+    *,
+    memory_budget_bytes: int | None = None,
+    normalize_by: str = "world_size",
+    mesh: DeviceMesh | None = None,
+    disk_tier: DiskTier | None = None,
+    non_finite: str = "raise",
+    guard_half_rows: bool = False,
+    wire_dtype: torch.dtype | WireDtypes | str | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
+    optimizer: UpdateRule | None = None,
+) -> ShardedEmbeddingBagCollection: ...
+
+
+def shard_embeddings(
+    ebc: EmbeddingBagCollection | EmbeddingCollection,
+    strategy: ManualParallelStrategy,
+    plan: EmbeddingPlan | Mapping[str, TablePlacement] | str = "auto",
+    rule: UpdateRule | None = None,
+    *,
+    memory_budget_bytes: int | None = None,
+    normalize_by: str = "world_size",
+    mesh: DeviceMesh | None = None,
+    disk_tier: DiskTier | None = None,
+    non_finite: str = "raise",
+    guard_half_rows: bool = False,
+    wire_dtype: torch.dtype | WireDtypes | str | None = None,
+    pinned: Mapping[str, TablePlacement] | None = None,
+    optimizer: UpdateRule | None = None,
+) -> ShardedEmbeddingBagCollection | ShardedEmbeddingCollection:
+    """Shard `ebc` (meta or materialized) by `plan` and train it with the update `rule`
+    (SGD, Adagrad, RowWiseAdagrad, Adam), which the fused optimizer applies in backward;
+    `optimizer=`, its name before 0.3, still works with a warning.
 
     `plan`: "auto" (the planner; `memory_budget_bytes` per rank), an EmbeddingPlan, or a
     mapping table name -> placement for this world size. Meta tables are initialized per shard
@@ -80,7 +121,7 @@ def shard_embeddings(
     in files, each rank caching the rows in use (disk_tier.py).
 
     `pinned` (with plan="auto"): {table: placement} the planner keeps as given, planning the
-    others around them, e.g. `pinned={"ads": on_disk(row_wise())}` with `disk_tier=`.
+    others around them, e.g. `pinned={"ads": row_wise(on_disk=True)}` with `disk_tier=`.
 
     `non_finite`: what a step whose output gradient holds NaN or inf does, on every rank
     alike, before any row changes: "raise" (NonFiniteError naming tables, ranks and counts) or
@@ -96,16 +137,18 @@ def shard_embeddings(
     (None: float32), one for both or `WireDtypes(forward=torch.float16, backward=
     torch.bfloat16)`: forward float16, bfloat16 or float8 (e4m3fn, e5m2), backward bfloat16;
     the sums and updates stay float32, each travelling value is rounded once (step/wire.py;
-    docs/embeddings-training.md, "Half-precision exchanges").
+    docs/embeddings-training.md, "Half-precision exchanges"). None with a plan that records
+    a wire (`EmbeddingPlan.wire`, the planner's pick) takes the plan's.
     """
     if not isinstance(ebc, EmbeddingBagCollection | EmbeddingCollection):
         raise BuilderError(
             f"{BUILDER}() takes an EmbeddingBagCollection or an EmbeddingCollection, got "
             f"{type(ebc).__name__}"
         )
-    if optimizer is None:
+    rule = deprecated.renamed_keyword("shard_embeddings(optimizer=...)", rule, optimizer, "rule=")
+    if rule is None:
         raise BuilderError(
-            f"{BUILDER}(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
+            f"{BUILDER}(): pass rule=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...);"
             " sharded tables are updated by a fused optimizer inside backward"
         )
     converted = {
@@ -138,21 +181,20 @@ def shard_embeddings(
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan must be 'auto', an EmbeddingPlan or a mapping, got {plan!r}")
-        plan = _auto_plan(ebc, strategy, optimizer, memory_budget_bytes, layout, disk_tier, pinned)
+        plan = _auto_plan(ebc, strategy, rule, memory_budget_bytes, layout, disk_tier, pinned)
     elif not isinstance(plan, EmbeddingPlan):
         plan = EmbeddingPlan(layout.shard_size, dict(plan))
     layout.check_plan_size(plan.world_size)
     plan.validate(ebc.configs, layout.shard_size)
+    if wire_dtype is None and plan.wire is not None:  # the planner's pick (wire_dtypes=)
+        wire = wire_dtypes(plan.wire)
     check_disk_plan(plan, disk_tier, layout.replicate is not None)
     claim(ebc, BUILDER)
-    sharded = (
-        ShardedEmbeddingCollection(
-            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier, non_finite
-        )
+    settings = (strategy, plan, rule, normalize_by, layout, disk_tier, non_finite)
+    sharded: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection = (
+        ShardedEmbeddingCollection(ebc, *settings)
         if isinstance(ebc, EmbeddingCollection)
-        else ShardedEmbeddingBagCollection(
-            ebc, strategy, plan, optimizer, normalize_by, layout, disk_tier, non_finite
-        )
+        else ShardedEmbeddingBagCollection(ebc, *settings)
     )
     if guard_half_rows:
         sharded.step.backward_phases.guard_half_rows()
@@ -164,7 +206,7 @@ def shard_embeddings(
 def _auto_plan(
     ebc: EmbeddingBagCollection | EmbeddingCollection,
     strategy: ManualParallelStrategy,
-    optimizer: SparseOptimizer,
+    rule: UpdateRule,
     budget: int | None,
     layout: TableMesh,
     disk_tier: DiskTier | None = None,
@@ -173,13 +215,13 @@ def _auto_plan(
     """The planner's plan for the shard group, within `budget` bytes per rank; by default the
     memory every rank can still allocate, so a table that cannot fit is named before anything
     is allocated."""
-    from manualpar.embeddings.planning.planner import plan_collections
+    from manualpar.embeddings.planning import plan_collections
 
     plans = plan_collections(
         {"tables": ebc},
         strategy,
         memory_budget_bytes=budget,
-        optimizer=optimizer,
+        optimizer=rule,
         mesh=layout.shard if layout.replicate is not None else None,
         disk_tier=disk_tier,
         pinned=pinned,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
@@ -35,7 +34,7 @@ from manualpar.embeddings.step.size_header import REFUSED, header_width
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.step.update_journal import UpdateJournal
 from manualpar.embeddings.step.wire import WireDtypes
-from manualpar.embeddings.storage.tier import TableStores
+from manualpar.embeddings.storage.table_blocks import TableBlocks
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -47,9 +46,8 @@ class ShardedStep:
     def __init__(
         self,
         routing: Routing,
-        tables: nn.ModuleDict,
+        blocks: TableBlocks,
         optimizer: FusedOptimizer,
-        stores: TableStores,
         strategy: ManualParallelStrategy,
         normalize_by: str,
         device: torch.device,
@@ -57,13 +55,14 @@ class ShardedStep:
         non_finite: str = "raise",
         compact_bags: bool = False,
         owner_remap: OwnerRemap | None = None,
+        warn_uneven: bool = True,
     ) -> None:
         self.parts = StepParts(
             routing,
             ExchangeLayout(routing, compact_bags, owner_remap),
-            tables,
+            blocks.tables,
             optimizer,
-            stores,
+            blocks.stores,
             strategy,
             normalize_by,
             device,
@@ -72,7 +71,7 @@ class ShardedStep:
         )
         data_parallel = DataParallelTables(self.parts)
         batched = BatchedTables(self.parts)
-        self.forward_phases = ForwardPhases(self.parts, data_parallel, batched)
+        self.forward_phases = ForwardPhases(self.parts, data_parallel, batched, warn_uneven)
         self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite, batched)
         self.phase_times = PhaseTimes(device)
         self.wire = WireDtypes()
