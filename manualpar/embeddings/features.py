@@ -7,13 +7,18 @@ pooling). The batch is validated when built, so a malformed batch fails here, na
 feature, and not later inside a collective; the validation runs eagerly even when the batch is
 built inside a torch.compile'd function.
 
+A feature may hold its own number of bags (a deduplicated user feature: one bag per request,
+read by each of its item rows): `bags_per_key` gives each key's bag count, `lengths` one length
+per bag, and `inverse_indices[f, b]` the bag sample b reads (variable_batch.py). The sharded
+step looks each bag up once and expands the pooled rows after the exchange.
+
 TorchRec's KeyedJaggedTensor has the same layout: `from_kjt` reads one (or any object with its
-methods) and `to_kjt` builds one, sharing the tensors; TorchRec is imported only by `to_kjt`.
+methods, its variable-stride form too) and `to_kjt` builds one, sharing the tensors; TorchRec is
+imported only by `to_kjt`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,18 +26,29 @@ from typing import Any
 import torch
 
 from manualpar.eager import eager_only
-from manualpar.errors import EmbeddingInputError, MissingDependencyError
+from manualpar.embeddings.kjt_form import build_kjt, lengths_of_offsets, read_kjt
+from manualpar.embeddings.variable_batch import (
+    bag_starts,
+    check_variable_batch,
+    expand_bags,
+    ids_per_key,
+    inverse_rows,
+    unread_emptied,
+)
+from manualpar.errors import EmbeddingInputError
 
 __all__ = ["JaggedFeature", "SparseFeatures"]
 
 
 @dataclass(frozen=True)
 class JaggedFeature:
-    """The bags of one feature: ids, lengths (one per sample) and optional per-id weights."""
+    """The bags of one feature: ids, lengths (one per bag) and optional per-id weights; with
+    `inverse_indices`, the bag each sample reads (else one bag per sample)."""
 
     values: torch.Tensor
     lengths: torch.Tensor
     weights: torch.Tensor | None = None
+    inverse_indices: torch.Tensor | None = None
 
     def offsets(self) -> torch.Tensor:
         return _offsets(self.lengths)
@@ -44,19 +60,27 @@ class JaggedFeature:
 @dataclass(frozen=True)
 class SparseFeatures:
     """A batch of ids: `keys`, then every bag's ids feature-major in `values`, one length per
-    (key, sample) in `lengths`, optional per-id `weights`; validated when built."""
+    (key, sample) in `lengths`, optional per-id `weights`; validated when built. A batch per
+    feature: `bags_per_key` (each key's bags, `lengths` one per bag) and `inverse_indices`
+    ((keys, batch): the bag each sample reads), both or neither."""
 
     keys: tuple[str, ...]
     values: torch.Tensor
     lengths: torch.Tensor
     weights: torch.Tensor | None = None
+    bags_per_key: tuple[int, ...] | None = None
+    inverse_indices: torch.Tensor | None = None
     _sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))
+        if self.bags_per_key is not None:
+            object.__setattr__(self, "bags_per_key", tuple(self.bags_per_key))
         sizes = _validate(self)
         object.__setattr__(self, "values", self.values.to(torch.int64))
         object.__setattr__(self, "lengths", self.lengths.to(torch.int64))
+        if self.inverse_indices is not None:
+            object.__setattr__(self, "inverse_indices", self.inverse_indices.to(torch.int64))
         # Each key's id count, read once here (validation reads the lengths anyway), so that
         # slicing a feature out needs no host read: eager saves a sync per slice, and
         # torch.compile traces `batch[key]` and `select` without a graph break.
@@ -70,6 +94,8 @@ class SparseFeatures:
         lengths: torch.Tensor,
         weights: torch.Tensor | None,
         sizes: tuple[int, ...],
+        bags_per_key: tuple[int, ...] | None = None,
+        inverse_indices: torch.Tensor | None = None,
     ) -> SparseFeatures:
         """A batch made of parts of a validated one (int64 tensors, sizes known): skips the
         validation, whose host reads would break a compiled caller's graph."""
@@ -79,6 +105,8 @@ class SparseFeatures:
             ("values", values),
             ("lengths", lengths),
             ("weights", weights),
+            ("bags_per_key", bags_per_key),
+            ("inverse_indices", inverse_indices),
             ("_sizes", sizes),
         ):
             object.__setattr__(batch, name, value)
@@ -90,14 +118,19 @@ class SparseFeatures:
         cls,
         bags: Mapping[str, Sequence[Sequence[int]]],
         weights: Mapping[str, Sequence[Sequence[float]]] | None = None,
+        inverse_indices: Mapping[str, Sequence[int]] | None = None,
     ) -> SparseFeatures:
-        """From Python lists: {"user": [[1, 2], [], [7]], "item": [[3], [4], [5, 6]]}."""
+        """From Python lists: {"user": [[1, 2], [], [7]], "item": [[3], [4], [5, 6]]}.
+        `inverse_indices`: for the features with their own bag count, the bag each sample reads
+        ({"user": [0, 0, 1]} with "user": [[1, 2], [7]]); the others hold one bag per sample."""
         keys = tuple(bags)
         sizes = {key: len(b) for key, b in bags.items()}
-        if len(set(sizes.values())) > 1:
+        inverse = None if inverse_indices is None else inverse_rows(keys, sizes, inverse_indices)
+        if inverse is None and len(set(sizes.values())) > 1:
             raise EmbeddingInputError(
                 f"every feature needs one bag per sample, got bag counts {sizes}; "
-                "use an empty list for a sample without ids"
+                "use an empty list for a sample without ids, or give the features with their "
+                "own bag count inverse_indices"
             )
         if weights is not None and set(weights) != set(keys):
             raise EmbeddingInputError(
@@ -121,6 +154,8 @@ class SparseFeatures:
             torch.tensor(values, dtype=torch.int64),
             torch.tensor(lengths, dtype=torch.int64),
             weight_values,
+            None if inverse is None else tuple(sizes.values()),
+            inverse,
         )
 
     @classmethod
@@ -132,56 +167,34 @@ class SparseFeatures:
         weights: torch.Tensor | None = None,
     ) -> SparseFeatures:
         """From offsets (len(keys) * B + 1 entries, starting at 0) instead of lengths."""
-        if offsets.dim() != 1 or offsets.numel() == 0 or int(offsets[0]) != 0:
-            raise EmbeddingInputError("offsets must be a 1-D tensor starting at 0")
-        return cls(tuple(keys), values, torch.diff(offsets), weights)
+        return cls(tuple(keys), values, lengths_of_offsets(offsets), weights)
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> SparseFeatures:
         """From a TorchRec KeyedJaggedTensor, or any object with its methods (duck typing, so
         TorchRec need not be installed): keys(), values(), lengths() or offsets(), and
-        weights_or_none(). The tensors are shared when they are already int64."""
-        has_lengths = callable(getattr(kjt, "lengths", None))
-        has_offsets = callable(getattr(kjt, "offsets", None))
-        missing = [
-            f"{name}()"
-            for name in ("keys", "values", "weights_or_none")
-            if not callable(getattr(kjt, name, None))
-        ]
-        if not has_lengths and not has_offsets:
-            missing.append("lengths() or offsets()")
-        if missing:
-            raise EmbeddingInputError(
-                f"SparseFeatures.from_kjt(): a {type(kjt).__name__} has no {', '.join(missing)}; "
-                "it takes a KeyedJaggedTensor or an object with keys(), values(), lengths() (or "
-                "offsets()) and weights_or_none()"
-            )
-        variable = getattr(kjt, "variable_stride_per_key", None)
-        if callable(variable) and variable():
-            raise EmbeddingInputError(
-                "SparseFeatures.from_kjt(): this KeyedJaggedTensor has a batch size per feature "
-                "(variable stride); SparseFeatures needs one bag per sample for every feature, "
-                "so give each feature the same number of bags (empty ones where it has no ids)"
-            )
-        keys, values, weights = tuple(kjt.keys()), kjt.values(), kjt.weights_or_none()
-        lengths = kjt.lengths() if has_lengths else None
-        if lengths is None:
-            if not has_offsets:
-                raise EmbeddingInputError(
-                    f"SparseFeatures.from_kjt(): a {type(kjt).__name__}'s lengths() returned "
-                    "None and it has no offsets(); give it lengths or offsets"
-                )
-            return cls.from_offsets(keys, values, kjt.offsets(), weights)
-        return cls(keys, values, lengths, weights)
+        weights_or_none(); a variable stride per key (variable_stride_per_key() true) also
+        stride_per_key_per_rank() and inverse_indices_or_none(). The tensors are shared when
+        they are already int64."""
+        return cls(*read_kjt(kjt))
 
     @classmethod
     def from_features(cls, features: Mapping[str, JaggedFeature]) -> SparseFeatures:
-        """Concatenate per-feature bags (all with the same number of samples)."""
+        """Concatenate per-feature bags (all with the same number of samples; a feature with
+        inverse_indices may hold its own number of bags)."""
         keys = tuple(features)
         parts = list(features.values())
         weighted = [p.weights is not None for p in parts]
         if any(weighted) and not all(weighted):
             raise EmbeddingInputError("either every feature has weights or none does")
+        inverse = None
+        if any(p.inverse_indices is not None for p in parts):
+            rows = {
+                k: p.inverse_indices.tolist()
+                for k, p in features.items()
+                if p.inverse_indices is not None
+            }
+            inverse = inverse_rows(keys, {k: p.lengths.numel() for k, p in features.items()}, rows)
         return cls(
             keys,
             torch.cat([p.values for p in parts]) if parts else torch.empty(0),
@@ -189,12 +202,28 @@ class SparseFeatures:
             torch.cat([p.weights for p in parts if p.weights is not None])
             if all(weighted) and parts
             else None,
+            None if inverse is None else tuple(p.lengths.numel() for p in parts),
+            inverse,
         )
 
     # views ------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Samples in the batch (with a batch per feature: the inverse indices' columns)."""
+        if self.inverse_indices is not None:
+            return self.inverse_indices.shape[1]
         return self.lengths.numel() // len(self.keys) if self.keys else 0
+
+    @property
+    def variable_batch(self) -> bool:
+        """Whether the features hold their own numbers of bags (inverse_indices expand them)."""
+        return self.inverse_indices is not None
+
+    def bag_counts(self) -> list[int]:
+        """Number of bags of each key (the batch size for each, unless variable_batch)."""
+        if self.bags_per_key is not None:
+            return list(self.bags_per_key)
+        return [self.batch_size] * len(self.keys)
 
     def offsets(self) -> torch.Tensor:
         return _offsets(self.lengths)
@@ -207,19 +236,67 @@ class SparseFeatures:
         if key not in self.keys:
             raise EmbeddingInputError(f"no feature {key!r} in this batch; it has {list(self.keys)}")
         index = self.keys.index(key)
-        batch = self.batch_size
+        starts = bag_starts(self.bag_counts())
         start = sum(self._sizes[:index])
         end = start + self._sizes[index]
-        lengths = self.lengths[index * batch : (index + 1) * batch]
+        lengths = self.lengths[starts[index] : starts[index + 1]]
         weights = None if self.weights is None else self.weights[start:end]
-        return JaggedFeature(self.values[start:end], lengths, weights)
+        inverse = None if self.inverse_indices is None else self.inverse_indices[index]
+        return JaggedFeature(self.values[start:end], lengths, weights, inverse)
 
     def to_dict(self) -> dict[str, JaggedFeature]:
         return {key: self[key] for key in self.keys}
 
     def to(self, device: torch.device | str) -> SparseFeatures:
         weights = None if self.weights is None else self.weights.to(device)
-        return SparseFeatures(self.keys, self.values.to(device), self.lengths.to(device), weights)
+        inverse = None if self.inverse_indices is None else self.inverse_indices.to(device)
+        return SparseFeatures(
+            self.keys,
+            self.values.to(device),
+            self.lengths.to(device),
+            weights,
+            self.bags_per_key,
+            inverse,
+        )
+
+    def with_values(self, values: torch.Tensor) -> SparseFeatures:
+        """The same bags holding other ids (one per id, e.g. raw ids hashed to rows)."""
+        if values.shape != self.values.shape:
+            raise EmbeddingInputError(
+                f"with_values() takes one id per id of the batch, shape "
+                f"{tuple(self.values.shape)}, got {tuple(values.shape)}"
+            )
+        same = (self.lengths, self.weights, self._sizes, self.bags_per_key, self.inverse_indices)
+        return SparseFeatures._checked(self.keys, values.to(torch.int64), *same)
+
+    def expand(self) -> SparseFeatures:
+        """The batch with one bag per (key, sample): each sample's bag copied out of its
+        feature's bags (itself if not variable_batch). What a variable batch stands for."""
+        inverse = self.inverse_indices
+        if inverse is None:
+            return self
+        parts = zip((self[key] for key in self.keys), inverse, strict=True)
+        expanded = [expand_bags(p.values, p.lengths, p.weights, i) for p, i in parts]
+        weights = [w for _, _, w in expanded if w is not None]
+        return SparseFeatures(
+            self.keys,
+            torch.cat([v for v, _, _ in expanded]),
+            torch.cat([n for _, n, _ in expanded]),
+            torch.cat(weights) if self.weights is not None else None,
+        )
+
+    def without_unread_bags(self) -> SparseFeatures:
+        """The batch with the bags no sample reads emptied (itself if every bag is read): their
+        ids would be looked up and their rows touched by the update (Adam steps a touched row
+        even with a zero gradient) for no sample of the batch it stands for."""
+        if self.inverse_indices is None or self.bags_per_key is None:
+            return self
+        emptied = unread_emptied(
+            self.values, self.lengths, self.weights, self.bags_per_key, self.inverse_indices
+        )
+        if emptied is None:
+            return self
+        return SparseFeatures(self.keys, *emptied, self.bags_per_key, self.inverse_indices)
 
     def select(self, keys: Sequence[str]) -> SparseFeatures:
         """The same batch with only `keys`, in that order (a key named twice is kept once)."""
@@ -229,38 +306,26 @@ class SparseFeatures:
             return SparseFeatures._checked((), self.values[:0], self.lengths[:0], None, ())
         weighted = [p.weights for p in parts if p.weights is not None]
         weights = torch.cat(weighted) if self.weights is not None else None
+        inverse = None
+        if self.inverse_indices is not None:
+            at = [self.keys.index(key) for key in keys]
+            rows = torch.tensor(at, device=self.inverse_indices.device)
+            inverse = self.inverse_indices.index_select(0, rows)
         return SparseFeatures._checked(
             keys,
             torch.cat([p.values for p in parts]),
             torch.cat([p.lengths for p in parts]),
             weights,
             tuple(self._sizes[self.keys.index(key)] for key in keys),
+            None if inverse is None else tuple(p.lengths.numel() for p in parts),
+            inverse,
         )
 
     def to_kjt(self) -> Any:
         """This batch as a TorchRec `KeyedJaggedTensor` sharing its tensors (TorchRec is imported
         here, and only here; ImportError says how to get it when it is missing)."""
-        try:
-            jagged = importlib.import_module("torchrec.sparse.jagged_tensor")
-        except ImportError as error:
-            absent = (
-                isinstance(error, ModuleNotFoundError)
-                and (error.name or "").split(".")[0] == "torchrec"
-            )
-            raise MissingDependencyError(
-                "SparseFeatures.to_kjt() needs TorchRec, which is not installed (pip install "
-                "torchrec; manualpar itself does not need it)"
-                if absent
-                else f"SparseFeatures.to_kjt() needs TorchRec, which is installed but failed to "
-                f"import: {error}"
-            ) from error
-        return jagged.KeyedJaggedTensor(
-            keys=list(self.keys),
-            values=self.values,
-            lengths=self.lengths,
-            weights=self.weights,
-            stride=self.batch_size,
-        )
+        fields = (self.keys, self.values, self.lengths, self.weights)
+        return build_kjt((*fields, self.bags_per_key, self.inverse_indices), self.batch_size)
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -298,21 +363,36 @@ def _validate(batch: SparseFeatures) -> list[int]:
                 f"SparseFeatures.{name} (features {list(keys)}) must hold integer {what} (int64 "
                 f"or int32), got {tensor.dtype}; convert with .long(){hint}"
             )
-    if keys and lengths.numel() % len(keys):
+    variable = batch.inverse_indices is not None
+    if variable != (batch.bags_per_key is not None):
+        raise EmbeddingInputError(
+            "a batch per feature needs both bags_per_key (each feature's bag count) and "
+            "inverse_indices (the bag each sample reads), or neither"
+        )
+    if variable:
+        assert batch.bags_per_key is not None and batch.inverse_indices is not None
+        check_variable_batch(keys, lengths, batch.bags_per_key, batch.inverse_indices)
+    elif keys and lengths.numel() % len(keys):
         raise EmbeddingInputError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
             f"{list(keys)}: expected one length per (key, sample)"
         )
     if not keys and (lengths.numel() or values.numel()):
         raise EmbeddingInputError("a batch without keys cannot hold ids")
+    starts = bag_starts(batch.bag_counts())
     if lengths.numel() and bool((lengths < 0).any()):
         bad = int(torch.nonzero(lengths < 0)[0])
+        f = next(k for k in range(len(keys)) if starts[k + 1] > bad)
+        which = "bag" if variable else "sample"
         raise EmbeddingInputError(
-            f"feature {keys[bad // batch.batch_size]!r}: negative bag length "
-            f"{int(lengths[bad])} for sample {bad % batch.batch_size}; a length counts the ids "
-            "of one bag and must be >= 0"
+            f"feature {keys[f]!r}: negative bag length {int(lengths[bad])} for {which} "
+            f"{bad - starts[f]}; a length counts the ids of one bag and must be >= 0"
         )
-    sizes: list[int] = lengths.view(len(keys), -1).sum(1).tolist() if keys else []
+    sizes: list[int]
+    if variable:
+        sizes = ids_per_key(lengths, batch.bag_counts())
+    else:
+        sizes = lengths.view(len(keys), -1).sum(1).tolist() if keys else []
     total = sum(sizes)
     if total != values.numel():
         raise EmbeddingInputError(

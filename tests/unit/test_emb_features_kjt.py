@@ -155,11 +155,13 @@ def test_from_kjt_refuses_bad_contents_as_any_batch() -> None:
         SparseFeatures.from_kjt(lazy)
 
 
-def test_from_kjt_refuses_a_batch_size_per_feature() -> None:
+def test_from_kjt_names_what_a_variable_stride_lacks() -> None:
     fake = FakeKJT(["user", "item"], torch.tensor([1, 2]), torch.tensor([1, 0, 1]))
     fake.variable_stride_per_key = lambda: True  # type: ignore[attr-defined]
     with pytest.raises(
-        EmbeddingInputError, match=r"has a batch size per feature \(variable stride\)"
+        EmbeddingInputError,
+        match=r"a FakeKJT with a variable stride per key has no stride_per_key_per_rank\(\), "
+        r"inverse_indices_or_none\(\)",
     ):
         SparseFeatures.from_kjt(fake)
 

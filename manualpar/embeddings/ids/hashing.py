@@ -99,7 +99,7 @@ def _hash_natively(
     values = loaded_kernels().hash_feature_ids(
         features.values.to(torch.int64).contiguous(), bounds, torch.tensor(keys), torch.tensor(rows)
     )
-    return SparseFeatures(features.keys, values, features.lengths, features.weights)
+    return features.with_values(values)
 
 
 def table_ids(
@@ -137,4 +137,4 @@ def with_table_ids(
             parts[index : index + count] = ids[table.name].split(sizes[index : index + count])
         index += count
     values = torch.cat(parts) if parts else features.values
-    return SparseFeatures(features.keys, values, features.lengths, features.weights)
+    return features.with_values(values)

@@ -26,6 +26,7 @@ from manualpar.embeddings.kernels.rounding import HALF_DTYPES, accumulation_dtyp
 from manualpar.embeddings.kernels.row_memory import empty_rows
 from manualpar.embeddings.modules.table_init import init_rows
 from manualpar.embeddings.modules.table_record import TableRecords
+from manualpar.embeddings.variable_batch import bag_starts
 from manualpar.errors import EmbeddingInputError
 
 __all__ = [
@@ -137,6 +138,7 @@ class EmbeddingBagCollection(TableRecords, nn.Module):
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         features = hash_raw_ids(check_features(features, self.configs), self.configs)
+        features = features.without_unread_bags()  # rows no sample reads stay untouched
         if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
             features = self.raw_id_remap(features)
         outputs = []
@@ -163,6 +165,8 @@ class EmbeddingBagCollection(TableRecords, nn.Module):
                     )
                 if config.pooling == "mean":
                     pooled = pooled / bags.lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+                if bags.inverse_indices is not None:  # each bag pooled once, then expanded
+                    pooled = pooled.index_select(0, bags.inverse_indices)
                 outputs.append(pooled)
         return PooledEmbeddings(
             torch.cat(outputs, 1),
@@ -200,14 +204,15 @@ def check_features(
     if list(features.keys) != expected:
         features = features.select(expected)
     sizes = iter(features.feature_sizes())
-    start, batch, index = 0, features.batch_size, 0
+    bags = bag_starts(features.bag_counts())
+    start, index = 0, 0
     for config in tables:
         for name in config.feature_names:
             size = next(sizes)
             ids = features.values[start : start + size]
             start += size
             if size and config.raw_ids is None:
-                _check_ids(ids, features.lengths[index * batch : (index + 1) * batch], name, config)
+                _check_ids(ids, features.lengths[bags[index] : bags[index + 1]], name, config)
             index += 1
     return features
 

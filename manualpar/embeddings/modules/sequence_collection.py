@@ -154,7 +154,17 @@ class EmbeddingCollection(TableRecords, nn.Module):
 def check_sequence_features(
     features: SparseFeatures, tables: Sequence[EmbeddingBagConfig]
 ) -> SparseFeatures:
-    """check_features (keys in the tables' order, ids in range), and no per-id weights."""
+    """check_features (keys in the tables' order, ids in range), no per-id weights and one
+    bag per sample (no batch per feature)."""
+    if isinstance(features, SparseFeatures) and features.inverse_indices is not None:
+        counts = features.bag_counts()
+        own = [k for k, n in zip(features.keys, counts, strict=True) if n != features.batch_size]
+        raise EmbeddingInputError(
+            f"features {own or list(features.keys)} hold their own number of bags "
+            f"({dict(zip(features.keys, counts, strict=True))} for {features.batch_size} "
+            f"samples), but sequence embeddings take one sequence per sample; pass "
+            "features.expand() (each sample's sequence copied out)"
+        )
     if isinstance(features, SparseFeatures) and features.weights is not None:
         raise EmbeddingInputError(
             f"features {list(features.keys)} carry per-id weights, but sequence embeddings "

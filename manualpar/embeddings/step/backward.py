@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, row_gradients
+from manualpar.embeddings.step.bag_expansion import OutputGrad
 from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
@@ -74,14 +75,15 @@ class BackwardPhases:
         # exchange must not queue behind the gradients (waiting for it would then wait for them
         # too, and the own rows' update would no longer overlap their travel)
         non_finite = self.finite.start(grad, frozen)
+        by_bag = OutputGrad(grad, routing, saved.feature_bags)  # summed back onto bags
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
         if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
-            flat, splits = layout.pack_output_grad(grad, full, frozen, saved.kept)
+            flat, splits = layout.pack_output_grad(by_bag, full, frozen, saved.kept)
             receive = layout.grad_receive_splits(saved.bag_counts, full, frozen)
             grads_in = start_on_wire(parts, flat, splits, receive, "output gradient", self.wire)
-        own = layout.own_grad_blocks(grad, full, frozen)
-        return RoutedGradients(grad, own, grads_in, non_finite)
+        own = layout.own_grad_blocks(by_bag, full, frozen)
+        return RoutedGradients(grad, own, grads_in, non_finite, by_bag)
 
     # update -----------------------------------------------------------------------------------
     @timed(UPDATE)
@@ -108,7 +110,8 @@ class BackwardPhases:
             self._update_batched(routed, saved)
         else:
             self._update_tables(routed, saved)
-        self.data_parallel.update(routed.grad, saved.feature_ids, own_scale, frozen)
+        by_bag = routed.by_bag or OutputGrad(routed.grad, routing)
+        self.data_parallel.update(by_bag, saved.feature_ids, own_scale, frozen)
         optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
         try:
             kept = guard.passed(before) if guard else True  # False: overflowed rows put back

@@ -12,6 +12,7 @@ import torch
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import pooled_sum, row_gradients
+from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad
 from manualpar.embeddings.step.parts import StepParts
 
 __all__ = ["DataParallelTables", "FeatureIds", "split_features"]
@@ -20,15 +21,12 @@ FeatureIds = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # per
 
 
 def split_features(features: SparseFeatures) -> FeatureIds:
-    """Per feature: its (ids, lengths, weights)."""
-    batch = features.batch_size
+    """Per feature: its (ids, lengths, weights), one length per bag."""
     sizes = features.feature_sizes()
     values = features.values.split(sizes)
+    lengths = features.lengths.split(features.bag_counts())
     weights = features.weights.split(sizes) if features.weights is not None else [None] * len(sizes)
-    return [
-        (values[f], features.lengths[f * batch : (f + 1) * batch], weights[f])
-        for f in range(len(sizes))
-    ]
+    return [(values[f], lengths[f], weights[f]) for f in range(len(sizes))]
 
 
 class DataParallelTables:
@@ -38,9 +36,10 @@ class DataParallelTables:
         self.parts = parts
         self.tables = parts.routing.data_parallel
 
-    def lookup(self, features: SparseFeatures, out: torch.Tensor) -> FeatureIds:
-        """Write the replicated tables' pooled columns of `out`; returns the per-feature ids
-        backward needs (none without replicated tables)."""
+    def lookup(self, features: SparseFeatures, out: torch.Tensor, bags: FeatureBags) -> FeatureIds:
+        """Write the replicated tables' pooled columns of `out` (each bag pooled once, then
+        expanded to the batch); returns the per-feature ids backward needs (none without
+        replicated tables)."""
         routing = self.parts.routing
         if not self.tables:
             return []
@@ -49,14 +48,13 @@ class DataParallelTables:
             if t in self.tables:
                 ids, lengths, weights = feature_ids[f]
                 start = routing.feature_offsets[f]
-                out[:, start : start + routing.dims[f]] = pooled_sum(
-                    self.parts.weight(t), ids, lengths, weights
-                )
+                pooled = pooled_sum(self.parts.weight(t), ids, lengths, weights)
+                out[:, start : start + routing.dims[f]] = bags.expand(f, pooled)
         return feature_ids
 
     def update(
         self,
-        grad: torch.Tensor,
+        grad: OutputGrad,
         feature_ids: FeatureIds,
         my_scale: float,
         frozen: frozenset[int],
@@ -70,13 +68,13 @@ class DataParallelTables:
         buffers = []
         for t in tables:
             config = routing.tables[t]
-            dense = grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
+            dense = grad.grad.new_zeros(config.num_embeddings, config.embedding_dim + 1)
             for f, (_, ft) in enumerate(routing.features):
                 if ft != t:
                     continue
                 ids, lengths, weights = feature_ids[f]
                 start = routing.feature_offsets[f]
-                bag_grads = grad[:, start : start + config.embedding_dim] * my_scale
+                bag_grads = grad.columns(f, start, start + config.embedding_dim) * my_scale
                 rows, summed = row_gradients(
                     ids, lengths, weights, bag_grads, config.num_embeddings
                 )

@@ -15,10 +15,14 @@ split each feature's ids by row range (a stable sort keeps bag order).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
+from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad, route_sums
 from manualpar.embeddings.step.routing import LocalShard, RawIdRoutes, Route, Routing
 
 __all__ = [
@@ -128,13 +132,15 @@ class ExchangeLayout:
         self.compact = compact
 
     def pack_ids(
-        self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+        self, features: SparseFeatures, lengths: Sequence[torch.Tensor], bags: FeatureBags
     ) -> list[torch.Tensor]:
         """Per destination rank: the lengths, ids and weight bits of the bags it serves us, in its
-        route order. `lengths` is (features, batch)."""
+        route order. `lengths`: each feature's bag lengths; a variable batch sends each route's
+        bag count first."""
         world = self.routing.world_size
+        values, weights = features.values, features.weights
         starts = [0]
-        for count in lengths.sum(1).tolist():
+        for count in features.feature_sizes():
             starts.append(starts[-1] + count)
         lens_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
         ids_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -167,10 +173,15 @@ class ExchangeLayout:
                 ids_to[dest].append(id_parts[g])
                 if w_parts is not None:
                     weights_to[dest].append(w_parts[g])
+        heads: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        if bags.variable:  # each route's bag count leads
+            for d, served in enumerate(self.routing.routes_to):
+                per_route = [bags.counts[route.feature] for route in served]
+                heads[d] = [torch.tensor(per_route, dtype=torch.int64, device=values.device)]
         return [
-            torch.cat([*lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]).to(
-                torch.int64
-            )
+            torch.cat(
+                [*heads[d], *lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]
+            ).to(torch.int64)
             if lens_to[d]
             else torch.empty(0, dtype=torch.int64, device=values.device)
             for d in range(world)
@@ -198,22 +209,27 @@ class ExchangeLayout:
         batch: int,
         weighted: bool,
         compact: bool = False,
+        variable: bool = False,
     ) -> list[SenderBags]:
         """One sender's payload to us -> its bags for each of our routed local shards
-        (`compact`: the bags with ids only)."""
+        (`compact`: the bags with ids only; `variable`: a batch per feature, each route's bag
+        count first)."""
         local = self.routing.routed_local_shards()
         routes = len(self.routing.routes_to[self.routing.rank])
-        lens = payload[: routes * batch].view(routes, batch)
-        route_ids = lens.sum(1).tolist()
+        head = routes if variable else 0
+        counts = payload[:head].tolist() if variable else [batch] * routes
+        lens = payload[head : head + sum(counts)]
+        route_ids = route_sums(lens, counts)
         total = sum(route_ids)
-        ids = payload[routes * batch : routes * batch + total]
-        bits = payload[routes * batch + total :] if weighted else None
+        ids = payload[head + lens.numel() : head + lens.numel() + total]
+        bits = payload[head + lens.numel() + total :] if weighted else None
         bags: list[SenderBags] = []
-        row = id_start = 0
+        row = id_start = bag_start = 0
         for shard in local:
             count = len(shard.features)
             n_ids = sum(route_ids[row : row + count])
-            shard_lens = lens[row : row + count].flatten()
+            n_bags = sum(counts[row : row + count])
+            shard_lens = lens[bag_start : bag_start + n_bags]
             bags.append(
                 (
                     ids[id_start : id_start + n_ids],
@@ -223,40 +239,43 @@ class ExchangeLayout:
             )
             row += count
             id_start += n_ids
+            bag_start += n_bags
         return bags
 
     def pooled_blocks(
         self,
         owner: int,
         received: torch.Tensor,
-        batch: int,
+        counts: Sequence[int],
         kept: list[torch.Tensor | None] | None = None,
     ) -> list[tuple[Route, torch.Tensor, torch.Tensor | None]]:
-        """Receiver side: an owner's pooled buffer for our batch -> (route, (bags, cols) block,
-        the batch rows of its bags: None for all of them) per route (`kept`: kept_bags')."""
+        """Receiver side: an owner's pooled buffer for our batch (`counts`: each feature's
+        bags) -> (route, (bags, cols) block, the batch rows of its bags: None for all of them)
+        per route (`kept`: kept_bags')."""
         blocks = []
         offset = 0
         for r, route in enumerate(self.routing.routes_to[owner]):
             rows = None if kept is None else kept[r]
-            bags = batch if rows is None else rows.numel()
+            bags = counts[route.feature] if rows is None else rows.numel()
             size = bags * route.cols
             blocks.append((route, received[offset : offset + size].view(bags, route.cols), rows))
             offset += size
         return blocks
 
-    def output_splits(self, batch: int, kept: Kept = None) -> list[int]:
-        """Receiver side: how many floats each other owner sends back for our batch."""
+    def output_splits(self, counts: Sequence[int], kept: Kept = None) -> list[int]:
+        """Receiver side: how many floats each other owner sends back for our batch
+        (`counts`: each feature's bags)."""
         splits = []
         for owner, routes in enumerate(self.routing.routes_to):
             owner_kept = None if kept is None else kept[owner]
             if owner == self.routing.rank:
                 splits.append(0)
             elif owner_kept is None:
-                splits.append(batch * sum(r.cols for r in routes))
+                splits.append(sum(counts[r.feature] * r.cols for r in routes))
             else:
                 splits.append(
                     sum(
-                        (batch if k is None else k.numel()) * r.cols
+                        (counts[r.feature] if k is None else k.numel()) * r.cols
                         for k, r in zip(owner_kept, routes, strict=True)
                     )
                 )
@@ -283,7 +302,7 @@ class ExchangeLayout:
 
     def pack_output_grad(
         self,
-        grad: torch.Tensor,
+        grad: OutputGrad,
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
         kept: Kept = None,
@@ -303,18 +322,18 @@ class ExchangeLayout:
                 if route.table in frozen:
                     continue
                 start, end = self.grad_columns(route, full_rows)
-                columns = grad[:, start:end]
+                columns = grad.columns(route.feature, start, end)
                 rows = None if owner_kept is None else owner_kept[r]
                 if rows is not None:
                     columns = columns.index_select(0, rows)
                 blocks.append(columns.flatten())
             splits.append(sum(b.numel() for b in blocks[start_len:]))
-        flat = torch.cat(blocks) if blocks else grad.new_empty(0)
+        flat = torch.cat(blocks) if blocks else grad.grad.new_empty(0)
         return flat, splits
 
     def own_grad_blocks(
         self,
-        grad: torch.Tensor,
+        grad: OutputGrad,
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
     ) -> list[list[torch.Tensor]]:
@@ -331,7 +350,7 @@ class ExchangeLayout:
                 if route.table in frozen:
                     continue
                 start, end = self.grad_columns(route, full_rows)
-                views.append(grad[:, start:end].contiguous())
+                views.append(grad.columns(route.feature, start, end).contiguous())
             index += len(shard.features)
             blocks.append(views)
         return blocks

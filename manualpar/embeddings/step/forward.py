@@ -18,10 +18,10 @@ import torch
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
+from manualpar.embeddings.step.bag_expansion import FeatureBags, bag_lengths
 from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import (
-    Kept,
     SenderBags,
     combine_senders,
     pack_pooled,
@@ -37,7 +37,13 @@ from manualpar.embeddings.step.phase_times import (
     timed,
 )
 from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
-from manualpar.embeddings.step.size_header import check_refusals, header_width, size_header
+from manualpar.embeddings.step.size_header import (
+    VARIABLE,
+    WEIGHTED,
+    check_refusals,
+    header_width,
+    size_header,
+)
 from manualpar.embeddings.step.wire import Arriving, start_on_wire
 from manualpar.embeddings.storage.disk_tier import CacheTooSmall
 from manualpar.embeddings.storage.tier import Pins
@@ -64,13 +70,14 @@ class ForwardPhases:
         parts: StepParts,
         data_parallel: DataParallelTables,
         batched: BatchedTables | None = None,
+        warn_uneven: bool = True,
     ) -> None:
         self.parts = parts
         self.data_parallel = data_parallel
         self.batched = batched or BatchedTables(parts)  # many tables, one call each phase
-        # batches are samples (not a sequence collection's padded ids): say once when uneven
-        # batches are averaged per rank
-        self.warn_uneven = parts.normalize_by == "world_size"
+        # say once when uneven batches are averaged per rank; `warn_uneven` False: the bags
+        # are not samples (a sequence collection's padded ids)
+        self.warn_uneven = warn_uneven and parts.normalize_by == "world_size"
         self.fetches_ahead = True  # False once a batch's rows did not fit beside the pinned
         self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
         self.wire = torch.float32  # the pooled outputs' wire dtype (wire.py)
@@ -86,12 +93,14 @@ class ForwardPhases:
         start sending each owner the bags it serves."""
         parts, layout = self.parts, self.parts.layout
         rank = parts.routing.rank
-        lengths = features.lengths.view(len(parts.routing.features), features.batch_size)
+        features = features.without_unread_bags()  # rows no sample reads stay untouched
+        bags = FeatureBags.of(features)  # a batch per feature: its bags travel, not samples
+        lengths, per_sample = bag_lengths(features, bags)
         weighted = features.weights is not None
-        payloads = layout.pack_ids(features.values, lengths, features.weights)
+        payloads = layout.pack_ids(features, lengths, bags)
         names = parts.table_names()
         flags = frozen_to_words(frozen_tables(parts.tables, names), len(names))
-        header = size_header(features.batch_size, payloads, weighted, flags)
+        header = size_header(features.batch_size, payloads, weighted, flags, bags.variable)
         headers = parts.exchange_headers(header, header_width(len(names)))
         check_refusals(headers)
         frozen = agreed_frozen([h[3:] for h in headers], names)
@@ -103,12 +112,12 @@ class ForwardPhases:
             [0 if s == rank else size[1] for s, size in enumerate(sizes)],
             "ids",
         )
-        own = layout.unpack_ids(payloads[rank], features.batch_size, weighted)
+        own = layout.unpack_ids(payloads[rank], bags.batch, weighted, variable=bags.variable)
         job_batches = [h[0] for h in headers]
         if self.warn_uneven and len(set(job_batches)) > 1:
             self._warn_uneven(job_batches)
         kept = layout.kept_bags(payloads, features.batch_size)
-        return RoutedIds(features, lengths, sizes, own, ids_in, frozen, job_batches, kept)
+        return RoutedIds(features, per_sample, sizes, own, ids_in, frozen, job_batches, bags, kept)
 
     def _warn_uneven(self, batches: list[int]) -> None:
         """Once per collection: under normalize_by="world_size" each rank's loss counts the
@@ -176,7 +185,7 @@ class ForwardPhases:
         out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
         if routed.fetched is not None:
             senders, pins = routed.fetched.senders, routed.fetched.pins
-            self._add_own_pooled(senders[rank], out, batch)
+            self._add_own_pooled(senders[rank], out, routed.bags)
             return self._send_and_group(routed, senders, out, pins)
         if self.batched.takes(routed):
             return self._lookup_batched(routed, out)
@@ -189,7 +198,7 @@ class ForwardPhases:
         if remap is not None:
             remap_senders(remap, local, senders)
         senders[rank] = stores.to_slots(local, senders[rank], pins)
-        self._add_own_pooled(senders[rank], out, batch)  # while the other ranks' ids travel
+        self._add_own_pooled(senders[rank], out, routed.bags)  # while the others' ids travel
         try:
             if not remaps_here:
                 self._unpack_others(self._ids_in(routed), routed.sizes, senders)
@@ -215,7 +224,7 @@ class ForwardPhases:
         pooled_in = None
         if world > 1:
             flat, splits = batched.pool_others(batch, out)
-            receive = parts.layout.output_splits(out.shape[0], routed.kept)
+            receive = parts.layout.output_splits(routed.bags.counts, routed.kept)
             bound = torch.finfo(self.wire).max
             pooled_in = start_on_wire(
                 parts,
@@ -258,7 +267,7 @@ class ForwardPhases:
         routing = parts.routing
         rank, world = routing.rank, routing.world_size
         local = routing.routed_local_shards()
-        pooled_in = self._send_pooled(senders, out, routed.kept) if world > 1 else None
+        pooled_in = self._send_pooled(senders, out, routed) if world > 1 else None
         bag_counts = [[senders[s][k][1].numel() for s in range(world)] for k in range(len(local))]
         bags = [
             combine_senders([senders[s][k] for s in range(world)], rank) for k in range(len(local))
@@ -274,33 +283,36 @@ class ForwardPhases:
     ) -> None:
         layout, rank = self.parts.layout, self.parts.routing.rank
         offset = 0
-        for sender, (batch, length, weighted) in enumerate(sizes):
+        for sender, (batch, length, bits) in enumerate(sizes):
             if sender != rank:
                 payload = received[offset : offset + length]
                 senders[sender] = layout.unpack_ids(
-                    payload, batch, bool(weighted), compact=layout.compact
+                    payload, batch, bool(bits & WEIGHTED), layout.compact, bool(bits & VARIABLE)
                 )
                 offset += length
 
-    def _add_own_pooled(self, own: list[SenderBags], out: torch.Tensor, batch: int) -> None:
-        """Look up this rank's own bags in its own shards, straight into the output."""
+    def _add_own_pooled(self, own: list[SenderBags], out: torch.Tensor, bags: FeatureBags) -> None:
+        """Look up this rank's own bags in its own shards, straight into the output (each
+        feature's rows expanded to the batch)."""
         parts = self.parts
         routing = parts.routing
         routes = iter(routing.routes_to[routing.rank])
-        for shard, bags in zip(routing.routed_local_shards(), own, strict=True):
-            pooled = pooled_sum(parts.weight(shard.table), *bags)
-            for block in pooled.view(len(shard.features), batch, pooled.shape[1]):
-                parts.layout.add_block(out, next(routes), block)
+        for shard, shard_bags in zip(routing.routed_local_shards(), own, strict=True):
+            pooled = pooled_sum(parts.weight(shard.table), *shard_bags)
+            served = [next(routes) for _ in shard.features]
+            blocks = pooled.split([bags.counts[route.feature] for route in served])
+            for route, block in zip(served, blocks, strict=True):
+                parts.layout.add_block(out, route, bags.expand(route.feature, block))
 
     def _send_pooled(
         self,
         senders: list[list[SenderBags]],
         out: torch.Tensor,
-        kept: Kept,
+        routed: RoutedIds,
     ) -> Arriving:
         """Look up the other ranks' bags and send them their pooled rows (in flight on
-        return; `out`, this rank's output, gives the batch size, dtype and device; `kept`,
-        the bags the other owners send us back in a compact layout)."""
+        return; `out`, this rank's output, gives the dtype and device; `routed`, our bags
+        the other owners send back)."""
         parts = self.parts
         routing = parts.routing
         local = routing.routed_local_shards()
@@ -314,7 +326,7 @@ class ForwardPhases:
             for s in range(routing.world_size)
         ]
         flat, splits = pack_pooled(pooled, like=out)
-        receive = parts.layout.output_splits(out.shape[0], kept)
+        receive = parts.layout.output_splits(routed.bags.counts, routed.kept)
         return start_on_wire(
             parts, flat, splits, receive, "pooled output", self.wire, lambda: self._beyond(pooled)
         )
@@ -339,7 +351,7 @@ class ForwardPhases:
         """Add the pooled rows the other owners sent back, look up the data-parallel tables,
         apply mean pooling; returns the output and what backward needs."""
         parts, routed, out = self.parts, looked.routed, looked.out
-        layout, batch = parts.layout, routed.batch
+        layout = parts.layout
         if looked.pooled_in is not None:
             try:
                 received = looked.pooled_in.wait()
@@ -348,19 +360,20 @@ class ForwardPhases:
                 raise
             offset = 0
             kept = routed.kept
-            for owner, size in enumerate(layout.output_splits(batch, kept)):
+            bags = routed.bags
+            for owner, size in enumerate(layout.output_splits(bags.counts, kept)):
                 if size:
                     blocks = layout.pooled_blocks(
                         owner,
                         received[offset : offset + size],
-                        batch,
+                        bags.counts,
                         None if kept is None else kept[owner],
                     )
-                    for route, block, rows in blocks:
-                        layout.add_block(out, route, block, rows)
+                    for route, block, rows in blocks:  # each bag's rows expanded to the batch
+                        layout.add_block(out, route, bags.expand(route.feature, block), rows)
                 offset += size
         with self.times.phase(LOOKUP):  # the data-parallel tables' own lookup
-            feature_ids = self.data_parallel.lookup(routed.features, out)
+            feature_ids = self.data_parallel.lookup(routed.features, out, routed.bags)
         mean_scale = self._mean_scale(routed.lengths, out.dtype)
         if mean_scale is not None:
             out.mul_(mean_scale)
@@ -377,6 +390,7 @@ class ForwardPhases:
             bag_counts=looked.bag_counts,
             kept=routed.kept,
             batch=looked.batch,
+            feature_bags=routed.bags,
         )
 
     def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ import torch
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.table_batch import TableBatch
+from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad
 from manualpar.embeddings.step.data_parallel import FeatureIds
 from manualpar.embeddings.step.exchange import Kept, SenderBags
 from manualpar.embeddings.step.wire import Arriving
@@ -45,12 +46,13 @@ class RoutedIds:
     other owners in flight."""
 
     features: SparseFeatures  # this rank's batch, on the step's device
-    lengths: torch.Tensor  # (features, batch) bag lengths
+    lengths: torch.Tensor  # (features, batch) length of the bag each sample reads
     sizes: list[list[int]]  # per shard-group rank: [batch, payload length, weighted]
     own: list[SenderBags]  # this rank's bags for each of its routed local shards (row ids)
     ids_in: PendingCollective  # the other ranks' bags for our shards
     frozen: frozenset[int]  # tables every rank froze for this step
     job_batches: list[int]  # every job rank's batch size
+    bags: FeatureBags  # each feature's bags of our batch, and how samples read them
     # compact layouts: per owner, per route, the bags of our batch with ids there
     kept: Kept = None
     fetched: FetchedRows | None = None  # its slots, if mapped ahead (ForwardPhases.fetch)
@@ -95,6 +97,7 @@ class SavedForBackward:
     bag_counts: list[list[int]]  # LookedUp's: the gradient rows each sender sends us
     kept: Kept  # RoutedIds': the gradient rows we send
     batch: TableBatch | None = None  # LookedUp's
+    feature_bags: FeatureBags | None = None  # RoutedIds' bags (None: one per sample)
 
 
 @dataclass(frozen=True)
@@ -106,3 +109,4 @@ class RoutedGradients:
     own: list[list[torch.Tensor]]  # per local shard: our own bags' gradient blocks
     grads_in: Arriving | None  # the other ranks' gradients for our shards
     non_finite: PendingCollective  # the job's non-finite counts per table (finite_check.py)
+    by_bag: OutputGrad | None = None  # `grad` over each feature's bags (None: `grad` is)

@@ -1,32 +1,34 @@
 """The size exchange that opens every step (exchange.py, 1): each rank tells every rank its
-batch size, the length of the payload it sends it, whether ids carry weights and which tables
-it froze; a rank whose batch failed validation sends REFUSED instead, so every rank stops at
-the same step naming it."""
+batch size, the length of the payload it sends it, whether ids carry weights (and whether its
+features have bags of their own, VARIABLE: a bit of the same value) and which tables it froze;
+a rank whose batch failed validation sends REFUSED instead, so every rank stops at the same
+step naming it."""
 
 from __future__ import annotations
 
 import torch
 
-from manualpar.embeddings.step.frozen import num_words
+from manualpar.embeddings.exchange_layout import header_width
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["REFUSED", "check_refusals", "header_width", "size_header"]
+__all__ = ["REFUSED", "VARIABLE", "WEIGHTED", "check_refusals", "header_width", "size_header"]
 
 REFUSED = -1  # the sizes a rank sends when its own batch failed validation
-
-
-def header_width(num_tables: int) -> int:
-    """int64 values the size exchange sends each rank (see `size_header`)."""
-    return 3 + num_words(num_tables)
+WEIGHTED, VARIABLE = 1, 2  # bits of the third value: ids carry weights; a batch per feature
 
 
 def size_header(
-    batch: int, payloads: list[torch.Tensor], weighted: bool, frozen_words: list[int]
+    batch: int,
+    payloads: list[torch.Tensor],
+    weighted: bool,
+    frozen_words: list[int],
+    variable: bool = False,
 ) -> torch.Tensor:
-    """What the size exchange sends each rank: [batch size, payload length, weighted, the
-    frozen tables' flag words]."""
+    """What the size exchange sends each rank: [batch size, payload length, WEIGHTED |
+    VARIABLE bits, the frozen tables' flag words]."""
+    bits = (WEIGHTED if weighted else 0) | (VARIABLE if variable else 0)
     return torch.tensor(
-        [[batch, p.numel(), int(weighted), *frozen_words] for p in payloads],
+        [[batch, p.numel(), bits, *frozen_words] for p in payloads],
         dtype=torch.int64,
         device=payloads[0].device,
     ).flatten()
