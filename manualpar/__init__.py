@@ -13,7 +13,7 @@ ratings); `manualpar.nn` (also `mp.nn`) dense layers of recommendation models (D
 `CrossNet`). Anything deeper is internal and may move between releases.
 """
 
-from manualpar import data, metrics, nn
+from manualpar import data, deprecated, metrics, nn
 from manualpar.builders import (
     clip_grad_norm_,
     ddp,
@@ -71,7 +71,7 @@ from manualpar.loop import (
     BestCheckpoints,
     EarlyStopping,
     Predictions,
-    Prefetched,
+    ReadAhead,
     Trainer,
     TrainPipeline,
     check_finite,
@@ -120,8 +120,8 @@ __all__ = [
     "PendingSave",
     "PlanError",
     "Predictions",
-    "Prefetched",
     "RNGState",
+    "ReadAhead",
     "SparseFeatures",
     "StorageError",
     "TrainPipeline",
@@ -158,3 +158,8 @@ __all__ = [
     "tp",
     "zero_optimizer",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A name renamed in 0.3 (deprecated.py): a warning giving its new spelling, then it."""
+    return globals()[deprecated.moved(__name__, name)[1]]

@@ -16,7 +16,7 @@ rotating order, on every rank at once (the processes share the machine as in tra
   batches read beforehand, in samples per second per process: local batch / the slowest rank's
   step time, median of `--steps` after `--warmup`;
 - the same step reading each batch from the plain file as it goes: inline (the loop calls the
-  reader between steps) and read ahead (`Prefetched`: the next batch parsed in a background
+  reader between steps) and read ahead (`ReadAhead`: the next batch parsed in a background
   thread during the step). What each adds to the step is its rate against the pre-read one.
 """
 
@@ -34,7 +34,6 @@ from bench_common import environment_info, median, time_steps, write_json
 
 import manualpar as mp
 from manualpar.data import CriteoStream, rank_share, share_batches
-from manualpar.loop.prefetch import Prefetched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recsys"))  # the example
 from data import hashed_tables, make_tables, table_rows
@@ -103,7 +102,7 @@ def main() -> None:
         fresh = CriteoStream(
             [plain], rank=rank, world=world, batch_size=args.batch, val_samples=0, epochs=10**6
         )
-        data = Prefetched(fresh.train) if ahead else fresh.train
+        data = mp.ReadAhead(fresh.train) if ahead else fresh.train
         indices = iter(range(10**9))
 
         def step() -> None:
@@ -116,7 +115,7 @@ def main() -> None:
         try:
             return local_batch / median(time_steps(strategy, step, args.steps, args.warmup))
         finally:
-            if isinstance(data, Prefetched):
+            if isinstance(data, mp.ReadAhead):
                 data.close()
 
     variants: dict[str, Callable[[], float]] = {

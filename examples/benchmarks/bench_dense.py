@@ -20,8 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import manualpar as mp
-from manualpar.builders.ddp import ddp
-from manualpar.builders.fsdp import fsdp
+from manualpar import ddp, fsdp
 
 
 def make_model(hidden: int, layers: int) -> nn.Sequential:

@@ -24,7 +24,6 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -91,8 +90,8 @@ class DCN(mp.ParallelModule):
             self.embeddings,
             strategy,
             plan="auto",  # the planner places the other 25 tables around the pinned one
-            pinned={self.disk_table: on_disk(row_wise())},  # rows split over every rank
-            optimizer=RowWiseAdagrad(lr=self.emb_lr),
+            pinned={self.disk_table: row_wise(on_disk=True)},  # rows split over every rank
+            rule=RowWiseAdagrad(lr=self.emb_lr),
             disk_tier=self.tier,
             wire_dtype=self.wire_dtype,
         )

@@ -127,7 +127,7 @@ class SASRec(mp.ParallelModule):
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         self.items = shard_embeddings(
-            self.items, strategy, plan={"item": row_wise()}, optimizer=Adam(lr=self.lr)
+            self.items, strategy, plan={"item": row_wise()}, rule=Adam(lr=self.lr)
         )
         mp.materialize(self, strategy, seed=self.seed, init_fn=_attention_init)
         self.encoder.init_weights(self.seed)  # whole on every rank, then replicated or sharded

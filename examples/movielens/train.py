@@ -86,7 +86,7 @@ def main() -> None:
         early_stopping=mp.EarlyStopping(MONITOR, mode="max", patience=args.patience),
         best_checkpoints=mp.BestCheckpoints(MONITOR, mode="max", keep=1),
         progress=not args.no_progress,
-        prefetch=True,  # the batches draw from their own generators: exact
+        read_ahead=True,  # the batches draw from their own generators: exact
         pipeline=not args.no_pipeline,  # SASRec.prefetch: the next batch's ids sent ahead
     )
     trainer.fit(model, training_batches(windows, args.batch, args.seed), val_data=valid)

@@ -141,7 +141,7 @@ class DLRM(mp.ParallelModule):
             self.embeddings,
             strategy,
             plan=plan,
-            optimizer=RowWiseAdagrad(lr=self.emb_lr),
+            rule=RowWiseAdagrad(lr=self.emb_lr),
             memory_budget_bytes=self.memory_budget_bytes,
             mesh=mesh,
             wire_dtype=self.wire_dtype,

@@ -31,9 +31,7 @@ import manualpar as mp
 from manualpar.cli.plot import plot_metrics
 from manualpar.data import BAD_LINE_POLICIES, BadLines, CriteoStream
 from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
-from manualpar.embeddings.dtype_names import DTYPE_NAMES, dtype_name
-from manualpar.embeddings.id_spaces import raw_ids_to_json
-from manualpar.embeddings.planning.planner import plan_tables
+from manualpar.embeddings.planning import DTYPE_NAMES, dtype_name, plan_tables, raw_ids_to_json
 
 
 def parse_args() -> argparse.Namespace:

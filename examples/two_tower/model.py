@@ -75,10 +75,10 @@ class TwoTower(mp.ParallelModule):
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         user_plan = {name: row_wise() for name in ("user_id", "user_segment")}
         self.user_tables = shard_embeddings(
-            self.user_tables, strategy, plan=user_plan, optimizer=RowWiseAdagrad(lr=self.emb_lr)
+            self.user_tables, strategy, plan=user_plan, rule=RowWiseAdagrad(lr=self.emb_lr)
         )
         self.item_tables = shard_embeddings(
-            self.item_tables, strategy, plan="auto", optimizer=RowWiseAdagrad(lr=self.emb_lr)
+            self.item_tables, strategy, plan="auto", rule=RowWiseAdagrad(lr=self.emb_lr)
         )
         self.user_mlp = mp.fsdp(self.user_mlp, strategy)  # sharded from meta
         mp.materialize(self, strategy, seed=self.seed)  # the item MLP, equal on every rank

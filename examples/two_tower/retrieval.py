@@ -44,9 +44,7 @@ def item_index(model: TwoTower, strategy: mp.ManualParallelStrategy) -> torch.nn
     every = strategy.all_gather(padded).flatten(0, 1)[:items]
     table = EmbeddingBagCollection([EmbeddingBagConfig(INDEX, items, vectors.shape[1])])
     table.tables[INDEX].weight.copy_(every)
-    index = shard_embeddings(
-        table, strategy, plan={INDEX: row_wise()}, optimizer=RowWiseAdagrad(lr=0)
-    )
+    index = shard_embeddings(table, strategy, plan={INDEX: row_wise()}, rule=RowWiseAdagrad(lr=0))
     return index.requires_grad_(False)
 
 

@@ -20,6 +20,8 @@ from typing import Dict, Optional
 
 from torchx import specs
 
+from manualpar import ConfigError
+
 __all__ = ["run_script", "trainer"]
 
 
@@ -27,9 +29,9 @@ def _nodes_and_procs(j: str) -> tuple[int, int]:
     try:
         nodes, procs = (int(part) for part in j.split("x"))
     except ValueError:
-        raise ValueError(f"-j must look like NODESxPROCS (e.g. 1x2), got {j!r}") from None
+        raise ConfigError(f"-j must look like NODESxPROCS (e.g. 1x2), got {j!r}") from None
     if nodes < 1 or procs < 1:
-        raise ValueError(f"-j needs at least 1 node and 1 process per node, got {j!r}")
+        raise ConfigError(f"-j needs at least 1 node and 1 process per node, got {j!r}")
     return nodes, procs
 
 
@@ -68,7 +70,7 @@ def run_script(
         max_retries: scheduler-level retries of the whole job (ignored by local_cwd)
     """
     if (script is None) == (m is None):
-        raise ValueError("pass exactly one of --script and -m")
+        raise ConfigError("pass exactly one of --script and -m")
     nodes, procs = _nodes_and_procs(j)
     python = python or sys.executable
     target = [script] if script is not None else ["-m", m]

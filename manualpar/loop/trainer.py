@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from manualpar import deprecated
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import read_manifest
 from manualpar.errors import ConfigError
@@ -41,8 +42,8 @@ from manualpar.loop.logs import log_with_rank, progress_bar
 from manualpar.loop.metrics_file import MetricsFile, Window, mean_over_ranks
 from manualpar.loop.precision import Precision
 from manualpar.loop.predict import Predictions, predict
-from manualpar.loop.prefetch import Prefetched
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
+from manualpar.loop.read_ahead import ReadAhead
 from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
 from manualpar.loop.run_record import RunRecord
@@ -102,9 +103,10 @@ class Trainer:
             `<out_dir>/best/` (needs val_every).
         tensorboard: also write every metrics record to `<out_dir>/tensorboard/` (rank 0;
             needs `pip install manualpar[tensorboard]`).
-        prefetch: read the next training batch in a background thread during the step
-            (loop/prefetch.py); the same batches, only for data that draws no numbers from
-            torch's global generator (hence not the default).
+        read_ahead: read the next training batch in a background thread during the step
+            (loop/read_ahead.py); the same batches, only for data that draws no numbers from
+            torch's global generator (hence not the default). `prefetch=`, its name before
+            0.3, still works with a warning.
         pipeline: if the model defines `prefetch(batch)` (calling `emb.prefetch(features)` for
             each sharded collection), fetch the next step's batch before each step and call
             it, so its ids travel during the step (loop/pipeline.py; exact, so on by default;
@@ -137,10 +139,14 @@ class Trainer:
         early_stopping: EarlyStopping | None = None,
         best_checkpoints: BestCheckpoints | None = None,
         tensorboard: bool = False,
-        prefetch: bool = False,
+        read_ahead: bool | None = None,
         pipeline: bool = True,
         step_times_every: int | None = None,
+        prefetch: bool | None = None,
     ) -> None:
+        read_ahead = deprecated.renamed_keyword(
+            "Trainer(prefetch=...)", read_ahead, prefetch, "read_ahead="
+        )
         for name, value in (
             ("max_steps", max_steps),
             ("accumulate", accumulate),
@@ -174,7 +180,8 @@ class Trainer:
         self.progress = progress
         self.clip_grad_norm, self.resume_lr = clip_grad_norm, resume_lr
         self.allow_batch_change = allow_batch_change
-        self.async_checkpoint, self.prefetch, self.pipeline = async_checkpoint, prefetch, pipeline
+        self.async_checkpoint, self.pipeline = async_checkpoint, pipeline
+        self.read_ahead = bool(read_ahead)
         self.step = 0
         self.data_ran_out: dict[int, int] = {}  # rank -> the micro-batch index it had no batch for
         self._validation = Validation(strategy, val_steps, self._metrics, self._precision)
@@ -267,7 +274,7 @@ class Trainer:
         self._watch.resumed(self.strategy.is_global_zero)
         if self._tensorboard is not None:
             self._tensorboard.start(purge_step=self.step + 1)
-        read = Prefetched(data) if self.prefetch else data
+        read = ReadAhead(data) if self.read_ahead else data
         try:
             last = self._loop(model, optimizer, read, val_data, state)
         except BaseException:
@@ -277,7 +284,7 @@ class Trainer:
             for module in self._step.sharded:  # a batch sent ahead of a step that never came
                 module.drop_prefetched()
             self._times.untrack()
-            if isinstance(read, Prefetched):
+            if isinstance(read, ReadAhead):
                 read.close()
             if self._tensorboard is not None:
                 self._tensorboard.close()

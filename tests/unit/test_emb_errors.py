@@ -308,9 +308,9 @@ def test_sharding_the_same_collection_twice() -> None:
         shard_embeddings(ebc, strategy, "auto", SGD(lr=0.1))
 
 
-def test_sharding_without_an_optimizer() -> None:
+def test_sharding_without_an_update_rule() -> None:
     with _raises(
-        BuilderError, "shard_embeddings(): pass optimizer=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...)"
+        BuilderError, "shard_embeddings(): pass rule=SGD/Adagrad/RowWiseAdagrad/Adam(lr=...)"
     ):
         shard_embeddings(EmbeddingBagCollection(TABLES), mp.ManualParallelStrategy(), "auto")
 
@@ -355,7 +355,7 @@ def test_a_collection_converted_to_bfloat16_is_refused_not_silently_kept_float32
         r"torch.float32 \(tables: \['item', 'user'\]\); sharded tables hold rows in their "
         r"config's dtype, .* set EmbeddingBagConfig\(dtype=torch.float16 or torch.bfloat16\)",
     ):
-        shard_embeddings(ebc, mp.ManualParallelStrategy(), plan="auto", optimizer=SGD(lr=0.1))
+        shard_embeddings(ebc, mp.ManualParallelStrategy(), plan="auto", rule=SGD(lr=0.1))
 
 
 def test_an_unsupported_table_dtype_is_refused_with_the_supported_ones() -> None:

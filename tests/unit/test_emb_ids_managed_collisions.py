@@ -239,9 +239,9 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
     rank, in both methods (and a row block's beyond them)."""
     from manualpar.embeddings import row_wise, table_wise
     from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
+    from manualpar.embeddings.planning import Workload
     from manualpar.embeddings.planning.cost_model import placement_costs
     from manualpar.embeddings.planning.planner import plan_tables
-    from manualpar.embeddings.planning.rank_costs import Workload
     from manualpar.embeddings.planning.topology import load_topology
 
     managed = EmbeddingBagConfig("user", 1000, 4, raw_ids=mp.ManagedCollisions())
@@ -252,7 +252,7 @@ def test_a_managed_table_placed_whole_holds_its_whole_remapper_on_its_rank() -> 
     # rank the managed table needs 31,712 more there, so 40,000 splits it and 52,000 does not
     for budget, sharding in ((40_000, "row_wise"), (52_000, "table_wise")):
         plan = plan_tables(
-            [managed, hashed], 2, memory_budget_bytes=budget, method="memory", replicate_bytes=0
+            [managed, hashed], 2, memory_budget_bytes=budget, price="memory", replicate_bytes=0
         )
         assert plan.tables["user"].sharding == sharding, budget
     topology = load_topology("cpu-host", 2, 2)
@@ -284,8 +284,8 @@ def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:
     assert remapper_bytes_on_ranks(replicated, tables) == [512 * 24, 488 * 24]  # splits buckets
     # the cost model's memory (what the plan command prints) counts at least that, and exactly
     # it on the managed table's owner: its share (512 rows) and the rest of its 1000
+    from manualpar.embeddings.planning import Workload
     from manualpar.embeddings.planning.cost_model import plan_costs
-    from manualpar.embeddings.planning.rank_costs import Workload
     from manualpar.embeddings.planning.topology import load_topology
 
     costs = plan_costs(tables, whole, load_topology("cpu-host", 2, 2), Workload())

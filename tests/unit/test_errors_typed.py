@@ -20,6 +20,8 @@ import manualpar as mp
 from manualpar import errors
 from manualpar.checkpoint.local_shards import Block, LocalShards
 from manualpar.embeddings.ids.hashing import unsigned_mod
+from manualpar.embeddings.kernels import native
+from manualpar.embeddings.kernels.bags import add_to_rows
 from manualpar.embeddings.sharded.ranking import _check_chunk
 from manualpar.embeddings.storage.row_cache import RowCache
 from manualpar.loop.metric_objects import compute_metrics
@@ -38,13 +40,11 @@ BUILTIN_ERRORS = {
     if isinstance(value, type) and issubclass(value, BaseException)
 }
 
-# Folders under rewrite; their bare raises are converted once the rewrite lands.
-NOT_YET = (
-    "cli/",
-    "embeddings/kernels/",
-    "embeddings/planning/",
-    "embeddings/step/",
-)
+# Raises in a folder under rewrite (the planner's stages), converted when the rewrite lands; the
+# scan covers the folder otherwise, so a new bare raise there fails too.
+NOT_YET = {
+    ("embeddings/planning/exchange_bytes.py", "exchange_bytes", "ValueError"),
+}
 
 # NotImplementedError is allowed anywhere: an abstract member a subclass implements, or an op a
 # tensor subclass does not support (torch's convention), never a misuse manualpar reports.
@@ -54,6 +54,8 @@ ANYWHERE = {"NotImplementedError"}
 ALLOWED = {
     # the data-function protocol: StopIteration says "no more batches"
     ("loop/predict.py", "data", "StopIteration"),
+    # a module's __getattr__ protocol: an unknown name is the AttributeError hasattr() expects
+    ("deprecated.py", "moved", "AttributeError"),
     # raised inside a try that catches it a line later, to share one error message
     ("embeddings/plan.py", "_ranks", "TypeError"),
     ("loop/best_checkpoints.py", "_kept", "TypeError"),
@@ -85,12 +87,10 @@ def test_the_library_raises_no_bare_builtin_error() -> None:
     found, used = [], set()
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name.startswith(NOT_YET):
-            continue
         for function, error, line in _bare_raises(ast.parse(path.read_text())):
             if error in ANYWHERE:
                 continue
-            if (name, function, error) in ALLOWED:
+            if (name, function, error) in ALLOWED | NOT_YET:
                 used.add((name, function, error))
             else:
                 found.append(f"manualpar/{name}:{line} ({function}): raise {error}")
@@ -98,7 +98,7 @@ def test_the_library_raises_no_bare_builtin_error() -> None:
         "raise a ManualParError subclass from manualpar/errors.py (it keeps the built-in as a "
         "second base), not a bare built-in:\n" + "\n".join(found)
     )
-    assert ALLOWED - used == set(), "allowlist entries that match nothing any more"
+    assert (ALLOWED | NOT_YET) - used == set(), "allowlist entries that match nothing any more"
 
 
 def test_every_error_class_keeps_a_builtin_a_caller_would_catch() -> None:
@@ -126,6 +126,11 @@ class _NotADict:
 def _no_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import raises ImportError
     require_tensorboard()
+
+
+def _no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "native_kernels", lambda: None)  # not built here
+    native.loaded_kernels()
 
 
 def _one_block(shape: tuple[int, ...]) -> LocalShards:
@@ -210,6 +215,16 @@ CASES: list[tuple[str, type[Exception], type[Exception], str, Callable[..., obje
         lambda _: _one_block((2,)).copy_from_full(torch.zeros(3), "w"),
     ),
     ("tensorboard", mp.MissingDependencyError, ImportError, "pip install", _no_tensorboard),
+    ("kernels", mp.MissingDependencyError, ImportError, "not available", _no_kernels),
+    (
+        "half rows",
+        mp.ConfigError,
+        ValueError,
+        "needs a RowRounding",
+        lambda _: add_to_rows(
+            torch.zeros(2, 2, dtype=torch.float16), torch.tensor([0]), torch.ones(1, 2)
+        ),
+    ),
 ]
 
 

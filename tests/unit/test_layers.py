@@ -40,7 +40,18 @@ LAYERS = [
 # manualpar/embeddings/, bottom up: the shared vocabulary at its root, then one concern each
 EMBEDDINGS = "manualpar.embeddings"
 EMBEDDINGS_LAYERS = [
-    {"config", "dtype_names", "features", "id_spaces", "plan", "plan_text"},
+    {
+        "config",
+        "dtype_names",
+        "exchange_layout",
+        "features",
+        "id_spaces",
+        "kjt_form",
+        "plan",
+        "plan_text",
+        "routes",
+        "variable_batch",
+    },
     {"kernels"},
     {"ids"},
     {"modules"},
@@ -348,6 +359,34 @@ def test_embeddings_sub_packages_import_only_their_layer_or_lower_ones(
     )
 
 
+# manualpar/embeddings/sharded/, bottom up: the parts, the module both collections are (built
+# from the parts), the two collections (siblings: neither imports the other), what takes them
+SHARDED = "manualpar.embeddings.sharded"
+SHARDED_LAYERS = [
+    {"managed_collisions", "table_storage", "table_hooks"},
+    {"batch_inputs"},
+    {"lookup"},
+    {"sharded_tables"},
+    {"bag_collection", "sequence_collection"},
+    {"ranking", "shard_embeddings"},
+]
+
+
+def test_the_sharded_parts_sit_below_the_collections(package: dict[str, Source]) -> None:
+    violations = sublayer_violations(package, SHARDED, SHARDED_LAYERS)
+    collections = {f"{SHARDED}.bag_collection", f"{SHARDED}.sequence_collection"}
+    violations += [
+        f"{package[name].path} imports {imported.target} (the collections compose the parts)"
+        for name in sorted(collections)
+        for imported in imports_of(package[name], package, typing=True)
+        if imported.target in collections
+    ]
+    assert not violations, (
+        "manualpar/embeddings/sharded/ against SHARDED_LAYERS (a change of inputs, blocks or "
+        "checkpoints goes into a part, not a collection):\n" + "\n".join(violations)
+    )
+
+
 def test_no_import_cycle(package: dict[str, Source]) -> None:
     cycle = find_cycle(import_graph(package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
@@ -475,3 +514,229 @@ def test_the_embeddings_check_reports_upward_and_unplaced_sub_packages() -> None
         "(kernels: layer 1 -> step: 6)",
         "manualpar/embeddings/extras.py: manualpar.embeddings.extras is in no layer",
     ]
+
+
+# ---- loop/, cli/ and examples/ use public names only ------------------------------------------
+# Public, by rule (manualpar/__init__.py and docs/gen_api.py): these modules and every module a
+# public module's __all__ names (manualpar.embeddings.planning, manualpar.data, ...).
+PUBLIC_ROOTS = (  # as docs/gen_api.py's ROOTS
+    "manualpar",
+    "manualpar.embeddings",
+    "manualpar.testing",
+    "manualpar.cli.torchx_component",
+)
+EXAMPLES = PACKAGE.parent / "examples"
+# (importing file, imported module): why it may reach below the public names, for now
+KNOWN_INTERNAL = {
+    ("manualpar/loop/raw_id_rates.py", "manualpar.embeddings.ids.managed_collisions"): (
+        "the loop reads the remappers' hit rates through their class; the raw-id protocol "
+        "replaces it (issue 39, item 2)"
+    ),
+    ("manualpar/loop/step_times.py", "manualpar.embeddings.step.phase_times"): (
+        "the Trainer shares one phase recorder with the collections' steps; the recorder "
+        "belongs below both (a core module) and is not moved yet"
+    ),
+    ("manualpar/loop/train_step.py", "manualpar.embeddings.step.phase_times"): ("as step_times.py"),
+    **dict.fromkeys(
+        [
+            ("examples/benchmarks/bench_embedding_kernels.py", "manualpar.embeddings.kernels.bags"),
+            (
+                "examples/benchmarks/bench_embedding_kernels.py",
+                "manualpar.embeddings.kernels.native",
+            ),
+            (
+                "examples/benchmarks/bench_embedding_kernels.py",
+                "manualpar.embeddings.kernels.row_memory",
+            ),
+            ("examples/benchmarks/bench_simd_levels.py", "manualpar.embeddings.kernels.native"),
+            ("examples/benchmarks/bench_row_writes.py", "manualpar.embeddings.storage.row_file"),
+            ("examples/benchmarks/bench_row_checksum.py", "manualpar.embeddings.storage.row_file"),
+            ("examples/benchmarks/bench_disk_tier.py", "manualpar.embeddings.storage.disk_tier"),
+            ("examples/benchmarks/bench_wire_dtype.py", "manualpar.embeddings.step.wire"),
+        ],
+        "a benchmark of that internal piece itself (kernels, row files, the cache, wire dtypes)",
+    ),
+    **dict.fromkeys(
+        [
+            (
+                "examples/benchmarks/bench_cost_model_ranks.py",
+                "manualpar.embeddings.step.phase_times",
+            ),
+            ("examples/benchmarks/ranks_job.py", "manualpar.embeddings.step.phase_times"),
+        ],
+        "compares the cost model with the step's own phase times, whose names have no public "
+        "home yet (as loop/step_times.py)",
+    ),
+    ("examples/benchmarks/bench_cost_model_ranks.py", "manualpar.cli.calibrate"): (
+        "measures the links as `python -m manualpar calibrate` does; the command is the public form"
+    ),
+    ("examples/recsys/train.py", "manualpar.cli.plot"): (
+        "draws the run's metrics as `python -m manualpar plot` does; the command is the public form"
+    ),
+}
+
+
+def all_names(source: Source) -> set[str] | None:
+    """The strings of a module's top-level `__all__ = [...]`, or None without one."""
+    for node in ast.parse(source.text, source.path).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)}
+    return None
+
+
+def public_names(sources: Mapping[str, Source]) -> dict[str, set[str]]:
+    """Public module -> its __all__: PUBLIC_ROOTS, then the modules their __all__s name."""
+    public: dict[str, set[str]] = {}
+    pending = [name for name in PUBLIC_ROOTS if name in sources]
+    while pending:
+        module = pending.pop()
+        if module in public:
+            continue
+        public[module] = all_names(sources[module]) or set()
+        pending += [f"{module}.{n}" for n in public[module] if f"{module}.{n}" in sources]
+    return public
+
+
+def outside_imports(source: Source, own: str) -> Iterable[tuple[str, str, int]]:
+    """(module, name, line) of each `from manualpar... import name` and `import manualpar...`
+    in `source` (name "" for the latter), leaving out its own package `own`."""
+    for node in ast.walk(ast.parse(source.text, source.path)):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == ROOT and not node.module.startswith(own):
+                yield from ((node.module, a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(ROOT + ".") and not alias.name.startswith(own):
+                    yield alias.name, "", node.lineno
+
+
+def private_imports(
+    users: Mapping[str, Source], sources: Mapping[str, Source], only: str = ROOT
+) -> list[str]:
+    """Imports by `users` (path -> source) of names outside every public module's __all__,
+    among the modules under `only`; a user's own top package is its own business."""
+    public = public_names(sources)
+    found = []
+    for path, source in users.items():
+        own = ".".join(source.name.split(".")[:2]) if source.name.startswith(ROOT) else "\0"
+        for module, name, line in outside_imports(source, own):
+            if not (module + ".").startswith(only + "."):
+                continue
+            if (path, module) in KNOWN_INTERNAL:
+                continue
+            if module in public and (not name or name in public[module]):
+                continue
+            found.append(f"{path}:{line} imports {module}{f'.{name}' if name else ''}")
+    return found
+
+
+def _users(sources: Mapping[str, Source]) -> dict[str, Source]:
+    """loop/ and cli/ modules by path, and every example script."""
+    users = {s.path: s for s in sources.values() if top_name(s.name) in ("loop", "cli")}
+    for path in sorted(EXAMPLES.rglob("*.py")):
+        shown = path.relative_to(PACKAGE.parent).as_posix()
+        users[shown] = Source(shown.removesuffix(".py").replace("/", "."), shown, path.read_text())
+    return users
+
+
+def test_loop_and_cli_reach_the_embeddings_through_public_names(
+    package: dict[str, Source],
+) -> None:
+    users = {p: s for p, s in _users(package).items() if p.startswith(f"{ROOT}/")}
+    found = private_imports(users, package, only=EMBEDDINGS)
+    assert not found, (
+        "import these from manualpar.embeddings or manualpar.embeddings.planning (add the name "
+        "to its __all__ if a user needs it too):\n" + "\n".join(found)
+    )
+
+
+def test_examples_import_only_public_names(package: dict[str, Source]) -> None:
+    users = {p: s for p, s in _users(package).items() if p.startswith("examples/")}
+    assert users, f"no examples under {EXAMPLES}"
+    found = private_imports(users, package)
+    assert not found, (
+        "examples show the public API: import these from manualpar, manualpar.embeddings, "
+        "manualpar.embeddings.planning, manualpar.data, ... (their __all__):\n" + "\n".join(found)
+    )
+
+
+def test_known_internal_imports_are_still_made(package: dict[str, Source]) -> None:
+    made = {
+        (path, module)
+        for path, source in _users(package).items()
+        for module, _, _ in outside_imports(source, "\0")
+    }
+    assert set(KNOWN_INTERNAL) - made == set(), "KNOWN_INTERNAL entries that match nothing now"
+
+
+def test_the_public_names_check_reports_internal_imports() -> None:
+    texts = {
+        "manualpar": ("manualpar/__init__.py", "__all__ = ['embeddings', 'Trainer']\n"),
+        "manualpar.embeddings": (
+            "manualpar/embeddings/__init__.py",
+            "__all__ = ['row_wise', 'planning']\n",
+        ),
+        "manualpar.embeddings.planning": (
+            "manualpar/embeddings/planning/__init__.py",
+            "__all__ = ['plan_tables']\n",
+        ),
+        "manualpar.embeddings.plan": ("manualpar/embeddings/plan.py", "__all__ = ['on_disk']\n"),
+        "manualpar.loop.trainer": (
+            "manualpar/loop/trainer.py",
+            "from manualpar.embeddings import row_wise\n"  # public
+            "from manualpar.embeddings.planning import plan_tables\n"  # public
+            "from manualpar.loop.data import batches\n"  # its own package
+            "from manualpar.embeddings.plan import on_disk\n"  # internal module
+            "from manualpar.embeddings import on_disk\n",  # not in the face's __all__
+        ),
+    }
+    sources = {
+        name: Source(name, path, text, path.endswith("__init__.py"))
+        for name, (path, text) in texts.items()
+    }
+    users = {"manualpar/loop/trainer.py": sources["manualpar.loop.trainer"]}
+    assert private_imports(users, sources, only=EMBEDDINGS) == [
+        "manualpar/loop/trainer.py:4 imports manualpar.embeddings.plan.on_disk",
+        "manualpar/loop/trainer.py:5 imports manualpar.embeddings.on_disk",
+    ]
+
+
+# ---- planning/ in stages ------------------------------------------------------------------------
+PLANNING = "manualpar.embeddings.planning"
+# the planner's stages, bottom up: the problem it is given, candidates, prices, the search under
+# the constraints, explain, and the entry points that run them in order
+PLANNING_LAYERS = [
+    {"topology", "constraints", "workload", "popularity", "exchange_bytes"},
+    {"candidates"},
+    {"rank_costs", "block_costs", "cost_model", "price_cache"},
+    {"plan_score", "fit_errors", "remapper_budget", "disk_budget", "memory_planner", "search"},
+    {"wire_choice"},  # per collection, after the search's placements
+    {"plan_notes", "cost_text"},
+    {"cost_planner", "planner", "collection_plans"},
+]
+
+
+def test_the_planner_stages_import_only_their_stage_or_earlier_ones(
+    package: dict[str, Source],
+) -> None:
+    violations = sublayer_violations(package, PLANNING, PLANNING_LAYERS)
+    assert not violations, (
+        "manualpar/embeddings/planning/ against PLANNING_LAYERS (candidates -> prices -> search "
+        "-> explain):\n" + "\n".join(violations)
+    )
+
+
+def test_planning_prices_bytes_without_the_step(package: dict[str, Source]) -> None:
+    """The planner prices a step from the exchange's description (exchange_layout.py, routes.py)
+    and tiers through storage's interface, never from step/ or a tier class."""
+    found = [
+        f"{source.path} imports {imported.target}"
+        for name, source in package.items()
+        if name.startswith(PLANNING + ".") or name == PLANNING
+        for imported in imports_of(source, package, typing=True)
+        if imported.target.startswith(f"{EMBEDDINGS}.step")
+        or imported.target == f"{EMBEDDINGS}.storage.disk_tier"
+    ]
+    assert not found, "planning/ reaches into the step or a tier class:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""Prefetched: the same batches as the data function, index by index, read one ahead in a
+"""ReadAhead: the same batches as the data function, index by index, read one ahead in a
 background thread; errors at their own index with their own traceback; nothing left running."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import traceback
 import pytest
 
 import manualpar as mp
-from manualpar.loop.prefetch import Prefetched
+from manualpar.loop.read_ahead import ReadAhead
 
 
 class Recorder:
@@ -45,20 +45,20 @@ def raise_from_the_reader(index: int) -> None:
 
 
 def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("manualpar-prefetch")]
+    return [t for t in threading.enumerate() if t.name.startswith("manualpar-read-ahead")]
 
 
 def test_batches_are_the_data_functions_and_read_one_ahead() -> None:
     data = Recorder()
     strategy = mp.ManualParallelStrategy()
-    with Prefetched(data) as prefetched:
+    with ReadAhead(data) as prefetched:
         got = [prefetched(i, strategy) for i in range(5)]
         assert got == [[i, i * i] for i in range(5)]
         time.sleep(0.05)
         indices = [i for i, _ in data.calls]
         assert indices == [0, 1, 2, 3, 4, 5]  # index 5 already read, none beyond
         threads = {name for _, name in data.calls[1:]}
-        assert all(name.startswith("manualpar-prefetch") for name in threads)
+        assert all(name.startswith("manualpar-read-ahead") for name in threads)
     assert not _prefetch_threads()
     assert not data.overlapped
 
@@ -66,7 +66,7 @@ def test_batches_are_the_data_functions_and_read_one_ahead() -> None:
 def test_another_index_than_the_one_read_ahead_is_read_as_asked() -> None:
     data = Recorder()
     strategy = mp.ManualParallelStrategy()
-    with Prefetched(data) as prefetched:
+    with ReadAhead(data) as prefetched:
         assert prefetched(0, strategy) == [0, 0]
         assert prefetched(7, strategy) == [7, 49]  # a resume: index 1 dropped
         assert prefetched(0, strategy) == [0, 0]  # a restart
@@ -77,7 +77,7 @@ def test_another_index_than_the_one_read_ahead_is_read_as_asked() -> None:
 def test_an_error_reaches_its_own_index_with_its_traceback() -> None:
     data = Recorder(fail_at=3)
     strategy = mp.ManualParallelStrategy()
-    prefetched = Prefetched(data)
+    prefetched = ReadAhead(data)
     assert [prefetched(i, strategy) for i in range(3)] == [[0, 0], [1, 1], [2, 4]]
     with pytest.raises(ValueError, match="bad line in batch 3") as raised:
         prefetched(3, strategy)
@@ -90,7 +90,7 @@ def test_an_error_reaches_its_own_index_with_its_traceback() -> None:
 def test_stop_iteration_ends_at_the_last_batch() -> None:
     data = Recorder(end=2)
     strategy = mp.ManualParallelStrategy()
-    with Prefetched(data) as prefetched:
+    with ReadAhead(data) as prefetched:
         assert prefetched(1, strategy) == [1, 1]
         with pytest.raises(StopIteration):
             prefetched(2, strategy)
@@ -101,7 +101,7 @@ def test_the_trainer_data_contract_through_step_batches() -> None:
     from manualpar.loop.data import step_batches
 
     strategy = mp.ManualParallelStrategy()
-    with Prefetched(Recorder(end=5)) as prefetched:
+    with ReadAhead(Recorder(end=5)) as prefetched:
         for step in range(2):
             batches, ran_out = step_batches(strategy, prefetched, step, 2)
             assert batches == [[2 * step + m, (2 * step + m) ** 2] for m in range(2)]

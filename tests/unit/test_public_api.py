@@ -5,7 +5,9 @@ say what replaces them."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,17 +15,19 @@ import pytest
 import manualpar
 import manualpar.embeddings as emb
 from manualpar import errors, testing
-from manualpar.deprecated import DEPRECATED
+from manualpar.deprecated import DEPRECATED, LEFT_THE_EMBEDDINGS_FACE
+from manualpar.embeddings import planning
 
 CLI = Path(manualpar.__file__).parent / "cli"
 PUBLIC = {
     "manualpar": set(manualpar.__all__),
     "manualpar.embeddings": set(emb.__all__),
+    "manualpar.embeddings.planning": set(planning.__all__),
     "manualpar.testing": set(testing.__all__),
 }
 
 
-@pytest.mark.parametrize("module", [manualpar, emb], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [manualpar, emb, planning], ids=lambda m: m.__name__)
 def test_every_exported_name_exists(module: object) -> None:
     missing = [name for name in module.__all__ if not hasattr(module, name)]  # type: ignore[attr-defined]
     assert missing == []
@@ -68,21 +72,21 @@ def test_embeddings_carry_their_vocabulary() -> None:
         "Adagrad",
         "Adam",
         "RowWiseAdagrad",
-        "plan_tables",
-        "plan_uniform",
-        "plan_collections",
+        "UpdateRule",
         "DiskTier",
         "table_wise",
         "row_wise",
         "column_wise",
         "table_row_wise",
         "data_parallel",
-        "on_disk",
-        "full_tensors",
         "HashIds",
         "ManagedCollisions",
+        "planning",
     ]:
         assert name in emb.__all__, name
+    assert len(emb.__all__) <= 40  # the face a model author holds
+    for name in ["plan_tables", "plan_uniform", "plan_collections", "Workload", "Topology"]:
+        assert name in planning.__all__, name
 
 
 def _cli_imports() -> list[tuple[str, str, str]]:
@@ -118,7 +122,7 @@ def test_normalize_by_world_still_works_and_names_its_replacement() -> None:
     strategy = manualpar.ManualParallelStrategy()
     with pytest.warns(FutureWarning) as caught:
         sharded = emb.shard_embeddings(
-            _one_table(), strategy, optimizer=emb.SGD(lr=0.1), normalize_by="world"
+            _one_table(), strategy, rule=emb.SGD(lr=0.1), normalize_by="world"
         )
     assert sharded.normalize_by == "world_size"
     assert str(caught[0].message) == (
@@ -130,8 +134,80 @@ def test_normalize_by_world_still_works_and_names_its_replacement() -> None:
 
 def test_fused_optimizer_optimizer_still_works_and_names_its_replacement() -> None:
     strategy = manualpar.ManualParallelStrategy()
-    sharded = emb.shard_embeddings(_one_table(), strategy, optimizer=emb.SGD(lr=0.1))
+    sharded = emb.shard_embeddings(_one_table(), strategy, rule=emb.SGD(lr=0.1))
     with pytest.warns(FutureWarning, match=r"FusedOptimizer\.rule"):
         rule = sharded.fused_optimizer.optimizer
     assert rule is sharded.fused_optimizer.rule
-    assert set(DEPRECATED) == {'normalize_by="world"', "FusedOptimizer.optimizer"}
+    assert {'normalize_by="world"', "FusedOptimizer.optimizer"} < set(DEPRECATED)
+
+
+def _one_warning(get: object) -> tuple[object, str]:
+    """What `get()` returns and the one FutureWarning it gave, pointing at this file."""
+    with pytest.warns(FutureWarning) as caught:
+        value = get()  # type: ignore[operator]
+    assert len(caught) == 1 and caught[0].filename == __file__
+    return value, str(caught[0].message)
+
+
+@pytest.mark.parametrize("name", sorted(LEFT_THE_EMBEDDINGS_FACE))
+def test_a_name_that_left_the_face_still_works_and_names_its_home(name: str) -> None:
+    home = importlib.import_module(LEFT_THE_EMBEDDINGS_FACE[name])
+    value, message = _one_warning(lambda: getattr(emb, name))
+    assert value is getattr(home, name)
+    assert name not in emb.__all__ and name not in vars(emb)
+    assert message.startswith(f"manualpar.embeddings.{name} was renamed {home.__name__}.{name}")
+
+
+def test_an_old_name_warns_once_per_call_site() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            emb.plan_tables  # noqa: B018 (the access is the test)
+    assert len(caught) == 1
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    assert not hasattr(emb, "no_such_name")
+    with pytest.raises(ImportError, match="no_such_name"):
+        from manualpar.embeddings import no_such_name  # type: ignore[attr-defined]  # noqa: F401
+
+
+def test_renamed_classes_still_work_and_name_their_replacement() -> None:
+    rule, message = _one_warning(lambda: emb.SparseOptimizer)
+    assert rule is emb.UpdateRule and message.startswith("SparseOptimizer was renamed UpdateRule")
+    for module in (manualpar, manualpar.loop):
+        read_ahead, message = _one_warning(lambda: module.Prefetched)  # noqa: B023
+        assert read_ahead is manualpar.ReadAhead
+        assert message.startswith("Prefetched was renamed ReadAhead")
+
+
+def test_on_disk_the_function_still_works_and_names_the_keyword() -> None:
+    on_disk, message = _one_warning(lambda: emb.on_disk)
+    assert on_disk(emb.row_wise()) == emb.row_wise(on_disk=True)  # type: ignore[operator]
+    assert on_disk(emb.table_wise(1)) == emb.table_wise(1, on_disk=True)  # type: ignore[operator]
+    assert message.startswith("on_disk(placement) was renamed row_wise(..., on_disk=True)")
+    assert emb.row_wise(on_disk=True).on_disk and not emb.row_wise().on_disk
+
+
+def test_shard_embeddings_optimizer_still_works_and_names_rule() -> None:
+    strategy = manualpar.ManualParallelStrategy()
+    sharded, message = _one_warning(
+        lambda: emb.shard_embeddings(_one_table(), strategy, optimizer=emb.SGD(lr=0.3))
+    )
+    assert sharded.fused_optimizer.rule == emb.SGD(lr=0.3)  # type: ignore[attr-defined]
+    assert message.startswith("shard_embeddings(optimizer=...) was renamed shard_embeddings(rule=")
+    with pytest.raises(manualpar.ConfigTypeError, match="pass rule= alone"):
+        emb.shard_embeddings(
+            _one_table(), strategy, rule=emb.SGD(lr=0.1), optimizer=emb.SGD(lr=0.1)
+        )
+
+
+def test_trainer_prefetch_still_works_and_names_read_ahead(tmp_path: Path) -> None:
+    strategy = manualpar.ManualParallelStrategy()
+    trainer, message = _one_warning(
+        lambda: manualpar.Trainer(strategy, tmp_path, max_steps=1, prefetch=True)
+    )
+    assert trainer.read_ahead is True  # type: ignore[attr-defined]
+    assert message.startswith("Trainer(prefetch=...) was renamed Trainer(read_ahead=...)")
+    assert manualpar.Trainer(strategy, tmp_path, max_steps=1, read_ahead=True).read_ahead
+    assert not manualpar.Trainer(strategy, tmp_path, max_steps=1).read_ahead

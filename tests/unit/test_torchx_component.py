@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from manualpar.cli.torchx_component import run_script
+from manualpar.errors import ConfigError
 
 
 def test_component_builds_a_torchrun_command() -> None:
@@ -33,10 +34,12 @@ def test_component_builds_a_torchrun_command() -> None:
 
 
 def test_component_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="pass exactly one of --script and -m"):
+    with pytest.raises(ConfigError, match="pass exactly one of --script and -m"):
         run_script()
-    with pytest.raises(ValueError, match=r"-j must look like NODESxPROCS \(e\.g\. 1x2\), got '2'"):
+    with pytest.raises(ConfigError, match=r"-j must look like NODESxPROCS \(e\.g\. 1x2\), got '2'"):
         run_script(script="a.py", j="2")
+    with pytest.raises(ConfigError, match="at least 1 node and 1 process per node, got '0x2'"):
+        run_script(script="a.py", j="0x2")
 
 
 def test_registered_next_to_torchx_builtins() -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from manualpar.embeddings.kernels.half_lookup import pooled_sum_half
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding, add_rounded
+from manualpar.errors import ConfigError
 
 __all__ = [
     "BagGradients",
@@ -179,7 +180,10 @@ def add_to_rows(
     half rows add in float32 and round by `rounding` (rounding.py)."""
     if tensor.dtype in HALF_DTYPES:
         if rounding is None:
-            raise ValueError(f"updating {tensor.dtype} rows needs a RowRounding")
+            raise ConfigError(
+                f"add_to_rows: updating {tensor.dtype} rows needs a RowRounding (half rows "
+                "round their float32 sums); pass rounding="
+            )
         add_rounded(tensor, rows, delta, alpha, rounding)
         return
     if (

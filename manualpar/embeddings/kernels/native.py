@@ -23,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from manualpar.errors import MissingDependencyError
+
 __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take", "wait_for_build"]
 
 # sparse_rows.cpp holds the module definition; the other files register their functions in it
@@ -147,8 +149,9 @@ def loaded_kernels() -> ModuleType:
     """The compiled kernels, for a caller that checked `native_kernels_take(...)` first."""
     kernels = native_kernels()
     if kernels is None:
-        raise RuntimeError(
-            "the C++ embedding kernels are not available; check native_kernels_take() first"
+        raise MissingDependencyError(
+            "the C++ embedding kernels are not available (not built here, or switched off by "
+            f"{ENV_SWITCH}=0); a caller checks native_kernels_take() first"
         )
     return kernels
 

@@ -27,7 +27,7 @@ from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_fused, roww
 from manualpar.embeddings.optim.row_clipping import check_max_norm
 from manualpar.errors import BuilderError
 
-__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "check_lr"]
+__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "UpdateRule", "check_lr"]
 
 
 def check_lr(value: object, where: str) -> float:
@@ -51,9 +51,10 @@ def _check_positive(value: object, name: str, where: str) -> None:
 
 
 @dataclass
-class SparseOptimizer:
-    """Base: `lr` is the initial learning rate; once sharded, the fused optimizer's
-    `param_groups[0]["lr"]` (what torch's schedulers set) is read at every backward.
+class UpdateRule:
+    """Base of the update rules (how a row changes given its gradient). `lr` is the initial
+    learning rate; once sharded, the fused optimizer's `param_groups[0]["lr"]` (what torch's
+    schedulers set) is read at every backward.
 
     `max_row_grad_norm` clips each row's summed gradient to that L2 norm, `max_grad_norm` the
     L2 norm of all the collection's table gradients together (one all_reduce per backward);
@@ -155,8 +156,13 @@ class SparseOptimizer:
         return f"{type(self).__name__}(lr={self.lr}{clipping})"
 
 
+# The base's name before 0.3 (deprecated.py): `manualpar.embeddings.SparseOptimizer` warns; the
+# modules inside the package that still say it move to UpdateRule as they are next edited.
+SparseOptimizer = UpdateRule
+
+
 @dataclass
-class SGD(SparseOptimizer):
+class SGD(UpdateRule):
     """Plain SGD on the looked-up rows (no state)."""
 
     def step_rows(
@@ -173,7 +179,7 @@ class SGD(SparseOptimizer):
 
 
 @dataclass
-class Adagrad(SparseOptimizer):
+class Adagrad(UpdateRule):
     """torch.optim.Adagrad on sparse gradients (lr_decay=0, weight_decay=0)."""
 
     eps: float = 1e-10
@@ -201,7 +207,7 @@ class Adagrad(SparseOptimizer):
 
 
 @dataclass
-class RowWiseAdagrad(SparseOptimizer):
+class RowWiseAdagrad(UpdateRule):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row (the mean squared gradient)."""
 
     eps: float = 1e-10
@@ -265,7 +271,7 @@ class RowWiseAdagrad(SparseOptimizer):
 
 
 @dataclass
-class Adam(SparseOptimizer):
+class Adam(UpdateRule):
     """Lazy Adam, as torch.optim.SparseAdam: moments and weights of the looked-up rows only;
     bias correction uses the number of steps taken (one per backward)."""
 

@@ -1,7 +1,7 @@
 """Step-addressed data read one batch ahead, in a background thread.
 
 A reader that parses files (the recommender's Criteo reader) costs its whole time inside the
-step when the loop calls it between steps. `Prefetched(data)` calls `data(index + 1, strategy)`
+step when the loop calls it between steps. `ReadAhead(data)` calls `data(index + 1, strategy)`
 in one worker thread as soon as batch `index` is handed out, so reading overlaps the step (numpy
 and torch release the GIL in their kernels). It holds at most one batch beyond the one in use.
 
@@ -14,7 +14,7 @@ The one condition: `data` must not draw from torch's global random generator (or
 the training thread uses): a draw in the worker thread would interleave with the model's
 (dropout, sampling) and change the numbers. Draw from a `torch.Generator` of your own, as
 `dataset_batches` does. That is why the Trainer reads ahead only when asked
-(`Trainer(prefetch=True)`).
+(`Trainer(read_ahead=True)`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 from manualpar.loop.data import Data
 from manualpar.strategy import ManualParallelStrategy
 
-__all__ = ["Prefetched"]
+__all__ = ["ReadAhead"]
 
 
-class Prefetched:
+class ReadAhead:
     """`data`, read one index ahead in a background thread (see the module docstring); call
     `close()` when done (the Trainer does)."""
 
@@ -46,7 +46,7 @@ class Prefetched:
                 ahead[1].exception()  # wait: `data` is never called from two threads at once
             batch = self.data(index, strategy)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="manualpar-prefetch")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="manualpar-read-ahead")
         self._ahead = (index + 1, self._pool.submit(self.data, index + 1, strategy))
         return batch
 
@@ -59,7 +59,7 @@ class Prefetched:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __enter__(self) -> Prefetched:
+    def __enter__(self) -> ReadAhead:
         return self
 
     def __exit__(self, *exc: object) -> None:
