@@ -9,7 +9,8 @@ The state is an FSDP-sharded MLP trained one step with Adam (parameters plus two
 alternating order: (a) `strategy.save_checkpoint` (sync) and `strategy.save_checkpoint_async`
 (the stall: until it returns; then `--steps` training steps run while it writes, and the time
 left until it committed), and (b) manualpar's save and load against `dcp.save` / `dcp.load` of
-the same state dicts (what a plain-torch loop does: get_*_state_dict, dcp, set_*_state_dict).
+the same state dicts (what a plain-torch loop does: get_*_state_dict, dcp, set_*_state_dict),
+and manualpar's load with `verify="sizes"` (no CRC-32 pass) beside them.
 Every time is the slowest rank's. Files go under `--dir` and are deleted after each repeat.
 Targets: async stall <= 0.2x the sync save; throughput >= 0.9x raw DCP.
 """
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import manualpar as mp
-from manualpar.builders.fsdp import fsdp
+from manualpar import fsdp
 
 
 def make_model(strategy: mp.ManualParallelStrategy, hidden: int, layers: int) -> nn.Module:
@@ -133,6 +134,7 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
             "manualpar_save_s",
             "dcp_save_s",
             "manualpar_load_s",
+            "manualpar_load_sizes_s",
             "dcp_load_s",
         )
     }
@@ -171,8 +173,13 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
         loads = [
             ("manualpar_load_s", lambda: strategy.load_checkpoint(root / "mp", state)),
             ("dcp_load_s", lambda: raw_load(root / "dcp")),
+            (
+                "manualpar_load_sizes_s",
+                lambda: strategy.load_checkpoint(root / "mp", state, verify="sizes"),
+            ),
         ]
-        for name, fn in loads if repeat % 2 == 0 else loads[::-1]:
+        first = repeat % len(loads)  # each goes first, second and last in turn
+        for name, fn in loads[first:] + loads[:first]:
             runs[name].append(timed(strategy, fn))
         strategy.barrier()
         if strategy.is_global_zero:
@@ -194,6 +201,8 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
         },
         "save_throughput manualpar/dcp": med["dcp_save_s"] / med["manualpar_save_s"],
         "load_throughput manualpar/dcp": med["dcp_load_s"] / med["manualpar_load_s"],
+        "load_throughput manualpar(verify=sizes)/dcp": med["dcp_load_s"]
+        / med["manualpar_load_sizes_s"],
     }
     rss = strategy.all_gather_object(peak_rss_gb())
     if strategy.is_global_zero:
@@ -209,6 +218,9 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
                 f"(b) {what}: manualpar {rates['manualpar']:.0f} MB/s, dcp {rates['dcp']:.0f} "
                 f"MB/s = {summary[f'{what}_throughput manualpar/dcp']:.3f}x"
             )
+        sizes = summary["load_throughput manualpar(verify=sizes)/dcp"]
+        rate = total_mb / med["manualpar_load_sizes_s"]
+        print(f'(b) load with verify="sizes": manualpar {rate:.0f} MB/s = {sizes:.3f}x')
     write_json(
         args.json if strategy.is_global_zero else None,
         {

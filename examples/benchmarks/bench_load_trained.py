@@ -32,7 +32,6 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -48,7 +47,7 @@ class Scorer(mp.ParallelModule):
         self.sparse = EmbeddingBagCollection([EmbeddingBagConfig("big", rows, DIM)], seed=3)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
-        plan = EmbeddingPlan(strategy.world_size, {"big": on_disk(row_wise())})
+        plan = EmbeddingPlan(strategy.world_size, {"big": row_wise(on_disk=True)})
         tier = DiskTier(self.directory, cache_rows=4096)
         self.sparse = shard_embeddings(
             self.sparse, strategy, plan, RowWiseAdagrad(lr=0.1), disk_tier=tier

@@ -15,9 +15,11 @@ every rank, and the ranks agree on the outcome before any of them copies a value
 - the object files (replicated.pt, rank_<r>.pt) and a full export are checked the same way.
 
 Guaranteed: a missing, truncated or changed tensor or object file fails the load on every
-rank with nothing modified. Not covered: a file that changes or fails to read between the check
-and the read (the error then says the state may be partly loaded); members saved without a
-CRC-32 (`torch.serialization.set_crc32_options(False)`), which get the structural check only.
+rank with nothing modified. Not covered: a file that changes or fails to read between the
+check and the read (the error then says the state may be partly loaded); members saved without
+a CRC-32 (`torch.serialization.set_crc32_options(False)`), which get the structural check only.
+A load's `verify="sizes"` runs the sizes check alone on the tensor files (`check_tensor_sizes`):
+missing and truncated files are still refused, changed bytes are not.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import struct
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -34,16 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from manualpar.checkpoint.archive import LOCAL_HEADER_SIZE, ArchiveSlice, data_start
 from manualpar.checkpoint.files import describe_failure
 from manualpar.errors import CheckpointError
 
-__all__ = ["check_object_file", "check_tensor_files"]
+__all__ = ["check_object_file", "check_tensor_files", "check_tensor_sizes"]
 
 _CHUNK = 1 << 20
 _CRC_CHUNK = 8 << 20
-# a zip member's local header: signature, versions and flags, ..., name and extra lengths
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
-_LOCAL_MAGIC = b"PK\x03\x04"
 _NOTHING_LOADED = (
     "load an older checkpoint (the Trainer falls back to the newest intact one by itself) or "
     "copy this one again; nothing was loaded"
@@ -77,6 +76,12 @@ def check_tensor_files(
         with _mapped(path / file) as (handle, data):
             for item in (item for item in mine if item.file == file):
                 _check_item(path, item, handle, data)
+
+
+def check_tensor_sizes(path: Path, metadata: Any, keys: Iterable[str]) -> None:
+    """Raise CheckpointError naming the file and tensor unless every byte range of the tensors
+    `keys` is present (a `stat` per file, no data read: a load's `verify="sizes"`)."""
+    _check_sizes(path, _items(metadata, set(keys)))
 
 
 def check_object_file(file: Path) -> None:
@@ -170,14 +175,15 @@ def _mapped(file: Path) -> Iterator[tuple[io.BufferedReader, memoryview]]:
 def _check_archive(handle: io.BufferedReader, data: memoryview, offset: int, length: int) -> None:
     """Check the zip archive (torch.save's format) at `offset`: its directory parses, and each
     member's bytes match the CRC-32 recorded for it (raises zipfile.BadZipFile otherwise)."""
-    with zipfile.ZipFile(_Slice(handle, offset, length)) as archive:  # reads the directory
+    with zipfile.ZipFile(ArchiveSlice(handle, offset, length)) as archive:  # reads the directory
         for member in archive.infolist():
             if member.compress_type != zipfile.ZIP_STORED:  # not torch's: zipfile checks it
                 with archive.open(member) as stream:
                     while stream.read(_CHUNK):
                         pass
                 continue
-            start = offset + _data_offset(data, offset, length, member)
+            at = offset + member.header_offset
+            start = offset + data_start(data[at : at + LOCAL_HEADER_SIZE], length, member)
             # a member saved without a CRC-32 records 0: only its place can be checked
             if member.CRC != 0 and _crc32(data, start, member.file_size) != member.CRC:
                 raise zipfile.BadZipFile(f"Bad CRC-32 for file {member.filename!r}")
@@ -197,48 +203,3 @@ def _crc32(data: memoryview, start: int, size: int) -> int:
             first = at - at % mmap.PAGESIZE
             pages.madvise(mmap.MADV_DONTNEED, first, end - first)
     return crc
-
-
-def _data_offset(data: memoryview, offset: int, length: int, member: zipfile.ZipInfo) -> int:
-    """Where a stored member's bytes start in its archive, from its local header (whose
-    extra field, torch's alignment padding, differs from the directory's)."""
-    header = member.header_offset
-    if header + _LOCAL_HEADER.size > length:
-        raise zipfile.BadZipFile(f"the header of {member.filename!r} lies past the end")
-    fields = _LOCAL_HEADER.unpack_from(data, offset + header)
-    if fields[0] != _LOCAL_MAGIC:
-        raise zipfile.BadZipFile(f"bad magic number for the header of {member.filename!r}")
-    start = header + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-    if start + member.file_size > length:
-        raise zipfile.BadZipFile(f"the bytes of {member.filename!r} run past the end")
-    return start
-
-
-class _Slice(io.RawIOBase):
-    """A read-only, seekable view of `length` bytes of `handle` from `offset` (one saved
-    tensor's archive, which zipfile reads as if it were a file of its own)."""
-
-    def __init__(self, handle: io.BufferedReader, offset: int, length: int) -> None:
-        super().__init__()
-        self.handle, self.offset, self.length, self.position = handle, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = max(0, start + position)
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        count = max(0, min(len(buffer), self.length - self.position))
-        self.handle.seek(self.offset + self.position)
-        read = self.handle.readinto(memoryview(buffer)[:count])
-        self.position += read
-        return read

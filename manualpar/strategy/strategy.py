@@ -316,12 +316,14 @@ class ManualParallelStrategy(Collectives):
         *,
         strict: bool = True,
         saturate: bool = False,
+        verify: str = "crc",
     ) -> dict[str, Any]:
         """Load into `state` on all ranks (collective). See manualpar.checkpoint.load_checkpoint:
-        values beyond a narrower dtype's range are refused unless `saturate=True` clamps them."""
+        values beyond a narrower dtype's range are refused unless `saturate=True` clamps them;
+        `verify="sizes"` skips the CRC-32 pass over the tensor files (checks their sizes only)."""
         self._check_open("load_checkpoint")  # after teardown each rank would read alone
         self.wait_for_checkpoint()
-        return load_checkpoint(self, path, state, strict=strict, saturate=saturate)
+        return load_checkpoint(self, path, state, strict=strict, saturate=saturate, verify=verify)
 
     def save_checkpoint_async(
         self, path: str | os.PathLike, state: Mapping[str, Any], *, overwrite: bool = True

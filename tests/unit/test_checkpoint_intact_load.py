@@ -198,3 +198,36 @@ def test_a_file_that_changes_after_the_check_is_named_and_said_partly_loaded(
         "the state may be partly loaded; load a checkpoint again before training",
         str(caught.value),
     ), str(caught.value)
+
+
+def test_a_sizes_only_load_still_refuses_a_cut_shard_and_loads_a_changed_byte(
+    tmp_path: Path,
+) -> None:
+    """verify="sizes": what it still catches (a shard cut short, nothing loaded) and what it
+    leaves to the storage (a changed byte is loaded as it is)."""
+    strategy = mp.ManualParallelStrategy()
+    saved = _dense(seed=0)
+    strategy.save_checkpoint(tmp_path / "c", saved)
+    strategy.save_checkpoint(tmp_path / "d", saved)
+    _cut(tmp_path / "c" / "__0_0.distcp", 0.001)
+    _flip_inside(tmp_path / "d" / "__0_0.distcp", saved["model"][2].weight)
+    state = _dense(seed=1)
+    before = _values(state)
+    with pytest.raises(mp.CheckpointError, match=r"__0_0\.distcp is truncated: it holds"):
+        strategy.load_checkpoint(tmp_path / "c", state, verify="sizes")
+    _assert_same(before, _values(state))
+    strategy.load_checkpoint(tmp_path / "d", state, verify="sizes")
+    changed = state["model"][2].weight != saved["model"][2].weight
+    assert int(changed.sum()) == 1  # the one changed value, loaded
+
+
+def test_an_unknown_verify_value_is_refused_with_nothing_loaded(tmp_path: Path) -> None:
+    strategy = mp.ManualParallelStrategy()
+    strategy.save_checkpoint(tmp_path / "c", _dense(seed=0))
+    state = _dense(seed=1)
+    before = _values(state)
+    with pytest.raises(
+        mp.ConfigError, match=r"load_checkpoint\(verify='none'\): pass one of crc, sizes"
+    ):
+        strategy.load_checkpoint(tmp_path / "c", state, verify="none")
+    _assert_same(before, _values(state))
