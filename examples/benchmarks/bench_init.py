@@ -28,7 +28,7 @@ def worker(variant: str, gb: float, result: str) -> None:
     from torch import nn
 
     import manualpar as mp
-    from manualpar.builders.fsdp import fsdp
+    from manualpar import fsdp
 
     strategy = mp.ManualParallelStrategy()
     layers = max(1, round(gb * 2**30 / (WIDTH * WIDTH * 4)))

@@ -58,6 +58,15 @@ def test_two_rank_cost_benchmarks_report_their_median_ratio(
     )
 
 
+def test_finite_check_benchmark_reports_each_variant_against_checked(tmp_path: Path) -> None:
+    """Its stand-ins replace the step's FiniteCheck: they must still fit where it sits."""
+    result = _two_ranks(tmp_path, "bench_finite_check.py", *TOY, "--repeats", "1")
+    summary = result["summary"]
+    assert list(summary) == ["checked", "unchecked", "sum_only", "late_wait"]
+    assert summary["checked"]["vs_checked"] == 1.0
+    assert all(row["median_ms"] > 0 for row in summary.values())
+
+
 def test_raw_ids_benchmark_reports_every_variant_against_rows(tmp_path: Path) -> None:
     result = _two_ranks(
         tmp_path, "bench_raw_ids.py", *TOY, "--bucket-rows", "8", "--repeats", "2", "--pipelined"

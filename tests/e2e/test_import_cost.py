@@ -39,3 +39,30 @@ def test_import_manualpar_leaves_the_heavy_torch_modules_unloaded() -> None:
         check=True,
     )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+SHARD_PROBE = (
+    "import sys\n"
+    "import manualpar as mp\n"
+    "from manualpar.embeddings import (EmbeddingBagCollection, EmbeddingBagConfig,\n"
+    "    RowWiseAdagrad, shard_embeddings)\n"
+    "tables = [EmbeddingBagConfig(f't{i}', 100, 8) for i in range(2)]\n"
+    "with mp.empty_init():\n"
+    "    ebc = EmbeddingBagCollection(tables)\n"
+    "shard_embeddings(ebc, mp.ManualParallelStrategy(), optimizer=RowWiseAdagrad(lr=0.1))\n"
+    "print('torch._dynamo' in sys.modules)\n"
+)
+
+
+def test_shard_embeddings_does_not_import_the_compiler() -> None:
+    """The fused optimizer is a torch Optimizer, whose add_param_group imports torch._dynamo at
+    its first call (about 0.5 s of every rank's init): shard_embeddings must not pay it."""
+    done = subprocess.run(
+        [sys.executable, "-c", SHARD_PROBE],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == "False"
