@@ -22,12 +22,12 @@ from manualpar.embeddings import (
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.planning import Workload
 from manualpar.embeddings.planning.cost_model import plan_costs
 from manualpar.embeddings.planning.exchange_bytes import (
     expected_exchange_bytes,
     expected_sent_bytes,
 )
-from manualpar.embeddings.planning.rank_costs import Workload
 from manualpar.embeddings.planning.topology import load_topology
 from manualpar.errors import BuilderError
 
