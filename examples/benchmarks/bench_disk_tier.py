@@ -22,8 +22,12 @@ per process against cache + 1 GiB, the cache hit rate over the timed steps. With
 the logged rows are then written to their places, timed (`drain_s`, slowest rank), and that cost
 spread over the steps that fill a log (`drain_ms_per_step`: the drain's time per row, times the
 share of appended rows still in the log, times the rows appended per timed step) is added to the
-mean (`mean_with_drains_ms`): the cost of the writes the log only defers. Table files are
-created under `--dir` and deleted after each job.
+mean (`mean_with_drains_ms`): the cost of the writes the log only defers. With `--cycle`, disk
+jobs instead warm up until every write log has drained once and are timed until each has
+drained once more (at least `--steps`): a whole log cycle, whose plain mean is the cost per
+step. Each disk job also reports, per rank, the milliseconds per timed step of each of the
+tier's phases and the device MB read and written (disk_phases.py). Table files are created
+under `--dir` and deleted after each job.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from disk_phases import PhaseClock
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
@@ -72,7 +78,6 @@ def worker(args: argparse.Namespace) -> None:
         EmbeddingPlan,
         RowWiseAdagrad,
         SparseFeatures,
-        on_disk,
         row_wise,
         shard_embeddings,
     )
@@ -92,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
         EmbeddingBagConfig(f"t{i}", rows, args.dim, feature_names=(f"f{i}",))
         for i in range(args.tables)
     ]
-    placement = on_disk(row_wise()) if disk else row_wise()
+    placement = row_wise(on_disk=True) if disk else row_wise()
     plan = EmbeddingPlan(world, {t.name: placement for t in tables})
     tier = (
         DiskTier(
@@ -121,14 +126,31 @@ def worker(args: argparse.Namespace) -> None:
 
     disk_tables = [t for t in emb.storage.stores.values() if isinstance(t, DiskTable)]
     caches = [t.cache for t in disk_tables]
+    clock = PhaseClock()
+    if disk:
+        clock.install()
 
     def warm(step: int) -> bool:
         """Warm-up: at least --warmup steps and, on disk, until every cache has been full and
-        evicted a quarter of its rows (the steady state), at most --max-warmup steps."""
+        evicted a quarter of its rows (the steady state), at most --max-warmup steps; with
+        --cycle, until every write log has drained once too (the timed steps then start a
+        cycle after a drain, as every later cycle does)."""
         if step < args.warmup:
             return True
         full = all(c.evictions >= c.capacity // 4 for c in caches)
+        if args.cycle:
+            full = full and all(t.log.drains >= 1 for t in disk_tables)
         return not full and step < args.max_warmup
+
+    def timing(step: int) -> bool:
+        """Timed steps: --steps of them; with --cycle, on disk, until every write log has
+        drained once more (a whole cycle: the log filled, drained, and read from after)."""
+        assert warmup is not None
+        if not (args.cycle and disk) or step < warmup + args.steps:
+            return step < warmup + args.steps
+        more = all(t.log.drains > drains_before[i] for i, t in enumerate(disk_tables))
+        done = torch.tensor(1.0 if more or step >= warmup + args.max_cycle else 0.0)
+        return float(strategy.all_reduce(done, op="min")) == 0.0
 
     # pipelined: the batches of the same steps through TrainPipeline. They are made here,
     # untimed, as for the plain steps (the pipeline's reading thread takes them ready), or
@@ -141,7 +163,9 @@ def worker(args: argparse.Namespace) -> None:
         else None
     )
     times, step, warmup, appended_before = [], 0, None, 0
-    while warmup is None or step < warmup + args.steps:
+    drains_before: list[int] = []
+    phases: list[dict[str, float]] = []  # this rank's, a timed step each
+    while warmup is None or timing(step):
         if warmup is None:
             # every rank must agree when the warm-up ends
             done = torch.tensor(0.0 if warm(step) else 1.0)
@@ -151,6 +175,8 @@ def worker(args: argparse.Namespace) -> None:
                     cache.hits = cache.misses = cache.evictions = 0
         if step == warmup:
             appended_before = sum(t.log.appended for t in disk_tables)
+            drains_before = [t.log.drains for t in disk_tables]
+            clock.take()
         batch_features = features(step) if pipeline is None else None
         while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
             ready.append(features(made))
@@ -162,10 +188,23 @@ def worker(args: argparse.Namespace) -> None:
         emb(batch_features).values.square().mean().backward()
         elapsed = torch.tensor(time.perf_counter() - begin)
         times.append(float(strategy.all_reduce(elapsed, op="max")))
+        if warmup is not None and step >= warmup:
+            phases.append(clock.take())
         step += 1
     timed = times[warmup:]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     peaks = [float(p) for p in strategy.all_gather_object(peak)]
+    # per rank: each phase's ms (MB for the device's) per timed step, and every step's
+    per_rank = strategy.all_gather_object(phases)
+    phase_means = [
+        {
+            key: sum(p[key] for p in ranks) / len(ranks) * (1e3 if "_mb" not in key else 1.0)
+            for key in ranks[0]
+        }
+        if ranks
+        else {}
+        for ranks in per_rank
+    ]
     appended = sum(t.log.appended for t in disk_tables)
     logged = sum(int(t.cache.logged_rows()[0].numel()) for t in disk_tables)
     strategy.barrier()
@@ -198,6 +237,9 @@ def worker(args: argparse.Namespace) -> None:
         "drain_s": drain_s,
         "drain_ms_per_step": drain_ms_per_step,
         "mean_with_drains_ms": statistics.mean(timed) * 1e3 + drain_ms_per_step,
+        "timed_drains": sum(t.log.drains for t in disk_tables) - sum(drains_before),
+        "phase_ms_per_step": phase_means,
+        "timed_phases": per_rank[0],
     }
     if rank == 0:
         Path(args.result).write_text(json.dumps(result))
@@ -248,8 +290,10 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
                     "steps",
                     "warmup",
                     "max_warmup",
+                    "max_cycle",
                 )
             ],
+            *(["--cycle"] if args.cycle else []),
         ]
         source = args.baseline_src if variant.endswith(BASELINE) else str(HERE.parent.parent)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": source}
@@ -285,6 +329,13 @@ def main() -> None:
     parser.add_argument(
         "--max-warmup", type=int, default=4000, help="at most; disk variants warm until full"
     )
+    parser.add_argument(
+        "--cycle",
+        action="store_true",
+        help="on disk: warm up until every write log has drained once, then time until each "
+        "has drained once more (at least --steps): a whole log cycle, drains included",
+    )
+    parser.add_argument("--max-cycle", type=int, default=20000, help="at most, with --cycle")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=["memory", "lru", "lfu"])
     parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
@@ -315,9 +366,17 @@ def main() -> None:
                 f"{result['mean_step_ms']:.1f}, with the log's drains "
                 f"{result['mean_with_drains_ms']:.1f}; after {result['warmup_steps']} warm-up), "
                 f"peak RSS {max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}, "
-                f"{result['logged_rows']} logged rows drained in {result['drain_s']:.2f} s",
+                f"{result['logged_rows']} logged rows drained in {result['drain_s']:.2f} s; "
+                f"{len(result['timed_step_ms'])} timed steps, {result['timed_drains']} drains",
                 flush=True,
             )
+            for rank, phase in enumerate(result["phase_ms_per_step"]):
+                if phase:
+                    print(
+                        f"  rank {rank} per step: "
+                        + ", ".join(f"{key} {value:.1f}" for key, value in phase.items()),
+                        flush=True,
+                    )
             if result["hit_rate"] is not None and result["evicted_rows"] == 0:
                 print(
                     f"warning: {variant}: rank 0's timed steps evicted no row, so they leave out "

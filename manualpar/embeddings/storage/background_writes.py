@@ -46,6 +46,11 @@ class BackgroundWrites:
         self._pending = loaded_kernels().BackgroundWrite(self.file.fd, rows, records)
         self._rows, self._records = rows, records
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the batch in flight writes rows to their places (not to the write log)."""
+        return self._rows is not None and bool(self._rows[0] < self.file.rows)
+
     def settle(self) -> None:
         """Wait for the write in flight; raise its error here, naming the file and row."""
         pending, rows = self._pending, self._rows

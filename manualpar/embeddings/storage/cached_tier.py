@@ -1,7 +1,7 @@
 """What the planner asks of a storage tier that keeps rows off memory behind a per-rank cache:
 how many cache slots each block gets and how much memory the cache takes. The planner prices
 disk tables through this interface only (it never asks which tier it has); `DiskTier`
-(disk_tier.py) implements it."""
+(storage/disk_settings.py, re-exported by disk_tier.py) implements it."""
 
 from __future__ import annotations
 

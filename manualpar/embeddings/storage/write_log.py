@@ -1,5 +1,6 @@
 """WriteLog: a disk-tier block's evicted rows appended to the end of its file, not written to
-their places, until the log is full or a checkpoint needs the file whole.
+their places, until a background drain moves the oldest of them there, or a checkpoint needs
+the file whole.
 
 A row written to its place dirties a 4 KiB page of the page cache for its 260 bytes, and an
 eviction batch dirtied pages by the hundred thousand: the kernel then throttled the writer and
@@ -11,9 +12,15 @@ Where a row is lives in its `slot_of` entry (row_cache.py): a slot, NEVER, STORE
 place) or LOGGED - record (record `record` of the log), so the log costs no memory. A logged row
 read back is marked dirty (row_cache.py), so it is appended again when evicted and its old
 record is dropped: the log holds no clean row, and a row's latest record is the one its
-`slot_of` names. `drain` writes the logged rows to their places (whole chunks of the file
-where they are dense) and empties the log: when an append would not fit, and before a
-checkpoint reads the file (`DiskTable.flush`), so checkpoints still read each row at its place.
+`slot_of` names.
+
+The log is a ring: records from `tail` to `head` (in ring order) may be live. Once it is half
+full, the records logged so far are drained to their places in the background, a bounded piece
+per step (background_drain.py), while new rows go on being appended after them; when that
+drain ends, its records are free for the head to wrap into. `drain` writes every logged row to
+its place at once (whole chunks of the file where they are dense) and empties the log: before a
+checkpoint reads the file (`DiskTable.flush`), so checkpoints still read each row at its place,
+and when an append finds no room even after the background drain.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import time
 
 import torch
 
+from manualpar.embeddings.storage.background_drain import BackgroundDrain
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
 from manualpar.embeddings.storage.row_cache import RowCache
 from manualpar.embeddings.storage.row_file import RowFile
@@ -38,13 +46,6 @@ logger = logging.getLogger(__name__)
 # the documented workload (much of the file never written): break-even at 1/109 and 1/22 of a
 # chunk's rows. A full log holds far denser rows than either.
 DENSE_SHARE = 32
-
-# A log drained because it is full keeps the rows of its last quarter in the log (moved to its
-# start): they are the ones evicted last, the likeliest to be read back soon, and their records
-# are in the page cache. Drained to their places with the rest, they were read back from
-# pages the drain's writes had pushed out of it (documented workload: steps of 40 ms before a
-# drain, 280 ms after it).
-KEEP_SHARE = 4
 SCAN_ROWS = 2**20  # rows of the block a drain looks at a time
 
 
@@ -56,64 +57,101 @@ class WriteLog:
     ) -> None:
         self.file, self.cache, self.writes, self.chunk_rows = file, cache, writes, chunk_rows
         self.head = 0  # the next free record of the log
+        self.tail = 0  # the oldest record that may be live
+        self.used = 0  # records from the tail to the head in ring order (skipped ends included)
         self.appended = self.drains = self.drained = 0  # rows appended, drains, rows drained
+        self.steps = 0  # steps begun: the rate rows are appended at paces the background drain
+        self.background = BackgroundDrain(self)
+
+    def step(self) -> None:
+        """A step begins: the background drain's finished piece is taken, the next started."""
+        self.steps += 1
+        self.background.advance()
+
+    def settle(self) -> None:
+        """Wait for the background drain's piece in flight (before anything else writes the
+        rows' places: a chunk rewritten whole would undo it)."""
+        self.background.settle()
 
     def append(self, rows: torch.Tensor, records: torch.Tensor) -> bool:
-        """Write `records` (of uncached `rows`) at the log's end in the background; drains the
-        log first if they do not fit. False, nothing done: the log cannot take them (there is
-        none, or they are more than it holds), so the caller writes them to their places."""
+        """Write `records` (of uncached `rows`) at the log's head in the background. Without
+        room, the background drain is finished first, or the whole log drained. False, nothing
+        done: the log cannot take them (there is none, or they are more than it holds), so the
+        caller writes them to their places (the background drain is settled for it)."""
         count = rows.numel()
         if count > self.file.log_rows:
+            self.settle()
             return False
-        if self.head + count > self.file.log_rows:
-            self.drain("the write log is full", keep_recent=True)
-        if self.head + count > self.file.log_rows:  # the rows kept and these do not fit
+        at = self._room(count)
+        if at is None:
+            self.background.finish("the write log is full")
+            at = self._room(count)
+        if at is None:  # the rows logged since the background drain began fill it
             self.drain("the write log is full")
-        at = torch.arange(self.head, self.head + count)
-        self.writes.submit(self.file.rows + at, records)
-        self.cache.mark_logged(rows, at)
-        self.head += count
+            at = 0
+        skipped = self.file.log_rows - self.head if at < self.head else 0  # its end, unused
+        positions = torch.arange(at, at + count)
+        self.writes.submit(self.file.rows + positions, records)
+        self.cache.mark_logged(rows, positions)
+        self.used += skipped + count
+        self.head = (at + count) % self.file.log_rows
         self.appended += count
         return True
 
-    def drain(self, why: str, keep_recent: bool = False) -> None:
+    def _room(self, count: int) -> int | None:
+        """The first of `count` free records in a run (a batch is written as one run, in
+        ascending order), or None if there is none."""
+        size = self.file.log_rows
+        if self.used + count > size:
+            return None
+        if self.head < self.tail:  # wrapped: free from the head to the tail
+            return self.head if self.head + count <= self.tail else None
+        if self.head + count <= size:
+            return self.head
+        fits = count <= self.tail and self.used + (size - self.head) + count <= size
+        return 0 if fits else None
+
+    def free(self, records: int) -> None:
+        """The `records` oldest records (from the tail) hold no live row any more."""
+        self.tail = (self.tail + records) % self.file.log_rows
+        self.used -= records
+        if self.used == 0:
+            self.head = self.tail = 0
+
+    def drain(self, why: str) -> None:
         """Write every logged row to its place and empty the log; `why` is logged with the
-        time it took. `keep_recent`: the rows of the last 1/KEEP_SHARE of the log stay logged,
-        moved to its start (see KEEP_SHARE). The block's rows are taken a range of SCAN_ROWS
-        at a time (the logged rows' numbers and records of a whole block took a GiB at the
-        documented workload), and each range's rows are marked drained once written: an error
-        leaves every row readable where its `slot_of` says."""
+        time it took. The block's rows are taken a range of SCAN_ROWS at a time (the logged
+        rows' numbers and records of a whole block took a GiB at the documented workload), and
+        each range's rows are marked drained once written: an error leaves every row readable
+        where its `slot_of` says."""
+        self.background.abandon()  # its piece in flight is written first; this takes the rest
         self.writes.settle()
         started = time.perf_counter()
-        kept = self.head - self.file.log_rows // KEEP_SHARE  # records from here on are kept
-        if not keep_recent or kept < self.file.log_rows // KEEP_SHARE:  # moved, they'd overlap
-            kept = self.head
         drained = 0
         for start in range(0, self.file.rows, SCAN_ROWS):
             rows, at = self.cache.logged_rows(start, start + SCAN_ROWS)
-            cold = at < kept
-            drained += self._to_places(rows[cold], at[cold])
-        self.head = 0
-        for start in range(0, self.file.rows, SCAN_ROWS):  # what is left is kept
-            self._move_to_head(*self.cache.logged_rows(start, start + SCAN_ROWS))
+            self.write_places(rows, at)
+            self.cache.mark_drained(rows)
+            drained += rows.numel()
+        self.head = self.tail = self.used = 0
         if drained:
             self.drains += 1
             self.drained += drained
             logger.info(
-                "disk tier: %s: wrote %d logged rows to their places in %.1f s, kept %d (%s)",
+                "disk tier: %s: wrote %d logged rows to their places in %.1f s (%s)",
                 self.file.what,
                 drained,
                 time.perf_counter() - started,
-                self.head,
                 why,
             )
 
-    def _to_places(self, rows: torch.Tensor, at: torch.Tensor) -> int:
-        """Logged `rows` (ascending; records `at`) written to their places and marked so. A
-        file chunk holding at least 1/DENSE_SHARE of them is read, patched and written back
-        whole; the others are written a record each."""
+    def write_places(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """Logged `rows` (ascending; records `at`) written to their places; the caller marks
+        them. A file chunk holding at least 1/DENSE_SHARE of them is read, patched and written
+        back whole; the others are written a record each. Runs in the background drain's
+        thread too: it touches the file and its arguments only."""
         if not rows.numel():
-            return 0
+            return
         chunk = self.chunk_rows
         first_chunk = int(rows[0]) // chunk
         starts = torch.arange(first_chunk, int(rows[-1]) // chunk + 2) * chunk
@@ -132,22 +170,6 @@ class WriteLog:
         for first in range(0, sparse_rows.numel(), chunk):
             records = self._records(sparse_at[first : first + chunk])
             self.file.write(sparse_rows[first : first + chunk], records)
-        self.cache.mark_drained(rows)
-        return rows.numel()
-
-    def _move_to_head(self, rows: torch.Tensor, at: torch.Tensor) -> None:
-        """Logged `rows` (records `at`, all past the head and past where they go) moved to the
-        records from the head on: read in log order, one run written a chunk at a time."""
-        at, order = torch.sort(at)
-        rows = rows[order]
-        for first in range(0, rows.numel(), self.chunk_rows):
-            count = min(self.chunk_rows, rows.numel() - first)
-            records = self.file.empty(count)
-            self.file.read(self.file.rows + at[first : first + count], records)
-            to = torch.arange(self.head, self.head + count)
-            self.file.write(self.file.rows + to, records)
-            self.cache.mark_logged(rows[first : first + count], to)
-            self.head += count
 
     def _records(self, at: torch.Tensor) -> torch.Tensor:
         """The log's records `at`, in that order (read in log order: runs move in one call)."""
@@ -161,5 +183,6 @@ class WriteLog:
     def forget(self) -> None:
         """The file's rows were all rewritten at their places (a load, a fill): the log's
         records are stale; the cache has already been told where its rows are."""
+        self.background.abandon()
         self.writes.settle()
-        self.head = 0
+        self.head = self.tail = self.used = 0

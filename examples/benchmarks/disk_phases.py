@@ -1,0 +1,99 @@
+"""Where a disk-tier step's time goes: the tier's phases timed inside each step, per rank.
+
+`PhaseClock.install()` wraps the disk tier's phase methods (class-wide, in this benchmark process
+only) with timers; `take()` returns the seconds each phase took since the last call, and the
+bytes this process read from and wrote to the device (`/proc/self/io`: reads the page cache
+served are not counted, so `device_read_mb` is the page cache's misses). Phases nest: `to_slots`
+holds `fetch` (`read`, `generate`, `into_slots`), `copy_out` and `append`; `append` holds `drain`
+(its own time beside it: handing the batch to the writing thread); `write_wait` is the wait for
+the batch before, wherever it falls. A drain's parts (`chunk_read`, `chunk_write`, `log_read`,
+`record_write`) are timed in whichever thread runs them: with the background drain, mostly its
+own thread, beside the step rather than in it (`drain_step` and `drain_finish` are its share of
+the step).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PHASES = {
+    # phase: (module, class or None for a function of the module, name)
+    "to_slots": ("disk_tier", "DiskTable", "to_slots"),
+    "fetch": ("disk_tier", "DiskTable", "_fetch"),
+    "read": ("background_writes", "BackgroundWrites", "read"),
+    "generate": ("disk_tier", None, "init_rows_into"),
+    "into_slots": ("row_file", "RowFile", "to_slots"),
+    "copy_out": ("disk_tier", "DiskTable", "_copy_out"),
+    "append": ("write_log", "WriteLog", "append"),
+    "drain": ("write_log", "WriteLog", "drain"),
+    # a drain's parts: the places' chunks read and written whole, the log's records read, the
+    # records written one at a time, the kept rows moved, the logged rows found
+    "chunk_read": ("row_file", "RowFile", "read_range"),
+    "chunk_write": ("row_file", "RowFile", "write_range"),
+    "log_read": ("write_log", "WriteLog", "_records"),
+    "record_write": ("row_file", "RowFile", "write"),
+    "keep": ("write_log", "WriteLog", "_move_to_head"),  # before the background drain
+    # the background drain's parts in the step: taking a piece and handing the next one to its
+    # thread, and an epoch finished in the step (the log filled first)
+    "drain_step": ("background_drain", "BackgroundDrain", "advance"),
+    "drain_finish": ("background_drain", "BackgroundDrain", "finish"),
+    "find_logged": ("row_cache", "RowCache", "logged_rows"),
+    "write_wait": ("background_writes", "BackgroundWrites", "settle"),
+}
+
+
+def _io_bytes() -> tuple[int, int]:
+    """(read_bytes, write_bytes) of this process at the device, or zeros where unreadable."""
+    try:
+        text = Path("/proc/self/io").read_text()
+        fields = dict(line.split(": ") for line in text.splitlines() if ": " in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+class PhaseClock:
+    """Seconds per phase of the disk tier, summed since the last `take()`."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.io = _io_bytes()
+
+    def install(self) -> None:
+        import importlib
+
+        for phase, (module, cls, method) in PHASES.items():
+            try:  # a phase the source tree measured (--baseline-src) lacks stays at zero
+                owner = importlib.import_module(f"manualpar.embeddings.storage.{module}")
+                owner = owner if cls is None else getattr(owner, cls)
+                setattr(owner, method, self._timed(phase, getattr(owner, method)))
+            except (ImportError, AttributeError):
+                continue
+
+    def _timed(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        seconds = self.seconds
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - began
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """Each phase's seconds and the device MB read and written since the last call."""
+        out = {phase: self.seconds[phase] for phase in PHASES}
+        self.seconds.clear()
+        read, written = _io_bytes()
+        out["device_read_mb"] = (read - self.io[0]) / 1e6
+        out["device_write_mb"] = (written - self.io[1]) / 1e6
+        self.io = (read, written)
+        return out
