@@ -8,6 +8,8 @@
     ... --pipelined # also manualpar's step through TrainPipeline (against the floor too)
     ... --batch-tables  # also manualpar's step with its table batch (one call for all tables)
     ... --sequence --peer-python .venv-torchrec/bin/python   # EmbeddingCollection, unpooled
+    ... --sequence --lengths uniform --skip-padded --rows 200000 --peer-python ...
+                    # sequences of 0 to 2 x --ids-per-bag ids (the same mean), 200k-row tables
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
                     # half tables: manualpar fp16 vs TorchRec FP16, manualpar bf16 vs FP32
@@ -17,7 +19,10 @@ variants alternate in a rotating order and repeat, and the report gives the medi
 of the per-repeat ratio manualpar / other. Workload (embedding_workload.py): 8 tables x 1M rows
 x 64 fp32, global batch 2048, 20 ids per bag, uniform ids, fused row-wise Adagrad, table-wise
 and row-wise plans; a step is forward + backward with the fused update, timed as the slowest
-rank's, median of 20 after 5 warm-up steps.
+rank's, median of 20 after 5 warm-up steps. Every report also gives each variant's step as a
+multiple of the workload's memory floor (memory_floor.py: the rows a rank reads and writes per
+step, at this host's streaming and random-access rates, probed before the first job), printed
+beside the TorchRec ratio and recorded in the JSON ("memory_floor", "x_memory_floor").
 
 The baseline is what one writes with torch alone: nn.EmbeddingBag(sparse=True) per table (or
 row block), ids and pooled rows exchanged with all_to_all_single, torch.optim.Adagrad on the
@@ -39,6 +44,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+RANKS = 2  # processes per job (torchrun --nproc-per-node)
 
 
 # --- workers (run under torchrun) --------------------------------------------------------------
@@ -46,7 +52,7 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     import itertools
 
     import torch
-    from embedding_workload import batch_ids, max_over_ranks, time_steps, write_result
+    from embedding_workload import batch_features, max_over_ranks, time_steps, write_result
 
     import manualpar as mp
     from manualpar.embeddings import (
@@ -61,7 +67,7 @@ def worker_manualpar(args: argparse.Namespace) -> None:
         shard_embeddings,
         table_wise,
     )
-    from manualpar.embeddings.dtype_names import table_dtype
+    from manualpar.embeddings.planning import table_dtype
 
     strategy = mp.ManualParallelStrategy()
     world, rank = strategy.world_size, strategy.rank
@@ -90,9 +96,7 @@ def worker_manualpar(args: argparse.Namespace) -> None:
         emb.step.batches_tables = True
 
     def features(index: int) -> SparseFeatures:
-        ids = batch_ids(args, rank, world, index)
-        lengths = torch.full((ids.numel() // args.ids_per_bag,), args.ids_per_bag)
-        return SparseFeatures(keys, ids.flatten(), lengths)
+        return SparseFeatures(keys, *batch_features(args, rank, world, index))
 
     # --pipelined: the batches through TrainPipeline, in order (each step's own index is the
     # pipeline's next batch), so batch i + 1's input dist runs before step i's lookup
@@ -306,7 +310,7 @@ def launch(
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(RANKS),
             str(script),
             *extra,
             "--plan",
@@ -329,6 +333,8 @@ def launch(
             str(args.lr),
             "--result",
             result,
+            "--lengths",
+            args.lengths,
             *(["--sequence"] if args.sequence else []),
         ]
         # faulthandler: a rank that dies on a signal prints every thread's Python stack
@@ -378,9 +384,9 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
     }
     if args.peer_python:
         found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
-    if args.skip_baseline or args.sequence:  # the plain-torch baseline pools
+    if args.skip_baseline or args.sequence or args.lengths != "fixed":  # it pools fixed bags
         del found["baseline"]
-    if args.sequence:  # the sequence exchange as it was: padded, every owner's rows
+    if args.sequence and not args.skip_padded:  # the sequence exchange as it was: padded
         found["padded"] = (sys.executable, Path(__file__), ["--worker", "manualpar", "--padded"])
     if args.pipelined:
         found["pipelined"] = (
@@ -422,7 +428,15 @@ def precision(args: argparse.Namespace) -> dict:
     time and of peak RSS per process."""
     if not args.peer_python:
         raise SystemExit("--precision compares with TorchRec: pass --peer-python")
+    from memory_floor import Floors, describe
+
     found = variants(args)
+    floors = Floors(RANKS)  # the host probed before the first job
+    floor = {
+        (plan, dtype): floors.of(args, plan=plan, dtype=dtype)
+        for plan in args.plans
+        for dtype in {dtype for _, _, dtype in PRECISION_VARIANTS}
+    }
     jobs = [(plan, name) for plan in args.plans for name, _, _ in PRECISION_VARIANTS]
     runs: dict[str, dict[str, list[dict]]] = {plan: {} for plan in args.plans}
     for repeat in range(args.repeats):
@@ -459,11 +473,28 @@ def precision(args: argparse.Namespace) -> dict:
             name: max(max(r["peak_rss_gb_per_rank"]) for r in results)
             for name, results in by_name.items()
         }
+        dtype_of = {name: dtype for name, _, dtype in PRECISION_VARIANTS}
+        summary[plan]["memory_floor"] = {d: f for (p, d), f in floor.items() if p == plan}
+        summary[plan]["x_memory_floor"] = {
+            name: ms / floor[plan, dtype_of[name]]["ms"]
+            for name, ms in summary[plan]["median_ms_per_step"].items()
+        }
+        for dtype, one in summary[plan]["memory_floor"].items():
+            print(f"{plan} {dtype}: {describe(one)}", flush=True)
+        print(
+            f"{plan}: step / memory floor: "
+            + ", ".join(f"{n} {x:.1f}x" for n, x in summary[plan]["x_memory_floor"].items()),
+            flush=True,
+        )
     print(json.dumps(summary, indent=2))
     return {"summary": summary, "runs": runs}
 
 
 def compare(args: argparse.Namespace) -> dict:
+    from memory_floor import Floors, add_floor
+
+    floors = Floors(RANKS)  # the host probed before the first job
+    floor = {plan: floors.of(args, plan=plan) for plan in args.plans}
     runs: dict[str, dict[str, list[dict]]] = {}
     names = list(variants(args))
     for repeat in range(args.repeats):
@@ -475,6 +506,7 @@ def compare(args: argparse.Namespace) -> dict:
                 runs.setdefault(plan, {}).setdefault(name, []).append(result)
                 print(
                     f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
+                    f" ({result['ms_per_step'] / floor[plan]['ms']:.1f}x the memory floor)"
                     f"  init {result['init_s']:5.2f} s  peak RSS "
                     f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
                     flush=True,
@@ -512,6 +544,12 @@ def compare(args: argparse.Namespace) -> dict:
             name: statistics.median(r["ms_per_step"] for r in results)
             for name, results in by_name.items()
         }
+        floor_line = add_floor(summary[plan], floor[plan])
+        peer = summary[plan].get("manualpar/torchrec", {}).get("ms_per_step")
+        print(
+            f"{plan}: " + (f"manualpar / TorchRec {peer:.3f}x; " if peer else "") + floor_line,
+            flush=True,
+        )
     print(json.dumps(summary, indent=2))
     return {"summary": summary, "runs": runs}
 
@@ -521,15 +559,21 @@ def scale(args: argparse.Namespace) -> dict:
     lookups; (size, variant) jobs interleave in a rotating order over `--repeats`. Each variant's
     step time is compared with its own at the first size (median per size), so a slowdown the
     machine causes shows in both."""
+    from memory_floor import Floors, describe
+
     names = [name for name in variants(args) if name != "baseline"]
     sizes = list(args.scale_gib)
+    floors = Floors(RANKS)  # the host probed before the first job
+    floor = {gib: floors.of(args, plan=args.plans[0], rows=_scale_rows(args, gib)) for gib in sizes}
+    for gib in sizes:
+        print(f"{gib:>4} GiB tables: {describe(floor[gib])}", flush=True)
     jobs = [(gib, name) for gib in sizes for name in names]
     runs: dict[str, dict[float, list[dict]]] = {name: {gib: [] for gib in sizes} for name in names}
     for repeat in range(args.repeats):
         shift = repeat % len(jobs)
         for gib, name in jobs[shift:] + jobs[:shift]:
             python, script, extra = variants(args)[name]
-            rows = int(gib * 2**30 / (args.tables * args.dim * 4))
+            rows = _scale_rows(args, gib)
             result = launch(python, script, extra, args, args.plans[0], rows)
             runs[name][gib].append(result)
             tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
@@ -537,10 +581,11 @@ def scale(args: argparse.Namespace) -> dict:
             print(
                 f"repeat {repeat} {gib:>4} GiB tables {name:<9}: {result['ms_per_step']:7.1f} "
                 f"ms/step, peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB "
-                f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s",
+                f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s, "
+                f"{result['ms_per_step'] / floor[gib]['ms']:.1f}x the memory floor",
                 flush=True,
             )
-    summaries = {name: _scale_summary(runs[name], sizes) for name in names}
+    summaries = {name: _scale_summary(runs[name], sizes, floor) for name in names}
     summary = summaries["manualpar"]
     for name in names[1:]:  # torchrec and the no-exchange floor (--floor), each on its own
         summary[name] = summaries[name]
@@ -552,7 +597,12 @@ def scale(args: argparse.Namespace) -> dict:
     }
 
 
-def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
+def _scale_rows(args: argparse.Namespace, gib: float) -> int:
+    """Rows per table for `gib` GiB of float32 tables."""
+    return int(gib * 2**30 / (args.tables * args.dim * 4))
+
+
+def _scale_summary(runs: dict[float, list[dict]], sizes: list[float], floor: dict) -> dict:
     first = statistics.median(r["ms_per_step"] for r in runs[sizes[0]])
     summary = {}
     for gib, results in runs.items():
@@ -563,12 +613,14 @@ def _scale_summary(runs: dict[float, list[dict]], sizes: list[float]) -> dict:
             "max_peak_rss_gb": max(max(r["peak_rss_gb_per_rank"]) for r in results),
             "rss_bound_gb": results[0]["rss_bound_gb"],
             "median_init_s": statistics.median(r["init_s"] for r in results),
+            "memory_floor": floor[gib],
+            "x_memory_floor": median_ms / floor[gib]["ms"],
         }
     return summary
 
 
 def main() -> None:
-    from embedding_workload import add_workload_args
+    from embedding_workload import LENGTHS, add_workload_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=("manualpar", "baseline", "local"))
@@ -612,6 +664,15 @@ def main() -> None:
         help="unpooled tables (EmbeddingCollection against TorchRec's): manualpar and the peer",
     )
     parser.add_argument(
+        "--skip-padded", action="store_true", help="--sequence without the padded exchange"
+    )
+    parser.add_argument(
+        "--lengths",
+        choices=LENGTHS,
+        default="fixed",
+        help="ids per bag: --ids-per-bag each, or uniform over 0 .. 2 x --ids-per-bag",
+    )
+    parser.add_argument(
         "--precision",
         action="store_true",
         help="half tables: manualpar fp16/bf16/fp32 against TorchRec FP16/FP32 (PRECISION_RATIOS)",
@@ -632,6 +693,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sequence and (args.floor or args.scale or args.precision):
         raise SystemExit("--sequence compares manualpar with --peer-python only (no --floor, ...)")
+    if args.lengths != "fixed" and args.floor:
+        raise SystemExit("--floor routes fixed-length bags: leave it out with --lengths uniform")
     payload = scale(args) if args.scale else precision(args) if args.precision else compare(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

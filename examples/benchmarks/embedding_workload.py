@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# --lengths: every bag --ids-per-bag ids, or a length drawn uniformly from 0 .. 2 x that (same mean)
+LENGTHS = ("fixed", "uniform")
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         "--sequence",
         action="store_true",
         help="unpooled tables (EmbeddingCollection): a sample's ids are a sequence, one row each",
+    )
+    parser.add_argument(
+        "--lengths",
+        choices=LENGTHS,
+        default="fixed",
+        help="ids per bag: exactly --ids-per-bag, or uniform over 0 .. 2 x --ids-per-bag",
     )
 
 
@@ -91,6 +99,32 @@ def batch_ids(args: argparse.Namespace, rank: int, world_size: int, step: int) -
     generator = torch.Generator().manual_seed(1_000_003 * rank + step)
     count = local_batch(args, world_size) * args.ids_per_bag
     return torch.randint(0, args.rows, (args.tables, count), generator=generator)
+
+
+def batch_lengths(args: argparse.Namespace, rank: int, world_size: int, step: int) -> torch.Tensor:
+    """Ids per bag of one step on one rank, table-major: shape (tables * local_batch,).
+
+    `--lengths uniform` spreads them over 0 .. 2 x ids_per_bag (the same mean as fixed), so a
+    batch mixes empty, short and long sequences, as real histories do.
+    """
+    shape = (args.tables * local_batch(args, world_size),)
+    if getattr(args, "lengths", "fixed") == "fixed":
+        return torch.full(shape, args.ids_per_bag)
+    generator = torch.Generator().manual_seed(2_000_003 * rank + step + 7)
+    return torch.randint(0, 2 * args.ids_per_bag + 1, shape, generator=generator)
+
+
+def batch_features(
+    args: argparse.Namespace, rank: int, world_size: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, lengths) of one step on one rank in the keyed-jagged order (table-major, then
+    sample): batch_ids with fixed lengths; otherwise batch_lengths' lengths and as many ids,
+    drawn uniformly from the table's rows."""
+    lengths = batch_lengths(args, rank, world_size, step)
+    if getattr(args, "lengths", "fixed") == "fixed":
+        return batch_ids(args, rank, world_size, step).flatten(), lengths
+    generator = torch.Generator().manual_seed(1_000_003 * rank + step)
+    return torch.randint(0, args.rows, (int(lengths.sum()),), generator=generator), lengths
 
 
 def peak_rss_gb() -> float:

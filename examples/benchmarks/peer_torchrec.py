@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from embedding_workload import (
     add_workload_args,
-    batch_ids,
-    local_batch,
+    batch_features,
     max_over_ranks,
     time_steps,
     write_result,
@@ -126,13 +125,10 @@ def main() -> None:
     sharding = sorted({sharding.sharding_type for sharding in module_plan.values()})
 
     keys = [f"f{i}" for i in range(args.tables)]
-    bags = local_batch(args, world)
-    lengths = torch.full((args.tables * bags,), args.ids_per_bag, dtype=torch.int64)
 
     def step(index: int) -> None:
-        features = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=batch_ids(args, rank, world, index).reshape(-1), lengths=lengths
-        )
+        ids, lengths = batch_features(args, rank, world, index)
+        features = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=ids, lengths=lengths)
         out = model(features)  # KeyedTensor (local_batch, tables * dim), keys in plan order
         if args.sequence:  # {feature: JaggedTensor}: every id's row
             values = torch.cat([out[key].values().reshape(-1, args.dim) for key in keys])

@@ -88,6 +88,12 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
         )
         # 2 tables x global batch 64 x 20 ids, each looked up by exactly one of the two ranks
         assert local["ids_looked_up"] == 2 * 64 * 20 and len(local["step_ms"]) == 2
+        # the memory floor (memory_floor.py): each variant's step as a multiple of it
+        memory_floor = result["summary"][plan]["memory_floor"]
+        assert memory_floor["ms"] > 0 and len(memory_floor["bytes_per_rank"]) == 2
+        assert result["summary"][plan]["x_memory_floor"]["manualpar"] == pytest.approx(
+            ours["ms_per_step"] / memory_floor["ms"], rel=1e-12
+        )
 
 
 @pytest.mark.timeout(300)
@@ -108,6 +114,9 @@ def test_scale_reports_each_size_against_the_first(tmp_path: Path) -> None:
         state_gb = TABLES * rows * (DIM * 4 + 4) / 2**30  # weights + a row-wise optimizer sum
         assert summary[size]["rss_bound_gb"] == pytest.approx(state_gb / 2 + 0.5, rel=1e-12)
         assert summary[size]["median_init_s"] == run["init_s"]
+        assert summary[size]["x_memory_floor"] == pytest.approx(
+            median / summary[size]["memory_floor"]["ms"], rel=1e-12
+        )
     assert summary["0.002GiB"]["rss_bound_gb"] > summary["0.001GiB"]["rss_bound_gb"]
 
 
