@@ -1,7 +1,7 @@
 """A managed table's buckets: which rows each bucket holds, which bucket a raw id hashes to,
-which rank remaps it, and what the remapper's per-row state costs (ids/managed_collisions.py
-remaps; sharded/managed_collisions.py splits the buckets over the ranks; the planner counts
-the state)."""
+which rank remaps it (`owner_blocks`: the one choice between the two sharded paths), and what
+the remapper's per-row state costs (ids/managed_table.py remaps; sharded/managed_collisions.py
+splits the buckets over the ranks; the planner counts the state)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.id_spaces import ManagedCollisions
-from manualpar.embeddings.ids.hashing import hash_ids, unsigned_mod
+from manualpar.embeddings.ids.hashing import hash_ids, salt_key, unsigned_mod
+from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
+from manualpar.embeddings.plan import EmbeddingPlan
 
 __all__ = [
     "REMAPPED_AT_OWNER",
@@ -24,6 +26,7 @@ __all__ = [
     "layout_of",
     "managed_setting",
     "managed_tables",
+    "owner_blocks",
     "remapper_bytes_at_owner",
     "remapper_bytes_per_rank",
 ]
@@ -48,8 +51,23 @@ def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: in
 
 
 # Placements whose blocks hold whole rows: a managed table placed so is remapped by the owners
-# of its blocks, in the step (sharded/managed_collisions.py, `at_owner`), without replicas.
+# of its blocks, in the step (owner_blocks; sharded/remap_at_owner.py), without replicas.
 REMAPPED_AT_OWNER = ("table_wise", "row_wise", "table_row_wise")
+
+
+def owner_blocks(config: EmbeddingBagConfig, plan: EmbeddingPlan) -> dict[int, tuple[int, int]]:
+    """The buckets [first, end) each plan rank's block of a managed table holds, for a table
+    remapped at its owners (placed in whole rows: REMAPPED_AT_OWNER); empty for one whose
+    buckets are split evenly over the job instead (`BucketLayout.owned`), through the remap
+    exchange. The at-owner path costs no exchange of its own: table-wise, the managed step
+    measured 1.57x the rows step at the owner against 2.06x through the exchange
+    (bench_raw_ids.py, docs/benchmarks.md), so both paths stay."""
+    if plan.tables[config.name].sharding not in REMAPPED_AT_OWNER:
+        return {}
+    layout = layout_of(config)
+    return {
+        shard.rank: layout.of_rows(shard.row_start, shard.row_end) for shard in plan.shards(config)
+    }
 
 
 def remapper_bytes_at_owner(
@@ -117,6 +135,15 @@ def layout_of(config: EmbeddingBagConfig) -> BucketLayout:
     return BucketLayout(config.num_embeddings, managed_setting(config).bucket_rows)
 
 
-def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig) -> torch.Tensor:
-    """Each raw id's bucket in its table."""
-    return unsigned_mod(hash_ids(ids, managed_setting(config).salt), layout_of(config).num_buckets)
+def buckets_of(ids: torch.Tensor, config: EmbeddingBagConfig, native: bool = False) -> torch.Tensor:
+    """Each raw id's bucket in its table; `native`: in one C++ pass where the kernels take the
+    ids (kernels/csrc/raw_ids.cpp: 24 us for 5,120 ids against 86 us of torch ops)."""
+    salt, buckets = managed_setting(config).salt, layout_of(config).num_buckets
+    if native and native_kernels_take(ids):
+        return loaded_kernels().hash_feature_ids(
+            ids.to(torch.int64).contiguous(),
+            torch.tensor([0, ids.numel()]),
+            torch.tensor([salt_key(salt)]),
+            torch.tensor([buckets]),
+        )
+    return unsigned_mod(hash_ids(ids, salt), buckets)

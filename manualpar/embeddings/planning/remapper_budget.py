@@ -1,7 +1,8 @@
 """The planner's rule for managed-collision tables: their remappers' state comes first.
 
-A remapper's buckets are split over every rank (sharded/managed_collisions.py), so each rank's
-share of its state is taken off that rank's budget before any table is placed. A table placed
+A remapper's buckets are split over every rank (the remap exchange,
+sharded/managed_collisions.py), so each rank's share of its state is taken off that rank's
+budget before any table is placed. A table placed
 whole on one rank is remapped there and holds all its state on that rank: the planners add
 what goes beyond the share there (ids/buckets.py, remapper_bytes_at_owner), and the other
 ranks keep their share unused, so plans err on the safe side.
@@ -13,10 +14,10 @@ from collections.abc import Iterable, Sequence
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.ids.buckets import (
-    REMAPPED_AT_OWNER,
     REMAPPER_ROW_BYTES,
     layout_of,
     managed_tables,
+    owner_blocks,
     remapper_bytes_per_rank,
 )
 from manualpar.embeddings.plan import EmbeddingPlan, format_bytes
@@ -45,15 +46,15 @@ def budget_after_remappers(
 
 def remapper_bytes_on_ranks(plan: EmbeddingPlan, tables: Sequence[EmbeddingBagConfig]) -> list[int]:
     """The remappers' state each rank holds under a 1-D `plan`, exactly: a table remapped at
-    its owners (REMAPPED_AT_OWNER) on the ranks of its blocks, in whole buckets; the others'
-    buckets split evenly over every rank (sharded/managed_collisions.py does the same)."""
+    its owners (owner_blocks) on the ranks of its blocks, in whole buckets; the others'
+    buckets split evenly over every rank (the sharded remapper splits them by the same rule)."""
     rows = [0] * plan.world_size
     for config in managed_tables(tables):
         layout = layout_of(config)
-        if plan.tables[config.name].sharding in REMAPPED_AT_OWNER:
-            for shard in plan.shards(config):
-                first, end = layout.row_range(layout.of_rows(shard.row_start, shard.row_end))
-                rows[shard.rank] += end - first
+        if blocks := owner_blocks(config, plan):
+            for rank, buckets in blocks.items():
+                first, end = layout.row_range(buckets)
+                rows[rank] += end - first
         else:
             for rank in range(plan.world_size):
                 first, end = layout.row_range(layout.owned(rank, plan.world_size))

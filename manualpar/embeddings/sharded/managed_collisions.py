@@ -1,19 +1,20 @@
 """The managed-collision remapper of a sharded collection: its buckets split over the job.
 
-A managed table held whole by one rank, or split by rows over some ranks (table-, row- or
-table-row-wise, no replicas), is remapped by the ranks holding it, inside the step (`at_owner`,
-step/owner_remap.py): a managed table's row blocks are whole buckets (plan.py), its raw ids
-reach the block holding their bucket in the step's own input dist, and each block's owner holds
-its buckets' remapper state. It costs no exchange.
+ShardedManagedCollisions is a sharded collection's RawIdRemap (ids/remap.py). Each managed
+table takes one of two paths, chosen per table by ids/buckets.py's `owner_blocks`:
 
-Any other managed table (columns split, replicated, a 2-D layout) has its buckets split over
-the job: rank r of W remaps buckets [r * B // W, (r + 1) * B // W) (B buckets) and holds
-their rows' state. Each step every rank sends the distinct raw ids of its batch (with their
-counts) to their buckets' owners, the owners remap the union as the single-process remapper
-would remap the global batch (ids/managed_collisions.py: everything is per bucket, and the order
-within a bucket does not depend on the senders), and send the rows back. Three all_to_alls over
-the whole job per step, for those tables together: sizes, ids and counts, rows. Every replica of
-a 2-D layout sees the same mapping.
+- at its owners, in the step (remap_at_owner.py): a table whose blocks hold whole rows, without
+  replicas; each block's owner holds its buckets' state and `owner_remap` hands the step the
+  view that remaps them, with no exchange of its own;
+- through the remap exchange (this module): any other managed table (columns split,
+  replicated, a 2-D layout) has its buckets split over the job: rank r of W remaps buckets
+  [r * B // W, (r + 1) * B // W) (B buckets) and holds their rows' state. Each step every rank
+  sends the distinct raw ids of its batch (with their counts) to their buckets' owners, the
+  owners remap the union as the single-process remapper would remap the global batch
+  (ids/managed_table.py: everything is per bucket, and the order within a bucket does not
+  depend on the senders), and send the rows back. Three all_to_alls over the whole job per
+  step, for those tables together: sizes, ids and counts, rows. Every replica of a 2-D layout
+  sees the same mapping.
 
 A pipeline's prefetch runs the first two (`send`: nothing is remapped), so a batch's ids travel
 during the previous step; the remap and the rows wait for that batch's forward (`finish`), so
@@ -35,7 +36,6 @@ from manualpar.checkpoint.local_shards import Block, LocalShards, gathering_full
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.buckets import (
-    REMAPPED_AT_OWNER,
     STATE,
     buckets_of,
     layout_of,
@@ -47,23 +47,23 @@ from manualpar.embeddings.ids.managed_collisions import (
     ManagedCollisionRemapper,
     ManagedCollisionTable,
 )
+from manualpar.embeddings.ids.remap import OwnerRemap, RemapSent
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
-from manualpar.embeddings.plan import EmbeddingPlan
-from manualpar.embeddings.step.owner_remap import OwnerRemap
+from manualpar.embeddings.sharded.remap_at_owner import RemapAtOwner
 from manualpar.embeddings.step.size_header import REFUSED, check_refusals
-from manualpar.embeddings.step.table_mesh import TableMesh
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy, PendingCollective
 
-__all__ = ["RemapInFlight", "ShardedManagedCollisions", "remapped_at_owner", "sharded_remapper"]
+__all__ = ["RemapInFlight", "ShardedManagedCollisions", "sharded_remapper"]
 
 WHAT = "shard_embeddings: managed-collision"
 
 
 class ShardedManagedCollisions(ManagedCollisionRemapper):
-    """This rank's buckets of every managed table. Forward remaps the exchanged tables with
-    the other ranks; the step remaps the `at_owner` ones through `owner_remap`."""
+    """This rank's buckets of every managed table, a RawIdRemap (ids/remap.py). Forward remaps
+    the exchanged tables with the other ranks; the step remaps the `at_owner` ones
+    (remapped_at_owner, remap_at_owner.py) through `owner_remap`."""
 
     def __init__(
         self,
@@ -112,7 +112,8 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         calls to remap the `at_owner` tables (None: there are none)."""
         if not self.at_owner:
             return None
-        return _RemapAtOwner(self, names)
+        at_owner = {t: name for t, name in enumerate(names) if name in self.at_owner}
+        return RemapAtOwner(self.table, at_owner)
 
     # forward ----------------------------------------------------------------------------------
     def forward(self, features: SparseFeatures) -> SparseFeatures:
@@ -149,9 +150,10 @@ class ShardedManagedCollisions(ManagedCollisionRemapper):
         )
         return RemapInFlight(features, names, sends, sizes_out, sizes_in, received)
 
-    def finish(self, sent: RemapInFlight) -> SparseFeatures:
+    def finish(self, sent: RemapSent) -> SparseFeatures:
         """Remap the ids `send` routed (this rank's buckets of every rank's batch: the state
         moves one step) and return each rank its rows: `features` with row ids."""
+        assert isinstance(sent, RemapInFlight), type(sent)  # what `send` returned
         names = sent.names
         replies = self._remap_received(names, sent.received.wait(), sent.sizes_in)
         rows = self._all_to_all(
@@ -257,45 +259,6 @@ class RemapInFlight:
         self.received.wait()
 
 
-class _RemapAtOwner:
-    """The step's view of the `at_owner` tables (step/owner_remap.py), by routing index."""
-
-    def __init__(self, remapper: ShardedManagedCollisions, names: Sequence[str]) -> None:
-        self.remapper = remapper
-        self.names = {t: name for t, name in enumerate(names) if name in remapper.at_owner}
-        self.tables = frozenset(self.names)
-
-    def remap(self, table: int, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every sender's raw ids together, as one process remaps the global batch."""
-        rows = self.remapper.table(self.names[table]).remap_counted(torch.cat(ids))
-        return list(rows.split([part.numel() for part in ids]))
-
-    def route_keys(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        """The first row of each raw id's bucket: where a row-split table's id is sent."""
-        managed = self.remapper.table(self.names[table])
-        config, setting = managed.config, managed_setting(managed.config)
-        if managed.native and native_kernels_take(ids):
-            # one C++ pass (kernels/csrc/raw_ids.cpp): 24 us for 5,120 ids against 86 us of
-            # torch ops, per table and step
-            buckets = loaded_kernels().hash_feature_ids(
-                ids.to(torch.int64).contiguous(),
-                torch.tensor([0, ids.numel()]),
-                torch.tensor([salt_key(setting.salt)]),
-                torch.tensor([managed.layout.num_buckets]),
-            )
-        else:
-            buckets = buckets_of(ids, config)
-        return buckets * setting.bucket_rows
-
-    def tick(self, held: frozenset[int]) -> None:
-        """The step count of the tables remapped on other ranks moves with theirs (a
-        checkpoint saves any rank's)."""
-        for t, name in self.names.items():
-            table = self.remapper.table(name)
-            if t not in held and table.training:
-                table.step += 1
-
-
 class _Sent:
     """One table's distinct ids of this rank's batch (with their counts), ordered by owner
     rank; `per_rank[r]` of them go to rank r."""
@@ -362,26 +325,6 @@ def _copy_block(source: ManagedCollisionTable, table: ManagedCollisionTable) -> 
         table.step.copy_(source.step)
 
 
-def remapped_at_owner(
-    configs: Sequence[EmbeddingBagConfig], plan: EmbeddingPlan, mesh: TableMesh
-) -> dict[str, dict[int, tuple[int, int]]]:
-    """The managed tables a collection's step remaps at their owners, with each owner's job
-    rank and buckets: those whose blocks hold whole rows (whole, or split by rows in whole
-    buckets), without replicas; the others go through the remap exchange."""
-    if mesh.replicas > 1:
-        return {}
-    owners = {}
-    for config in managed_tables(configs):
-        if plan.tables[config.name].sharding not in REMAPPED_AT_OWNER:
-            continue
-        layout = layout_of(config)
-        owners[config.name] = {
-            mesh.group_ranks[shard.rank]: layout.of_rows(shard.row_start, shard.row_end)
-            for shard in plan.shards(config)
-        }
-    return owners
-
-
 def sharded_remapper(
     configs: Sequence[EmbeddingBagConfig],
     strategy: ManualParallelStrategy,
@@ -389,7 +332,7 @@ def sharded_remapper(
     at_owner: Mapping[str, Mapping[int, tuple[int, int]]] | None = None,
 ) -> ShardedManagedCollisions | None:
     """A sharded collection's remapper (None without managed tables); `at_owner`: the tables
-    its step remaps, with each owner's job rank and buckets (remapped_at_owner)."""
+    its step remaps, with each owner's job rank and buckets (remap_at_owner.py)."""
     if not managed_tables(configs):
         return None
     return ShardedManagedCollisions(configs, strategy, source, at_owner)

@@ -3,34 +3,19 @@
 A ManagedCollisions table whose blocks hold whole rows (held whole, or split by rows in whole
 buckets; one shard group) needs no remap exchange: its raw ids travel in the step's input dist
 like row ids, to the block holding their bucket (`route_keys`), and each owner remaps every
-sender's ids of the step together in the lookup, before they become slots
-(sharded/managed_collisions.py holds the remapper state; this is what the step sees of it).
-The remap takes the whole step's ids at once, as one process remaps the global batch, so the
-owner's own bags wait for the other ranks' ids before their lookup.
+sender's ids of the step together in the lookup, before they become slots. The remap is the
+collection's OwnerRemap (ids/remap.py; sharded/remap_at_owner.py holds it); this is the step's
+side of it. The remap takes the whole step's ids at once, as one process remaps the global
+batch, so the owner's own bags wait for the other ranks' ids before their lookup.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
+from manualpar.embeddings.ids.remap import OwnerRemap
 from manualpar.embeddings.step.exchange import SenderBags
-from manualpar.embeddings.step.routing import LocalShard, RawIdRoutes
+from manualpar.embeddings.step.routing import LocalShard
 
-__all__ = ["OwnerRemap", "remap_senders"]
-
-
-class OwnerRemap(RawIdRoutes, Protocol):
-    """The tables (by index in the routing, `tables`) a rank's step remaps at their owners,
-    held or not by this rank, and where their raw ids go (`route_keys`)."""
-
-    def remap(self, table: int, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Table rows of each sender's raw ids of this step (one call per step and table)."""
-
-    def tick(self, held: frozenset[int]) -> None:
-        """A step passed on this rank, which remapped the tables in `held`: the others' step
-        counts move too (they are the same on every rank)."""
+__all__ = ["remap_senders"]
 
 
 def remap_senders(
