@@ -91,7 +91,7 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     init_s = max_over_ranks(time.perf_counter() - started)
     keys = tuple(f"f{i}" for i in range(args.tables))
     if args.padded:  # the exchange before compact layouts: every bag, every owner
-        emb.step.parts.layout.compact = False
+        emb.step.parts.layout.send_every_bag()
     if args.batch_tables:  # one lookup and one update call for all tables, not one per table
         emb.step.batches_tables = True
 

@@ -19,18 +19,15 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    Workload,
     column_wise,
     data_parallel,
-    load_topology,
-    plan_costs,
     row_wise,
-    rule_costs,
     shard_embeddings,
     table_row_wise,
     table_wise,
 )
 from manualpar.embeddings.exchange_layout import WIRE_NAMES
+from manualpar.embeddings.planning import Workload, load_topology, plan_costs, rule_costs
 from manualpar.embeddings.planning.cost_model import shard_group
 from manualpar.testing import run_distributed
 
@@ -42,7 +39,8 @@ CONFIGS = [
     EmbeddingBagConfig("site", 48, 4),
     EmbeddingBagConfig("tiny", 8, 4),
 ]
-BATCH, PER_BAG = 4, 2  # every rank: 4 samples, 2 ids a bag in every feature
+BATCH, PER_BAG = 8, 1  # every rank: 8 samples, 1 id a bag in every feature (a row block then
+# returns exactly its expected share of the bags: exchange_bytes.expected_kept)
 # the sizes and ids all_to_alls both end with "ids all_to_all" (step/exchange.py)
 EXCHANGE_NAMES = ("ids all_to_all", "pooled output all_to_all", "output gradient all_to_all")
 WIRES = ("fp32", "bf16", "fp16")  # shard_embeddings' wire_dtype, each priced as Workload.wire

@@ -178,7 +178,8 @@ def compact_against_padded(batch_sizes: list[int]) -> dict:
         emb = shard_embeddings(
             ec, strategy, plan_named("row_wise", strategy.world_size), optimizer("rowwise")
         )
-        emb.step.parts.layout.compact = compact
+        if not compact:
+            emb.step.parts.layout.send_every_bag()
         received: list[int] = []
         exchange = emb.step.parts.exchange
 

@@ -14,16 +14,19 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
-    Workload,
     column_wise,
+    table_wise,
+)
+from manualpar.embeddings.planning import (
+    Workload,
     load_topology,
     plan_by_cost,
     plan_costs,
     plan_tables,
     plan_uniform,
+    price_cache,
     rule_costs,
 )
-from manualpar.embeddings.planning import price_cache
 from manualpar.embeddings.planning.candidates import least_busy
 from manualpar.errors import PlanError
 
@@ -191,19 +194,42 @@ def test_asked_precisions_are_lowered_only_where_memory_forces_and_before_disk()
     assert roomy.dtypes == {}  # nothing forces a lower precision
 
 
-def test_a_hot_table_is_split_by_columns_over_a_group_of_nodes() -> None:
-    """Every block of a table returns a pooled row per bag of the job, so on 8 nodes a table's
-    owners serve the global batch: 8 column blocks left them 2.7x the median rank; 32 blocks
-    over 4 nodes (the rule needing no whole rows) send a quarter as much each."""
+def test_a_hot_table_is_spread_over_nodes() -> None:
+    """A whole table's owner serves the global batch: 8 column blocks left their owners 2.7x
+    the median rank; rows over every rank (each block returning the bags with an id in its
+    rows, the rule needing no whole rows) keep them within 2x."""
     topology = load_topology("h100-nvlink-ndr", 64)  # 8 nodes of 8
     hot = EmbeddingBagConfig("hot", 1_000_000, 128)
     planned = plan_by_cost({"hot": hot}, topology, Workload(4096))
     placement = planned.plan.tables["hot"]
-    assert placement.sharding == "column_wise" and len(placement.ranks) == 32, placement
-    assert len({rank // 8 for rank in placement.ranks}) == 4  # whole nodes
+    assert placement.sharding == "row_wise", placement
     predicted = planned.seconds  # the cost model's per-rank step, not a wall-clock time
     assert float(predicted.max()) < 2 * float(predicted.median())
     eight = plan_costs(
         [hot], EmbeddingPlan(64, {"hot": column_wise(range(8))}), topology, Workload(4096)
     )
     assert float(predicted.max()) < 0.7 * float(eight.seconds(topology).max())
+
+
+def test_hot_tables_under_row_wise_adagrad_are_split_by_rows_over_groups_of_nodes() -> None:
+    """Row-wise Adagrad needs whole rows' gradients, so a column block takes the full-width
+    gradient of every bag; a row block takes only the bags with an id in its rows (one id a
+    bag: a block over 2 nodes of 8 takes a 16th), so on 16 nodes each hot table goes by rows
+    over a group of whole nodes and the slowest rank stays within 2x the median, where a hot
+    table whole on one rank made it 9x."""
+    topology = load_topology("h100-nvlink-ndr", 128)  # 16 nodes of 8
+    tables = {f"hot{i}": EmbeddingBagConfig(f"hot{i}", 4_000_000, 128) for i in range(4)}
+    tables |= {f"t{i}": EmbeddingBagConfig(f"t{i}", 50_000, 64) for i in range(8)}
+    state, full_rows = rule_costs(RowWiseAdagrad(lr=0.1))
+    work = Workload(2048, state=state, full_rows=full_rows)
+    planned = plan_by_cost(tables, topology, work)
+    for name in ("hot0", "hot1", "hot2", "hot3"):
+        placement = planned.plan.tables[name]
+        assert placement.sharding == "row_wise" and placement.ranks, placement
+        nodes = {rank // 8 for rank in placement.ranks}
+        assert len(placement.ranks) == 8 * len(nodes) and 1 < len(nodes) < 16  # whole nodes
+    predicted = planned.seconds  # the cost model's per-rank step, not a wall-clock time
+    assert float(predicted.max()) < 2 * float(predicted.median())
+    whole = EmbeddingPlan(128, {**planned.plan.tables, "hot0": table_wise(0)})
+    configs = list(tables.values())
+    assert float(predicted.max()) < 0.2 * _slowest(configs, whole, topology, work)

@@ -109,7 +109,8 @@ def placement_costs(
     shards = EmbeddingPlan(world, {config.name: placement}).shards(config)
     copies = 2 if workload.weighted else 1
     # bag lengths sent per feature, and the rows (and gradients) each block returns per
-    # feature summed: a bag collection's every bag; a sequence collection pads each feature
+    # feature summed: a bag collection's every bag (a row block's: those with an id in its
+    # rows, exchange_bytes.expected_kept); a sequence collection pads each feature
     # to its collection's largest id count (a bag per id; Workload.padded_ids, by default the
     # table's own) and returns one row per id found in the block (exchange_bytes.py)
     sequence = is_sequence([config])
@@ -127,6 +128,9 @@ def placement_costs(
         else cols
     )
     returned = ids * fraction if sequence else torch.full_like(fraction, batch * features)
+    if not sequence and len({s.row_start for s in shards}) > 1:  # a row split's compact blocks
+        per_bag = ids / (batch * features) if batch * features else 0.0
+        returned = (1.0 - (1.0 - fraction) ** per_bag) * (batch * features)
     sent_to = (lengths + ids * fraction * copies) * INT64
     # rows and gradients in their wire dtypes (a float16/float8 flag: collection_costs')
     wire = workload.wire

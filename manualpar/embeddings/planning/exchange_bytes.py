@@ -22,6 +22,8 @@ Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a
 every feature padded with empty bags to the batch's largest id count (sharded/
 sequence_collection.py), in a compact layout: a length travels for every padded bag, but rows
 and gradients only for the bags with an id in the owner's block, so one id's row per id.
+A row-split bag table's blocks are compact too: a block returns, and takes gradients for, the
+bags with an id in its rows (expected: batch x (1 - (1 - rows share)^(ids per bag))).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "ExchangeBytes",
     "exchange_bytes",
     "expected_exchange_bytes",
+    "expected_kept",
     "expected_sent_bytes",
     "is_sequence",
 ]
@@ -81,11 +84,25 @@ def is_sequence(configs: Sequence[EmbeddingBagConfig]) -> bool:
     return bool(configs) and all(isinstance(c, EmbeddingConfig) for c in configs)
 
 
-def _counts_by_group(routing: Routing, table: int, ids: torch.Tensor) -> list[float]:
-    """How many of `ids` fall in each row group of `table` (one group unless split by rows)."""
+def expected_kept(bags: float, share: float, ids_per_bag: float) -> float:
+    """Bags expected to hold an id in a row block with `share` of a table's rows, ids spread
+    evenly over the rows (the rows a compact block returns; `ids_per_bag` need not be whole)."""
+    if share >= 1.0:
+        return bags
+    return bags * (1.0 - (1.0 - share) ** ids_per_bag)
+
+
+def _counts_by_group(
+    routing: Routing, table: int, ids: torch.Tensor, lengths: torch.Tensor
+) -> tuple[list[float], list[float]]:
+    """How many of `ids` fall in each row group of `table` (one group unless split by rows),
+    and how many bags (of `lengths`) hold one of them there."""
     starts = routing.row_start_tensors[table]
     group = torch.bucketize(ids, starts[1:], right=True)
-    return torch.bincount(group, minlength=len(starts)).tolist()
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    pairs = torch.unique(bag * len(starts) + group)
+    kept = torch.bincount(pairs % len(starts), minlength=len(starts))
+    return torch.bincount(group, minlength=len(starts)).tolist(), kept.tolist()
 
 
 def _step_bytes(
@@ -96,12 +113,12 @@ def _step_bytes(
     weighted: Sequence[bool],
     frozen: frozenset[str],
     full_rows: bool,
-    compact: bool = False,
+    kept_of: Mapping[tuple[int, int], list[float]],
     wire: WireDtypes = FLOAT32_WIRE,
 ) -> ExchangeBytes:
     """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank; `batches`: the
-    bags per feature on each rank. `compact`: one id per bag, and rows and gradients travel
-    only for the bags with an id in the owner's block (a sequence collection)."""
+    bags per feature on each rank; `kept_of`, like `ids_of`: the bags whose rows and gradients
+    travel (those with an id in the owner's block, in a compact layout or a row split)."""
     world = plan.world_size
     out = {name: _zeros(world) for name in EXCHANGES}
     width = header_width(len(configs))
@@ -124,7 +141,7 @@ def _step_bytes(
             ids = pooled = grads = 0.0
             for route in routing.routes_to[owner]:
                 here = ids_of[(sender, route.feature)][route.row_group]
-                bags = here if compact else batch  # the bags whose rows come back
+                bags = kept_of[(sender, route.feature)][route.row_group]  # rows coming back
                 ids += batch + here * copies
                 pooled += bags * route.cols
                 if route.table not in frozen_tables:
@@ -157,10 +174,21 @@ def exchange_bytes(
         )
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
+    kept_of: dict[tuple[int, int], list[float]] = {}
+    sequence = is_sequence(configs)
     for rank, features in enumerate(batches):
         for f, (name, table) in enumerate(routing.features):
-            ids_of[(rank, f)] = _counts_by_group(routing, table, features[name].values)
-    sequence = is_sequence(configs)
+            feature = features[name]
+            ids_of[(rank, f)], kept = _counts_by_group(
+                routing, table, feature.values, feature.lengths
+            )
+            if sequence:  # one id a bag
+                kept = ids_of[(rank, f)]
+            # every bag of a whole table's; a batch per feature sends a row split's all too
+            whole = not routing.splits_rows(table) or features.variable_batch
+            if whole and not sequence:
+                kept = [float(features.batch_size)] * len(kept)
+            kept_of[(rank, f)] = kept
     return _step_bytes(
         configs,
         plan,
@@ -170,7 +198,7 @@ def exchange_bytes(
         [b.weights is not None for b in batches],
         frozen,
         full_rows,
-        compact=sequence,
+        kept_of,
         wire=wire,
     )
 
@@ -202,18 +230,22 @@ def expected_exchange_bytes(
     sequence collection: its bags padded to the largest feature's expected id count)."""
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
+    kept_of: dict[tuple[int, int], list[float]] = {}
     sequence = is_sequence(configs)
     bags = _expected_bags(configs, batch_per_rank, ids_per_bag)
     for f, (name, table) in enumerate(routing.features):
         rows = configs[table].num_embeddings
         starts = [*routing.row_starts[table], rows]
-        total = batch_per_rank * ids_per_bag.get(name, 1.0)
-        share = [total * (starts[g + 1] - starts[g]) / rows for g in range(len(starts) - 1)]
+        per_bag = ids_per_bag.get(name, 1.0)
+        shares = [(starts[g + 1] - starts[g]) / rows for g in range(len(starts) - 1)]
+        share = [batch_per_rank * per_bag * s for s in shares]
+        kept = share if sequence else [expected_kept(bags, s, per_bag) for s in shares]
         for rank in range(plan.world_size):
             ids_of[(rank, f)] = share
+            kept_of[(rank, f)] = kept
     world = plan.world_size
     return _step_bytes(
-        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, sequence, wire
+        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, kept_of, wire
     )
 
 
@@ -250,10 +282,12 @@ def expected_sent_bytes(
         for shard in shards:
             owner, g = shard.rank, group[shard.row_start]
             grad_cols = config.embedding_dim if whole_rows else shard.cols
+            share = (ends[g] - starts[g]) / rows
             for name in config.feature_names:
-                total = batch_per_rank * ids_per_bag.get(name, 1.0)
-                here = total * (ends[g] - starts[g]) / rows
-                returned = here if sequence else bags  # the bags whose rows come back
+                per_bag = ids_per_bag.get(name, 1.0)
+                here = batch_per_rank * per_bag * share
+                # the bags whose rows come back
+                returned = here if sequence else expected_kept(bags, share, per_bag)
                 ids[owner] += bags + here * copies
                 pooled[owner] += returned * shard.cols
                 if not frozen_table:

@@ -6,7 +6,8 @@ Switched on by `ShardedStep.batches_tables` (off by default: measured no faster 
 batches its tables when all of them can be: float32 or float64 rows of one dtype whose
 slots are their rows (in memory: nothing read in, nothing pinned), a rule with a table-batched
 pass (row-wise Adagrad without clipping, 1-D tables), no raw ids remapped in the step, no
-compact layout; and, per step, no per-id weights or batch per feature (the size header's third
+compact layout (a row split's compact blocks are batched: each sender's bags are counted as
+they came); and, per step, no per-id weights or batch per feature (the size header's third
 value: step/size_header.py), no frozen table, no batch fetched ahead.
 Otherwise the step takes the per-table path, which gives the same bits.
 """

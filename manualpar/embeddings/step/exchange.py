@@ -20,10 +20,11 @@ from collections.abc import Sequence
 import torch
 
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.ids.remap import RawIdRoutes
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad, route_sums
-from manualpar.embeddings.step.routing import LocalShard, RawIdRoutes, Route, Routing
+from manualpar.embeddings.step.routing import LocalShard, Route, Routing
 
 __all__ = [
     "ExchangeLayout",
@@ -130,6 +131,20 @@ class ExchangeLayout:
         # (see `kept_bags`); a sequence collection's bags hold one id each, so a row-split
         # table's owner serves a bag out of every world-size, and every feature is padded
         self.compact = compact
+        # a row-split table's are left out in any layout: with one id a bag, a block of 64
+        # returns a 64th of the rows a whole table does (a node group's row split, planning/)
+        tables = range(len(routing.tables))
+        self.compact_tables = frozenset(t for t in tables if compact or routing.splits_rows(t))
+
+    def send_every_bag(self) -> None:
+        """The exchange before compact layouts (every bag to every owner, row splits too): the
+        baseline the benchmarks and the compact-exchange tests measure against."""
+        self.compact, self.compact_tables = False, frozenset()
+
+    def compacts(self, variable: bool) -> bool:
+        """Whether a sender's bags travel compact (a batch per feature: only in a compact
+        layout, whose rows it expands after the exchange; a row split sends all its bags)."""
+        return bool(self.compact_tables) and (self.compact or not variable)
 
     def pack_ids(
         self, features: SparseFeatures, lengths: Sequence[torch.Tensor], bags: FeatureBags
@@ -187,11 +202,11 @@ class ExchangeLayout:
             for d in range(world)
         ]
 
-    def kept_bags(self, payloads: list[torch.Tensor], batch: int) -> Kept:
-        """Sender side, compact layouts: per owner (None for ourselves), per route to it, the
-        bags of our batch with ids there (None: all of them, as in a layout that is not
-        compact: the whole (batch, cols) block travels, with no index to apply)."""
-        if not self.compact:
+    def kept_bags(self, payloads: list[torch.Tensor], batch: int, variable: bool = False) -> Kept:
+        """Sender side, compact tables: per owner (None for ourselves), per route to it, the
+        bags of our batch with ids there (None: all of them, as for a table not compact: the
+        whole (batch, cols) block travels, with no index to apply)."""
+        if not self.compacts(variable):
             return None
         kept: list[list[torch.Tensor | None] | None] = []
         for owner, routes in enumerate(self.routing.routes_to):
@@ -199,8 +214,11 @@ class ExchangeLayout:
                 kept.append(None)
                 continue
             lens = payloads[owner][: len(routes) * batch].view(len(routes), batch)
-            rows = [torch.nonzero(row).flatten() for row in lens]
-            kept.append([None if r.numel() == batch else r for r in rows])
+            rows = [
+                torch.nonzero(row).flatten() if route.table in self.compact_tables else None
+                for route, row in zip(routes, lens, strict=True)
+            ]
+            kept.append([None if r is None or r.numel() == batch else r for r in rows])
         return kept
 
     def unpack_ids(
@@ -233,7 +251,9 @@ class ExchangeLayout:
             bags.append(
                 (
                     ids[id_start : id_start + n_ids],
-                    shard_lens[shard_lens > 0] if compact else shard_lens,
+                    shard_lens[shard_lens > 0]
+                    if compact and shard.table in self.compact_tables
+                    else shard_lens,
                     None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
                 )
             )

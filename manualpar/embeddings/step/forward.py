@@ -29,13 +29,6 @@ from manualpar.embeddings.step.exchange import (
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
-from manualpar.embeddings.step.phase_times import (
-    IDS_EXCHANGE,
-    LOOKUP,
-    POOLED_EXCHANGE,
-    PhaseTimes,
-    timed,
-)
 from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
 from manualpar.embeddings.step.size_header import (
     VARIABLE,
@@ -47,6 +40,13 @@ from manualpar.embeddings.step.size_header import (
 from manualpar.embeddings.step.wire import Arriving, start_on_wire
 from manualpar.embeddings.storage.disk_tier import CacheTooSmall
 from manualpar.embeddings.storage.tier import Pins
+from manualpar.phase_times import (
+    IDS_EXCHANGE,
+    LOOKUP,
+    POOLED_EXCHANGE,
+    PhaseTimes,
+    timed,
+)
 
 __all__ = ["ForwardPhases", "sender_scales"]
 
@@ -116,7 +116,7 @@ class ForwardPhases:
         job_batches = [h[0] for h in headers]
         if self.warn_uneven and len(set(job_batches)) > 1:
             self._warn_uneven(job_batches)
-        kept = layout.kept_bags(payloads, features.batch_size)
+        kept = layout.kept_bags(payloads, features.batch_size, bags.variable)
         return RoutedIds(features, per_sample, sizes, own, ids_in, frozen, job_batches, bags, kept)
 
     def _warn_uneven(self, batches: list[int]) -> None:
@@ -287,7 +287,11 @@ class ForwardPhases:
             if sender != rank:
                 payload = received[offset : offset + length]
                 senders[sender] = layout.unpack_ids(
-                    payload, batch, bool(bits & WEIGHTED), layout.compact, bool(bits & VARIABLE)
+                    payload,
+                    batch,
+                    bool(bits & WEIGHTED),
+                    layout.compacts(bool(bits & VARIABLE)),
+                    bool(bits & VARIABLE),
                 )
                 offset += length
 
