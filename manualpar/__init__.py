@@ -10,10 +10,12 @@ embedding vocabulary (configs, collections, plans and placements, update rules, 
 the disk tier, raw ids); `manualpar.metrics` (also `mp.metrics`) the evaluation metrics, exact
 over every rank; `manualpar.data` (also `mp.data`) the data readers (Criteo click logs, MovieLens
 ratings); `manualpar.nn` (also `mp.nn`) dense layers of recommendation models (DCN-v2's
-`CrossNet`). Anything deeper is internal and may move between releases.
+`CrossNet`); `manualpar.phase_times` (also `mp.phase_times`) the recorder of a step's time per
+phase and the sharded step's phase names. Anything deeper is internal and may move between
+releases.
 """
 
-from manualpar import data, deprecated, metrics, nn
+from manualpar import data, deprecated, metrics, nn, phase_times
 from manualpar.builders import (
     clip_grad_norm_,
     ddp,
@@ -144,6 +146,7 @@ __all__ = [
     "materialize",
     "metrics",
     "nn",
+    "phase_times",
     "predict",
     "read_manifest",
     "restore_rng_state",

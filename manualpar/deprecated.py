@@ -90,6 +90,10 @@ DEPRECATED = {
     # torch.optim.Optimizer (the fused optimizer, the dense ones)
     "SparseOptimizer": ("UpdateRule", "0.3"),
     "shard_embeddings(optimizer=...)": ("shard_embeddings(rule=...)", "0.3"),
+    "plan_tables(optimizer=...)": ("plan_tables(rule=...)", "0.3"),
+    "plan_collections(optimizer=...)": ("plan_collections(rule=...)", "0.3"),
+    "plan_uniform(optimizer=...)": ("plan_uniform(rule=...)", "0.3"),
+    "python -m manualpar plan --optimizer": ("python -m manualpar plan --rule", "0.3"),
     # "on_disk" is the placement's field alone, and the keyword that sets it
     "on_disk(placement)": ("row_wise(..., on_disk=True) (or table_wise, ...)", "0.3"),
     # "prefetch" is a sharded collection's: sending a batch's ids ahead (emb.prefetch);

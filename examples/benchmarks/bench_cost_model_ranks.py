@@ -67,7 +67,7 @@ from manualpar.embeddings.planning import (
     plan_tables,
     plan_uniform,
 )
-from manualpar.embeddings.step.phase_times import LOOKUP, UPDATE
+from manualpar.phase_times import LOOKUP, UPDATE
 
 PICK = "auto (the pick)"
 
@@ -168,7 +168,7 @@ def candidate_plans(args: argparse.Namespace, topology: Topology) -> dict[str, E
         PICK: plan_tables(
             tables, world, topology=topology, batch_per_rank=args.batch // world, **common
         ),
-        "memory": plan_tables(tables, world, method="memory", **common),
+        "memory": plan_tables(tables, world, price="memory", **common),
     }
     for kind in ("table_wise", "row_wise", "column_wise", "table_row_wise"):
         plans[kind] = plan_uniform(kind, tables, world, ranks_per_node=per_node)

@@ -138,7 +138,7 @@ def compare_world(args: argparse.Namespace, world: int, scratch: Path) -> dict[s
             world,
             ranks_per_node=per_node,
             memory_budget_bytes=topology.device_memory_bytes,
-            optimizer=optimizer,
+            rule=optimizer,
             pooling_factors=pooling,
             price=price,
             topology=topology,

@@ -33,7 +33,7 @@ from manualpar.embeddings import (
     shard_embeddings,
 )
 from manualpar.embeddings.planning import Workload, rule_costs
-from manualpar.embeddings.step.phase_times import (
+from manualpar.phase_times import (
     GRAD_EXCHANGE,
     IDS_EXCHANGE,
     LOOKUP,

@@ -218,7 +218,7 @@ def main() -> None:
                 tables,
                 args.plan_only,
                 memory_budget_bytes=memory_budget(args, 1),
-                optimizer=RowWiseAdagrad(lr=args.emb_lr),
+                rule=RowWiseAdagrad(lr=args.emb_lr),
             )
         print(plan.describe(tables))
         print(

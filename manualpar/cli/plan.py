@@ -21,6 +21,7 @@ import torch
 
 from manualpar import EmbeddingInputError, ManualParError, PlanError
 from manualpar.cli.plan_layouts import layouts_text, plan_layouts
+from manualpar.deprecated import warn_deprecated
 from manualpar.embeddings import (
     SGD,
     Adagrad,
@@ -60,7 +61,7 @@ from manualpar.embeddings.planning import (
 __all__ = ["PLANS", "UsageError", "add_arguments", "parse_bytes", "parse_table", "run"]
 
 PLANS = ("auto", "memory", *UNIFORM_PLANS)
-OPTIMIZERS: dict[str, type[UpdateRule]] = {
+RULES: dict[str, type[UpdateRule]] = {
     "rowwise_adagrad": RowWiseAdagrad,
     "adagrad": Adagrad,
     "adam": Adam,
@@ -133,10 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes per rank for weights + optimizer state, e.g. 2GiB, 512MiB, 1000000",
     )
     add(
-        "--optimizer",
-        default="rowwise_adagrad",
-        help=f"update rule whose state is counted: {', '.join(OPTIMIZERS)}",
+        "--rule",
+        default=None,
+        help=f"update rule whose state is counted: {', '.join(RULES)} (default rowwise_adagrad)",
     )
+    add("--optimizer", default=None, help=argparse.SUPPRESS)  # --rule before 0.3: warns
     add(
         "--ranks-per-node",
         type=int,
@@ -264,8 +266,9 @@ def parse_bytes(text: str, option: str = "--memory-budget") -> int:
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.plan not in PLANS:
         raise UsageError(f"--plan {args.plan!r}: expected one of {', '.join(PLANS)}")
-    if args.optimizer not in OPTIMIZERS:
-        raise UsageError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    _rule_of_optimizer(args)
+    if args.rule not in RULES:
+        raise UsageError(f"--rule {args.rule!r}: expected one of {', '.join(RULES)}")
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: expected at least 1")
     per_node = args.ranks_per_node
@@ -276,6 +279,16 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if not args.table and not args.tables:
         raise UsageError(f"no tables: pass --table {TABLE_SPEC} (repeatable) or --tables FILE")
     _check_workload(args)
+
+
+def _rule_of_optimizer(args: argparse.Namespace) -> None:
+    """`--optimizer`, the spelling of `--rule` before 0.3, read as `--rule` with a warning."""
+    if args.optimizer is not None:
+        if args.rule is not None:
+            raise UsageError("--optimizer is --rule's spelling before 0.3: pass --rule alone")
+        warn_deprecated("python -m manualpar plan --optimizer", stacklevel=2)
+        args.rule = args.optimizer
+    args.rule = args.rule or "rowwise_adagrad"
 
 
 def _check_workload(args: argparse.Namespace) -> None:
@@ -304,10 +317,10 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     if budget is None and args.topology is not None:
         budget = topology.device_memory_bytes
-    optimizer = OPTIMIZERS[args.optimizer](lr=0.01)  # only its state's shape matters here
+    rule = RULES[args.rule](lr=0.01)  # only its state's shape matters here
     batch = DEFAULT_BATCH_PER_RANK if args.batch_per_rank is None else args.batch_per_rank
     pooling = {config.name: args.ids_per_bag for config in tables}
-    state, full_rows = rule_costs(optimizer)
+    state, full_rows = rule_costs(rule)
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
     disk_tier, pinned = _disk_options(args)
     wires = _wire_dtypes(args)
@@ -332,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         workload,
         budget,
         _precisions(args),
-        functools.partial(place, memory_budget_bytes=budget, optimizer=optimizer),
+        functools.partial(place, memory_budget_bytes=budget, rule=rule),
         cost_kwargs=args.plan in ("auto", "memory"),
         disk_tier=disk_tier,
         wire_dtypes=wires,
@@ -342,20 +355,20 @@ def run(args: argparse.Namespace) -> int:
     if len(layouts) + len(refused) > 1:
         print(layouts_text(layouts, refused, topology, replicas))
     plan.validate(tables, args.world_size // replicas)
-    per_rank = plan.bytes_per_rank(tables, optimizer.STATE)
+    per_rank = plan.bytes_per_rank(tables, rule.STATE)
     print(plan.describe(tables))
-    if not isinstance(optimizer, RowWiseAdagrad):
+    if not isinstance(rule, RowWiseAdagrad):
         what = (
-            f"weights + {type(optimizer).__name__} state"
-            if optimizer.STATE
-            else f"weights only, {type(optimizer).__name__} keeps no state"
+            f"weights + {type(rule).__name__} state"
+            if rule.STATE
+            else f"weights only, {type(rule).__name__} keeps no state"
         )
         print(f"  bytes per rank ({what}): " + per_rank_text(per_rank, format_bytes))
     remappers = remapper_bytes_on_ranks(plan, tables)
     if any(remappers):  # int64 state per row, beside the tables (ids/buckets.py)
         print("  managed-collision remappers per rank: " + per_rank_text(remappers, format_bytes))
     if args.batch_per_rank is not None and replicas == 1:
-        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, optimizer))
+        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, rule))
     print(costs_text(costs, topology, batch, replicas))
     if args.json:
         try:
@@ -449,11 +462,11 @@ def _traffic(
     plan: Any,
     batch: int,
     ids_per_bag: float,
-    optimizer: UpdateRule,
+    rule: UpdateRule,
 ) -> str:
     """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
-    full_rows = rule_costs(optimizer)[1]
+    full_rows = rule_costs(rule)[1]
     wire = {"wire": plan.wire} if plan.wire is not None else {}  # the planner's pick
     per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows, **wire)
     sent = [int(value) for value in per_rank]

@@ -9,7 +9,8 @@ below are internal (one concern each, in one-way layers; docs/embeddings.md, "La
 
     root vocabulary  config, features, plan, id_spaces, dtype_names
     kernels/         C++ kernels and loader, splitmix64, bags and pooling, rounding, row memory
-    ids/  optim/     raw ids (hashing, managed collisions); update rules, the fused optimizer
+    ids/  optim/     raw ids (hashing, managed collisions, the RawIdRemap protocol); update
+                     rules, the fused optimizer
     modules/         the unsharded bag and sequence collections, table init
     storage/         where a block's rows live (memory, the disk tier)
     planning/ step/  the planner; one sharded step (routing, exchanges, lookup, update)
@@ -23,6 +24,7 @@ from manualpar.embeddings import planning
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.id_spaces import HashIds, ManagedCollisions, RawIds
+from manualpar.embeddings.ids.remap import RawIdRemap
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, PooledEmbeddings
 from manualpar.embeddings.modules.sequence_collection import (
     EmbeddingCollection,
@@ -65,6 +67,7 @@ __all__ = [
     "JaggedEmbeddings",
     "ManagedCollisions",
     "PooledEmbeddings",
+    "RawIdRemap",
     "RawIds",
     "RowWiseAdagrad",
     "SequenceEmbeddings",

@@ -175,7 +175,7 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
 
 def _row_blocks(config: EmbeddingBagConfig, parts: int) -> list[tuple[int, int]]:
     """A table's rows in `parts` near-equal blocks; a ManagedCollisions table's in whole
-    buckets, so each block's owner remaps its own buckets (sharded/managed_collisions.py)."""
+    buckets, so each block's owner remaps its own buckets (sharded/remap_at_owner.py)."""
     rows, raw_ids = config.num_embeddings, config.raw_ids
     if not isinstance(raw_ids, ManagedCollisions):
         return split_evenly(rows, parts)

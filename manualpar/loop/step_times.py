@@ -1,6 +1,6 @@
 """Where a step's time goes: `Trainer(step_times_every=N)` times every N-th step by phase.
 
-One recorder (embeddings/step/phase_times.py) is shared by the Trainer and the model's sharded
+One recorder (manualpar/phase_times.py) is shared by the Trainer and the model's sharded
 collections, so each second of a timed step counts in one phase only:
 
     read                    fetching the step's batches (and the agreement that every rank has
@@ -33,7 +33,9 @@ from collections.abc import Iterable
 import torch
 
 from manualpar.embeddings import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
-from manualpar.embeddings.step.phase_times import (
+from manualpar.errors import ConfigError
+from manualpar.loop.metrics_file import MetricsFile
+from manualpar.phase_times import (
     GRAD_EXCHANGE,
     IDS_EXCHANGE,
     LOOKUP,
@@ -41,8 +43,6 @@ from manualpar.embeddings.step.phase_times import (
     UPDATE,
     PhaseTimes,
 )
-from manualpar.errors import ConfigError
-from manualpar.loop.metrics_file import MetricsFile
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["CHECKPOINT", "DENSE_FORWARD_BACKWARD", "PHASES", "READ", "StepTimes"]

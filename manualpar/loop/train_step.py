@@ -25,11 +25,11 @@ from torch import nn
 from manualpar.builders import total_grad_norm
 from manualpar.builders.grad_norm import clip_grads_with_norm_
 from manualpar.embeddings import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
-from manualpar.embeddings.step.phase_times import UPDATE, PhaseTimes, timed
 from manualpar.errors import ConfigError
 from manualpar.loop.dense_finite import DenseFiniteCheck
 from manualpar.loop.precision import Precision
 from manualpar.loop.step_times import DENSE_FORWARD_BACKWARD
+from manualpar.phase_times import UPDATE, PhaseTimes, timed
 from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["TrainStep"]

@@ -22,7 +22,7 @@ from raw_id_cases import (
     train_sharded,
 )
 
-from manualpar.embeddings import remapper_bytes_on_ranks
+from manualpar.embeddings.planning import remapper_bytes_on_ranks
 from manualpar.testing import run_distributed
 
 

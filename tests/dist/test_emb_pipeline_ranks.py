@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar import full_tensors
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.embeddings import (
     EmbeddingBagCollection,
@@ -28,7 +29,6 @@ from manualpar.embeddings import (
     SparseFeatures,
     TablePlacement,
     column_wise,
-    full_tensors,
     row_wise,
     shard_embeddings,
     table_wise,

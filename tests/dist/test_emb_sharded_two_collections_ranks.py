@@ -7,7 +7,7 @@ import pytest
 from embedding_cases import assert_close, reference
 from two_tower_cases import TOWERS, train_two_towers
 
-from manualpar.embeddings import plan_collections
+from manualpar.embeddings.planning import plan_collections
 from manualpar.testing import run_distributed
 
 

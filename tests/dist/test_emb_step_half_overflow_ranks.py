@@ -13,13 +13,12 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar import full_tensors
 from manualpar.embeddings import (
     DiskTier,
     EmbeddingBagConfig,
     RowWiseAdagrad,
     SparseFeatures,
-    full_tensors,
-    on_disk,
     row_wise,
     shard_embeddings,
     table_wise,
@@ -48,7 +47,7 @@ def _train(
         EmbeddingBagConfig("user", 10, 4, dtype=torch.float16),
         EmbeddingBagConfig("item", 5, 4),  # float32: a mixed collection
     )
-    user_plan = on_disk(row_wise()) if disk else row_wise()
+    user_plan = row_wise(on_disk=True) if disk else row_wise()
     tier = DiskTier(disk, cache_rows=4) if disk else None
     emb = shard_embeddings(
         mp.EmbeddingBagCollection(tables, seed=4),

@@ -9,10 +9,10 @@ import torch
 from tiny_tables import tiny_tables
 
 import manualpar as mp
+from manualpar import full_tensors
 from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseFeatures,
-    full_tensors,
     row_wise,
     shard_embeddings,
     table_wise,

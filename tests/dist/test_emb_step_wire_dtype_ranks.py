@@ -36,13 +36,12 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingCollection,
     EmbeddingPlan,
-    ExchangeBytes,
     WireDtypes,
-    exchange_bytes,
     row_wise,
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.planning import ExchangeBytes, exchange_bytes
 from manualpar.errors import NonFiniteError
 from manualpar.testing import run_distributed
 

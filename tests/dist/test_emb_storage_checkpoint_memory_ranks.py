@@ -20,7 +20,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -49,7 +48,7 @@ def _train_save_load(directory: str, background: bool) -> dict[str, float]:
     strategy = mp.ManualParallelStrategy()
     with mp.empty_init():
         ebc = EmbeddingBagCollection([EmbeddingBagConfig("big", ROWS, DIM)], seed=0)
-    plan = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+    plan = EmbeddingPlan(1, {"big": row_wise(on_disk=True)})
     tier = DiskTier(f"{directory}/tier", cache_rows=20_000)
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.01), disk_tier=tier)
     generator = torch.Generator().manual_seed(0)

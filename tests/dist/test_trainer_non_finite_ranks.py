@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import manualpar as mp
-from manualpar.embeddings import Adam, SparseFeatures, full_tensors, row_wise, shard_embeddings
+from manualpar import full_tensors
+from manualpar.embeddings import Adam, SparseFeatures, row_wise, shard_embeddings
 from manualpar.testing import run_distributed
 
 # micro-batch index -> the branch made NaN on rank 1 only

@@ -10,7 +10,8 @@ import pytest
 from launch import output_tail, run_python
 
 from manualpar.cli import main
-from manualpar.embeddings import EmbeddingPlan, load_topology
+from manualpar.embeddings import EmbeddingPlan
+from manualpar.embeddings.planning import load_topology
 
 RECSYS_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "recsys" / "train.py"
 CRITEO_1TB = Path(__file__).resolve().parents[2] / "examples" / "plans" / "criteo_1tb_tables.json"

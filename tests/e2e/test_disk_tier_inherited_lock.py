@@ -22,7 +22,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -30,7 +29,7 @@ from manualpar.embeddings.storage.file_owner import owner_path
 from manualpar.errors import BuilderError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)
-ON_DISK = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+ON_DISK = EmbeddingPlan(1, {"big": row_wise(on_disk=True)})
 
 
 def _sharded(tier: DiskTier) -> torch.nn.Module:

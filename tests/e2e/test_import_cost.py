@@ -49,7 +49,7 @@ SHARD_PROBE = (
     "tables = [EmbeddingBagConfig(f't{i}', 100, 8) for i in range(2)]\n"
     "with mp.empty_init():\n"
     "    ebc = EmbeddingBagCollection(tables)\n"
-    "shard_embeddings(ebc, mp.ManualParallelStrategy(), optimizer=RowWiseAdagrad(lr=0.1))\n"
+    "shard_embeddings(ebc, mp.ManualParallelStrategy(), rule=RowWiseAdagrad(lr=0.1))\n"
     "print('torch._dynamo' in sys.modules)\n"
 )
 

@@ -22,8 +22,7 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    SparseOptimizer,
-    on_disk,
+    UpdateRule,
     row_wise,
     table_wise,
 )
@@ -40,7 +39,7 @@ SEED = 5
 BAGS = 12  # per rank and feature; up to 3 ids each
 
 
-def rule(name: str) -> SparseOptimizer:
+def rule(name: str) -> UpdateRule:
     return RowWiseAdagrad(lr=0.2) if name == "rowwise" else Adam(lr=0.05)
 
 
@@ -63,7 +62,7 @@ def batch(rank: int, step: int, ids: str) -> SparseFeatures:
 
 
 def plan(world: int, disk: bool) -> EmbeddingPlan:
-    big = on_disk(row_wise()) if disk else row_wise()
+    big = row_wise(on_disk=True) if disk else row_wise()
     return EmbeddingPlan(world, {"big": big, "side": table_wise(world - 1)})
 
 

@@ -23,7 +23,7 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    SparseOptimizer,
+    UpdateRule,
     column_wise,
     data_parallel,
     row_wise,
@@ -45,7 +45,7 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise", "adam")
 SEED = 11
 
 
-def optimizer(name: str) -> SparseOptimizer:
+def optimizer(name: str) -> UpdateRule:
     return {
         "sgd": SGD(lr=0.5),
         "adagrad": Adagrad(lr=0.3),

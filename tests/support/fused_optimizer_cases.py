@@ -28,7 +28,7 @@ from torch.optim import lr_scheduler as sched
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
-from manualpar.embeddings import EmbeddingBagCollection, SparseOptimizer, shard_embeddings
+from manualpar.embeddings import EmbeddingBagCollection, UpdateRule, shard_embeddings
 
 NAMES = tuple(t.name for t in TABLES)
 ALL = frozenset(NAMES)
@@ -79,7 +79,7 @@ class Job:
     load: str | None = None
     save: str | None = None
 
-    def rule(self) -> SparseOptimizer:
+    def rule(self) -> UpdateRule:
         return dataclasses.replace(
             optimizer(self.opt),
             max_row_grad_norm=self.max_row_grad_norm,

@@ -22,7 +22,7 @@ from manualpar.embeddings import (
     EmbeddingCollection,
     EmbeddingPlan,
     RowWiseAdagrad,
-    SparseOptimizer,
+    UpdateRule,
     shard_embeddings,
 )
 from manualpar.errors import BuilderError, PlanError
@@ -59,7 +59,7 @@ def _full(emb: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def _train_bags(
     strategy: mp.ManualParallelStrategy,
     plan: EmbeddingPlan | str,
-    rule: SparseOptimizer,
+    rule: UpdateRule,
     normalize: str,
     mesh: Any,
     frozen: str | None = None,

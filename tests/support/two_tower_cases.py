@@ -15,7 +15,8 @@ from embedding_cases import SEED, STEPS, TABLES, local_loss, make_batch, optimiz
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
-from manualpar.embeddings import EmbeddingBagCollection, plan_collections, shard_embeddings
+from manualpar.embeddings import EmbeddingBagCollection, shard_embeddings
+from manualpar.embeddings.planning import plan_collections
 
 TOWERS = {"user": TABLES[:3], "item": TABLES[3:]}
 
@@ -31,7 +32,7 @@ def train_two_towers(batch_sizes: list[int], opt_name: str) -> dict[str, Any]:
     # replicate_bytes=0: these test tables are tiny and would all be replicated
     plans = plan_collections(towers, strategy, replicate_bytes=0)
     sharded = {
-        name: shard_embeddings(ebc, strategy, plan=plans[name], optimizer=optimizer(opt_name))
+        name: shard_embeddings(ebc, strategy, plan=plans[name], rule=optimizer(opt_name))
         for name, ebc in towers.items()
     }
     first = None

@@ -24,7 +24,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
     table_wise,
@@ -135,7 +134,7 @@ class _Ranker(nn.Module):
     def __init__(self, tier: Path) -> None:
         super().__init__()
         tables = (EmbeddingBagConfig("big", 500, 4), EmbeddingBagConfig("small", 20, 4))
-        plan = EmbeddingPlan(1, {"big": on_disk(row_wise()), "small": table_wise(0)})
+        plan = EmbeddingPlan(1, {"big": row_wise(on_disk=True), "small": table_wise(0)})
         self.sparse = shard_embeddings(
             EmbeddingBagCollection(tables, seed=1),
             mp.ManualParallelStrategy(),

@@ -138,7 +138,7 @@ def test_launch_refuses_counts_out_of_range_before_starting_torchrun(
 def test_plan_with_a_disk_cache_and_a_pin_prints_the_plan_the_job_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from manualpar.embeddings import DiskTier, EmbeddingBagConfig, EmbeddingPlan, on_disk, row_wise
+    from manualpar.embeddings import DiskTier, EmbeddingBagConfig, EmbeddingPlan, row_wise
     from manualpar.embeddings.planning.planner import default_topology, plan_tables
 
     tables = ["--table", "mid:10000000:16", "--table", "big:20000000:16", "--table", "s:1000:16"]
@@ -152,7 +152,7 @@ def test_plan_with_a_disk_cache_and_a_pin_prints_the_plan_the_job_runs(
         2,
         memory_budget_bytes=1_200_000_000,
         disk_tier=DiskTier(tmp_path, cache_bytes=64 * 2**20),
-        pinned={"mid": on_disk(row_wise())},
+        pinned={"mid": row_wise(on_disk=True)},
         topology=default_topology(2, 2),
     )
     assert EmbeddingPlan.from_json(out.read_text()) == job

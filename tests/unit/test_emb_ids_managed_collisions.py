@@ -175,9 +175,9 @@ def test_sharding_a_trained_collection_and_loading_its_state_keep_the_mapping() 
         ebc(SparseFeatures.from_dict({"t": [[step * 7 + i for i in range(6)], [-step]]}))
     state = {k: v.clone() for k, v in ebc.state_dict().items() if k.startswith("raw_id_remap.")}
     strategy = mp.ManualParallelStrategy()
-    from_trained = mp.shard_embeddings(ebc, strategy, optimizer=mp.embeddings.SGD(lr=0.1))
+    from_trained = mp.shard_embeddings(ebc, strategy, rule=mp.embeddings.SGD(lr=0.1))
     fresh = mp.shard_embeddings(
-        EmbeddingBagCollection(tables), strategy, optimizer=mp.embeddings.SGD(lr=0.1)
+        EmbeddingBagCollection(tables), strategy, rule=mp.embeddings.SGD(lr=0.1)
     )
     fresh.load_state_dict(ebc.state_dict())  # plain (full) tensors into the sharded module
     for emb in (from_trained, fresh):
@@ -269,7 +269,7 @@ def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:
     the remappers under the plan: whole tables' on their rank, row blocks' (in whole 64-row
     buckets) on theirs, a replicated table's buckets split over every rank (tests/dist/
     test_emb_ids_raw_ids_ranks.py checks these against the state the ranks hold)."""
-    from manualpar.embeddings import remapper_bytes_on_ranks
+    from manualpar.embeddings.planning import remapper_bytes_on_ranks
     from manualpar.embeddings.planning.planner import plan_uniform
     from manualpar.errors import PlanError
 

@@ -111,7 +111,7 @@ def test_sharded_sequence_collection_maps_raw_ids_like_the_unsharded_one() -> No
     ]
     unsharded = EmbeddingCollection(tables, seed=2)
     strategy = mp.ManualParallelStrategy()
-    emb = mp.shard_embeddings(EmbeddingCollection(tables, seed=2), strategy, optimizer=SGD(lr=0.1))
+    emb = mp.shard_embeddings(EmbeddingCollection(tables, seed=2), strategy, rule=SGD(lr=0.1))
     for batch in batches:
         got, expected = emb(batch), unsharded(batch)
         for key in ("h", "m"):

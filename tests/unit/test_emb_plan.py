@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from manualpar.cli import main
-from manualpar.embeddings import TOPOLOGY_PRESETS
+from manualpar.embeddings.planning import TOPOLOGY_PRESETS
 
 TABLES = [
     "--table",
@@ -82,7 +82,7 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
         "2",
         "--plan",
         "column_wise",
-        "--optimizer",
+        "--rule",
         "adam",
         "--table",
         "user:100000:64",
@@ -103,7 +103,7 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
         "2",
         "--plan",
         "table_row_wise",
-        "--optimizer",
+        "--rule",
         "sgd",
         "--table",
         "user:100000:64",
@@ -119,6 +119,20 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
         "\n  bytes per rank (weights only, SGD keeps no state): "
         "r0: 12.2 MiB, r1: 12.2 MiB, r2: 3.7 MiB, r3: 3.7 MiB\n"
     ) in out
+
+
+def test_plan_optimizer_is_the_rule_before_0_3_with_a_warning(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    args = ("--world-size", "2", "--plan", "column_wise", "--table", "user:100000:64")
+    code, new, _ = _plan(capsys, *args, "--rule", "adam")
+    with pytest.warns(FutureWarning, match=r"plan --optimizer was renamed .*plan --rule"):
+        old_code, old, _ = _plan(capsys, *args, "--optimizer", "adam")
+    assert (old_code, old) == (code, new)
+    assert code == 0 and "weights + Adam state" in new
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--optimizer" not in capsys.readouterr().out  # hidden: --rule is the documented one
 
 
 @pytest.mark.parametrize(
@@ -141,8 +155,12 @@ def test_plan_builders_count_the_optimizers_state(capsys: pytest.CaptureFixture)
             "expected a positive size such as 2GiB, 512MiB, 1.5GB or plain bytes",
         ),
         (
-            ["--table", "user:10:4", "--optimizer", "lamb"],
-            "error: --optimizer 'lamb': expected one of rowwise_adagrad, adagrad, adam, sgd",
+            ["--table", "user:10:4", "--rule", "lamb"],
+            "error: --rule 'lamb': expected one of rowwise_adagrad, adagrad, adam, sgd",
+        ),
+        (
+            ["--table", "user:10:4", "--rule", "sgd", "--optimizer", "sgd"],
+            "error: --optimizer is --rule's spelling before 0.3: pass --rule alone",
         ),
         (
             [],

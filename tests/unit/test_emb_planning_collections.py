@@ -14,8 +14,8 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     RowWiseAdagrad,
     TablePlacement,
-    plan_collections,
 )
+from manualpar.embeddings.planning import plan_collections
 from manualpar.embeddings.planning.planner import plan_tables, table_bytes
 from manualpar.errors import PlanError
 
@@ -96,7 +96,7 @@ def test_one_collection_gets_the_plan_plan_tables_makes() -> None:
         EmbeddingBagConfig("two", 30_000, 32, feature_names=("two_a", "two_b")),
     ]
     pooling = {"t1": 20.0, "two": 3.0}
-    options = {"ranks_per_node": 2, "optimizer": Adam(lr=0.1), "replicate_bytes": 64 * 2**10}
+    options = {"ranks_per_node": 2, "rule": Adam(lr=0.1), "replicate_bytes": 64 * 2**10}
     expected = plan_tables(tables, 4, pooling_factors=pooling, **options)  # type: ignore[arg-type]
     got = plan_collections({"only": tables}, 4, pooling_factors={"only": pooling}, **options)
     assert got == {"only": expected}
@@ -119,7 +119,7 @@ def test_each_collection_may_have_its_own_optimizer() -> None:
     plans = plan_collections(
         {"user": user, "item": item},
         2,
-        optimizer={"user": SGD(lr=0.1), "item": Adam(lr=0.1)},
+        rule={"user": SGD(lr=0.1), "item": Adam(lr=0.1)},
         price="memory",
     )
     # Adam's two moments triple the item table: more than an even share of the two, so split
@@ -128,7 +128,7 @@ def test_each_collection_may_have_its_own_optimizer() -> None:
     )
     assert plans["user"].notes["u0"] == "whole on rank 0 (625.0 KiB; least-loaded rank)"
     shared = plan_collections(
-        {"user": user, "item": item}, 2, optimizer=RowWiseAdagrad(lr=0.1), price="memory"
+        {"user": user, "item": item}, 2, rule=RowWiseAdagrad(lr=0.1), price="memory"
     )
     assert shared["user"].notes["u0"] == "whole on rank 0 (664.1 KiB; least-loaded rank)"
     assert shared["item"].notes["i0"] == "whole on rank 1 (664.1 KiB; least-loaded rank)"
@@ -224,8 +224,8 @@ def test_measured_budget_says_where_it_came_from() -> None:
         (
             {"user": _tables("a", 10)},
             2,
-            {"optimizer": {"usr": SGD(lr=0.1)}},
-            "plan_collections(): optimizer names collections ['usr'] that were not given; the "
+            {"rule": {"usr": SGD(lr=0.1)}},
+            "plan_collections(): rule names collections ['usr'] that were not given; the "
             "collections are ['user']",
         ),
         (

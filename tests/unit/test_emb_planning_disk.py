@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from manualpar.embeddings import DiskTier, EmbeddingBagConfig, on_disk, row_wise, table_wise
+from manualpar.embeddings import DiskTier, EmbeddingBagConfig, row_wise, table_wise
 from manualpar.embeddings.planning import plan_collections, plan_tables
 from manualpar.errors import PlanError
 
@@ -28,7 +28,7 @@ def test_the_largest_table_goes_to_disk_first(tmp_path, price, world, budget) ->
     plan = plan_tables(
         TABLES, world, memory_budget_bytes=budget, disk_tier=_tier(tmp_path), price=price
     )
-    assert plan.tables["big"] == on_disk(row_wise())
+    assert plan.tables["big"] == row_wise(on_disk=True)
     assert not plan.tables["mid"].on_disk
     assert plan.notes["big"].startswith("on disk: 1.27 GiB with the other tables exceed the ")
 
@@ -41,10 +41,10 @@ def test_a_pinned_table_keeps_its_placement_and_the_rest_is_planned_around_it(tm
             2,
             memory_budget_bytes=1200 * MB,
             disk_tier=_tier(tmp_path),
-            pinned={"mid": on_disk(row_wise())},
+            pinned={"mid": row_wise(on_disk=True)},
             price=price,
         )
-        assert plan.tables["mid"] == on_disk(row_wise()), price
+        assert plan.tables["mid"] == row_wise(on_disk=True), price
         assert not plan.tables["big"].on_disk and not plan.tables["small"].on_disk, price
         assert plan.notes["mid"] == "pinned: row_wise on disk", price
     # pinned in memory: the whole table on rank 1, counted there (the big one cannot join it)
@@ -61,7 +61,7 @@ def test_pinning_is_checked_before_planning(tmp_path) -> None:  # type: ignore[n
         match=r"^pinned= puts tables \['big'\] on disk, but no disk tier was given; pass "
         r"disk_tier=DiskTier\(directory, cache_bytes=\.\.\.\)",
     ):
-        plan_tables(TABLES, 2, pinned={"big": on_disk(row_wise())})
+        plan_tables(TABLES, 2, pinned={"big": row_wise(on_disk=True)})
     with pytest.raises(PlanError, match=r"^table 'big' \(table_wise\[2\]\): ranks \[2\] do not"):
         plan_tables(TABLES, 2, pinned={"big": table_wise(2)})
 
@@ -80,9 +80,9 @@ def test_plan_collections_pins_by_the_names_in_its_notes(tmp_path) -> None:  # t
         2,
         memory_budget_bytes=1200 * MB,
         disk_tier=_tier(tmp_path),
-        pinned={"user.mid": on_disk(row_wise())},
+        pinned={"user.mid": row_wise(on_disk=True)},
     )
-    assert plans["user"].tables["mid"] == on_disk(row_wise())
+    assert plans["user"].tables["mid"] == row_wise(on_disk=True)
     assert not plans["item"].tables["big"].on_disk
 
 
@@ -100,9 +100,9 @@ def test_shard_embeddings_auto_keeps_a_pinned_table_on_disk(tmp_path) -> None:  
         "auto",
         RowWiseAdagrad(lr=0.1),
         disk_tier=DiskTier(tmp_path, cache_rows=8),
-        pinned={"a": on_disk(row_wise())},
+        pinned={"a": row_wise(on_disk=True)},
     )
-    assert sharded.plan.tables["a"] == on_disk(row_wise())
+    assert sharded.plan.tables["a"] == row_wise(on_disk=True)
     assert not sharded.plan.tables["b"].on_disk
 
 

@@ -18,7 +18,6 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
-    on_disk,
     shard_embeddings,
     target_ranks,
     top_k_items,
@@ -84,7 +83,7 @@ def test_a_disk_tier_table_on_one_rank_ranks_like_the_unsharded_one(tmp_path: Pa
     tier = DiskTier(tmp_path, cache_rows=4)
     strategy = mp.ManualParallelStrategy()
     emb = shard_embeddings(
-        ebc, strategy, {"item": on_disk(mp.embeddings.row_wise())}, SGD(lr=0.1), disk_tier=tier
+        ebc, strategy, {"item": mp.embeddings.row_wise(on_disk=True)}, SGD(lr=0.1), disk_tier=tier
     )
     _, ids = top_k_items(emb, "item", _queries(9, 2), 12, scores_per_chunk=9)
     assert ids.tolist() == [o[:12] for o in order]

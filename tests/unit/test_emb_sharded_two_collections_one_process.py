@@ -19,10 +19,10 @@ from manualpar.embeddings import (
     RowWiseAdagrad,
     SparseFeatures,
     data_parallel,
-    plan_collections,
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.planning import plan_collections
 
 USER = [EmbeddingBagConfig("user_id", 100, 8), EmbeddingBagConfig("user_geo", 10, 4)]
 ITEM = [EmbeddingBagConfig("item_id", 100, 8), EmbeddingBagConfig("item_cat", 5, 4)]
@@ -37,7 +37,7 @@ class TwoTower(mp.ParallelModule):
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         rules = {"user": RowWiseAdagrad(lr=0.1), "item": Adagrad(lr=0.1)}
-        plans = plan_collections({"user": self.user, "item": self.item}, strategy, optimizer=rules)
+        plans = plan_collections({"user": self.user, "item": self.item}, strategy, rule=rules)
         self.user = shard_embeddings(self.user, strategy, plans["user"], rules["user"])
         self.item = shard_embeddings(self.item, strategy, plans["item"], rules["item"])
         mp.materialize(self, strategy)

@@ -25,7 +25,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -44,7 +43,7 @@ CUT = (
 def _trained(directory: Path, strategy: mp.ManualParallelStrategy) -> Any:
     with mp.empty_init():  # rows generated on first use: the file starts unwritten
         ebc = EmbeddingBagCollection(TABLES, seed=1)
-    plan = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+    plan = EmbeddingPlan(1, {"big": row_wise(on_disk=True)})
     tier = DiskTier(directory, cache_rows=16, write_log=4.0)
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1), disk_tier=tier)
     for step in range(3):

@@ -19,7 +19,6 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -34,7 +33,7 @@ def _collection(directory: Path | None) -> Any:
     """The table on disk (in `directory`, 16 cached rows) or in memory (None)."""
     with mp.empty_init():
         ebc = EmbeddingBagCollection(TABLES, seed=3)
-    placement = on_disk(row_wise()) if directory is not None else row_wise()
+    placement = row_wise(on_disk=True) if directory is not None else row_wise()
     tier = DiskTier(directory, cache_rows=16) if directory is not None else None
     return shard_embeddings(
         ebc,

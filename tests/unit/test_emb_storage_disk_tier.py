@@ -19,7 +19,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -27,7 +26,7 @@ from manualpar.embeddings.planning.planner import plan_tables
 from manualpar.errors import BuilderError, PlanError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)
-ON_DISK = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+ON_DISK = EmbeddingPlan(1, {"big": row_wise(on_disk=True)})
 
 
 def _shard(ebc: EmbeddingBagCollection, tier: DiskTier | None) -> torch.nn.Module:
@@ -120,8 +119,8 @@ def test_the_planner_puts_the_largest_tables_on_disk_and_says_so() -> None:
         plan_tables(tables, 2, memory_budget_bytes=budget)
     tier = DiskTier("unused", cache_bytes=16 * 2**20)
     plan = plan_tables(tables, 2, memory_budget_bytes=budget, disk_tier=tier)
-    assert plan.tables["huge"] == on_disk(row_wise())
-    assert plan.tables["large"] == on_disk(row_wise())
+    assert plan.tables["huge"] == row_wise(on_disk=True)
+    assert plan.tables["large"] == row_wise(on_disk=True)
     assert not plan.tables["small"].on_disk
     text = plan.describe(tables)
     assert "row_wise on disk" in text
@@ -147,7 +146,7 @@ def test_plan_auto_with_a_budget_puts_the_table_on_disk_and_trains(tmp_path: Pat
         memory_budget_bytes=1024,
         disk_tier=tier,
     )
-    assert emb.plan.tables["big"] == on_disk(row_wise())
+    assert emb.plan.tables["big"] == row_wise(on_disk=True)
     assert emb.tables["big"].weight.shape == (24, 4)
     for step in range(4):
         emb(_batch(step)).values.sum().backward()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import manualpar as mp
+from manualpar import full_tensors
 from manualpar.embeddings import (
     DiskTier,
     EmbeddingBagCollection,
@@ -24,8 +25,6 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
-    full_tensors,
-    on_disk,
     row_wise,
     shard_embeddings,
 )
@@ -33,7 +32,7 @@ from manualpar.embeddings.storage.file_owner import owner_path
 from manualpar.errors import BuilderError, CheckpointError, StorageError
 
 TABLES = (EmbeddingBagConfig("big", 64, 4),)
-ON_DISK = EmbeddingPlan(1, {"big": on_disk(row_wise())})
+ON_DISK = EmbeddingPlan(1, {"big": row_wise(on_disk=True)})
 
 
 def _sharded(tier: DiskTier | None) -> torch.nn.Module:

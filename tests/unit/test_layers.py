@@ -28,7 +28,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "manualpar"
 ROOT = "manualpar"
 
 LAYERS = [
-    {"errors", "eager", "dtensors", "deprecated", "nn"},  # nn: layers built on torch alone
+    # nn: layers built on torch alone; phase_times: the step recorder embeddings and loop share
+    {"errors", "eager", "dtensors", "deprecated", "nn", "phase_times"},
     {"environment", "seed"},
     {"ownership", "meta", "checkpoint"},
     {"strategy", "module"},
@@ -363,6 +364,7 @@ def test_embeddings_sub_packages_import_only_their_layer_or_lower_ones(
 # from the parts), the two collections (siblings: neither imports the other), what takes them
 SHARDED = "manualpar.embeddings.sharded"
 SHARDED_LAYERS = [
+    {"remap_at_owner"},  # the raw-id remap's at-owner path, below the remapper choosing it
     {"managed_collisions", "table_storage", "table_hooks"},
     {"batch_inputs"},
     {"lookup"},
@@ -528,15 +530,6 @@ PUBLIC_ROOTS = (  # as docs/gen_api.py's ROOTS
 EXAMPLES = PACKAGE.parent / "examples"
 # (importing file, imported module): why it may reach below the public names, for now
 KNOWN_INTERNAL = {
-    ("manualpar/loop/raw_id_rates.py", "manualpar.embeddings.ids.managed_collisions"): (
-        "the loop reads the remappers' hit rates through their class; the raw-id protocol "
-        "replaces it (issue 39, item 2)"
-    ),
-    ("manualpar/loop/step_times.py", "manualpar.embeddings.step.phase_times"): (
-        "the Trainer shares one phase recorder with the collections' steps; the recorder "
-        "belongs below both (a core module) and is not moved yet"
-    ),
-    ("manualpar/loop/train_step.py", "manualpar.embeddings.step.phase_times"): ("as step_times.py"),
     **dict.fromkeys(
         [
             ("examples/benchmarks/bench_embedding_kernels.py", "manualpar.embeddings.kernels.bags"),
@@ -555,17 +548,6 @@ KNOWN_INTERNAL = {
             ("examples/benchmarks/bench_wire_dtype.py", "manualpar.embeddings.step.wire"),
         ],
         "a benchmark of that internal piece itself (kernels, row files, the cache, wire dtypes)",
-    ),
-    **dict.fromkeys(
-        [
-            (
-                "examples/benchmarks/bench_cost_model_ranks.py",
-                "manualpar.embeddings.step.phase_times",
-            ),
-            ("examples/benchmarks/ranks_job.py", "manualpar.embeddings.step.phase_times"),
-        ],
-        "compares the cost model with the step's own phase times, whose names have no public "
-        "home yet (as loop/step_times.py)",
     ),
     ("examples/benchmarks/bench_cost_model_ranks.py", "manualpar.cli.calibrate"): (
         "measures the links as `python -m manualpar calibrate` does; the command is the public form"

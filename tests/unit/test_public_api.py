@@ -103,12 +103,17 @@ def _cli_imports() -> list[tuple[str, str, str]]:
     return found
 
 
+# the command line's own old spellings (`plan --optimizer`) warn from where every old spelling does
+WARNS = ("manualpar.deprecated", "warn_deprecated")
+
+
 def test_the_command_line_imports_only_public_names() -> None:
     internal = [
         f"{file}: from {module} import {name}"
         for file, module, name in _cli_imports()
         if not module.startswith("manualpar.cli")
         and not (module in PUBLIC and name in PUBLIC[module])
+        and (module, name) != WARNS
     ]
     assert internal == []
     assert any(module == "manualpar.embeddings" for _, module, _ in _cli_imports())
@@ -195,6 +200,7 @@ def test_shard_embeddings_optimizer_still_works_and_names_rule() -> None:
         lambda: emb.shard_embeddings(_one_table(), strategy, optimizer=emb.SGD(lr=0.3))
     )
     assert sharded.fused_optimizer.rule == emb.SGD(lr=0.3)  # type: ignore[attr-defined]
+    assert "rule=SGD(lr=0.3)" in repr(sharded) and "optimizer=" not in repr(sharded)
     assert message.startswith("shard_embeddings(optimizer=...) was renamed shard_embeddings(rule=")
     with pytest.raises(manualpar.ConfigTypeError, match="pass rule= alone"):
         emb.shard_embeddings(
@@ -211,3 +217,29 @@ def test_trainer_prefetch_still_works_and_names_read_ahead(tmp_path: Path) -> No
     assert message.startswith("Trainer(prefetch=...) was renamed Trainer(read_ahead=...)")
     assert manualpar.Trainer(strategy, tmp_path, max_steps=1, read_ahead=True).read_ahead
     assert not manualpar.Trainer(strategy, tmp_path, max_steps=1).read_ahead
+
+
+def test_the_planners_optimizer_still_works_and_names_rule() -> None:
+    tables = [emb.EmbeddingBagConfig("t", 8, 4, ["f"]), emb.EmbeddingBagConfig("u", 6, 4, ["g"])]
+    adam = emb.Adam(lr=0.1)
+    new = planning.plan_tables(tables, 2, rule=adam, price="memory")
+    old, message = _one_warning(
+        lambda: planning.plan_tables(tables, 2, optimizer=adam, price="memory")
+    )
+    assert old == new and message.startswith("plan_tables(optimizer=...) was renamed plan_tables(")
+    towers = {"a": tables[:1], "b": tables[1:]}
+    old, message = _one_warning(lambda: planning.plan_collections(towers, 2, optimizer=adam))
+    assert old == planning.plan_collections(towers, 2, rule=adam)
+    assert message.startswith("plan_collections(optimizer=...) was renamed plan_collections(")
+    old, message = _one_warning(
+        lambda: planning.plan_uniform("table_wise", tables, 2, optimizer=adam)
+    )
+    assert old == planning.plan_uniform("table_wise", tables, 2, rule=adam)
+    assert message.startswith("plan_uniform(optimizer=...) was renamed plan_uniform(rule=...)")
+    for both in (
+        lambda: planning.plan_tables(tables, 2, rule=adam, optimizer=adam),
+        lambda: planning.plan_collections(towers, 2, rule=adam, optimizer=adam),
+        lambda: planning.plan_uniform("row_wise", tables, 2, rule=adam, optimizer=adam),
+    ):
+        with pytest.raises(manualpar.ConfigTypeError, match="pass rule= alone"):
+            both()

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import manualpar as mp
-from manualpar.embeddings import SGD, SparseFeatures, full_tensors, shard_embeddings
+from manualpar import full_tensors
+from manualpar.embeddings import SGD, SparseFeatures, shard_embeddings
 
 NAN_STEP = 1
 
@@ -75,7 +76,7 @@ class _Branches(mp.ParallelModule):
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         tier = None if self.disk is None else mp.embeddings.DiskTier(self.disk, cache_rows=5)
-        plan = {"t": mp.embeddings.on_disk(mp.embeddings.row_wise())} if tier else "auto"
+        plan = {"t": mp.embeddings.row_wise(on_disk=True)} if tier else "auto"
         self.emb = shard_embeddings(
             self.emb,
             strategy,

@@ -15,10 +15,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import manualpar as mp
+from manualpar import phase_times
 from manualpar.embeddings import SGD, SparseFeatures, shard_embeddings
-from manualpar.embeddings.step import phase_times
-from manualpar.embeddings.step.phase_times import PhaseTimes
 from manualpar.loop.step_times import PHASES
+from manualpar.phase_times import PhaseTimes
 
 TIME_KEYS = {f"time/{name}" for name in (*PHASES, "step")}
 

@@ -34,7 +34,7 @@ from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.kernels.table_batch import TableBatch
 from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
-from manualpar.embeddings.optim.update_rules import SparseOptimizer, check_lr
+from manualpar.embeddings.optim.update_rules import UpdateRule, check_lr
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.table_blocks import TableBlocks, local_shards
 from manualpar.embeddings.storage.tier import RowStore
@@ -59,7 +59,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        rule: SparseOptimizer,
+        rule: UpdateRule,
         blocks: TableBlocks,
         full_tensor: Callable[[LocalShards], torch.Tensor],
         *,
@@ -86,7 +86,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._deferred: list[_RowUpdate] | None = None
 
     @property
-    def optimizer(self) -> SparseOptimizer:
+    def optimizer(self) -> UpdateRule:
         """Deprecated: the update rule's name before 0.2 (`rule`)."""
         deprecated.warn_deprecated("FusedOptimizer.optimizer")
         return self.rule

@@ -27,7 +27,7 @@ from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_fused, roww
 from manualpar.embeddings.optim.row_clipping import check_max_norm
 from manualpar.errors import BuilderError
 
-__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "SparseOptimizer", "UpdateRule", "check_lr"]
+__all__ = ["SGD", "Adagrad", "Adam", "RowWiseAdagrad", "UpdateRule", "check_lr"]
 
 
 def check_lr(value: object, where: str) -> float:
@@ -154,11 +154,6 @@ class UpdateRule:
             if value is not None
         )
         return f"{type(self).__name__}(lr={self.lr}{clipping})"
-
-
-# The base's name before 0.3 (deprecated.py): `manualpar.embeddings.SparseOptimizer` warns; the
-# modules inside the package that still say it move to UpdateRule as they are next edited.
-SparseOptimizer = UpdateRule
 
 
 @dataclass

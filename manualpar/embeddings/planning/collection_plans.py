@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from manualpar import deprecated
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.kernels.row_memory import agreed_available_bytes
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
@@ -42,6 +43,7 @@ def plan_collections(
     constraints: PlanConstraints | None = None,
     options: PlanOptions | None = None,
     *,
+    rule: UpdateRule | Mapping[str, UpdateRule] | None = None,
     optimizer: UpdateRule | Mapping[str, UpdateRule] | None = None,
     pooling_factors: Mapping[str, Mapping[str, float]] | None = None,
     mesh: DeviceMesh | None = None,
@@ -57,14 +59,19 @@ def plan_collections(
     still allocate, as shard_embeddings(plan="auto") (a collective then: call it on every rank).
     `mesh` (with the strategy): the shard dim of a 2-D mesh, e.g. `mesh["shard"]`; the plans are
     then for its ranks, and `ranks_per_node` defaults to those of its ranks on one node.
-    `optimizer` (whose state is counted) and `pooling_factors` ({table: mean ids per bag}) are
-    one for all, or given per collection name (or one for all in `options`). `price`, `topology`
+    `rule` (the update rule whose state is counted; `optimizer=` before 0.3, with a warning)
+    and `pooling_factors` ({table: mean ids per bag}) are one for all, or given per collection
+    name (or one for all in `options`). `price`, `topology`
     and `batch_per_rank` as for `plan_tables` (with the strategy, the default topology follows
     its device). Hand each plan to `shard_embeddings(ebc, strategy, plan=plans[name], ...)`.
     With several collections, notes and errors name a table "collection.table", and so does
     `pinned` ({table: placement} kept as given, as for `plan_tables`). `constraints`, `options`
     and the keywords as for plan_tables.
     """
+    rules_given = cast(  # (a union with a Mapping: mypy joins the TypeVar to object)
+        "UpdateRule | Mapping[str, UpdateRule] | None",
+        deprecated.renamed_keyword("plan_collections(optimizer=...)", rule, optimizer, "rule="),
+    )
     limits, priced = resolve("plan_collections()", constraints, options, keywords)
     if limits.dtypes:
         raise PlanError(
@@ -91,7 +98,7 @@ def plan_collections(
     if world_size < 1:
         raise PlanError(f"plan_collections(): the world size must be >= 1, got {world_size}")
     check_tier_layout(limits.disk_tier, _replicas(world, world_size))  # before the budget's note
-    rules = _per_collection(optimizer or priced.optimizer, configs, "optimizer", UpdateRule)
+    rules = _per_collection(rules_given or priced.rule, configs, "rule", UpdateRule)
     shared = (
         None if priced.pooling_factors is None else dict.fromkeys(configs, priced.pooling_factors)
     )
@@ -118,7 +125,7 @@ def plan_collections(
                     priced,
                     ranks_per_node=ranks_per_node or world_size,
                     replicas=_replicas(world, world_size),
-                    optimizer=None,
+                    rule=None,
                 ),
                 {labels[c, t.name]: rules[c] for c, ts in configs.items() for t in ts},
                 world.device.type if isinstance(world, ManualParallelStrategy) else "cpu",

@@ -5,9 +5,9 @@
                                            disk_tier=DiskTier("runs/tables", cache_bytes=2**30)))
 
 The planner's stages read these two objects; `plan_tables` and `plan_collections` still take
-each field as a keyword (`plan_tables(tables, 8, memory_budget_bytes=...)`), and the keyword
-`method=` of earlier versions maps to `PlanOptions.price` with a warning (manualpar/
-deprecated.py).
+each field as a keyword (`plan_tables(tables, 8, memory_budget_bytes=...)`), and the keywords
+of earlier versions map to fields with a warning (manualpar/deprecated.py): `method=` to
+`PlanOptions.price`, `optimizer=` to `PlanOptions.rule`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class PlanOptions:
     `price`: "time" (the slowest rank's predicted step time on `topology`, default: see
     default_topology) or "memory" (memory and lookups balanced per rank). `batch_per_rank`
     samples a rank per step, `pooling_factors` ({table: mean ids per bag}) ids a sample, drawn
-    uniformly or with Zipf(`skew`) popularity; `optimizer`: the update rule whose state counts
+    uniformly or with Zipf(`skew`) popularity; `rule`: the update rule whose state counts
     (row-wise Adagrad if None). `replicas` > 1: the plan is for the shard dim of a replicas x
     world_size mesh."""
 
@@ -99,7 +99,7 @@ class PlanOptions:
     batch_per_rank: int | None = None
     pooling_factors: Mapping[str, float] | None = None
     skew: float = 0.0
-    optimizer: UpdateRule | None = None
+    rule: UpdateRule | None = None
 
 
 class CollectionKeywords(TypedDict, total=False):
@@ -122,10 +122,12 @@ class CollectionKeywords(TypedDict, total=False):
 
 
 class PlanKeywords(CollectionKeywords, total=False):
-    """The fields of PlanConstraints and PlanOptions as plan_tables' keywords, and `method`."""
+    """The fields of PlanConstraints and PlanOptions as plan_tables' keywords, `method` and
+    `optimizer`."""
 
     pooling_factors: Mapping[str, float] | None
-    optimizer: UpdateRule | None
+    rule: UpdateRule | None
+    optimizer: UpdateRule | None  # before 0.3: rule
 
 
 def resolve(
@@ -142,6 +144,8 @@ def resolve(
     keywords = dict(keywords)
     if "method" in keywords:
         keywords["price"] = _price_of_method(where, keywords.pop("method"), keywords)
+    if "optimizer" in keywords:
+        keywords["rule"] = _rule_of_optimizer(where, keywords.pop("optimizer"), keywords)
     for name, value in keywords.items():
         target = _owner(where, name, constraints, options)
         default = _default(type(target), name)
@@ -172,6 +176,13 @@ def _price_of_method(where: str, method: object, keywords: Mapping[str, Any]) ->
         raise PlanError(f"plan method must be one of {tuple(_METHODS)}, got {method!r}")
     warn_deprecated(f"{where.split('(')[0]}(method=...)", stacklevel=5)
     return _METHODS[str(method)]
+
+
+def _rule_of_optimizer(where: str, optimizer: object, keywords: Mapping[str, Any]) -> object:
+    if keywords.get("rule") is not None:
+        raise ConfigTypeError(f"{where}: pass rule= alone; optimizer= is its spelling before 0.3")
+    warn_deprecated(f"{where.split('(')[0]}(optimizer=...)", stacklevel=5)
+    return optimizer
 
 
 def _owner(

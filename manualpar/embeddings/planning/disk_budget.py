@@ -5,7 +5,7 @@ tables go on disk, in order (rows split over every rank, each rank caching its b
 use), until the rest, plus the caches, fit. Both methods apply it before placing anything, so a
 table that fits in memory alone never pushes a larger one's cache over the budget.
 
-Pinned tables (`plan_tables(..., pinned={"big": on_disk(row_wise())})`) keep the placement the
+Pinned tables (`plan_tables(..., pinned={"big": row_wise(on_disk=True)})`) keep the placement the
 user gave; the rule and the planner place the others around them, counting their memory (a
 pinned disk table's cache) against the budget.
 """
@@ -19,7 +19,6 @@ from manualpar.embeddings.plan import (
     EmbeddingPlan,
     TablePlacement,
     format_bytes,
-    on_disk,
     row_wise,
 )
 from manualpar.embeddings.storage.cached_tier import CachedTier
@@ -53,7 +52,7 @@ def check_pinned(
         if not isinstance(placement, TablePlacement):
             raise PlanError(
                 f"pinned[{key!r}] must be a placement such as row_wise(), table_wise(rank) or "
-                f"on_disk(row_wise()), got {type(placement).__name__}"
+                f"row_wise(on_disk=True), got {type(placement).__name__}"
             )
         _check_placement(key, tables[key], placement, world_size)
     disk = sorted(key for key, placement in pinned.items() if placement.on_disk)
@@ -156,7 +155,7 @@ def place_on_disk(
         f"cached in memory"
         for name in moved
     }
-    return {name: on_disk(row_wise()) for name in moved}, notes, left
+    return {name: row_wise(on_disk=True) for name in moved}, notes, left
 
 
 def pinned_notes(pinned: Mapping[str, TablePlacement]) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from manualpar import deprecated
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.ids.buckets import largest_block_rows, remapper_bytes_at_owner
@@ -54,9 +55,9 @@ __all__ = [
 ]
 
 
-def table_bytes(config: EmbeddingBagConfig, optimizer: UpdateRule | None = None) -> int:
-    """A whole table's weights plus `optimizer`'s state (row-wise Adagrad's if none given)."""
-    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+def table_bytes(config: EmbeddingBagConfig, rule: UpdateRule | None = None) -> int:
+    """A whole table's weights plus the update rule's state (row-wise Adagrad's if none given)."""
+    state = rule.STATE if rule is not None else ROW_WISE_STATE
     return block_bytes(config.num_embeddings, config.embedding_dim, state, config.dtype)
 
 
@@ -175,6 +176,7 @@ def plan_uniform(
     *,
     ranks_per_node: int | None = None,
     memory_budget_bytes: int | None = None,
+    rule: UpdateRule | None = None,
     optimizer: UpdateRule | None = None,
 ) -> EmbeddingPlan:
     """Every table placed the same way: table_wise and table_row_wise put the largest tables
@@ -182,16 +184,18 @@ def plan_uniform(
 
     Unlike `plan_tables`, the placement does not adapt to the budget: a rank it overflows
     (weights, optimizer state and the managed-collision remappers' state it holds) raises
-    PlanError naming the rank.
+    PlanError naming the rank. `rule`: the update rule whose state is counted (`optimizer=`
+    before 0.3, with a warning).
     """
+    rule = deprecated.renamed_keyword("plan_uniform(optimizer=...)", rule, optimizer, "rule=")
     if sharding not in UNIFORM_PLANS:
         raise PlanError(f"sharding must be one of {UNIFORM_PLANS}, got {sharding!r}")
     per_node = ranks_per_node or world_size
     if sharding == "table_wise":
-        placements = _least_loaded(tables, world_size, optimizer, table_wise)
+        placements = _least_loaded(tables, world_size, rule, table_wise)
     elif sharding == "table_row_wise":
         placements = _least_loaded(
-            tables, world_size // per_node, optimizer, lambda node: table_row_wise(node, per_node)
+            tables, world_size // per_node, rule, lambda node: table_row_wise(node, per_node)
         )
     else:
         make: Callable[[], TablePlacement] = {
@@ -202,7 +206,7 @@ def plan_uniform(
         placements = {c.name: make() for c in tables}
     plan = EmbeddingPlan(world_size, placements)
     plan.validate(tables, world_size)
-    state = optimizer.STATE if optimizer is not None else ROW_WISE_STATE
+    state = rule.STATE if rule is not None else ROW_WISE_STATE
     remappers = remapper_bytes_on_ranks(plan, tables)
     tables_bytes = plan.bytes_per_rank(tables, state)
     per_rank = [size + held for size, held in zip(tables_bytes, remappers, strict=True)]
@@ -226,13 +230,13 @@ def plan_uniform(
 def _least_loaded(
     tables: Sequence[EmbeddingBagConfig],
     bins: int,
-    optimizer: UpdateRule | None,
+    rule: UpdateRule | None,
     place: Callable[[int], TablePlacement],
 ) -> dict[str, TablePlacement]:
     """Largest table first, each to the bin (rank or node) with the fewest bytes so far."""
     load, placements = [0] * bins, {}
-    for config in sorted(tables, key=lambda c: table_bytes(c, optimizer), reverse=True):
+    for config in sorted(tables, key=lambda c: table_bytes(c, rule), reverse=True):
         target = load.index(min(load))
         placements[config.name] = place(target)
-        load[target] += table_bytes(config, optimizer)
+        load[target] += table_bytes(config, rule)
     return {c.name: placements[c.name] for c in tables}

@@ -101,7 +101,7 @@ def plan_tables(
             "cannot say; call plan_by_cost(..., constraints=PlanConstraints(dtypes=...)) and "
             "store each table in CostPlan.dtypes' dtype"
         )
-    rule = priced.optimizer
+    rule = priced.rule
     placements, notes, wires = place(
         {c.name: c for c in tables},
         {c.name: table_bytes(c, rule) for c in tables},
@@ -151,13 +151,13 @@ class Pricing:
         self, tables: Mapping[str, EmbeddingBagConfig], pooling: Mapping[str, float]
     ) -> Workload:
         given = self.options
-        state, full_rows = rule_costs(given.optimizer)
+        state, full_rows = rule_costs(given.rule)
         return Workload(
             batch_per_rank=given.batch_per_rank or DEFAULT_BATCH_PER_RANK,
             ids_per_bag=dict(pooling),
             state=state,
             full_rows=full_rows,
-            rules={name: rule_costs(self.rules.get(name, given.optimizer)) for name in tables},
+            rules={name: rule_costs(self.rules.get(name, given.rule)) for name in tables},
             skew=given.skew,
             padded_ids=sequence_padding(tables, pooling, self.collection_of),
         )

@@ -14,12 +14,12 @@ from manualpar.embeddings.planning.exchange_bytes import is_sequence
 __all__ = ["Workload", "rule_costs", "sequence_padding"]
 
 
-def rule_costs(optimizer: UpdateRule | None) -> tuple[Mapping[str, bool], bool]:
-    """(optimizer state per row, whether it needs whole rows' gradients) of an update rule; by
-    default shard_embeddings' row-wise Adagrad's, which does."""
-    if optimizer is None:
+def rule_costs(rule: UpdateRule | None) -> tuple[Mapping[str, bool], bool]:
+    """(state per row, whether it needs whole rows' gradients) of an update rule; by default
+    shard_embeddings' row-wise Adagrad's, which does."""
+    if rule is None:
         return ROW_WISE_STATE, RowWiseAdagrad.needs_full_rows
-    return optimizer.STATE, optimizer.needs_full_rows or optimizer.max_row_grad_norm is not None
+    return rule.STATE, rule.needs_full_rows or rule.max_row_grad_norm is not None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from manualpar.eager import eager_only
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, PooledEmbeddings
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.batch_inputs import pooled_bags
 from manualpar.embeddings.sharded.sharded_tables import ShardedTables
@@ -38,7 +38,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
         ebc: EmbeddingBagCollection,
         strategy: ManualParallelStrategy,
         plan: EmbeddingPlan,
-        optimizer: SparseOptimizer,
+        rule: UpdateRule,
         normalize_by: str,
         layout: TableMesh | None = None,
         disk_tier: DiskTier | None = None,
@@ -48,7 +48,7 @@ class ShardedEmbeddingBagCollection(ShardedTables):
             ebc,
             strategy,
             plan,
-            optimizer,
+            rule,
             normalize_by,
             layout,
             disk_tier,

@@ -3,9 +3,9 @@
 Every batch becomes one PreparedBatch: the collection's input shape (`InputShape`: a bag
 collection's check, a sequence collection's ids as bags of one) checks it, it moves to the
 device, its raw ids are hashed (ids/hashing.py) and those of ManagedCollisions tables remapped
-(sharded/managed_collisions.py; tables remapped at their owner keep raw ids until the step's
-lookup). A bad batch still joins the first exchange, with REFUSED sizes, so every rank stops at
-this step with an error instead of waiting for the collective timeout.
+(the collection's RawIdRemap, ids/remap.py; tables remapped at their owner keep raw ids until
+the step's lookup). A bad batch still joins the first exchange, with REFUSED sizes, so every
+rank stops at this step with an error instead of waiting for the collective timeout.
 
 `prefetch(features)` runs the same preparation and the batch's input dist (the size exchange,
 then the ids on their way to their owners) before the current batch's step, so the ids travel
@@ -36,13 +36,13 @@ from torch import nn
 from manualpar.embeddings.config import BUILDER, EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
+from manualpar.embeddings.ids.remap import RawIdRemap
 from manualpar.embeddings.modules.bag_collection import check_features
-from manualpar.embeddings.sharded.managed_collisions import ShardedManagedCollisions
 from manualpar.embeddings.step.frozen import frozen_tables
-from manualpar.embeddings.step.phase_times import IDS_EXCHANGE
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.sharded_step import ShardedStep
 from manualpar.errors import EmbeddingInputError
+from manualpar.phase_times import IDS_EXCHANGE
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -76,7 +76,7 @@ def pooled_bags(configs: Sequence[EmbeddingBagConfig]) -> InputShape:
 
 
 class _Settles(Protocol):
-    """What travels for a held batch (RoutedIds, a remapper's RemapInFlight)."""
+    """What travels for a held batch (RoutedIds, a remap's RemapSent)."""
 
     def settle(self) -> None: ...
 
@@ -98,7 +98,7 @@ class BatchInputs:
         self,
         shape: InputShape,
         configs: Sequence[EmbeddingBagConfig],
-        remap: ShardedManagedCollisions | None,
+        remap: RawIdRemap | None,
         step: ShardedStep,
         strategy: ManualParallelStrategy,
         tables: nn.ModuleDict,

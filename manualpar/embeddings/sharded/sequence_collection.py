@@ -36,7 +36,7 @@ from manualpar.embeddings.modules.sequence_collection import (
     SequenceEmbeddings,
     check_sequence_features,
 )
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.sharded_tables import ShardedTables
 from manualpar.embeddings.step.routing import Routing
@@ -153,7 +153,7 @@ class ShardedEmbeddingCollection(ShardedTables):
         ec: EmbeddingCollection,
         strategy: ManualParallelStrategy,
         plan: EmbeddingPlan,
-        optimizer: SparseOptimizer,
+        rule: UpdateRule,
         normalize_by: str,
         layout: TableMesh | None = None,
         disk_tier: DiskTier | None = None,
@@ -163,7 +163,7 @@ class ShardedEmbeddingCollection(ShardedTables):
             ec,
             strategy,
             plan,
-            optimizer,
+            rule,
             normalize_by,
             layout,
             disk_tier,

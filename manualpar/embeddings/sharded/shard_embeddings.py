@@ -221,7 +221,7 @@ def _auto_plan(
         {"tables": ebc},
         strategy,
         memory_budget_bytes=budget,
-        optimizer=rule,
+        rule=rule,
         mesh=layout.shard if layout.replicate is not None else None,
         disk_tier=disk_tier,
         pinned=pinned,

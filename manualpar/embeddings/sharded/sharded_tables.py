@@ -27,19 +27,20 @@ from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.modules.table_record import TableRecords
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan
 from manualpar.embeddings.sharded.batch_inputs import BatchInputs, InputShape, PreparedBatch
 from manualpar.embeddings.sharded.lookup import lookup
-from manualpar.embeddings.sharded.managed_collisions import remapped_at_owner, sharded_remapper
+from manualpar.embeddings.sharded.managed_collisions import sharded_remapper
+from manualpar.embeddings.sharded.remap_at_owner import remapped_at_owner
 from manualpar.embeddings.sharded.table_hooks import TableHooks, full_tensor
 from manualpar.embeddings.sharded.table_storage import table_blocks
-from manualpar.embeddings.step.phase_times import PhaseTimes
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.sharded_step import ShardedStep
 from manualpar.embeddings.step.table_mesh import TableMesh, table_mesh
 from manualpar.embeddings.storage.disk_tier import DiskTier
 from manualpar.ownership import claim
+from manualpar.phase_times import PhaseTimes
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy
@@ -58,7 +59,7 @@ class ShardedTables(TableRecords, nn.Module):
         source: EmbeddingBagCollection | EmbeddingCollection,
         strategy: ManualParallelStrategy,
         plan: EmbeddingPlan,
-        optimizer: SparseOptimizer,
+        rule: UpdateRule,
         normalize_by: str,
         layout: TableMesh | None,
         disk_tier: DiskTier | None,
@@ -80,7 +81,7 @@ class ShardedTables(TableRecords, nn.Module):
         self.routing = Routing(source.configs, plan, layout.shard_rank)
         self.feature_names = tuple(name for name, _ in self.routing.features)
         device = strategy.device
-        self.blocks = table_blocks(source, self.routing, plan, optimizer, device, disk_tier)
+        self.blocks = table_blocks(source, self.routing, plan, rule, device, disk_tier)
         self.tables = self.blocks.tables
         self.storage = self.blocks.stores
         at_owner = remapped_at_owner(self.configs, plan, layout)
@@ -88,7 +89,7 @@ class ShardedTables(TableRecords, nn.Module):
         claim(self, BUILDER, trains_itself=True)
         gather = full_tensor(strategy)
         self.fused_optimizer = FusedOptimizer(
-            optimizer, self.blocks, gather, primary_replica=layout.primary, seed=source.seed
+            rule, self.blocks, gather, primary_replica=layout.primary, seed=source.seed
         )
         # a leaf that requires grad, so backward (a collective) runs on every rank, even one
         # that holds no table
@@ -112,7 +113,7 @@ class ShardedTables(TableRecords, nn.Module):
         self.hooks = TableHooks(self.blocks, layout.primary, gather, self.inputs.drop)
 
     def extra_repr(self) -> str:
-        return f"{self.plan}, optimizer={self.fused_optimizer.rule.describe()}"
+        return f"{self.plan}, rule={self.fused_optimizer.rule.describe()}"
 
     def lookup(self, batch: PreparedBatch) -> torch.Tensor:
         """The pooled values (bags, total dim) of a prepared batch; differentiable: its
@@ -155,7 +156,7 @@ class ShardedTables(TableRecords, nn.Module):
     @property
     def phase_times(self) -> PhaseTimes:
         """Seconds per phase of the steps while switched on: `emb.phase_times.start()`, steps,
-        `emb.phase_times.stop()` (step/phase_times.py; the Trainer's `step_times_every` sets
+        `emb.phase_times.stop()` (manualpar/phase_times.py; the Trainer's `step_times_every` sets
         one recorder shared with its own phases)."""
         return self.step.phase_times
 

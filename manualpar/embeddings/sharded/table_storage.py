@@ -18,7 +18,7 @@ from manualpar.embeddings.modules.bag_collection import (
 )
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.modules.table_init import init_rows
-from manualpar.embeddings.optim.update_rules import SparseOptimizer
+from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan, Shard
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.storage.disk_tier import DiskTable, DiskTier
@@ -53,7 +53,7 @@ def table_blocks(
     source: EmbeddingBagCollection | EmbeddingCollection,
     routing: Routing,
     plan: EmbeddingPlan,
-    rule: SparseOptimizer,
+    rule: UpdateRule,
     device: torch.device,
     disk_tier: DiskTier | None,
 ) -> TableBlocks:
@@ -94,7 +94,7 @@ def _cache_slots(
     configs: Sequence[EmbeddingBagConfig],
     plan: EmbeddingPlan,
     shards: Mapping[str, Shard | None],
-    rule: SparseOptimizer,
+    rule: UpdateRule,
     disk_tier: DiskTier | None,
 ) -> dict[str, int]:
     """Cache rows of each disk table block this rank holds."""
@@ -114,7 +114,7 @@ def _disk_table(
     seed: int,
     shard: Shard,
     rank: int,
-    rule: SparseOptimizer,
+    rule: UpdateRule,
     cache: tuple[torch.Tensor, dict[str, torch.Tensor]],
     disk_tier: DiskTier,
 ) -> DiskTable:

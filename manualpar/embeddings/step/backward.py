@@ -24,12 +24,12 @@ from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.finite_check import FiniteCheck
 from manualpar.embeddings.step.half_overflow import HalfRowsGuard, half_rows_guard
 from manualpar.embeddings.step.parts import StepParts
-from manualpar.embeddings.step.phase_times import GRAD_EXCHANGE, UPDATE, PhaseTimes, timed
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
 from manualpar.embeddings.step.row_sums import RowSums, row_sum_update
 from manualpar.embeddings.step.update_journal import UpdateJournal
 from manualpar.embeddings.step.wire import start_on_wire
+from manualpar.phase_times import GRAD_EXCHANGE, UPDATE, PhaseTimes, timed
 
 __all__ = ["BackwardPhases"]
 

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.ids.remap import OwnerRemap
 from manualpar.embeddings.kernels.rounding import accumulation_dtype
 from manualpar.embeddings.modules.bag_collection import table_of
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.exchange import ExchangeLayout
-from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.routing import LocalShard, Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.tier import TableStores

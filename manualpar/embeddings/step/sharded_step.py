@@ -9,7 +9,7 @@ a method of `step.forward_phases` / `step.backward_phases` taking the previous p
 replicated tables (data_parallel.py), the replica combine of 2-D tables (row_sums.py) and the
 table batch (batched_tables.py: many tables, one kernel call per phase) are parts of their own,
 chosen once here. Frozen tables (frozen.py) are left out of backward.
-Each phase times itself into `step.phase_times` while it is switched on (phase_times.py).
+Each phase times itself into `step.phase_times` while it is switched on (manualpar.phase_times).
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.ids.remap import OwnerRemap
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.backward import BackwardPhases
 from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.forward import ForwardPhases
-from manualpar.embeddings.step.owner_remap import OwnerRemap
 from manualpar.embeddings.step.parts import StepParts
-from manualpar.embeddings.step.phase_times import PhaseTimes
 from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.size_header import REFUSED, header_width
@@ -35,6 +34,7 @@ from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.step.update_journal import UpdateJournal
 from manualpar.embeddings.step.wire import WireDtypes
 from manualpar.embeddings.storage.table_blocks import TableBlocks
+from manualpar.phase_times import PhaseTimes
 
 if TYPE_CHECKING:
     from manualpar.strategy import ManualParallelStrategy

@@ -1,8 +1,10 @@
 """PhaseTimes: wall-clock seconds per named phase of a step, recorded only while switched on.
 
-The sharded step times its own phases through the recorder it holds (`step.phase_times`):
-IDS_EXCHANGE (input dist: checks, hashing, the size agreement and the ids' all_to_all, and
-the wait for them), LOOKUP, POOLED_EXCHANGE (output dist: the wait for the pooled rows and
+Public as `mp.phase_times` (the phase names a benchmark or a reader of step times looks up), and
+a core module because two layers share one recorder. A sharded collection's step times its own
+phases through the recorder it holds (`emb.phase_times`): IDS_EXCHANGE (input dist: checks,
+hashing, the size agreement and the ids' all_to_all, and the wait for them), LOOKUP,
+POOLED_EXCHANGE (output dist: the wait for the pooled rows and
 adding them in), GRAD_EXCHANGE (gradient dist and the waits for it) and UPDATE (the fused
 rule). A caller that times a larger step hands every collection one recorder and times its own
 phases with it too (the Trainer: loop/step_times.py), so a phase run inside another counts once:
