@@ -20,7 +20,12 @@ from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan, format_bytes
-from manualpar.embeddings.planning.constraints import PlanConstraints, PlanOptions, resolve
+from manualpar.embeddings.planning.constraints import (
+    PlanConstraints,
+    PlanOptions,
+    refuse_dtypes,
+    resolve,
+)
 from manualpar.embeddings.planning.disk_budget import check_tier_layout
 from manualpar.embeddings.planning.memory_planner import table_bytes
 from manualpar.embeddings.planning.planner import Pricing, place, planned
@@ -73,12 +78,7 @@ def plan_collections(
         deprecated.renamed_keyword("plan_collections(optimizer=...)", rule, optimizer, "rule="),
     )
     limits, priced = resolve("plan_collections()", constraints, options, keywords)
-    if limits.dtypes:
-        raise PlanError(
-            "plan_collections(): dtypes= changes how tables store their rows, which an "
-            "EmbeddingPlan cannot say; plan with plan_by_cost(..., constraints=PlanConstraints("
-            "dtypes=...)) and store each table in CostPlan.dtypes' dtype"
-        )
+    refuse_dtypes("plan_collections()", limits)
     ranks_per_node, memory_budget_bytes = priced.ranks_per_node, limits.memory_budget_bytes
     configs = _collection_configs(collections)
     if mesh is not None and not isinstance(world, ManualParallelStrategy):

@@ -220,3 +220,14 @@ def _wire(value: object) -> WireDtypes:
             f"{[str(d) for d in BACKWARD_DTYPES]}"
         )
     return wire
+
+
+def refuse_dtypes(where: str, limits: PlanConstraints) -> None:
+    """An EmbeddingPlan holds placements only: the dtype each table stores its rows in is what
+    plan_by_cost returns beside its plan (CostPlan.dtypes)."""
+    if limits.dtypes:
+        raise PlanError(
+            f"{where}: dtypes= changes how tables store their rows, which an EmbeddingPlan "
+            "cannot say; call plan_by_cost(..., constraints=PlanConstraints(dtypes=...)) and "
+            "store each table in CostPlan.dtypes' dtype"
+        )

@@ -30,7 +30,12 @@ from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement, row_wise
 from manualpar.embeddings.planning.candidates import COST_REPLICATE_BYTES
-from manualpar.embeddings.planning.constraints import PlanConstraints, PlanOptions, resolve
+from manualpar.embeddings.planning.constraints import (
+    PlanConstraints,
+    PlanOptions,
+    refuse_dtypes,
+    resolve,
+)
 from manualpar.embeddings.planning.cost_planner import plan_by_cost
 from manualpar.embeddings.planning.disk_budget import (
     check_pinned,
@@ -95,12 +100,7 @@ def plan_tables(
     table may take (PlanConstraints.dtypes) need plan_by_cost, whose result says which table
     went to which dtype."""
     limits, priced = resolve("plan_tables()", constraints, options, keywords)
-    if limits.dtypes:
-        raise PlanError(
-            "plan_tables(): dtypes= changes how tables store their rows, which an EmbeddingPlan "
-            "cannot say; call plan_by_cost(..., constraints=PlanConstraints(dtypes=...)) and "
-            "store each table in CostPlan.dtypes' dtype"
-        )
+    refuse_dtypes("plan_tables()", limits)
     rule = priced.rule
     placements, notes, wires = place(
         {c.name: c for c in tables},
