@@ -10,7 +10,8 @@ For each world size: manualpar's plan_tables (price "time" and "memory", named "
 TorchRec's environment, `make torchrec-peer`), each plan then priced by both models:
 manualpar's cost model (predicted slowest rank, bytes sent per rank on and across nodes, memory
 per rank) and TorchRec's shard estimators (its perf in ms and HBM per rank, as its planner rates
-plans). Nothing runs a step: these are predictions, for datasheet hardware. Without --peer-python only manualpar's plans are compared.
+plans). Nothing runs a step: these are predictions, for datasheet hardware. Without
+--peer-python only manualpar's plans are compared.
 """
 
 from __future__ import annotations
