@@ -37,17 +37,25 @@
 
 namespace {
 
-constexpr int64_t kRadixBits = 11;
+// Digits of at most this many bits: keys of up to 26 bits (a table batch's row space of many
+// tables, 67M rows) sort in two passes. Fixed 11-bit digits took three passes from 4M keys on:
+// grouping 8 tables of 1M rows as one batch measured 2.5x their grouping one table at a time.
+constexpr int64_t kMaxRadixBits = 13;
 
-// Positions of `keys` (all in [0, max_key]) ordered by key into `order`, stable: LSD radix sort.
+// Positions of `keys` (all in [0, max_key]) ordered by key into `order`, stable: LSD radix sort
+// in as few passes as kMaxRadixBits allows, their digits as even as the key's bits split.
 void order_by_key(const int64_t* keys, int64_t n, int64_t max_key, int64_t* order) {
   std::vector<int64_t> scratch(n);
   int64_t* current = order;
   int64_t* next = scratch.data();
   for (int64_t i = 0; i < n; ++i) current[i] = i;
-  const int64_t buckets = int64_t{1} << kRadixBits;
+  int64_t key_bits = 0;
+  while ((max_key >> key_bits) > 0) ++key_bits;
+  const int64_t passes = (key_bits + kMaxRadixBits - 1) / kMaxRadixBits;
+  const int64_t digit = passes > 0 ? (key_bits + passes - 1) / passes : 1;
+  const int64_t buckets = int64_t{1} << digit;
   std::vector<int64_t> counts(buckets);
-  for (int64_t shift = 0; (max_key >> shift) > 0; shift += kRadixBits) {
+  for (int64_t shift = 0; (max_key >> shift) > 0; shift += digit) {
     std::fill(counts.begin(), counts.end(), 0);
     for (int64_t i = 0; i < n; ++i) ++counts[(keys[i] >> shift) & (buckets - 1)];
     int64_t total = 0;
