@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -164,8 +165,10 @@ def _refuse_optimizers_created_before(model: nn.Module, stale: list[torch.Tensor
     """At the end of setup, before any forward: an optimizer created earlier holds parameters
     setup replaced. The step pre-hook would catch it too, but only after a backward in which
     sharded tables already updated themselves. torch keeps no registry of optimizers, so their
-    param groups are found as the referrers of the replaced tensors (two scans, once)."""
-    if not stale:
+    param groups are found as the referrers of the replaced tensors (two scans, once), and only
+    when something holds one: each scan visits every object of the process (0.2 s of setup in
+    one holding torch)."""
+    if not stale or not _held_elsewhere(stale):
         return
     wanted = {id(p) for p in stale}
     lists = [
@@ -182,6 +185,21 @@ def _refuse_optimizers_created_before(model: nn.Module, stale: list[torch.Tensor
                 f"{tuple(param.shape)} that {stale_reason(param)}{_FIX} (found at the end of "
                 f"{type(model).__name__}.setup(), before any update)"
             )
+
+
+def _held_elsewhere(stale: list[torch.Tensor]) -> bool:
+    """Whether anything but setup's two lists of them (`before` and `stale`) holds one of
+    `stale`, as an optimizer's param group would. Measured against a control object held by two
+    lists the same way, so the interpreter's own references (the loop variable, the call's
+    argument) count the same on both sides."""
+    control = [object()]
+    holders = [control, list(control)]  # two lists hold the control, as two hold each of stale
+    expected = _reference_counts(holders[0])[0]
+    return any(count > expected for count in _reference_counts(stale))
+
+
+def _reference_counts(objects: list[Any]) -> list[int]:
+    return [sys.getrefcount(obj) for obj in objects]
 
 
 def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -8,10 +8,13 @@ One process saves a checkpoint of a collection holding one disk table of about `
 float32 columns, row-wise Adagrad; the optimizer state saved beside it), then, `--repeats`
 times in alternating order: (a) reads every file of the checkpoint (64 MiB reads: the
 baseline, what any load must at least do), (b) `mp.load_trained` of the model into a fresh disk
-tier (its file reserved anew each time). The page cache cannot be dropped without privileges,
-so the first repeat's read is as cold as this machine allows (the checkpoint was just written:
-it may still be cached) and the later ones are warm; both are reported. Reported: the median of
-the per-repeat ratios load_trained / read, and each time. Target: at most 1.5x.
+tier (its file reserved anew each time), (c) a copy of the checkpoint's bytes into a freshly
+reserved file (8 MiB reads, each written with pwrite): what a load that writes every byte of
+the table must at least do. The page cache cannot be dropped without privileges, so the first
+repeat's read is as cold as this machine allows (the checkpoint was just written: it may still
+be cached) and the later ones are warm; both are reported. Reported: the medians of the
+per-repeat ratios load_trained / read (target: at most 1.5x) and load_trained / copy, and each
+time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
 import shutil
 import time
 from pathlib import Path
@@ -63,6 +67,25 @@ def read_bytes(path: Path) -> int:
     return total
 
 
+def copy_bytes(path: Path, into: Path) -> int:
+    """Every file of `path` copied into one new file reserved up front, as a disk tier's is."""
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    total = sum(file.stat().st_size for file in files)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(into, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(total, 1))
+        buffer, at = bytearray(8 * 2**20), 0
+        for file in files:
+            with open(file, "rb", buffering=0) as stream:
+                while got := stream.readinto(buffer):
+                    at += os.pwrite(fd, memoryview(buffer)[:got], at)
+    finally:
+        os.close(fd)
+    into.unlink()
+    return at
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="the table's size on disk")
@@ -83,7 +106,7 @@ def main() -> None:
     save_s = time.perf_counter() - started
     del model
     shutil.rmtree(root / "saved_tables")
-    times: dict[str, list[float]] = {"read": [], "load_trained": []}
+    times: dict[str, list[float]] = {"read": [], "load_trained": [], "copy": []}
     size = 0
     for repeat in range(args.repeats):
         order = list(times) if repeat % 2 == 0 else list(reversed(times))
@@ -91,6 +114,8 @@ def main() -> None:
             started = time.perf_counter()
             if name == "read":
                 size = read_bytes(checkpoint)
+            elif name == "copy":
+                copy_bytes(checkpoint, root / f"copy_{repeat}")
             else:
                 tables = root / f"tables_{repeat}"  # the last one's may not be closed yet
                 build = functools.partial(Scorer, rows, tables)
@@ -100,6 +125,7 @@ def main() -> None:
                 gc.collect()  # the model goes, its file with it
                 shutil.rmtree(tables)
     ratios = [t / r for t, r in zip(times["load_trained"], times["read"], strict=True)]
+    to_copy = [t / c for t, c in zip(times["load_trained"], times["copy"], strict=True)]
     print(
         f"checkpoint {size / 1e9:.2f} GB (saved in {save_s:.1f} s): read "
         + ", ".join(f"{t:.2f}" for t in times["read"])
@@ -107,7 +133,9 @@ def main() -> None:
         + ", ".join(f"{t:.2f}" for t in times["load_trained"])
         + f" s; ratio median {median(ratios):.2f}x (per repeat: "
         + ", ".join(f"{r:.2f}" for r in ratios)
-        + ")",
+        + "); copy "
+        + ", ".join(f"{t:.2f}" for t in times["copy"])
+        + f" s; load_trained / copy median {median(to_copy):.2f}x",
         flush=True,
     )
     write_json(
@@ -120,6 +148,9 @@ def main() -> None:
             "load_trained_s": times["load_trained"],
             "ratios": ratios,
             "median_ratio": median(ratios),
+            "copy_s": times["copy"],
+            "ratios_to_copy": to_copy,
+            "median_ratio_to_copy": median(to_copy),
             "peak_rss_gb": peak_rss_gb(),
             "environment": environment_info(strategy),
         },

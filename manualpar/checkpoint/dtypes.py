@@ -145,8 +145,13 @@ def copy_back(copies: Mapping[str, Any], targets: Mapping[str, Any]) -> None:
     """Convert the checked copies into the targets in place, as DCP's own read would have."""
     with torch.no_grad():
         for key, copy in copies.items():
-            for part, target in zip(_parts(copy), _parts(targets[key]), strict=True):
-                target.copy_(part)
+            target = targets[key]
+            if isinstance(target, LocalShards):  # a disk table's blocks write their file
+                for part, block in zip(_parts(copy), target.blocks, strict=True):
+                    block.fill(part)
+                continue
+            for part, tensor in zip(_parts(copy), _parts(target), strict=True):
+                tensor.copy_(part)
 
 
 def _parts(value: Any) -> list[torch.Tensor]:

@@ -89,6 +89,18 @@ class Block:
     # where a background save stages its private copy of this block (a disk table's directory,
     # so the copy stays out of memory: checkpoint/spill.py), or None: in memory
     spill_dir: Path | None = None
+    # how a load writes values into this block instead of copying them into `tensor`:
+    # write(offsets within the block, values). A disk table's blocks are views of a mapped
+    # file, whose first write of each page cost 5-12x a pwrite of the same bytes; its hook
+    # writes the file itself (checkpoint/block_writes.py)
+    write: Callable[[Sequence[int], torch.Tensor], None] | None = None
+
+    def fill(self, values: torch.Tensor) -> None:
+        """Set the whole block to `values` (converted to its dtype), through `write` if any."""
+        if self.write is None:
+            self.tensor.copy_(values)
+        else:
+            self.write((0,) * self.tensor.dim(), values.to(self.tensor.dtype))
 
 
 class LocalShards(torch.Tensor):
@@ -165,11 +177,16 @@ class LocalShards(torch.Tensor):
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        block = self.block_at(index)
+        if block.prepare is not None:
+            block.prepare()
+        return block.tensor
+
+    def block_at(self, index: MetadataIndex) -> Block:
+        """The block DCP's `index` names (by its offsets in the whole tensor)."""
         for block in self.blocks:
             if index.offset is None or torch.Size(block.offsets) == index.offset:
-                if block.prepare is not None:
-                    block.prepare()
-                return block.tensor
+                return block
         raise CheckpointMismatchError(
             f"{index.fqn}: this rank holds no block at offset {index.offset}"
         )
@@ -192,7 +209,7 @@ class LocalShards(torch.Tensor):
                 f"shape {tuple(self.shape)}"
             )
         for block in self.blocks:
-            block.tensor.copy_(full[_region(block)])
+            block.fill(full[_region(block)])
 
 
 def _region(block: Block) -> tuple[slice, ...]:

@@ -6,7 +6,9 @@ carry no message at all (a read past the end of a cut file), so a failed load sa
 rank 0: " and nothing else. This reader re-raises such an error naming the file and the bytes it
 was reading. Loads check the files before reading them (checkpoint/verify.py), so this is what
 a file that changed or failed during the read itself reports. Each plain tensor is read with
-one read into its target (checkpoint/direct.py); the rest through FileSystemReader.
+one read into its target (checkpoint/direct.py); the rest through FileSystemReader. Blocks
+with a write hook (a disk table's) are read into a buffer and written by the hook
+(checkpoint/block_writes.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from manualpar.checkpoint.block_writes import BlockWrites
 from manualpar.checkpoint.direct import read_into_target
 from manualpar.checkpoint.files import describe_failure
 from manualpar.errors import CheckpointError
@@ -38,6 +41,7 @@ class NamingReader(dcp.FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._reading = None
+        planner = cast(LoadPlanner, BlockWrites(planner))  # a disk table's blocks: pwrite
         try:
             rest = self._read_direct(plan.items, planner)
             return super().read_data(replace(plan, items=rest), planner)

@@ -42,11 +42,19 @@ class LoadGaps:
         self._handed: object | None = None  # the load given the file's views, until loaded
         self._leftovers = False  # a load given them never finished
 
-    def handing_to(self, load: object) -> None:
-        """`load` gets views of the file (for every field)."""
+    def handing_to(self, load: object) -> bool:
+        """`load` gets views of the file (for every field). True the first time, when rows
+        never written hold the reserved zeros unless `leftovers`."""
+        first = self._handed is not load
         if self._handed not in (None, load):  # it failed after writing who knows which rows
             self._leftovers = True
         self._handed = load
+        return first
+
+    @property
+    def leftovers(self) -> bool:
+        """Whether a load given the file's views never finished (its writes are still there)."""
+        return self._leftovers
 
     def loaded(self, load: object, keys: Collection[Field], never: torch.Tensor) -> None:
         """`load` wrote fields `keys` of every row; `never`: the rows never written before it

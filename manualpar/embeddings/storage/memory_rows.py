@@ -6,7 +6,7 @@ state tensors themselves (one chunk each).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +39,11 @@ class MemoryRows:
 
     def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
         return [(0, self.weight if key is None else self.state[key])]
+
+    def load_writer(
+        self, key: str | None, start: int
+    ) -> Callable[[Sequence[int], torch.Tensor], None] | None:
+        return None  # a load copies into the tensors themselves
 
     def loaded(self, keys: Collection[str | None]) -> None:
         pass

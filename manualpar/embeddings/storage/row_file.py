@@ -9,7 +9,7 @@ fallback. pread/pwrite rather than stores into a memory map: the first write to 
 page of the reserved file cost 35-84 us per row through the map against 7 us with pwrite
 (16,000 random 256-byte rows of a 1 GB file, this machine), and pages of a map count as the
 process's resident memory. The map is kept only for checkpoints, whose blocks are views of it
-(released after use).
+(released after use): a save reads through it, a load writes with pwrite (field_writes.py).
 
 The file is reserved with fallocate: no bytes are written (a 36 GB table costs no 36 GB of
 writes at start) and a disk without room is reported at once instead of failing mid-training.
@@ -182,9 +182,10 @@ class RowFile:
         """A record number as errors name it: a row, or a record of the write log."""
         return f"row {record}" if record < self.rows else f"write-log record {record - self.rows}"
 
-    def read_range(self, start: int, end: int) -> torch.Tensor:
+    def read_range(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Records [start, end) into `out` (contiguous; a new tensor if None)."""
         self.check_size(f"read rows {start}..{end - 1} from")  # a hole would read as zeros
-        out = self.empty(end - start)
+        out = self.empty(end - start) if out is None else out
         view = out.numpy().data.cast("B")
         done = 0
         while done < len(view):

@@ -91,6 +91,7 @@ def local_shards(
             primary,
             store.drop_pages,
             store.spill_dir,
+            store.load_writer(key, r),
         )
         for r, tensor in store.checkpoint_chunks(key)
     ]

@@ -10,12 +10,13 @@ class implementing it.
 A step: `begin_step()` on every block; `to_slots(ids)` once the ids reach their owner (the
 slots returned stay valid, *pinned*, until `release`); the lookup and the update run on the
 slot tensors; `release(pinned, updated)` when the update is done (or the step failed).
-Checkpoints read and write the block through `checkpoint_chunks`, and `loaded()` follows a load.
+Checkpoints read and write the block through `checkpoint_chunks` (a load through
+`load_writer` where a store has one), and `loaded()` follows a load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +53,12 @@ class RowStore(Protocol):
     def checkpoint_chunks(self, key: str | None) -> list[tuple[int, torch.Tensor]]:
         """(first row, rows) chunks of the whole block's weights (None) or optimizer state
         `key`, in row order: what a checkpoint saves, and where a load writes."""
+
+    def load_writer(
+        self, key: str | None, start: int
+    ) -> Callable[[Sequence[int], torch.Tensor], None] | None:
+        """How a load writes into the chunk of `key` starting at row `start` (the Block's
+        `write` hook: offsets within the chunk, values), or None: into the chunk's tensor."""
 
     def loaded(self, keys: Collection[str | None]) -> None:
         """A checkpoint load just wrote the chunks of `keys` (as in `checkpoint_chunks`): drop
