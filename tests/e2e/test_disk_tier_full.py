@@ -19,7 +19,7 @@ with mp.empty_init():
     ebc = EmbeddingBagCollection([EmbeddingBagConfig("big", 4096, 4)], seed=1)
 try:
     shard_embeddings(ebc, mp.ManualParallelStrategy(),
-                     EmbeddingPlan(1, dict(big=on_disk(row_wise()))), SGD(lr=0.1),
+                     EmbeddingPlan(1, dict(big=row_wise(on_disk=True))), SGD(lr=0.1),
                      disk_tier=DiskTier(DIRECTORY, cache_rows=8))
 except Exception as error:
     print(type(error).__name__ + ": " + str(error))
