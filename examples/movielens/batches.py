@@ -1,9 +1,10 @@
 """Step-addressed batches for the Trainer (`data(index, strategy)`), and the popularity baseline.
 
-Training batches are shuffled windows (protocol.training_windows), each rank taking its share
-of the global batch. Evaluation gives every rank the same number of batches, the last ones
-possibly short or empty, so that every user is ranked once: the Trainer ends a validation pass
-at the first batch some rank lacks, which would otherwise drop the other ranks' last users.
+Training batches are shuffled windows (protocol.training_windows) or prefix samples
+(protocol.prefix_samples, RecBole's recipe), each rank taking its share of the global batch.
+Evaluation gives every rank the same number of batches, the last ones possibly short or empty,
+so that every user is ranked once: the Trainer ends a validation pass at the first batch some
+rank lacks, which would otherwise drop the other ranks' last users.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 from model import Histories
-from protocol import Targets
+from protocol import MAX_HISTORY, Targets
 
 import manualpar as mp
 from manualpar.metrics import RankingMetrics
@@ -29,6 +30,22 @@ def training_batches(windows: torch.Tensor, global_batch: int, seed: int) -> Dat
         return Histories(items=stacked[:, :-1], targets=stacked[:, 1:])
 
     return mp.dataset_batches(windows, global_batch, seed=seed, collate=collate)
+
+
+def prefix_batches(samples: torch.Tensor, global_batch: int, seed: int) -> Data:
+    """RecBole's recipe (protocol.prefix_samples), shuffled each epoch from `seed`: each
+    sample's one target sits at its history's last position, the other positions have none,
+    so SASRec's loss is RecBole's (cross-entropy at the last item only, mean over samples)."""
+
+    def collate(rows: list[torch.Tensor]) -> Histories:
+        stacked = torch.stack(rows)
+        items = stacked[:, :MAX_HISTORY]
+        targets = torch.full_like(items, -1)
+        last = (items >= 0).sum(1) - 1
+        targets[torch.arange(len(items)), last] = stacked[:, MAX_HISTORY]
+        return Histories(items=items, targets=targets)
+
+    return mp.dataset_batches(samples, global_batch, seed=seed, collate=collate)
 
 
 def evaluation_batches(users: Targets, per_rank: int) -> tuple[Data, Callable[[int], int]]:

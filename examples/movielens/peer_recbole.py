@@ -5,7 +5,8 @@ manualpar; RecBole itself does the data handling, training, early stopping and e
 numbers are what RecBole's sequential benchmark reports:
 
     .venv-recbole/bin/python examples/movielens/peer_recbole.py --seed 2020 \\
-        --json runs/movielens/recbole-2020.json [--epochs 300] [--max-minutes 60] [--data FILE]
+        --json runs/movielens/recbole-2020.json [--epochs 300] [--max-minutes 60] [--data FILE] \\
+        [--batch 2048]
 
 Protocol (RECBOLE_PROTOCOL.md has the source-level details): the .inter file unfiltered, each
 user's interactions by time, leave-one-out (last item test, second-to-last validation), histories
@@ -217,6 +218,7 @@ def make_config(args: argparse.Namespace, workdir: Path) -> tuple[Config, Path]:
     config_dict.update(
         seed=args.seed,
         epochs=args.epochs,
+        train_batch_size=args.batch,
         checkpoint_dir=str(workdir / "saved"),
     )
     if args.data is None:
@@ -236,8 +238,8 @@ def make_config(args: argparse.Namespace, workdir: Path) -> tuple[Config, Path]:
     return config, inter
 
 
-def check_config(config: Config) -> None:
-    """Fail before training if RecBole's effective config is not the protocol."""
+def check_config(config: Config, batch: int) -> None:
+    """Fail before training if RecBole's effective config is not the protocol (with `batch`)."""
     expect = {
         "MODEL_TYPE": "ModelType.SEQUENTIAL",
         "MODEL_INPUT_TYPE": "InputType.POINTWISE",
@@ -246,8 +248,9 @@ def check_config(config: Config) -> None:
     }
     for key, value in expect.items():
         assert str(config[key]) == value, (key, config[key])
+    assert config["train_batch_size"] == batch, (config["train_batch_size"], batch)
     for key, value in BASE_CONFIG.items():
-        if key in {"train_neg_sample_args", "gpu_id"}:
+        if key in {"train_neg_sample_args", "gpu_id", "train_batch_size"}:
             continue
         assert config[key] == value, (key, config[key], value)
     # CE: no negative sampling in training (Config turns None into distribution "none").
@@ -367,6 +370,9 @@ def main() -> None:
         "--data", default=None, help="an ml-100k style .inter file (default: RecBole's)"
     )
     parser.add_argument(
+        "--batch", type=int, default=2048, help="train_batch_size (RecBole's default 2048)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--workdir", default=None, help="logs and checkpoints (default runs/...)")
@@ -384,7 +390,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     config, inter = make_config(args, workdir)
-    check_config(config)
+    check_config(config, args.batch)
     init_seed(config["seed"], config["reproducibility"])
     init_logger(config)
 

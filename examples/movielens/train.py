@@ -10,19 +10,26 @@ full ranking over every item with seen items kept, HR/NDCG/MRR at 10 and 20 aver
 users. The Trainer validates once an epoch, keeps the best checkpoint by validation NDCG@10 and
 stops after `--patience` epochs without a better one; the test metrics are the best
 checkpoint's. A popularity baseline is scored on the same targets. Runs as one process too.
+
+`--recipe windows` (the default) trains on one window per user with a loss at every position;
+`--recipe recbole` on RecBole's samples, one per prefix with a loss at its last item, with
+RecBole's batch (2048) and stopping rule (11 epochs without a better score) unless given.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from batches import evaluation_batches, popularity_metrics, training_batches
+from batches import evaluation_batches, popularity_metrics, prefix_batches, training_batches
 from model import SASRec
-from protocol import leave_one_out, training_windows, user_sequences
+from protocol import leave_one_out, prefix_samples, training_windows, user_sequences
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
@@ -30,6 +37,12 @@ from manualpar.data import fetch_movielens_100k, read_ratings
 
 MONITOR = "val/ndcg@10"
 SHOWN = ("hr@10", "ndcg@10", "mrr@10", "hr@20", "ndcg@20", "mrr@20")
+# recipe: (samples, batches, default global batch, default patience). RecBole's stopping_step 10
+# ends a run once 11 validations in a row missed the best: patience 11 here.
+RECIPES = {
+    "windows": (training_windows, training_batches, 32, 10),
+    "recbole": (prefix_samples, prefix_batches, 2048, 11),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,8 +51,9 @@ def parse_args() -> argparse.Namespace:
     add("--out", default="runs/movielens", help="run directory (checkpoints, metrics)")
     add("--ratings", default=None, help="a MovieLens ratings file (default: fetch ml-100k)")
     add("--epochs", type=int, default=300, help="at most this many epochs")
-    add("--patience", type=int, default=10, help="epochs without a better validation NDCG@10")
-    add("--batch", type=int, default=32, help="global batch of training windows")
+    add("--recipe", choices=tuple(RECIPES), default="windows", help="training samples")
+    add("--patience", type=int, default=None, help="epochs without a better validation NDCG@10")
+    add("--batch", type=int, default=None, help="global batch of training samples")
     add("--eval-batch", type=int, default=512, help="users ranked at once per rank")
     add("--lr", type=float, default=1e-3, help="Adam, for the encoder and the item table")
     add("--dense", choices=("ddp", "fsdp"), default="ddp", help="how the encoder is parallel")
@@ -48,7 +62,11 @@ def parse_args() -> argparse.Namespace:
     add("--json", default=None, help="write the metrics and times here")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--no-pipeline", action="store_true", help="no batch ids sent ahead (the same numbers)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    _, _, batch, patience = RECIPES[args.recipe]
+    args.batch = args.batch or batch
+    args.patience = args.patience or patience
+    return args
 
 
 @record
@@ -63,15 +81,16 @@ def main() -> None:
     if args.users is not None:
         sequences = type(sequences)(sequences.items[: args.users], sequences.item_tokens)
     split = leave_one_out(sequences)
-    windows = training_windows(split.train)
+    samples_of, batches_of, _, _ = RECIPES[args.recipe]
+    samples = samples_of(split.train)
     say(
         f"{ratings.source}: {len(ratings)} ratings, {sequences.num_users} users, "
-        f"{sequences.num_items} items; {len(windows)} training windows"
+        f"{sequences.num_items} items; {len(samples)} training samples ({args.recipe})"
     )
     with mp.empty_init():
         model = SASRec(sequences.num_items, lr=args.lr, dense=args.dense, seed=args.seed)
     model.setup(strategy)
-    per_epoch = max(1, len(windows) // args.batch)
+    per_epoch = max(1, len(samples) // args.batch)
     valid, valid_batches = evaluation_batches(split.valid, args.eval_batch)
     test, test_batches = evaluation_batches(split.test, args.eval_batch)
     trainer = mp.Trainer(
@@ -89,7 +108,8 @@ def main() -> None:
         read_ahead=True,  # the batches draw from their own generators: exact
         pipeline=not args.no_pipeline,  # SASRec.prefetch: the next batch's ids sent ahead
     )
-    trainer.fit(model, training_batches(windows, args.batch, args.seed), val_data=valid)
+    clock = EpochClock(valid, say)
+    trainer.fit(model, batches_of(samples, args.batch, args.seed), val_data=clock)
     trained = time.perf_counter() - started
     best = trainer.validate(model, valid, checkpoint="best")
     tested = trainer.validate(model, test, checkpoint="best")
@@ -100,6 +120,7 @@ def main() -> None:
             "best_epoch": _step_of(trainer.best_checkpoint) / per_epoch,
             "epochs": trainer.step / per_epoch,
             "train_wall_s": trained,
+            **clock.summary(strategy),
         },
         "popularity": {
             "valid": _shown(popularity_metrics(split.train, split.num_items, split.valid)),
@@ -116,6 +137,31 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
         say(f"wrote {args.json}")
     strategy.teardown()
+
+
+class EpochClock:
+    """The validation data, noting the wall and CPU clocks as each pass starts: an epoch's
+    time is then its training plus the previous epoch's validation and checkpoint, as RecBole's
+    epoch (train_s + valid_s) is counted beside it."""
+
+    def __init__(self, data: Callable[[int, Any], Any], say: Callable[[str], None]) -> None:
+        self.data, self.say = data, say
+        self.marks = [(time.perf_counter(), time.process_time())]
+
+    def __call__(self, index: int, strategy: Any) -> Any:
+        if index == 0:
+            self.marks.append((time.perf_counter(), time.process_time()))
+            (wall0, cpu0), (wall, cpu) = self.marks[-2:]
+            epoch = len(self.marks) - 1
+            self.say(f"epoch {epoch}: {wall - wall0:.1f} s wall, {cpu - cpu0:.1f} s CPU (rank 0)")
+        return self.data(index, strategy)
+
+    def summary(self, strategy: mp.ManualParallelStrategy) -> dict[str, list[float]]:
+        """Each epoch's wall seconds (rank 0) and CPU seconds summed over ranks."""
+        wall = [round(b[0] - a[0], 3) for a, b in itertools.pairwise(self.marks)]
+        cpu = torch.tensor([b[1] - a[1] for a, b in itertools.pairwise(self.marks)])
+        cpu = strategy.all_reduce(cpu.double(), op="sum")
+        return {"epoch_wall_s": wall, "epoch_cpu_s": [round(c, 3) for c in cpu.tolist()]}
 
 
 def _step_of(checkpoint: Path | None) -> int:

@@ -5,6 +5,7 @@ nothing filtered, histories of 50)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,3 +108,42 @@ def test_training_windows_hold_every_training_target_once() -> None:
     assert sorted(targets) == sorted(expected)
     # the last window of a long history ends at its last item and sees 50 items before it
     assert torch.equal(windows[1], torch.arange(69, 120))
+
+
+def test_prefix_samples_are_recboles_training_samples() -> None:
+    """RecBole's recipe: one sample per training target after a user's first item (targets
+    s[1..n-3] of a user with n items), the history the up to 50 items before it."""
+    long_user = list(range(100, 160))  # 60 items: 57 training targets, histories cut at 50
+    split = protocol.leave_one_out(
+        protocol.Sequences([[3, 0, 2, 1], [5, 6, 7], long_user], ["a"] * 160)
+    )
+    samples = protocol.prefix_samples(split.train)
+    width = protocol.MAX_HISTORY
+    assert samples.shape == (1 + 0 + 57, width + 1)
+    got = [(row[:width][row[:width] >= 0].tolist(), int(row[width])) for row in samples]
+    assert got[0] == ([3], 0)  # the 4-item user: one sample; the 3-item user: none
+    assert got[1:] == [(long_user[max(0, j - width) : j], long_user[j]) for j in range(1, 58)]
+    assert got[50] == (long_user[0:50], long_user[50])
+    assert got[57] == (long_user[7:57], long_user[57])  # the last: s[n-3], 50 items before
+    assert all(
+        row[len(history) : width].eq(-1).all()
+        for row, (history, _) in zip(samples, got, strict=True)
+    )
+
+
+def test_prefix_batches_put_each_target_at_its_history_end_only() -> None:
+    model = load_example(Path("movielens/model.py"), "ml_model", {"protocol": protocol})
+    batches = load_example(
+        Path("movielens/batches.py"), "ml_batches", {"protocol": protocol, "model": model}
+    )
+    samples = protocol.prefix_samples([[4, 8, 15, 16, 23, 42], [7, 9]])
+    data = batches.prefix_batches(samples, global_batch=6, seed=0)
+    batch = data(0, SimpleNamespace(rank=0, world_size=1))
+    width = protocol.MAX_HISTORY
+    pairs = []
+    for items, targets in zip(batch.items, batch.targets, strict=True):
+        length = int((items >= 0).sum())
+        assert targets.ne(-1).nonzero().flatten().tolist() == [length - 1]
+        pairs.append((items[:length].tolist(), int(targets[length - 1])))
+    expected = [(row[:width][row[:width] >= 0].tolist(), int(row[width])) for row in samples]
+    assert sorted(pairs) == sorted(expected)  # the epoch's shuffle, every sample once
