@@ -45,7 +45,7 @@ from manualpar.errors import CheckpointError, CheckpointMismatchError, ConfigErr
 
 __all__ = ["load_checkpoint"]
 
-# what a load checks before its first copy (docs/strategy.md): every byte, or the sizes only
+# what a load checks before its first copy (docs/checkpoints.md): every byte, or the sizes only
 _VERIFY_CHOICES = ("crc", "sizes")
 
 log = logging.getLogger("manualpar.checkpoint")
