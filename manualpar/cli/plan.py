@@ -323,6 +323,11 @@ def run(args: argparse.Namespace) -> int:
     state, full_rows = rule_costs(rule)
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
     disk_tier, pinned = _disk_options(args)
+    if args.precisions and (disk_tier is not None or pinned):  # plan_by_cost has no disk rule
+        raise UsageError(
+            "--precisions with --disk-cache or --pin: the precision search does not place tables "
+            "on disk or keep pins yet; plan precisions without them, or pin dtypes in the tables"
+        )
     wires = _wire_dtypes(args)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(

@@ -216,6 +216,10 @@ def test_plan_lowers_a_precision_only_where_the_budget_forces_it(
     assert code == 2 and "budget" in err
     code, _, err = _plan(capsys, *args, "--plan", "row_wise", "--precisions", "fp32,bf16")
     assert (code, err) == (2, "error: --precisions: only --plan auto chooses precisions\n")
+    for extra in (("--pin", "huge=disk"), ("--disk-cache", "10MiB")):  # once silently ignored
+        code, out, err = _plan(capsys, *args, "--precisions", "fp32,bf16", *extra)
+        assert (code, out) == (2, "")
+        assert err.startswith("error: --precisions with --disk-cache or --pin: the precision")
 
 
 def test_replicas_auto_compares_layouts_and_names_those_that_do_not_fit(
