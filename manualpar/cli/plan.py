@@ -13,27 +13,30 @@ import dataclasses
 import functools
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from manualpar import EmbeddingInputError, ManualParError, PlanError
+from manualpar import EmbeddingInputError
 from manualpar.cli.plan_layouts import layouts_text, plan_layouts
+from manualpar.cli.plan_values import (
+    UsageError,
+    disk_options,
+    parse_bytes,
+    precisions_of,
+    replica_choices,
+    topology_of,
+    wire_dtypes_of,
+)
 from manualpar.deprecated import warn_deprecated
 from manualpar.embeddings import (
     SGD,
     Adagrad,
     Adam,
-    DiskTier,
     EmbeddingBagConfig,
     RowWiseAdagrad,
-    TablePlacement,
     UpdateRule,
-    data_parallel,
-    row_wise,
-    table_wise,
 )
 from manualpar.embeddings.planning import (
     DEFAULT_BATCH_PER_RANK,
@@ -41,14 +44,11 @@ from manualpar.embeddings.planning import (
     TOPOLOGY_PRESETS,
     UNIFORM_PLANS,
     PlanConstraints,
-    Topology,
     Workload,
     check_tables,
     costs_text,
-    default_topology,
     expected_sent_bytes,
     format_bytes,
-    load_topology,
     per_rank_text,
     plan_tables,
     plan_uniform,
@@ -67,28 +67,7 @@ RULES: dict[str, type[UpdateRule]] = {
     "adam": Adam,
     "sgd": SGD,
 }
-UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 TABLE_SPEC = "NAME:ROWS:DIM[:FEATURE,...]"
-PIN_PLACEMENTS = {
-    "disk": row_wise(on_disk=True),
-    "row_wise": row_wise(),
-    "data_parallel": data_parallel(),
-}
-
-
-class UsageError(ManualParError, ValueError):
-    """The command line itself is wrong (a malformed --table, an unknown --plan or size)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -251,18 +230,6 @@ def load_tables(path: str) -> list[EmbeddingBagConfig]:
     return tables
 
 
-def parse_bytes(text: str, option: str = "--memory-budget") -> int:
-    """'2GiB', '512MiB', '1.5GB' or plain bytes -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in UNITS or float(match.group(1)) <= 0:
-        raise UsageError(
-            f"{option} {text!r}: expected a positive size such as 2GiB, "
-            "512MiB, 1.5GB or plain bytes"
-        )
-    return int(float(match.group(1)) * UNITS[unit])
-
-
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.plan not in PLANS:
         raise UsageError(f"--plan {args.plan!r}: expected one of {', '.join(PLANS)}")
@@ -313,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     tables = [parse_table(spec, dtype) for spec in args.table]
     tables += load_tables(args.tables) if args.tables else []
     check_tables(tables)
-    topology = _topology(args)
+    topology = topology_of(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     if budget is None and args.topology is not None:
         budget = topology.device_memory_bytes
@@ -322,13 +289,13 @@ def run(args: argparse.Namespace) -> int:
     pooling = {config.name: args.ids_per_bag for config in tables}
     state, full_rows = rule_costs(rule)
     workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
-    disk_tier, pinned = _disk_options(args)
+    disk_tier, pinned = disk_options(args)
     if args.precisions and (disk_tier is not None or pinned):  # plan_by_cost has no disk rule
         raise UsageError(
             "--precisions with --disk-cache or --pin: the precision search does not place tables "
             "on disk or keep pins yet; plan precisions without them, or pin dtypes in the tables"
         )
-    wires = _wire_dtypes(args)
+    wires = wire_dtypes_of(args)
     if args.plan in ("auto", "memory"):
         place: Any = functools.partial(
             plan_tables,
@@ -345,11 +312,11 @@ def run(args: argparse.Namespace) -> int:
         place = functools.partial(plan_uniform, args.plan)
     layouts, refused = plan_layouts(
         tables,
-        _replica_choices(args.replicas, topology),
+        replica_choices(args.replicas, topology),
         topology,
         workload,
         budget,
-        _precisions(args),
+        precisions_of(args),
         functools.partial(place, memory_budget_bytes=budget, rule=rule),
         cost_kwargs=args.plan in ("auto", "memory"),
         disk_tier=disk_tier,
@@ -383,83 +350,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {args.json}: cannot write the plan: {error}") from None
         print(f"plan written to {args.json}")
     return 0
-
-
-def _disk_options(
-    args: argparse.Namespace,
-) -> tuple[DiskTier | None, dict[str, TablePlacement]]:
-    """--disk-cache and --pin: the disk tier the job would pass (its directory is not used to
-    plan) and the pinned placements."""
-    tier = None
-    if args.disk_cache is not None:
-        tier = DiskTier(".", cache_bytes=parse_bytes(args.disk_cache, "--disk-cache"))
-    pinned = {}
-    for spec in args.pin:
-        name, _, kind = spec.partition("=")
-        placement = PIN_PLACEMENTS.get(kind)
-        if kind.startswith("table_wise:") and kind[len("table_wise:") :].isdigit():
-            placement = table_wise(int(kind[len("table_wise:") :]))
-        if not name or placement is None:
-            raise UsageError(
-                f"--pin {spec!r}: expected TABLE=PLACEMENT with PLACEMENT one of "
-                f"{', '.join(PIN_PLACEMENTS)} or table_wise:RANK, e.g. --pin ads=disk"
-            )
-        pinned[name] = placement
-    return tier, pinned
-
-
-def _topology(args: argparse.Namespace) -> Topology:
-    if args.topology is None:  # as before topologies: all ranks on one node unless told
-        return default_topology(args.world_size, args.ranks_per_node or args.world_size)
-    try:
-        return load_topology(args.topology, args.world_size, args.ranks_per_node)
-    except ManualParError as error:
-        raise UsageError(f"--topology: {error}") from None
-
-
-def _precisions(args: argparse.Namespace) -> tuple[torch.dtype, ...]:
-    """--precisions fp32,bf16: the row dtypes the planner may give a table, most precise first."""
-    if not args.precisions:
-        return ()
-    if args.plan != "auto":
-        raise UsageError("--precisions: only --plan auto chooses precisions")
-    try:
-        return tuple(table_dtype(name) for name in args.precisions.split(",") if name)
-    except EmbeddingInputError as error:
-        raise UsageError(f"--precisions: {error}") from None
-
-
-def _wire_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
-    """--wire-dtypes fp32,bf16: the exchanges' dtypes the planner may choose from."""
-    if not args.wire_dtypes:
-        return ()
-    if args.plan != "auto":
-        raise UsageError("--wire-dtypes: only --plan auto prices the exchanges' dtypes")
-    names = tuple(name for name in args.wire_dtypes.split(",") if name)
-    try:
-        PlanConstraints(wire_dtypes=names)
-    except PlanError as error:
-        raise UsageError(f"--wire-dtypes: {error}") from None
-    return names
-
-
-def _replica_choices(text: str, topology: Topology) -> list[int]:
-    """--replicas: one count, or "auto": every count that splits the job into shard groups of
-    whole nodes (or of equal parts of one), up to 8."""
-    world, per_node = topology.world_size, topology.ranks_per_node
-
-    def fits(replicas: int) -> bool:
-        shard = world // replicas
-        return world % replicas == 0 and (shard % per_node == 0 or per_node % shard == 0)
-
-    if text == "auto":
-        return [r for r in (1, 2, 4, 8) if r <= world and fits(r)]
-    if not text.isdigit() or int(text) < 1 or not fits(int(text)):
-        raise UsageError(
-            f"--replicas {text!r}: expected auto or a count that divides --world-size {world} "
-            f"into shard groups of whole nodes ({per_node} ranks) or of equal parts of one"
-        )
-    return [int(text)]
 
 
 def _traffic(
