@@ -28,23 +28,22 @@ The baseline is what one writes with torch alone: nn.EmbeddingBag(sparse=True) p
 row block), ids and pooled rows exchanged with all_to_all_single, torch.optim.Adagrad on the
 sparse gradients (torch has no row-wise Adagrad, so its state is a full table copy). For
 row-wise it sends every id to every rank and masks the rows a rank does not hold.
+
+This script holds the workers (`--worker`, run under torchrun) and the command line; the jobs
+and variants are embedding_jobs.py's, the modes embedding_compare.py's (the default),
+embedding_scale.py's (--scale) and embedding_precision.py's (--precision).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-RANKS = 2  # processes per job (torchrun --nproc-per-node)
 
 
 # --- workers (run under torchrun) --------------------------------------------------------------
@@ -298,327 +297,6 @@ def worker_baseline(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-# --- orchestration -----------------------------------------------------------------------------
-def launch(
-    python: str, script: Path, extra: list[str], args: argparse.Namespace, plan: str, rows: int
-) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        command = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(RANKS),
-            str(script),
-            *extra,
-            "--plan",
-            plan,
-            "--tables",
-            str(args.tables),
-            "--rows",
-            str(rows),
-            "--dim",
-            str(args.dim),
-            "--batch",
-            str(args.batch),
-            "--ids-per-bag",
-            str(args.ids_per_bag),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--lr",
-            str(args.lr),
-            "--result",
-            result,
-            "--lengths",
-            args.lengths,
-            *(["--sequence"] if args.sequence else []),
-        ]
-        # faulthandler: a rank that dies on a signal prints every thread's Python stack
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONFAULTHANDLER": "1",
-            "PYTHONPATH": str(HERE.parent.parent),
-        }
-        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if not os.path.exists(result):
-            raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-        if run.returncode:  # measured and written, then died on the way out: keep, but say so
-            kept = _keep_stderr(run.stderr, args)
-            print(
-                f"  (exit code {run.returncode} after writing its result; its errors:)\n"
-                + "\n".join(f"    {line[:160]}" for line in _error_lines(run.stderr))
-                + (f"\n    (whole stderr with the ranks' stacks: {kept})" if kept else ""),
-                flush=True,
-            )
-        return json.loads(Path(result).read_text())
-
-
-def _keep_stderr(stderr: str, args: argparse.Namespace) -> Path | None:
-    """A dying job's whole stderr beside the --json output (None without --json): the rare
-    aborts at exit are not reproduced alone, so each one's stacks are worth keeping."""
-    if not getattr(args, "json", None):
-        return None
-    folder = Path(args.json).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{Path(args.json).stem}.failed-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    path.write_text(stderr)
-    return path
-
-
-def _error_lines(stderr: str, keep: int = 6) -> list[str]:
-    """The lines of a failed job's stderr that say what failed (not torchrun's banners)."""
-    marks = ("Error", "error", "Signal", "signal", "Traceback", "terminate", "Exception")
-    lines = [line for line in stderr.splitlines() if any(m in line for m in marks)]
-    return lines[-keep:] or stderr.strip().splitlines()[-keep:]
-
-
-def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]:
-    found = {
-        "manualpar": (sys.executable, Path(__file__), ["--worker", "manualpar"]),
-        "baseline": (sys.executable, Path(__file__), ["--worker", "baseline"]),
-    }
-    if args.peer_python:
-        found["torchrec"] = (args.peer_python, HERE / "peer_torchrec.py", [])
-    if args.skip_baseline or args.sequence or args.lengths != "fixed":  # it pools fixed bags
-        del found["baseline"]
-    if args.sequence and not args.skip_padded:  # the sequence exchange as it was: padded
-        found["padded"] = (sys.executable, Path(__file__), ["--worker", "manualpar", "--padded"])
-    if args.pipelined:
-        found["pipelined"] = (
-            sys.executable,
-            Path(__file__),
-            ["--worker", "manualpar", "--pipelined"],
-        )
-    if args.floor:
-        found["local"] = (sys.executable, Path(__file__), ["--worker", "local"])
-    if args.batch_tables:
-        found["batched"] = (
-            sys.executable,
-            Path(__file__),
-            ["--worker", "manualpar", "--batch-tables"],
-        )
-    return found
-
-
-# --precision: (variant, manualpar or the peer, --dtype); the ratios it reports (mine, theirs)
-PRECISION_VARIANTS = (
-    ("manualpar fp16", "manualpar", "fp16"),
-    ("torchrec fp16", "torchrec", "fp16"),
-    ("manualpar bf16", "manualpar", "bf16"),
-    ("torchrec fp32", "torchrec", "fp32"),
-    ("manualpar fp32", "manualpar", "fp32"),
-)
-PRECISION_RATIOS = (
-    ("manualpar fp16", "torchrec fp16"),
-    ("manualpar bf16", "torchrec fp32"),
-    ("manualpar fp16", "torchrec fp32"),
-    ("manualpar fp32", "torchrec fp32"),
-    ("manualpar bf16", "manualpar fp32"),
-)
-
-
-def precision(args: argparse.Namespace) -> dict:
-    """Half tables against TorchRec's: every (variant, dtype) job of PRECISION_VARIANTS in a
-    rotating order per repeat; per plan, the median over repeats of each pair's ratio of step
-    time and of peak RSS per process."""
-    if not args.peer_python:
-        raise SystemExit("--precision compares with TorchRec: pass --peer-python")
-    from memory_floor import Floors, describe
-
-    found = variants(args)
-    floors = Floors(RANKS)  # the host probed before the first job
-    floor = {
-        (plan, dtype): floors.of(args, plan=plan, dtype=dtype)
-        for plan in args.plans
-        for dtype in {dtype for _, _, dtype in PRECISION_VARIANTS}
-    }
-    jobs = [(plan, name) for plan in args.plans for name, _, _ in PRECISION_VARIANTS]
-    runs: dict[str, dict[str, list[dict]]] = {plan: {} for plan in args.plans}
-    for repeat in range(args.repeats):
-        shift = repeat % len(jobs)
-        for plan, name in jobs[shift:] + jobs[:shift]:
-            _, kind, dtype = next(v for v in PRECISION_VARIANTS if v[0] == name)
-            python, script, extra = found[kind]
-            result = launch(python, script, [*extra, "--dtype", dtype], args, plan, args.rows)
-            runs[plan].setdefault(name, []).append(result)
-            print(
-                f"repeat {repeat} {plan:<10} {name:<15} {result['ms_per_step']:7.1f} ms/step  "
-                f"peak RSS {max(result['peak_rss_gb_per_rank']):.2f} GiB",
-                flush=True,
-            )
-    summary: dict[str, dict] = {}
-    for plan, by_name in runs.items():
-        summary[plan] = {
-            f"{mine} / {theirs}": {
-                key: statistics.median(
-                    value(a) / value(b) for a, b in zip(by_name[mine], by_name[theirs], strict=True)
-                )
-                for key, value in (
-                    ("ms_per_step", lambda r: r["ms_per_step"]),
-                    ("peak_rss", lambda r: max(r["peak_rss_gb_per_rank"])),
-                )
-            }
-            for mine, theirs in PRECISION_RATIOS
-        }
-        summary[plan]["median_ms_per_step"] = {
-            name: statistics.median(r["ms_per_step"] for r in results)
-            for name, results in by_name.items()
-        }
-        summary[plan]["max_peak_rss_gb"] = {
-            name: max(max(r["peak_rss_gb_per_rank"]) for r in results)
-            for name, results in by_name.items()
-        }
-        dtype_of = {name: dtype for name, _, dtype in PRECISION_VARIANTS}
-        summary[plan]["memory_floor"] = {d: f for (p, d), f in floor.items() if p == plan}
-        summary[plan]["x_memory_floor"] = {
-            name: ms / floor[plan, dtype_of[name]]["ms"]
-            for name, ms in summary[plan]["median_ms_per_step"].items()
-        }
-        for dtype, one in summary[plan]["memory_floor"].items():
-            print(f"{plan} {dtype}: {describe(one)}", flush=True)
-        print(
-            f"{plan}: step / memory floor: "
-            + ", ".join(f"{n} {x:.1f}x" for n, x in summary[plan]["x_memory_floor"].items()),
-            flush=True,
-        )
-    print(json.dumps(summary, indent=2))
-    return {"summary": summary, "runs": runs}
-
-
-def compare(args: argparse.Namespace) -> dict:
-    from memory_floor import Floors, add_floor
-
-    floors = Floors(RANKS)  # the host probed before the first job
-    floor = {plan: floors.of(args, plan=plan) for plan in args.plans}
-    runs: dict[str, dict[str, list[dict]]] = {}
-    names = list(variants(args))
-    for repeat in range(args.repeats):
-        for plan in args.plans:
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]
-            for name in order:
-                python, script, extra = variants(args)[name]
-                result = launch(python, script, extra, args, plan, args.rows)
-                runs.setdefault(plan, {}).setdefault(name, []).append(result)
-                print(
-                    f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
-                    f" ({result['ms_per_step'] / floor[plan]['ms']:.1f}x the memory floor)"
-                    f"  init {result['init_s']:5.2f} s  peak RSS "
-                    f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
-                    flush=True,
-                )
-    summary = {}
-    for plan, by_name in runs.items():
-        summary[plan] = {}
-        for other in names[1:]:
-            pairs = list(zip(by_name["manualpar"], by_name[other], strict=True))
-            summary[plan][f"manualpar/{other}"] = {
-                "ms_per_step": statistics.median(
-                    a["ms_per_step"] / b["ms_per_step"] for a, b in pairs
-                ),
-                "peak_rss": statistics.median(
-                    max(a["peak_rss_gb_per_rank"]) / max(b["peak_rss_gb_per_rank"])
-                    for a, b in pairs
-                ),
-                "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
-                "pairs": len(pairs),
-            }
-        for mine, theirs in (
-            ("batched", "torchrec"),
-            ("local", "torchrec"),
-            ("pipelined", "local"),
-            ("pipelined", "torchrec"),
-        ):
-            if mine in by_name and theirs in by_name:  # the floor, the pipeline, the peer
-                summary[plan][f"{mine}/{theirs}"] = {
-                    "ms_per_step": statistics.median(
-                        a["ms_per_step"] / b["ms_per_step"]
-                        for a, b in zip(by_name[mine], by_name[theirs], strict=True)
-                    )
-                }
-        summary[plan]["median_ms_per_step"] = {
-            name: statistics.median(r["ms_per_step"] for r in results)
-            for name, results in by_name.items()
-        }
-        floor_line = add_floor(summary[plan], floor[plan])
-        peer = summary[plan].get("manualpar/torchrec", {}).get("ms_per_step")
-        print(
-            f"{plan}: " + (f"manualpar / TorchRec {peer:.3f}x; " if peer else "") + floor_line,
-            flush=True,
-        )
-    print(json.dumps(summary, indent=2))
-    return {"summary": summary, "runs": runs}
-
-
-def scale(args: argparse.Namespace) -> dict:
-    """manualpar (and TorchRec, given --peer-python) at 1, 4 and 16 GiB of tables, equal
-    lookups; (size, variant) jobs interleave in a rotating order over `--repeats`. Each variant's
-    step time is compared with its own at the first size (median per size), so a slowdown the
-    machine causes shows in both."""
-    from memory_floor import Floors, describe
-
-    names = [name for name in variants(args) if name != "baseline"]
-    sizes = list(args.scale_gib)
-    floors = Floors(RANKS)  # the host probed before the first job
-    floor = {gib: floors.of(args, plan=args.plans[0], rows=_scale_rows(args, gib)) for gib in sizes}
-    for gib in sizes:
-        print(f"{gib:>4} GiB tables: {describe(floor[gib])}", flush=True)
-    jobs = [(gib, name) for gib in sizes for name in names]
-    runs: dict[str, dict[float, list[dict]]] = {name: {gib: [] for gib in sizes} for name in names}
-    for repeat in range(args.repeats):
-        shift = repeat % len(jobs)
-        for gib, name in jobs[shift:] + jobs[:shift]:
-            python, script, extra = variants(args)[name]
-            rows = _scale_rows(args, gib)
-            result = launch(python, script, extra, args, args.plans[0], rows)
-            runs[name][gib].append(result)
-            tables_state = args.tables * rows * (args.dim * 4 + 4) / 2**30
-            result["rss_bound_gb"] = tables_state / 2 + 0.5
-            print(
-                f"repeat {repeat} {gib:>4} GiB tables {name:<9}: {result['ms_per_step']:7.1f} "
-                f"ms/step, peak RSS per rank {max(result['peak_rss_gb_per_rank']):.2f} GiB "
-                f"(bound {result['rss_bound_gb']:.2f}), init {result['init_s']:.1f} s, "
-                f"{result['ms_per_step'] / floor[gib]['ms']:.1f}x the memory floor",
-                flush=True,
-            )
-    summaries = {name: _scale_summary(runs[name], sizes, floor) for name in names}
-    summary = summaries["manualpar"]
-    for name in names[1:]:  # torchrec and the no-exchange floor (--floor), each on its own
-        summary[name] = summaries[name]
-    print(json.dumps(summary, indent=2))
-    return {
-        "summary": summary,
-        "runs": {f"{gib}GiB": r for gib, r in runs["manualpar"].items()},
-        **{f"{name}_runs": {f"{gib}GiB": r for gib, r in runs[name].items()} for name in names[1:]},
-    }
-
-
-def _scale_rows(args: argparse.Namespace, gib: float) -> int:
-    """Rows per table for `gib` GiB of float32 tables."""
-    return int(gib * 2**30 / (args.tables * args.dim * 4))
-
-
-def _scale_summary(runs: dict[float, list[dict]], sizes: list[float], floor: dict) -> dict:
-    first = statistics.median(r["ms_per_step"] for r in runs[sizes[0]])
-    summary = {}
-    for gib, results in runs.items():
-        median_ms = statistics.median(r["ms_per_step"] for r in results)
-        summary[f"{gib}GiB"] = {
-            "median_ms_per_step": median_ms,
-            f"vs_{sizes[0]}GiB": median_ms / first,
-            "max_peak_rss_gb": max(max(r["peak_rss_gb_per_rank"]) for r in results),
-            "rss_bound_gb": results[0]["rss_bound_gb"],
-            "median_init_s": statistics.median(r["init_s"] for r in results),
-            "memory_floor": floor[gib],
-            "x_memory_floor": median_ms / floor[gib]["ms"],
-        }
-    return summary
-
-
 def main() -> None:
     from embedding_workload import LENGTHS, add_workload_args
 
@@ -695,6 +373,10 @@ def main() -> None:
         raise SystemExit("--sequence compares manualpar with --peer-python only (no --floor, ...)")
     if args.lengths != "fixed" and args.floor:
         raise SystemExit("--floor routes fixed-length bags: leave it out with --lengths uniform")
+    from embedding_compare import compare
+    from embedding_precision import precision
+    from embedding_scale import scale
+
     payload = scale(args) if args.scale else precision(args) if args.precision else compare(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

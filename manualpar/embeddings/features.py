@@ -3,9 +3,9 @@
 Layout (the one TorchRec and FBGEMM use, so data converts without copies): `values` holds every
 id, feature-major (all bags of the first key, then the second key, ...); `lengths[f * B + b]` is
 the number of ids in bag b of feature f. Optional `weights` hold one float per id (weighted
-pooling). The batch is validated when built, so a malformed batch fails here, naming the
-feature, and not later inside a collective; the validation runs eagerly even when the batch is
-built inside a torch.compile'd function.
+pooling). The batch is validated when built (feature_checks.py), so a malformed batch fails
+here, naming the feature, and not later inside a collective; the validation runs eagerly even
+when the batch is built inside a torch.compile'd function.
 
 A feature may hold its own number of bags (a deduplicated user feature: one bag per request,
 read by each of its item rows): `bags_per_key` gives each key's bag count, `lengths` one length
@@ -25,13 +25,11 @@ from typing import Any
 
 import torch
 
-from manualpar.eager import eager_only
+from manualpar.embeddings.feature_checks import validate_features
 from manualpar.embeddings.kjt_form import build_kjt, lengths_of_offsets, read_kjt
 from manualpar.embeddings.variable_batch import (
     bag_starts,
-    check_variable_batch,
     expand_bags,
-    ids_per_key,
     inverse_rows,
     unread_emptied,
 )
@@ -76,7 +74,7 @@ class SparseFeatures:
         object.__setattr__(self, "keys", tuple(self.keys))
         if self.bags_per_key is not None:
             object.__setattr__(self, "bags_per_key", tuple(self.bags_per_key))
-        sizes = _validate(self)
+        sizes = validate_features(self)
         object.__setattr__(self, "values", self.values.to(torch.int64))
         object.__setattr__(self, "lengths", self.lengths.to(torch.int64))
         if self.inverse_indices is not None:
@@ -269,20 +267,34 @@ class SparseFeatures:
         same = (self.lengths, self.weights, self._sizes, self.bags_per_key, self.inverse_indices)
         return SparseFeatures._checked(self.keys, values.to(torch.int64), *same)
 
-    def expand(self) -> SparseFeatures:
+    def expand(self, keys: Sequence[str] | None = None) -> SparseFeatures:
         """The batch with one bag per (key, sample): each sample's bag copied out of its
-        feature's bags (itself if not variable_batch). What a variable batch stands for."""
+        feature's bags (itself if not variable_batch). What a variable batch stands for.
+        `keys`: only those features (the others keep their own bags)."""
         inverse = self.inverse_indices
-        if inverse is None:
+        chosen = set(self.keys) if keys is None else set(self.keys) & set(keys)
+        if inverse is None or not chosen:
             return self
-        parts = zip((self[key] for key in self.keys), inverse, strict=True)
-        expanded = [expand_bags(p.values, p.lengths, p.weights, i) for p, i in parts]
+        parts = [(key, self[key], row) for key, row in zip(self.keys, inverse, strict=True)]
+        expanded = [
+            expand_bags(p.values, p.lengths, p.weights, row)
+            if key in chosen
+            else (p.values, p.lengths, p.weights)
+            for key, p, row in parts
+        ]
         weights = [w for _, _, w in expanded if w is not None]
+        bags: tuple[int, ...] | None = None
+        if len(chosen) < len(self.keys):  # the others keep their bags
+            bags = tuple(n.numel() for _, n, _ in expanded)
+            identity = torch.arange(self.batch_size, device=inverse.device)
+            inverse = torch.stack([identity if k in chosen else r for k, _, r in parts])
         return SparseFeatures(
             self.keys,
             torch.cat([v for v, _, _ in expanded]),
             torch.cat([n for _, n, _ in expanded]),
             torch.cat(weights) if self.weights is not None else None,
+            bags,
+            None if bags is None else inverse,
         )
 
     def without_unread_bags(self) -> SparseFeatures:
@@ -332,76 +344,3 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
-
-
-# Validation reads values back to the host (.item(), .tolist()); under torch.compile it runs
-# eagerly, once per batch, instead of splitting the caller's graph at every read.
-@eager_only("SparseFeatures validation reads values back to the host")
-def _validate(batch: SparseFeatures) -> list[int]:
-    """Raise EmbeddingInputError naming what is wrong; return each key's number of ids."""
-    keys, values, lengths, weights = batch.keys, batch.values, batch.lengths, batch.weights
-    if len(set(keys)) != len(keys):
-        raise EmbeddingInputError(f"feature keys must be unique, got {list(keys)}")
-    for name, tensor in (("values", values), ("lengths", lengths)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-            got = (
-                f"a tensor of shape {tuple(tensor.shape)}"
-                if isinstance(tensor, torch.Tensor)
-                else type(tensor).__name__
-            )
-            raise EmbeddingInputError(
-                f"SparseFeatures.{name} must be a 1-D tensor, got {got}; use from_dict() to "
-                "build a batch from Python lists"
-            )
-        if tensor.dtype not in (torch.int64, torch.int32):
-            what, hint = (
-                ("ids", " (hash float or string categories to ids first)")
-                if name == "values"
-                else ("bag lengths", "")
-            )
-            raise EmbeddingInputError(
-                f"SparseFeatures.{name} (features {list(keys)}) must hold integer {what} (int64 "
-                f"or int32), got {tensor.dtype}; convert with .long(){hint}"
-            )
-    variable = batch.inverse_indices is not None
-    if variable != (batch.bags_per_key is not None):
-        raise EmbeddingInputError(
-            "a batch per feature needs both bags_per_key (each feature's bag count) and "
-            "inverse_indices (the bag each sample reads), or neither"
-        )
-    if variable:
-        assert batch.bags_per_key is not None and batch.inverse_indices is not None
-        check_variable_batch(keys, lengths, batch.bags_per_key, batch.inverse_indices)
-    elif keys and lengths.numel() % len(keys):
-        raise EmbeddingInputError(
-            f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
-            f"{list(keys)}: expected one length per (key, sample)"
-        )
-    if not keys and (lengths.numel() or values.numel()):
-        raise EmbeddingInputError("a batch without keys cannot hold ids")
-    starts = bag_starts(batch.bag_counts())
-    if lengths.numel() and bool((lengths < 0).any()):
-        bad = int(torch.nonzero(lengths < 0)[0])
-        f = next(k for k in range(len(keys)) if starts[k + 1] > bad)
-        which = "bag" if variable else "sample"
-        raise EmbeddingInputError(
-            f"feature {keys[f]!r}: negative bag length {int(lengths[bad])} for {which} "
-            f"{bad - starts[f]}; a length counts the ids of one bag and must be >= 0"
-        )
-    sizes: list[int]
-    if variable:
-        sizes = ids_per_key(lengths, batch.bag_counts())
-    else:
-        sizes = lengths.view(len(keys), -1).sum(1).tolist() if keys else []
-    total = sum(sizes)
-    if total != values.numel():
-        raise EmbeddingInputError(
-            f"lengths add up to {total} ids (per feature {dict(zip(keys, sizes, strict=True))}) "
-            f"but values holds {values.numel()}; lengths and ids must describe the same bags"
-        )
-    if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
-        raise EmbeddingInputError(
-            f"weights must be a float tensor with one weight per id (shape "
-            f"{tuple(values.shape)}), got {weights.dtype} of shape {tuple(weights.shape)}"
-        )
-    return sizes

@@ -32,8 +32,8 @@ from manualpar.embeddings.exchange_layout import (
     wire_name,
     wire_to_dict,
 )
-from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.plan_text import per_rank_text, shards_text
+from manualpar.embeddings.row_blocks import row_blocks, split_evenly
 from manualpar.environment import detect_environment
 from manualpar.errors import PlanError
 
@@ -162,30 +162,6 @@ def data_parallel() -> TablePlacement:
     return TablePlacement("data_parallel")
 
 
-def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of `parts` near-equal blocks, the first ones one larger."""
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for index in range(parts):
-        end = start + base + (index < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def _row_blocks(config: EmbeddingBagConfig, parts: int) -> list[tuple[int, int]]:
-    """A table's rows in `parts` near-equal blocks; a ManagedCollisions table's in whole
-    buckets, so each block's owner remaps its own buckets (sharded/remap_at_owner.py)."""
-    rows, raw_ids = config.num_embeddings, config.raw_ids
-    if not isinstance(raw_ids, ManagedCollisions):
-        return split_evenly(rows, parts)
-    unit = raw_ids.bucket_rows
-    return [
-        (min(start * unit, rows), min(end * unit, rows))
-        for start, end in split_evenly(-(-rows // unit), parts)
-    ]
-
-
 @dataclass(frozen=True)
 class EmbeddingPlan:
     """Where each table lives on `world_size` ranks: table name -> TablePlacement, with the
@@ -286,7 +262,7 @@ class EmbeddingPlan:
             ]
         return [
             Shard(r, r0, r1, 0, dim)
-            for r, (r0, r1) in zip(ranks, _row_blocks(config, len(ranks)), strict=True)
+            for r, (r0, r1) in zip(ranks, row_blocks(config, len(ranks)), strict=True)
         ]
 
     def bytes_per_rank(

@@ -15,7 +15,7 @@ BENCHMARKS = EXAMPLES / "benchmarks"
 def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from bench_embeddings import _error_lines
+        from embedding_jobs import error_lines
     finally:
         sys.path.remove(str(BENCHMARKS))
     stderr = "\n".join(
@@ -28,11 +28,11 @@ def test_a_failed_job_reports_its_error_lines_not_torchrun_banners() -> None:
             "Root Cause (first observed failure):",
         ]
     )
-    assert _error_lines(stderr) == [
+    assert error_lines(stderr) == [
         "Traceback (most recent call last):",
         "RuntimeError: Connection closed by peer [127.0.0.1]:29500",
     ]
-    assert _error_lines("killed\n=====") == ["killed", "====="]
+    assert error_lines("killed\n=====") == ["killed", "====="]
 
 
 def test_a_job_dying_after_its_result_keeps_its_whole_stderr_beside_the_json(tmp_path) -> None:
@@ -40,11 +40,11 @@ def test_a_job_dying_after_its_result_keeps_its_whole_stderr_beside_the_json(tmp
 
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from bench_embeddings import _keep_stderr
+        from embedding_jobs import keep_stderr
     finally:
         sys.path.remove(str(BENCHMARKS))
     stderr = "Fatal Python error: Aborted\n\nThread 0x00007f (most recent call first):\n  ..."
-    kept = _keep_stderr(stderr, argparse.Namespace(json=str(tmp_path / "out" / "bench.json")))
+    kept = keep_stderr(stderr, argparse.Namespace(json=str(tmp_path / "out" / "bench.json")))
     assert kept is not None and kept.parent == tmp_path / "out"
     assert kept.name.startswith("bench.failed-") and kept.read_text() == stderr
-    assert _keep_stderr(stderr, argparse.Namespace(json=None)) is None
+    assert keep_stderr(stderr, argparse.Namespace(json=None)) is None

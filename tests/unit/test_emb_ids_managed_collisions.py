@@ -4,6 +4,8 @@ tests/dist/test_emb_ids_raw_ids_ranks.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -299,3 +301,51 @@ def test_a_uniform_plan_counts_the_remapper_state_each_rank_holds() -> None:
         "remappers' state), more than the memory budget of 43.0 KiB; try plan 'auto', more "
         "ranks or a larger budget"
     )
+
+
+@pytest.mark.parametrize("bucket_rows", [1, 7, 64])
+def test_the_largest_row_block_is_the_largest_of_the_plans_row_blocks(bucket_rows: int) -> None:
+    """One split in whole buckets (row_blocks.py): what the remappers' share counts on every
+    rank (largest_row_block, ids/buckets.py) is the largest block a row-wise plan gives."""
+    from manualpar.embeddings import row_wise
+    from manualpar.embeddings.ids.buckets import remapper_bytes_per_rank
+    from manualpar.embeddings.plan import EmbeddingPlan
+    from manualpar.embeddings.row_blocks import largest_row_block, row_blocks
+
+    for rows in (1, 5, 63, 64, 65, 1000, 4097):
+        config = EmbeddingBagConfig(
+            "t", rows, 4, raw_ids=mp.ManagedCollisions(bucket_rows=bucket_rows)
+        )
+        for parts in (1, 2, 3, 7, 16, 100):
+            blocks = row_blocks(config, parts)
+            assert blocks[0][0] == 0 and blocks[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+            largest = max(end - start for start, end in blocks)
+            assert largest_row_block(config, parts) == largest, (rows, parts)
+            assert remapper_bytes_per_rank([config], parts) == largest * 24
+            if rows >= parts:
+                shards = EmbeddingPlan(parts, {"t": row_wise()}).shards(config)
+                assert [(s.row_start, s.row_end) for s in shards] == blocks
+
+
+def test_a_row_block_past_the_last_bucket_remaps_no_bucket() -> None:
+    """100 rows in two 64-row buckets over 4 ranks: the blocks are 64, 36, 0 and 0 rows, and
+    the ranks with empty blocks hold no bucket (they held the last one twice over before)."""
+    from manualpar.embeddings import row_wise
+    from manualpar.embeddings.ids.buckets import layout_of, owner_blocks
+    from manualpar.embeddings.plan import EmbeddingPlan
+    from manualpar.embeddings.planning import remapper_bytes_on_ranks
+
+    config = EmbeddingBagConfig("user", 100, 4, raw_ids=mp.ManagedCollisions(bucket_rows=64))
+    plan = EmbeddingPlan(4, {"user": row_wise()})
+    blocks = owner_blocks(config, plan)
+    assert blocks == {0: (0, 1), 1: (1, 2), 2: (2, 2), 3: (2, 2)}
+    assert [layout_of(config).row_range(b) for b in blocks.values()] == [
+        (0, 64),
+        (64, 100),
+        (100, 100),
+        (100, 100),
+    ]
+    assert remapper_bytes_on_ranks(plan, [config]) == [64 * 24, 36 * 24, 0, 0]
+    hashed = EmbeddingBagConfig("item", 100, 4, raw_ids=mp.HashIds())
+    assert owner_blocks(hashed, EmbeddingPlan(4, {"item": row_wise()})) == {}

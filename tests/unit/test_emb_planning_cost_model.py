@@ -289,3 +289,59 @@ def test_a_row_split_over_a_group_of_nodes_returns_only_the_bags_with_ids_in_eac
     times += [slowest(row_wise(range(8 * k))) for k in (2, 4, 16)]
     assert times == sorted(times, reverse=True)
     assert times[-1] < times[0] / 20
+
+
+def test_a_feature_with_its_own_bags_is_priced_by_them() -> None:
+    """Workload.bags_per_feature: a feature of 64 bags for 512 samples costs its table fewer
+    bytes and less time than the full batch; a one-feature table is priced as at a batch of
+    its bags (plus the bag count each route sends); a full batch named so is unchanged."""
+    topology = _topology(4, 2)
+    item = CONFIGS[1]  # features "item" and "last_item"
+    full = Workload(512, PER_BAG)
+    own = Workload(512, PER_BAG, bags_per_feature={"last_item": 64})
+    named_full = Workload(512, PER_BAG, bags_per_feature={"item": 512, "last_item": 512})
+    for placement in (table_wise(1), row_wise(), column_wise([0, 1]), data_parallel()):
+        whole = placement_costs(item, placement, topology, full)
+        fewer = placement_costs(item, placement, topology, own)
+        assert fewer.seconds(topology).max() < whole.seconds(topology).max(), placement
+        assert fewer.rows_touched.sum() < whole.rows_touched.sum(), placement
+        if placement.sharding in ("table_wise", "column_wise"):  # (a row split's blocks
+            assert fewer.sent.sum() < whole.sent.sum(), placement  # take every bag back)
+        same = placement_costs(item, placement, topology, named_full)
+        for key, value in vars(whole).items():
+            named = vars(same)[key]
+            assert named == value if isinstance(value, dict) else torch.equal(named, value), key
+    user = CONFIGS[0]
+    for placement in (table_wise(1), column_wise([0, 1])):
+        alone = placement_costs(user, placement, topology, Workload(64, PER_BAG))
+        own_bags = placement_costs(
+            user, placement, topology, Workload(512, PER_BAG, bags_per_feature={"user": 64})
+        )
+        heads = 8 * 3 * len(placement.ranks)  # one int64 per route, from each other rank
+        assert own_bags.sent.sum() == alone.sent.sum() + heads, placement
+        assert torch.equal(own_bags.memory_traffic, alone.memory_traffic), placement
+    with pytest.raises(PlanError, match=r"features \['user'\] of sequence table 'user'"):
+        placement_costs(
+            SEQUENCE[0], table_wise(0), topology, Workload(bags_per_feature={"user": 8})
+        )
+    with pytest.raises(PlanError, match=r"bag counts must be >= 0, got \{'user': -1\}"):
+        placement_costs(user, table_wise(0), topology, Workload(bags_per_feature={"user": -1}))
+
+
+def test_the_planner_prices_bags_per_feature_and_plans_a_full_batch_as_before() -> None:
+    from manualpar.embeddings.planning import PlanOptions, plan_tables
+    from manualpar.embeddings.planning.planner import Pricing
+
+    tables = {c.name: c for c in CONFIGS}
+    options = PlanOptions(batch_per_rank=512, bags_per_feature={"user": 8})
+    workload = Pricing(options).workload(tables, PER_BAG)
+    assert workload.bags_per_feature == {"user": 8} and workload.bags(CONFIGS[0]) == 8
+    plain = plan_tables(CONFIGS, 4, batch_per_rank=512, pooling_factors=PER_BAG)
+    named = plan_tables(
+        CONFIGS,
+        4,
+        batch_per_rank=512,
+        pooling_factors=PER_BAG,
+        bags_per_feature={f: 512 for c in CONFIGS for f in c.feature_names},
+    )
+    assert named.to_json() == plain.to_json()

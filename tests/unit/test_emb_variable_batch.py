@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import manualpar as mp
 from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -177,6 +178,47 @@ def test_the_collection_pools_each_bag_once_and_matches_the_expanded_batch() -> 
     assert torch.equal(grads[0]["out"], grads[1]["out"])
     for name in ("user", "item"):
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-15, atol=0)
+
+
+def test_a_feature_expanded_alone_keeps_the_others_bags() -> None:
+    batch = SparseFeatures.from_dict(BAGS, WEIGHTS, {"user": [0, 0, 1, 1], "item": [3, 2, 1, 0]})
+    user = batch.expand(["user", "not a key"])
+    assert user.variable_batch and user.bag_counts() == [4, 4]
+    assert user.inverse_indices.tolist() == [[0, 1, 2, 3], [3, 2, 1, 0]]
+    assert user["user"].to_lists() == EXPANDED["user"] and user["item"].to_lists() == BAGS["item"]
+    assert user["user"].weights.tolist() == [0.5, 1.0, 0.5, 1.0, 2.0, 2.0]
+    assert {k: user.expand()[k].to_lists() for k in batch.keys} == {
+        k: batch.expand()[k].to_lists() for k in batch.keys
+    }
+    assert not batch.expand(["user", "item"]).variable_batch and batch.expand([]) is batch
+
+
+def test_a_managed_table_remaps_a_batch_per_feature_as_its_expanded_batch() -> None:
+    """A remap counts an id once per sample that reads it (a bucket's new ids take its free rows
+    most-counted first): a deduplicated bag read by three samples counted once gave its ids
+    other rows than the expanded batch. Outputs and remapper state equal over steps."""
+    tables = [
+        EmbeddingBagConfig("user", 8, 4, raw_ids=mp.ManagedCollisions(bucket_rows=8)),
+        EmbeddingBagConfig("item", 8, 3, raw_ids=mp.ManagedCollisions(policy="lfu")),
+    ]
+    # "user": 6 read 3 times takes the first free row, before 5 read once (by one bag each,
+    # the tie went to the smaller id)
+    steps = [
+        ({"user": [[5], [6]], "item": [[3], [4], [4], [3]]}, {"user": [0, 1, 1, 1]}),
+        ({"user": [[9, 6], [8]], "item": [[3], [], [7], [3]]}, {"user": [1, 0, 1, 1]}),
+    ]
+    runs = []
+    for expand in (False, True):
+        ebc = EmbeddingBagCollection(tables, seed=3)
+        outputs = []
+        for bags, inverse in steps:
+            batch = SparseFeatures.from_dict(bags, None, inverse)
+            outputs.append(ebc(batch.expand() if expand else batch).values)
+        runs.append((outputs, {k: v.clone() for k, v in ebc.raw_id_remap.state_dict().items()}))
+    for step, (got, expected) in enumerate(zip(runs[0][0], runs[1][0], strict=True)):
+        assert torch.equal(got, expected), step
+    for key, value in runs[1][1].items():
+        assert torch.equal(runs[0][1][key], value), key
 
 
 def test_sequence_embeddings_refuse_a_batch_per_feature() -> None:

@@ -45,12 +45,14 @@ EMBEDDINGS_LAYERS = [
         "config",
         "dtype_names",
         "exchange_layout",
+        "feature_checks",
         "features",
         "id_spaces",
         "kjt_form",
         "plan",
         "plan_text",
         "routes",
+        "row_blocks",
         "variable_batch",
     },
     {"kernels"},
@@ -370,6 +372,7 @@ SHARDED_LAYERS = [
     {"lookup"},
     {"sharded_tables"},
     {"bag_collection", "sequence_collection"},
+    {"ranked_table", "ranking_checks"},  # the ranking's table and checks
     {"ranking", "shard_embeddings"},
 ]
 

@@ -15,6 +15,7 @@ from manualpar.embeddings.id_spaces import ManagedCollisions
 from manualpar.embeddings.ids.hashing import hash_ids, salt_key, unsigned_mod
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.plan import EmbeddingPlan
+from manualpar.embeddings.row_blocks import largest_row_block
 
 __all__ = [
     "REMAPPED_AT_OWNER",
@@ -22,7 +23,6 @@ __all__ = [
     "STATE",
     "BucketLayout",
     "buckets_of",
-    "largest_block_rows",
     "layout_of",
     "managed_setting",
     "managed_tables",
@@ -43,9 +43,7 @@ def remapper_bytes_per_rank(tables: Sequence[EmbeddingBagConfig], world_size: in
     one rank adds remapper_bytes_at_owner there). Whole buckets: 1000 rows of 64-row buckets
     split 512 and 488 rows on 2 ranks, so the share is 512, not 500."""
     rows = sum(
-        largest_block_rows(t, world_size)
-        for t in tables
-        if isinstance(t.raw_ids, ManagedCollisions)
+        largest_row_block(t, world_size) for t in tables if isinstance(t.raw_ids, ManagedCollisions)
     )
     return rows * REMAPPER_ROW_BYTES
 
@@ -59,9 +57,11 @@ def owner_blocks(config: EmbeddingBagConfig, plan: EmbeddingPlan) -> dict[int, t
     """The buckets [first, end) each plan rank's block of a managed table holds, for a table
     remapped at its owners (placed in whole rows: REMAPPED_AT_OWNER); empty for one whose
     buckets are split evenly over the job instead (`BucketLayout.owned`), through the remap
-    exchange. The at-owner path costs no exchange of its own: table-wise, the managed step
-    measured 1.57x the rows step at the owner against 2.06x through the exchange
-    (bench_raw_ids.py, docs/benchmarks.md), so both paths stay."""
+    exchange, and for a table without managed ids. The at-owner path costs no exchange of its
+    own: table-wise, the managed step measured 1.57x the rows step at the owner against 2.06x
+    through the exchange (bench_raw_ids.py, docs/benchmarks.md), so both paths stay."""
+    if not isinstance(config.raw_ids, ManagedCollisions):
+        return {}
     if plan.tables[config.name].sharding not in REMAPPED_AT_OWNER:
         return {}
     layout = layout_of(config)
@@ -80,15 +80,8 @@ def remapper_bytes_at_owner(
     if not isinstance(config.raw_ids, ManagedCollisions):
         return 0
     held = config.num_embeddings if rows is None else rows
-    share = largest_block_rows(config, world_size)
+    share = largest_row_block(config, world_size)
     return max(0, held - share) * REMAPPER_ROW_BYTES
-
-
-def largest_block_rows(config: EmbeddingBagConfig, parts: int) -> int:
-    """Rows of the largest of `parts` row blocks of a managed table (whole buckets, plan.py)."""
-    unit = managed_setting(config).bucket_rows
-    buckets = -(-config.num_embeddings // unit)
-    return min(-(-buckets // parts) * unit, config.num_embeddings)
 
 
 @dataclass(frozen=True)
@@ -109,8 +102,9 @@ class BucketLayout:
 
     def of_rows(self, row_start: int, row_end: int) -> tuple[int, int]:
         """The buckets [first, end) of a block of rows [row_start, row_end) (managed tables'
-        row blocks are whole buckets, plan.py)."""
-        return row_start // self.bucket_rows, -(-row_end // self.bucket_rows)
+        row blocks are whole buckets, plan.py; an empty block at the table's end, where a
+        table has fewer buckets than blocks, holds none)."""
+        return -(-row_start // self.bucket_rows), -(-row_end // self.bucket_rows)
 
     def row_range(self, buckets: tuple[int, int]) -> tuple[int, int]:
         """The rows of buckets [first, end) (empty at the table's end when first == end ==

@@ -26,6 +26,7 @@ __all__ = [
     "STATS",
     "ManagedCollisionRemapper",
     "ManagedCollisionTable",
+    "managed_per_sample",
     "managed_remapper",
 ]
 
@@ -98,3 +99,17 @@ def managed_remapper(
 ) -> ManagedCollisionRemapper | None:
     """The collection's remapper, or None when no table has ManagedCollisions."""
     return ManagedCollisionRemapper(configs, device) if managed_tables(configs) else None
+
+
+def managed_per_sample(
+    features: SparseFeatures, configs: Sequence[EmbeddingBagConfig]
+) -> SparseFeatures:
+    """A batch per feature with the bags of ManagedCollisions tables' features expanded to one
+    per sample (SparseFeatures.expand), before their remap: it counts an id once per sample
+    reading it, as the expanded batch the variable one stands for does (a bucket's new ids
+    take its free rows most-counted first; lfu keeps the most counted), where a bag read by
+    several samples would count once and so give other rows. Those features' bags then travel
+    and are looked up per sample; the other features keep their own bags."""
+    if not features.variable_batch:
+        return features
+    return features.expand([f for c in managed_tables(configs) for f in c.feature_names])

@@ -19,7 +19,7 @@ from manualpar.eager import eager_only
 from manualpar.embeddings.config import EmbeddingBagConfig, check_tables
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
-from manualpar.embeddings.ids.managed_collisions import managed_remapper
+from manualpar.embeddings.ids.managed_collisions import managed_per_sample, managed_remapper
 from manualpar.embeddings.kernels.bags import bag_offsets
 from manualpar.embeddings.kernels.half_lookup import pooled_sum_half
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, accumulation_dtype
@@ -140,7 +140,7 @@ class EmbeddingBagCollection(TableRecords, nn.Module):
         features = hash_raw_ids(check_features(features, self.configs), self.configs)
         features = features.without_unread_bags()  # rows no sample reads stay untouched
         if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
-            features = self.raw_id_remap(features)
+            features = self.raw_id_remap(managed_per_sample(features, self.configs))
         outputs = []
         for config in self.configs:
             weight = table_of(self.tables, config.name).weight

@@ -88,9 +88,11 @@ class PlanOptions:
     `price`: "time" (the slowest rank's predicted step time on `topology`, default: see
     default_topology) or "memory" (memory and lookups balanced per rank). `batch_per_rank`
     samples a rank per step, `pooling_factors` ({table: mean ids per bag}) ids a sample, drawn
-    uniformly or with Zipf(`skew`) popularity; `rule`: the update rule whose state counts
-    (row-wise Adagrad if None). `replicas` > 1: the plan is for the shard dim of a replicas x
-    world_size mesh."""
+    uniformly or with Zipf(`skew`) popularity; `bags_per_feature` ({feature: bags a rank per
+    step}) the features of a batch per feature (SparseFeatures.bags_per_key), priced by their
+    own bags (the time price; the memory price does not count bags); `rule`: the update rule
+    whose state counts (row-wise Adagrad if None). `replicas` > 1: the plan is for the shard
+    dim of a replicas x world_size mesh."""
 
     price: str = "time"
     topology: Topology | None = None
@@ -98,6 +100,7 @@ class PlanOptions:
     replicas: int = 1
     batch_per_rank: int | None = None
     pooling_factors: Mapping[str, float] | None = None
+    bags_per_feature: Mapping[str, float] | None = None
     skew: float = 0.0
     rule: UpdateRule | None = None
 
@@ -117,6 +120,7 @@ class CollectionKeywords(TypedDict, total=False):
     ranks_per_node: int | None
     replicas: int
     batch_per_rank: int | None
+    bags_per_feature: Mapping[str, float] | None
     skew: float
     method: str  # before 0.3: "cost" (price="time") or "memory"
 

@@ -34,7 +34,8 @@ import torch
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes, flag_bytes, header_width
 from manualpar.embeddings.ids.buckets import (
-    REMAPPED_AT_OWNER,
+    layout_of,
+    owner_blocks,
     remapper_bytes_at_owner,
     remapper_bytes_per_rank,
 )
@@ -97,8 +98,7 @@ def placement_costs(
     world, per_node = topology.world_size, topology.ranks_per_node
     costs = RankCosts.zeros(world)
     ids = workload.ids(config, name)  # per rank and step, all features of the table
-    features = len(config.feature_names)
-    batch = workload.batch_per_rank
+    bags = workload.bags(config)  # (a batch per feature: each distinct bag travels once)
     state, full_rows = workload.rule(name)
     row_state, col_state = state_widths(state)
     frozen = name in workload.frozen
@@ -114,9 +114,10 @@ def placement_costs(
     # to its collection's largest id count (a bag per id; Workload.padded_ids, by default the
     # table's own) and returns one row per id found in the block (exchange_bytes.py)
     sequence = is_sequence([config])
-    lengths: float = batch * features
+    lengths: float = bags
     if sequence:
         padded = workload.padded_ids.get(name)
+        batch, features = workload.batch_per_rank, len(config.feature_names)  # (one per sample)
         lengths = ids if padded is None else batch * padded * features
     owners = torch.tensor([s.rank for s in shards])
     rows = torch.tensor([s.rows for s in shards], dtype=torch.float64)
@@ -127,11 +128,14 @@ def placement_costs(
         if full_rows and placement.sharding == "column_wise"
         else cols
     )
-    returned = ids * fraction if sequence else torch.full_like(fraction, batch * features)
-    if not sequence and len({s.row_start for s in shards}) > 1:  # a row split's compact blocks
-        per_bag = ids / (batch * features) if batch * features else 0.0
-        returned = (1.0 - (1.0 - fraction) ** per_bag) * (batch * features)
+    returned = ids * fraction if sequence else torch.full_like(fraction, bags)
+    split = len({s.row_start for s in shards}) > 1
+    if not sequence and split and not workload.variable:  # a row split's compact blocks
+        per_bag = ids / bags if bags else 0.0
+        returned = (1.0 - (1.0 - fraction) ** per_bag) * bags
     sent_to = (lengths + ids * fraction * copies) * INT64
+    if workload.variable:  # each route's bag count leads (step/exchange.py)
+        sent_to = sent_to + len(config.feature_names) * INT64
     # rows and gradients in their wire dtypes (a float16/float8 flag: collection_costs')
     wire = workload.wire
     if not frozen:
@@ -141,9 +145,8 @@ def placement_costs(
         0, owners, returned * cols * wire.forward.itemsize
     )
     owner_traffic(costs, to_owner, from_owner, per_node)
-    if placement.sharding in REMAPPED_AT_OWNER and remaps_at_owner:  # its blocks' remappers
-        beyond = [float(remapper_bytes_at_owner(config, world, s.rows)) for s in shards]
-        costs.memory.index_add_(0, owners, torch.tensor(beyond, dtype=torch.float64))
+    if remaps_at_owner:  # a table remapped at its blocks' owners holds their remappers there
+        _remappers_at_owners(costs, config, EmbeddingPlan(world, {config.name: placement}))
     block_work(
         costs,
         config,
@@ -158,6 +161,21 @@ def placement_costs(
     )
     costs.users["exchanges"] = 1
     return costs
+
+
+def _remappers_at_owners(costs: RankCosts, config: EmbeddingBagConfig, plan: EmbeddingPlan) -> None:
+    """The remapper state beyond each rank's share (collection_costs) on the owners of a table
+    remapped at its owners: the path ids/buckets.owner_blocks chooses for the step."""
+    blocks = owner_blocks(config, plan)
+    if not blocks:
+        return
+    layout = layout_of(config)
+    beyond = []
+    for buckets in blocks.values():
+        start, end = layout.row_range(buckets)
+        beyond.append(float(remapper_bytes_at_owner(config, plan.world_size, end - start)))
+    owners = torch.tensor(list(blocks))
+    costs.memory.index_add_(0, owners, torch.tensor(beyond, dtype=torch.float64))
 
 
 def _two_d(

@@ -11,11 +11,12 @@ the output gradient to the owners (float32 or bfloat16; batch x the columns each
 full rows for a column-split table whose rule needs them; none for frozen tables). A rank's
 own part never travels.
 
-`exchange_bytes(configs, plan, batches)` counts them from each rank's batch (exact: the test
-compares them with the splits the exchanges really send); `expected_exchange_bytes` from batch
-sizes and ids per bag, with ids spread evenly over a table's rows (a plan's expectation);
-`expected_sent_bytes` the same expectation's bytes each rank sends, without the matrices (for
-thousands of ranks: four world x world matrices took 8 GB at 8,192).
+`exchange_bytes(configs, plan, batches)` counts them from each rank's batch, a batch per feature
+too (exact: the tests compare them with the splits the exchanges really send);
+`expected_exchange_bytes` from batch sizes and ids per bag, with ids spread evenly over a
+table's rows (a plan's expectation); `expected_sent_bytes` the same expectation's bytes each
+rank sends, without the matrices (for thousands of ranks: four world x world matrices took
+8 GB at 8,192).
 Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
 
 Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a bag of its own,
@@ -115,10 +116,12 @@ def _step_bytes(
     full_rows: bool,
     kept_of: Mapping[tuple[int, int], list[float]],
     wire: WireDtypes = FLOAT32_WIRE,
+    own_bags: Mapping[tuple[int, int], float] | None = None,
 ) -> ExchangeBytes:
     """`ids_of[(rank, feature)]`: the feature's ids per row group on that rank; `batches`: the
     bags per feature on each rank; `kept_of`, like `ids_of`: the bags whose rows and gradients
-    travel (those with an id in the owner's block, in a compact layout or a row split)."""
+    travel (those with an id in the owner's block, in a compact layout or a row split);
+    `own_bags`: a batch per feature's bags per (rank, feature), each route's count leading."""
     world = plan.world_size
     out = {name: _zeros(world) for name in EXCHANGES}
     width = header_width(len(configs))
@@ -132,6 +135,8 @@ def _step_bytes(
         for route in routes
     }
     flag = flag_bytes(wire.forward)
+    own_bags = own_bags or {}
+    variable = {rank for rank, _ in own_bags}  # the senders of a batch per feature
     for sender in range(world):
         batch, copies = batches[sender], 2 if weighted[sender] else 1
         for owner in range(world):
@@ -142,7 +147,10 @@ def _step_bytes(
             for route in routing.routes_to[owner]:
                 here = ids_of[(sender, route.feature)][route.row_group]
                 bags = kept_of[(sender, route.feature)][route.row_group]  # rows coming back
-                ids += batch + here * copies
+                lengths = batch  # (a batch per feature: its bags, after their count)
+                if sender in variable:
+                    lengths = own_bags[(sender, route.feature)] + 1
+                ids += lengths + here * copies
                 pooled += bags * route.cols
                 if route.table not in frozen_tables:
                     grads += bags * grad_cols[id(route)]
@@ -175,8 +183,10 @@ def exchange_bytes(
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
     kept_of: dict[tuple[int, int], list[float]] = {}
+    own_bags: dict[tuple[int, int], float] = {}
     sequence = is_sequence(configs)
     for rank, features in enumerate(batches):
+        variable = _own_bags(features)
         for f, (name, table) in enumerate(routing.features):
             feature = features[name]
             ids_of[(rank, f)], kept = _counts_by_group(
@@ -185,10 +195,12 @@ def exchange_bytes(
             if sequence:  # one id a bag
                 kept = ids_of[(rank, f)]
             # every bag of a whole table's; a batch per feature sends a row split's all too
-            whole = not routing.splits_rows(table) or features.variable_batch
+            whole = not routing.splits_rows(table) or variable
             if whole and not sequence:
-                kept = [float(features.batch_size)] * len(kept)
+                kept = [float(feature.lengths.numel())] * len(kept)
             kept_of[(rank, f)] = kept
+            if variable:
+                own_bags[(rank, f)] = float(feature.lengths.numel())
     return _step_bytes(
         configs,
         plan,
@@ -200,7 +212,19 @@ def exchange_bytes(
         full_rows,
         kept_of,
         wire=wire,
+        own_bags=own_bags,
     )
+
+
+def _own_bags(features: SparseFeatures) -> bool:
+    """Whether the step sends `features` as a batch per feature: a feature with bags of its
+    own, not one per sample in order (step/bag_expansion.py's FeatureBags.variable)."""
+    inverse = features.inverse_indices
+    if inverse is None:
+        return False
+    batch = features.batch_size
+    identity = torch.arange(batch, device=inverse.device)
+    return any(n != batch for n in features.bag_counts()) or not bool((inverse == identity).all())
 
 
 def _expected_bags(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from manualpar import deprecated
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig, block_bytes
 from manualpar.embeddings.id_spaces import ManagedCollisions
-from manualpar.embeddings.ids.buckets import largest_block_rows, remapper_bytes_at_owner
+from manualpar.embeddings.ids.buckets import remapper_bytes_at_owner
 from manualpar.embeddings.optim.update_rules import UpdateRule
 from manualpar.embeddings.plan import (
     EmbeddingPlan,
@@ -41,6 +41,7 @@ from manualpar.embeddings.planning.disk_budget import (
 )
 from manualpar.embeddings.planning.fit_errors import check_fits
 from manualpar.embeddings.planning.remapper_budget import remapper_bytes_on_ranks
+from manualpar.embeddings.row_blocks import largest_row_block
 from manualpar.embeddings.storage.cached_tier import CachedTier
 from manualpar.errors import PlanError
 
@@ -162,7 +163,7 @@ def _owned_remapper(config: EmbeddingBagConfig, world_size: int, parts: int) -> 
     share counted on every rank (each remaps its block, ids/buckets.py)."""
     if not isinstance(config.raw_ids, ManagedCollisions):
         return 0
-    return remapper_bytes_at_owner(config, world_size, largest_block_rows(config, parts))
+    return remapper_bytes_at_owner(config, world_size, largest_row_block(config, parts))
 
 
 # plan_uniform(kind, ...) and `python -m manualpar plan --plan KIND`: one kind for all tables.

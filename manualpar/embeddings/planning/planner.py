@@ -155,6 +155,7 @@ class Pricing:
         return Workload(
             batch_per_rank=given.batch_per_rank or DEFAULT_BATCH_PER_RANK,
             ids_per_bag=dict(pooling),
+            bags_per_feature=dict(given.bags_per_feature or {}),
             state=state,
             full_rows=full_rows,
             rules={name: rule_costs(self.rules.get(name, given.rule)) for name in tables},

@@ -1,5 +1,5 @@
-"""What a step does, as the planner prices it (`Workload`): how many ids a step looks up per
-table, how popular they are, what the update rule needs, the wire dtypes."""
+"""What a step does, as the planner prices it (`Workload`): how many bags and ids a step looks
+up per table, how popular they are, what the update rule needs, the wire dtypes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
 from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes
 from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, UpdateRule
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
+from manualpar.errors import PlanError
 
 __all__ = ["Workload", "rule_costs", "sequence_padding"]
 
@@ -25,10 +26,15 @@ def rule_costs(rule: UpdateRule | None) -> tuple[Mapping[str, bool], bool]:
 @dataclass(frozen=True)
 class Workload:
     """What a step looks up: `batch_per_rank` samples a rank, `ids_per_bag[table]` ids per
-    sample in each of the table's features (default 1), and the update rule's needs."""
+    bag in each of the table's features (default 1), and the update rule's needs. A batch per
+    feature (SparseFeatures.bags_per_key: a deduplicated user feature): `bags_per_feature`
+    gives a feature's bags a rank sends per step, each looked up and sent once; the features
+    it leaves out have one bag per sample. Such a batch (`variable`) also sends each route's
+    bag count, and a row split returns every bag (the step compacts a full batch only)."""
 
     batch_per_rank: int = 512
     ids_per_bag: Mapping[str, float] = field(default_factory=dict)
+    bags_per_feature: Mapping[str, float] = field(default_factory=dict)
     weighted: bool = False
     frozen: frozenset[str] = frozenset()
     full_rows: bool = False  # whole rows' gradients for column-split tables (row-wise rules)
@@ -54,7 +60,42 @@ class Workload:
         """Ids a rank looks up in `config`'s table (`name`: its key here) per step, over all
         its features."""
         per_bag = float(self.ids_per_bag.get(name or config.name, 1.0))
-        return self.batch_per_rank * per_bag * len(config.feature_names)
+        if not self._own_bags(config):
+            return self.batch_per_rank * per_bag * len(config.feature_names)
+        return per_bag * self.bags(config)
+
+    @property
+    def variable(self) -> bool:
+        """Whether the batch has a feature with bags of its own (not one per sample)."""
+        return any(n != self.batch_per_rank for n in self.bags_per_feature.values())
+
+    def bags(self, config: EmbeddingBagConfig) -> float:
+        """Bags a rank sends per step over `config`'s features: a feature in bags_per_feature
+        its own, the others one per sample."""
+        if not self._own_bags(config):
+            return self.batch_per_rank * len(config.feature_names)
+        return sum(
+            float(self.bags_per_feature.get(f, self.batch_per_rank)) for f in config.feature_names
+        )
+
+    def _own_bags(self, config: EmbeddingBagConfig) -> bool:
+        """Whether a feature of `config` has its own bag count; PlanError for one a step
+        cannot take (a sequence table's, a negative count)."""
+        own = {
+            f: self.bags_per_feature[f] for f in config.feature_names if f in self.bags_per_feature
+        }
+        if not own:
+            return False
+        if is_sequence([config]):
+            raise PlanError(
+                f"bags_per_feature: features {sorted(own)} of sequence table {config.name!r} "
+                "cannot have their own bags (sequence embeddings take one sequence per sample); "
+                "leave them out"
+            )
+        bad = {f: n for f, n in own.items() if not float(n) >= 0}
+        if bad:
+            raise PlanError(f"bags_per_feature: bag counts must be >= 0, got {bad}")
+        return True
 
 
 def sequence_padding(

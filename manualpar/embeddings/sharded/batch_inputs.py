@@ -36,6 +36,7 @@ from torch import nn
 from manualpar.embeddings.config import BUILDER, EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
+from manualpar.embeddings.ids.managed_collisions import managed_per_sample
 from manualpar.embeddings.ids.remap import RawIdRemap
 from manualpar.embeddings.modules.bag_collection import check_features
 from manualpar.embeddings.step.frozen import frozen_tables
@@ -146,13 +147,17 @@ class BatchInputs:
         self._held = []
 
     def _checked(self, features: SparseFeatures) -> tuple[SparseFeatures, Any]:
-        """Shaped and checked (a bad batch stops every rank), on the device, hashed."""
+        """Shaped and checked (a bad batch stops every rank), on the device, hashed; a batch
+        per feature with its raw-id remapped features expanded (managed_per_sample)."""
         try:
             bags, context = self.shape(features)
         except EmbeddingInputError:
             self._refuse_step()
             raise
-        return hash_raw_ids(bags.to(self.strategy.device), self.configs), context
+        bags = hash_raw_ids(bags.to(self.strategy.device), self.configs)
+        if self.remap is not None:
+            bags = managed_per_sample(bags, self.configs)
+        return bags, context
 
     def _refuse_step(self) -> None:
         """Bad local batch: join the first exchange of the step with REFUSED sizes."""

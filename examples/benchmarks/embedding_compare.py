@@ -1,0 +1,77 @@
+"""bench_embeddings.py's default mode: manualpar against the baseline, the peer and its own
+optional steps, per plan, as medians of per-repeat ratios (and each against the memory
+floor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from embedding_jobs import RANKS, launch, variants
+
+__all__ = ["compare"]
+
+
+def compare(args: argparse.Namespace) -> dict:
+    from memory_floor import Floors, add_floor
+
+    floors = Floors(RANKS)  # the host probed before the first job
+    floor = {plan: floors.of(args, plan=plan) for plan in args.plans}
+    runs: dict[str, dict[str, list[dict]]] = {}
+    names = list(variants(args))
+    for repeat in range(args.repeats):
+        for plan in args.plans:
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for name in order:
+                python, script, extra = variants(args)[name]
+                result = launch(python, script, extra, args, plan, args.rows)
+                runs.setdefault(plan, {}).setdefault(name, []).append(result)
+                print(
+                    f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
+                    f" ({result['ms_per_step'] / floor[plan]['ms']:.1f}x the memory floor)"
+                    f"  init {result['init_s']:5.2f} s  peak RSS "
+                    f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
+                    flush=True,
+                )
+    summary = {}
+    for plan, by_name in runs.items():
+        summary[plan] = {}
+        for other in names[1:]:
+            pairs = list(zip(by_name["manualpar"], by_name[other], strict=True))
+            summary[plan][f"manualpar/{other}"] = {
+                "ms_per_step": statistics.median(
+                    a["ms_per_step"] / b["ms_per_step"] for a, b in pairs
+                ),
+                "peak_rss": statistics.median(
+                    max(a["peak_rss_gb_per_rank"]) / max(b["peak_rss_gb_per_rank"])
+                    for a, b in pairs
+                ),
+                "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
+                "pairs": len(pairs),
+            }
+        for mine, theirs in (
+            ("batched", "torchrec"),
+            ("local", "torchrec"),
+            ("pipelined", "local"),
+            ("pipelined", "torchrec"),
+        ):
+            if mine in by_name and theirs in by_name:  # the floor, the pipeline, the peer
+                summary[plan][f"{mine}/{theirs}"] = {
+                    "ms_per_step": statistics.median(
+                        a["ms_per_step"] / b["ms_per_step"]
+                        for a, b in zip(by_name[mine], by_name[theirs], strict=True)
+                    )
+                }
+        summary[plan]["median_ms_per_step"] = {
+            name: statistics.median(r["ms_per_step"] for r in results)
+            for name, results in by_name.items()
+        }
+        floor_line = add_floor(summary[plan], floor[plan])
+        peer = summary[plan].get("manualpar/torchrec", {}).get("ms_per_step")
+        print(
+            f"{plan}: " + (f"manualpar / TorchRec {peer:.3f}x; " if peer else "") + floor_line,
+            flush=True,
+        )
+    print(json.dumps(summary, indent=2))
+    return {"summary": summary, "runs": runs}
