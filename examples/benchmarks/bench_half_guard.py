@@ -1,36 +1,112 @@
 """The cost of guarding half rows against overflow in the update (step/half_overflow.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        examples/benchmarks/bench_half_guard.py --json runs/bench_half_guard.json
+        examples/benchmarks/bench_half_guard.py --rows 1000000 --dtype fp16 \\
+        --json runs/bench_half_guard.json
+    python examples/benchmarks/bench_half_guard.py --rows 1000000 --clock cpu
 
-The same float16 tables (RowWiseAdagrad, embedding_workload.py's uniform ids) train in the same
-processes with the guard (`shard_embeddings(..., guard_half_rows=True)`) and without it (the
-default), in alternating order per repeat (paired_steps.py); the median ratio of their step
-times and the extra milliseconds per step are reported.
+The same half tables (RowWiseAdagrad, embedding_workload.py's uniform ids) train in the same
+processes without the guard (`guard_half_rows=False`) and with it: `--guard bounded` is the
+default (`guard_half_rows=None`: rows copied aside only when a rank's bound cannot rule an
+overflow out), `--guard copy` is `guard_half_rows=True` (for row-wise Adagrad the same; it
+copied the touched rows every step before the bounds), `--guard none` times the unguarded
+tables against themselves (the spread of the measurement). Alternating order per repeat
+(paired_steps.py); the median ratio of their step times and the extra milliseconds per step
+are reported. `--clock cpu`: each rank's CPU time per step (averaged over the ranks) instead
+of the slowest rank's wall clock, for a loaded host.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
+
 import torch
-from bench_common import cycling_step
+from bench_common import cycling_step, median
 from paired_steps import build_tables, compare, parse_args, workload
 
 import manualpar as mp
 
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+GUARDS = {"bounded": None, "copy": True, "none": False}
+
+
+def _own_options() -> tuple[str, str, str]:
+    """Take this script's options out of argv (the rest are paired_steps.py's)."""
+    values = {"--dtype": "fp16", "--guard": "bounded", "--clock": "wall"}
+    rest = [sys.argv[0]]
+    args = iter(sys.argv[1:])
+    for arg in args:
+        if arg in values:
+            values[arg] = next(args)
+        else:
+            rest.append(arg)
+    sys.argv = rest
+    if values["--dtype"] not in DTYPES or values["--guard"] not in GUARDS:
+        raise SystemExit(f"--dtype one of {sorted(DTYPES)}, --guard one of {sorted(GUARDS)}")
+    if values["--clock"] not in ("wall", "cpu"):
+        raise SystemExit("--clock wall or cpu")
+    return values["--dtype"], values["--guard"], values["--clock"]
+
+
+def _cpu_compare(
+    strategy: mp.ManualParallelStrategy,
+    steps: dict[str, Callable[[], None]],
+    count: int,
+    warmup: int,
+    repeats: int,
+) -> None:
+    """CPU seconds per step of each variant (each rank's own, averaged over the ranks: a rank
+    waiting on a collective sleeps), alternating order per repeat."""
+    base, candidate = steps
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    ms: dict[str, list[float]] = {v: [] for v in steps}
+    for repeat in range(repeats):
+        for v in [base, candidate] if repeat % 2 == 0 else [candidate, base]:
+            strategy.barrier()
+            started = time.process_time()
+            for _ in range(count):
+                steps[v]()
+            mine = torch.tensor((time.process_time() - started) / count, dtype=torch.float64)
+            total = strategy.all_reduce(mine, op="sum").item()
+            ms[v].append(1000 * total / strategy.world_size)
+    ratios = [c / b for b, c in zip(ms[base], ms[candidate], strict=True)]
+    if strategy.is_global_zero:
+        print(
+            f"cpu: {median(ms[base]):.2f} ms {base}, {median(ms[candidate]):.2f} ms "
+            f"{candidate}: x{median(ratios):.3f} "
+            f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})",
+            flush=True,
+        )
+
 
 def main() -> None:
+    dtype, guard, clock = _own_options()
     args = parse_args(__doc__.splitlines()[0], plan="table_wise")
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     data = workload(args, strategy, args.warmup + args.steps)
     steps = {
         variant: cycling_step(
-            build_tables(args, strategy, torch.float16, guard_half_rows=variant == "guarded"),
+            build_tables(
+                args,
+                strategy,
+                DTYPES[dtype],
+                guard_half_rows=GUARDS[guard] if variant == "guarded" else False,
+            ),
             data,
         )
         for variant in ("unguarded", "guarded")
     }
-    compare(args, strategy, steps)
+    if strategy.is_global_zero:
+        print(f"{dtype} rows, guard {guard}", flush=True)
+    if clock == "cpu":
+        _cpu_compare(strategy, steps, args.steps, args.warmup, args.repeats)
+    else:
+        compare(args, strategy, steps)
     strategy.teardown()
 
 

@@ -246,16 +246,16 @@ class SparseFeatures:
         return {key: self[key] for key in self.keys}
 
     def to(self, device: torch.device | str) -> SparseFeatures:
+        """Itself where every tensor is on `device` (as Tensor.to), else moved unvalidated:
+        moving changes no id (validating again cost about 0.2 ms of a 26-feature step)."""
+        values, lengths = self.values.to(device), self.lengths.to(device)
         weights = None if self.weights is None else self.weights.to(device)
         inverse = None if self.inverse_indices is None else self.inverse_indices.to(device)
-        return SparseFeatures(
-            self.keys,
-            self.values.to(device),
-            self.lengths.to(device),
-            weights,
-            self.bags_per_key,
-            inverse,
-        )
+        now = (self.values, self.lengths, self.weights, self.inverse_indices)
+        if all(a is b for a, b in zip((values, lengths, weights, inverse), now, strict=True)):
+            return self
+        args = (self.keys, values, lengths, weights, self._sizes, self.bags_per_key, inverse)
+        return SparseFeatures._checked(*args)
 
     def with_values(self, values: torch.Tensor) -> SparseFeatures:
         """The same bags holding other ids (one per id, e.g. raw ids hashed to rows)."""

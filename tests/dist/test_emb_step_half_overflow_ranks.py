@@ -1,13 +1,13 @@
-"""Half rows that overflow in the update are put back and reported when asked
-(`guard_half_rows=True`; reliability row 78): a
-learning rate too large for float16 turns rows to inf with a finite gradient; every rank undoes
-the update and raises, or under "skip" drops the step and counts it, leaving the rows, the
-optimizer state and the update count bit for bit those of a run without the step; in memory
-and on the disk tier."""
+"""Half rows that overflow in the update are put back and reported (on by default for half
+tables; reliability row 78): a learning rate too large for float16 turns rows to inf with a
+finite gradient; every rank undoes the update and raises, or under "skip" drops the step and
+counts it, leaving the rows, the optimizer state and the update count bit for bit those of a
+run without the step; in memory and on the disk tier, and when one rank alone overflows."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +40,11 @@ def _batch(step: int, rank: int) -> SparseFeatures:
 
 
 def _train(
-    mode: str, steps: list[int], big_lr_step: int | None, disk: str | None, guard: bool = True
+    mode: str,
+    steps: list[int],
+    big_lr_step: int | None,
+    disk: str | None,
+    guard: bool | None = None,
 ) -> dict:
     strategy = mp.ManualParallelStrategy()
     tables = (
@@ -58,11 +62,25 @@ def _train(
         disk_tier=tier,
         guard_half_rows=guard,
     )
+    return _run(strategy, emb, steps, big_lr_step)
+
+
+def _run(
+    strategy: mp.ManualParallelStrategy,
+    emb: Any,
+    steps: list[int],
+    big_lr_step: int | None,
+    big_lr: float = OVERFLOWING_LR,
+    up: bool = False,
+) -> dict:
+    """Train `steps` (the learning rate `big_lr` at `big_lr_step`) until one raises; the
+    tables, state and counts after. `up`: a loss whose step moves every value up by lr."""
     error = None
     for step in steps:
-        emb.fused_optimizer.lr = OVERFLOWING_LR if step == big_lr_step else 0.1
+        emb.fused_optimizer.lr = big_lr if step == big_lr_step else 0.1
         try:
-            emb(_batch(step, strategy.rank)).values.square().sum().backward()
+            values = emb(_batch(step, strategy.rank)).values
+            (-values.sum() if up else values.square().sum()).backward()
         except NonFiniteError as raised:
             error = str(raised)
             break
@@ -123,7 +141,45 @@ def test_skip_undoes_the_overflowing_step_and_counts_it(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_without_the_guard_the_overflow_reaches_the_rows() -> None:
-    """What the guard is for, and that it is off by default (it costs a gather a step)."""
+    """What the guard is for, and that `guard_half_rows=False` turns it off."""
     (unguarded, _) = run_distributed(_train, 2, args=("raise", [0, 1], 1, None, False), timeout=60)
     assert unguarded["error"] is None
     assert not torch.isfinite(unguarded["tables"]["tables.user.weight"]).all()
+
+
+def _train_one_rank_high(steps: list[int], big_lr_step: int | None) -> dict:
+    """'user' (rows near the float16 limit) on rank 0 and 'item' (small rows) on rank 1, both
+    float16, default guard: a large step overflows 'user' on rank 0 alone."""
+    strategy = mp.ManualParallelStrategy()
+    ebc = mp.EmbeddingBagCollection(
+        (
+            EmbeddingBagConfig("user", 10, 4, dtype=torch.float16),
+            EmbeddingBagConfig("item", 5, 4, dtype=torch.float16),
+        ),
+        seed=4,
+    )
+    with torch.no_grad():
+        ebc.tables["user"].weight.fill_(60000.0)
+    emb = shard_embeddings(
+        ebc, strategy, {"user": table_wise(0), "item": table_wise(1)}, RowWiseAdagrad(lr=0.1)
+    )
+    return _run(strategy, emb, steps, big_lr_step, big_lr=1e4, up=True)
+
+
+@pytest.mark.timeout(120)
+def test_an_overflow_on_one_rank_undoes_the_update_on_every_rank() -> None:
+    """By default: rank 0's rows overflow, rank 1's do not; both raise naming the table and
+    rank 0, and both ranks' rows and state are those of a run stopped before the step."""
+    stopped = run_distributed(_train_one_rank_high, 2, args=([0, 1, 2], 1), timeout=60)
+    before = run_distributed(_train_one_rank_high, 2, args=([0], None), timeout=60)
+    for rank in range(2):
+        error = stopped[rank]["error"]
+        assert error is not None
+        assert "half-precision rows overflowed to inf or NaN in the update (by table: 'user': " in (
+            error
+        )
+        assert error.split(" in the update ")[1].startswith("(by table: 'user': "), error
+        assert "'item'" not in error
+        assert ") on rank 0; the update was undone on every rank" in error, error
+        assert stopped[rank]["updates"] == 1
+        _assert_same(stopped[rank], before[rank])

@@ -60,7 +60,7 @@ def shard_embeddings(
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
-    guard_half_rows: bool = False,
+    guard_half_rows: bool | None = None,
     wire_dtype: torch.dtype | WireDtypes | str | None = None,
     pinned: Mapping[str, TablePlacement] | None = None,
     optimizer: UpdateRule | None = None,
@@ -79,7 +79,7 @@ def shard_embeddings(
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
-    guard_half_rows: bool = False,
+    guard_half_rows: bool | None = None,
     wire_dtype: torch.dtype | WireDtypes | str | None = None,
     pinned: Mapping[str, TablePlacement] | None = None,
     optimizer: UpdateRule | None = None,
@@ -97,7 +97,7 @@ def shard_embeddings(
     mesh: DeviceMesh | None = None,
     disk_tier: DiskTier | None = None,
     non_finite: str = "raise",
-    guard_half_rows: bool = False,
+    guard_half_rows: bool | None = None,
     wire_dtype: torch.dtype | WireDtypes | str | None = None,
     pinned: Mapping[str, TablePlacement] | None = None,
     optimizer: UpdateRule | None = None,
@@ -127,11 +127,13 @@ def shard_embeddings(
     alike, before any row changes: "raise" (NonFiniteError naming tables, ranks and counts) or
     "skip" (drop the sparse update and count it in `skipped_updates`; step/finite_check.py).
 
-    `guard_half_rows`: copy aside and check the rows each update touches in a collection with
-    float16/bfloat16 tables, and undo an update that overflowed them to inf or NaN (then
-    `non_finite` decides: NonFiniteError, or a counted skip). Off by default: it gathers the
-    touched rows twice a step (2.1-2.4x the step of 8 float16 tables, measured); turn it on
-    to find where rows overflow (step/half_overflow.py).
+    `guard_half_rows`: in a collection with float16/bfloat16 tables, refuse an update that
+    would overflow their rows to inf or NaN on any rank, leaving every rank's rows and state
+    as before (then `non_finite` decides: NonFiniteError, or a counted skip). None (the
+    default): on where the rule's step is bounded (SGD, Adagrad, RowWiseAdagrad), where it
+    costs nothing measurable (the touched rows are copied aside only when a rank's bound
+    cannot rule an overflow out); True: also for Adam, copying the touched rows every step
+    (about 2x the step); False: off (step/half_overflow.py).
 
     `wire_dtype`: the dtype the pooled outputs and output gradients travel in between ranks
     (None: float32), one for both or `WireDtypes(forward=torch.float16, backward=
@@ -196,8 +198,8 @@ def shard_embeddings(
         if isinstance(ebc, EmbeddingCollection)
         else ShardedEmbeddingBagCollection(ebc, *settings)
     )
-    if guard_half_rows:
-        sharded.step.backward_phases.guard_half_rows()
+    if guard_half_rows is not False:
+        sharded.step.backward_phases.guard_half_rows(copy_always=guard_half_rows is True)
     sharded.step.use_wire(wire)
     mark_replaced(ebc.parameters(), BUILDER)
     return sharded

@@ -6,11 +6,11 @@ only this rank's own bags touched (the rule's fused pass, RowPass.OWN), and once
 the rest (RowPass.REST), so every row is still updated once, with its whole gradient: the
 numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
 replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out. A step
-whose gradient holds NaN or inf updates nothing (finite_check.py); if asked, one whose half
-rows overflow is undone (half_overflow.py); while the Trainer holds a step open, each update
-stays undoable until it decides (update_journal.py). Each phase times itself into `self.times`
-while it is on (phase_times.py); the update's waits for the gradients (and the non-finite
-flags) count as the gradient exchange.
+whose gradient holds NaN or inf updates nothing (finite_check.py); one whose half rows overflow
+is undone (half_overflow.py: rows are copied aside only when a rank cannot rule that out);
+while the Trainer holds a step open, each update stays undoable until it decides
+(update_journal.py). Each phase times itself into `self.times` while it is on (phase_times.py);
+the update's waits for the gradients (and the non-finite flags) count as the gradient exchange.
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ class BackwardPhases:
         self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
         self.wire = torch.float32  # the output gradients' wire dtype (wire.py)
 
-    def guard_half_rows(self) -> None:
-        """Undo and report updates that overflow half rows (half_overflow.py; a cost on every
-        step, so asked for, not built by default)."""
-        self.half_rows = half_rows_guard(self.parts, self.finite)
+    def guard_half_rows(self, copy_always: bool = True) -> None:
+        """Undo and report updates that overflow half rows (half_overflow.py); unless
+        `copy_always`, only where the rule's steps are bounded (Adam's are not: it would copy
+        the touched rows every step)."""
+        guard = half_rows_guard(self.parts, self.finite)
+        self.half_rows = guard if guard is not None and (copy_always or guard.bounded) else None
 
     def __call__(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
         """Send the output gradient to the shards' owners and update our shards with theirs."""
@@ -75,6 +77,8 @@ class BackwardPhases:
         # exchange must not queue behind the gradients (waiting for it would then wait for them
         # too, and the own rows' update would no longer overlap their travel)
         non_finite = self.finite.start(grad, frozen)
+        if self.half_rows is not None and self.half_rows.applies(frozen):
+            self.half_rows.start(grad, saved)  # beside it: can any rank's half rows overflow?
         by_bag = OutputGrad(grad, routing, saved.feature_bags)  # summed back onto bags
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
@@ -82,7 +86,10 @@ class BackwardPhases:
             flat, splits = layout.pack_output_grad(by_bag, full, frozen, saved.kept)
             receive = layout.grad_receive_splits(saved.bag_counts, full, frozen)
             grads_in = start_on_wire(parts, flat, splits, receive, "output gradient", self.wire)
-        own = layout.own_grad_blocks(by_bag, full, frozen)
+        if saved.batch is not None:  # the table batch: no table frozen, views suffice
+            own = self.batched.own_blocks(by_bag)
+        else:
+            own = layout.own_grad_blocks(by_bag, full, frozen)
         return RoutedGradients(grad, own, grads_in, non_finite, by_bag)
 
     # update -----------------------------------------------------------------------------------
@@ -102,7 +109,11 @@ class BackwardPhases:
             self._drop(routed, saved)
             return
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
-        before = guard.save(saved) if guard else []
+        copy = False  # the same answer on every rank
+        if guard is not None:
+            with self.times.phase(GRAD_EXCHANGE):  # arrived with the non-finite flags
+                copy = guard.needs_copy(saved)
+        before = guard.save(saved) if guard and copy else []
         self.journal.record(saved)
         optimizer.begin_update()
         own_scale = scales[routing.rank]
@@ -114,10 +125,12 @@ class BackwardPhases:
         self.data_parallel.update(by_bag, saved.feature_ids, own_scale, frozen)
         optimizer.finish_update(parts.strategy, group=parts.mesh.shard)
         try:
-            kept = guard.passed(before) if guard else True  # False: overflowed rows put back
+            kept = guard.passed(before) if guard and copy else True  # False: rows put back
         except BaseException:
             parts.stores.release(saved.pins, updated=False)  # put back as they were
             raise
+        if guard is not None and kept:
+            guard.kept()
         if not kept:
             self.journal.forget_last()  # already undone, count included
         if not self.journal.hold(saved.pins, kept):

@@ -2,7 +2,8 @@
 kernel call each (kernels/table_batch.py), where the per-table calls of forward.py and
 backward.py would cost more than the rows (many small tables).
 
-Switched on by `ShardedStep.batches_tables` (off by default: measured no faster yet), a step
+Switched on by `ShardedStep.batches_tables` (off by default: faster for many small tables with
+short bags, slower at 20 ids a bag; docs/benchmarks.md, "Many small tables"), a step
 batches its tables when all of them can be: float32 or float64 rows of one dtype whose
 slots are their rows (in memory: nothing read in, nothing pinned), a rule with a table-batched
 pass (row-wise Adagrad without clipping, 1-D tables), no raw ids remapped in the step, no
@@ -25,6 +26,7 @@ from manualpar.embeddings.kernels.table_batch import (
     group_batch,
     pool_tables,
 )
+from manualpar.embeddings.step.bag_expansion import OutputGrad
 from manualpar.embeddings.step.exchange import SenderBags
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds
@@ -41,8 +43,8 @@ class BatchedTables:
         self.tables = [shard.table for shard in self.local]
         self.names = [parts.name(t) for t in self.tables]
         self._usable: bool | None = None  # decided at the first step (stores are final then)
-        # off by default: on this project's CPU benchmarks it measured no faster than the
-        # per-table path (docs/benchmarks.md, "Many small tables"); ShardedStep.batches_tables
+        # off by default: 0.75x the per-table CPU time for 26 small tables with one id a bag,
+        # 1.09x for 8 x 1M x 64 at 20 ids a bag (docs/benchmarks.md, "Many small tables")
         self.enabled = False
 
     @property
@@ -158,6 +160,25 @@ class BatchedTables:
         group_batch(batch)
 
     # backward ---------------------------------------------------------------------------------
+    def own_blocks(self, grad: OutputGrad) -> list[list[torch.Tensor]]:
+        """Per table, the gradient of our own bags: (batch, width) column views of the output
+        gradient, one per feature. Not copied out (as the per-table path does, to keep one
+        table's rows close while it is updated): the batched update reads every table's rows
+        at random at once, from the whole gradient either way, and the copies took about 0.9 ms
+        of a 26-table step."""
+        layout, routing = self.parts.layout, self.parts.routing
+        full = self.parts.optimizer.needs_full_rows
+        routes = iter(routing.routes_to[routing.rank])
+        blocks = []
+        for shard in self.local:
+            views = []
+            for _ in shard.features:
+                route = next(routes)
+                start, end = layout.grad_columns(route, full)
+                views.append(grad.columns(route.feature, start, end))
+            blocks.append(views)
+        return blocks
+
     def update(
         self,
         batch: TableBatch,

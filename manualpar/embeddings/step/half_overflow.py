@@ -5,35 +5,44 @@ rows' range): the row becomes inf, and the next forward's NaN is then blamed on 
 (finite_check.py) with the rows already lost. So around the update of a collection with half
 tables (float16 or bfloat16, not frozen this step):
 
-- before it, the rows the step touches and their optimizer state are copied aside, in every
-  table it updates (a gather of the step's slots: the fused update writes rows in place, so
-  nothing else could undo it; float32 tables too, so that an undone step changed nothing);
-- after it, the half tables' touched rows are gathered again and their smallest and largest
-  values taken (NaN propagates, an overflow is +-inf), and one flag is summed over the job;
-- if any rank's rows overflowed, every rank puts its rows, state and update count back, then
-  raises NonFiniteError naming the tables, the ranks and the row counts, or under "skip" drops
-  the step and counts it, exactly as for a non-finite gradient.
+- at gradient dist, each rank asks whether its rows can overflow in this update at all, from
+  bounds kept without reading rows (half_bounds.py): its block's largest |value| and the most
+  the rule's step moves an element; the answers travel summed over the job in one small
+  all_reduce started beside the non-finite flags, waited for before the first row changes;
+- if every rank proved it cannot, the update runs with nothing copied (the usual case: this
+  costs the all_reduce, a read of the output gradient and a few Python lines a step);
+- otherwise, on every rank: the rows the step touches and their optimizer state are copied aside,
+  in every table it updates (rows_before.py; float32 tables too, so that an undone step changed
+  nothing); after the update the half tables' touched rows are gathered again and their
+  smallest and largest values taken (NaN propagates, an overflow is +-inf), and one flag is
+  summed over the job; if any rank's rows overflowed, every rank puts its rows, state and update
+  count back, then raises NonFiniteError naming the tables, the ranks and the row counts, or
+  under "skip" drops the step and counts it, exactly as for a non-finite gradient.
 
-It costs two gathers of the touched rows a step: measured 2.1-2.4x the step of 8 float16 tables
-(examples/benchmarks/bench_half_guard.py; docs/benchmarks.md), the price of an undo done outside
-the update kernels. So it is built only when asked (`shard_embeddings(...,
-guard_half_rows=True)`), to find the step and the rows that overflow; collections without half
-tables build none either way.
+The copy path cost 2.1-2.4x the step of 8 float16 tables (examples/benchmarks/
+bench_half_guard.py; docs/benchmarks.md); the bounds make it rare, so the guard is on by default
+where the rule has a bound (SGD, Adagrad, row-wise Adagrad; not Adam, whose step depends on its
+moments' history: `guard_half_rows=True` guards it with the copy on every step).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES
 from manualpar.embeddings.step.finite_check import FiniteCheck
+from manualpar.embeddings.step.half_bounds import GRADIENT_LIMIT, MARGIN, RowBounds
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import SavedForBackward
 from manualpar.embeddings.step.rows_before import RowsBefore, restore_rows, save_rows
 from manualpar.errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from manualpar.strategy import PendingCollective
 
 __all__ = ["HalfRowsGuard", "half_rows_guard"]
 
@@ -49,17 +58,76 @@ def half_rows_guard(parts: StepParts, finite: FiniteCheck) -> HalfRowsGuard | No
 
 
 class HalfRowsGuard:
-    """Saves, checks and if need be restores a step's half rows (see above)."""
+    """Rules an overflow of a step's half rows out, or saves, checks and if need be restores
+    them (see above)."""
 
     def __init__(self, parts: StepParts, finite: FiniteCheck) -> None:
         self.parts, self.finite = parts, finite
         self.half = frozenset(
             t for t, config in enumerate(parts.routing.tables) if config.dtype in HALF_DTYPES
         )
+        self.bounds = RowBounds(parts, self.half)
+        self._proof: PendingCollective | None = None  # this step's answers, in flight
+        self._tables: list[int] = []  # the half tables this step updates
+        self._lr = 0.0
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the rule's steps can be bounded (else every guarded step copies)."""
+        return self.bounds.bounded
 
     def applies(self, frozen: frozenset[int]) -> bool:
         """Whether this step updates a half table (agreed: `frozen` is the same everywhere)."""
         return bool(self.half - frozen)
+
+    def start(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
+        """At gradient dist (`grad` as it will travel): whether this rank's rows can overflow
+        in this update, summed over the job in flight (see above). Every rank calls it when
+        `applies`, so the all_reduce always pairs up."""
+        parts = self.parts
+        self._tables = sorted(self.half - saved.frozen)
+        self._lr = parts.optimizer.lr
+        unsafe = not self.bounds.safe(self._tables, self._lr)
+        largest = 0.0
+        if grad.numel():  # one pass: 0.15 ms for a (2048, 512) gradient
+            low, high = (float(value) for value in torch.aminmax(grad))
+            largest = max(-low, high)
+        answers = torch.tensor(
+            [
+                float(unsafe),
+                self.bounds.share(self._tables),
+                largest,  # NaN or inf: the non-finite check drops the step first
+                _served_weight(saved),
+                _shared_bags(grad, saved),
+            ],
+            dtype=torch.float64,
+        )
+        self._proof = parts.strategy.all_reduce_async(
+            answers, name=f"{BUILDER}: half-row bound all_reduce"
+        )
+
+    def needs_copy(self, saved: SavedForBackward) -> bool:
+        """Before the update: True unless every rank proved its rows cannot overflow (the
+        same answer on every rank: it is computed from the job's sums alone)."""
+        assert self._proof is not None, "start() runs at gradient dist"
+        proof, self._proof = self._proof, None
+        unsafe, shares, largest, served, shared = proof.wait().tolist()
+        # a row's summed gradient: at most every served id's weight times the largest bag
+        # gradient (one sample's, or a batch of samples' where bags are shared), rounded on
+        # the wire
+        scale = max((abs(s) for s in saved.scales), default=1.0)
+        gradient = largest * served * (1 + shared) * scale * (1 + 10 * MARGIN)
+        extra = self._lr * gradient if self.bounds.by_gradient else 0.0
+        self.bounds.grow(self._tables, self._lr, extra)  # before: an update cut short is in
+        if unsafe or not gradient <= GRADIENT_LIMIT:
+            return True
+        if self.bounds.by_gradient:  # SGD: every rank's share plus the step, below 1
+            return not shares + extra / min(self.bounds.limit.values()) <= 1
+        return False
+
+    def kept(self) -> None:
+        """After an update that stays: the bounds hold for the rows as it left them."""
+        self.bounds.settled(self._tables)
 
     def save(self, saved: SavedForBackward) -> list[RowsBefore]:
         """Copy aside this rank's rows the update may write, and their optimizer state."""
@@ -123,3 +191,23 @@ class HalfRowsGuard:
     def _restore(self, before: list[RowsBefore]) -> None:
         restore_rows(self.parts, before)
         self.parts.optimizer.num_updates -= 1
+
+
+def _shared_bags(grad: torch.Tensor, saved: SavedForBackward) -> float:
+    """How many more samples' gradients than one a bag's gradient may sum: 0 with a bag
+    per sample, else the batch less one (a variable batch per feature, bag_expansion.py)."""
+    bags = saved.feature_bags
+    if bags is None or all(inverse is None for inverse in bags.inverse):
+        return 0.0
+    return float(max(grad.shape[0] - 1, 0))
+
+
+def _served_weight(saved: SavedForBackward) -> float:
+    """The ids' weights (1 each if unweighted) in the bags this rank's blocks serve this step,
+    and in its replicated tables' bags: what one row's gradient can sum at most."""
+    bags = [saved.batch.bags] if saved.batch is not None else list(saved.bags)
+    lists = [(b.ids, b.weights) for b in bags] + [(i, w) for i, _, w in saved.feature_ids]
+    return sum(
+        float(ids.numel()) if weights is None else float(weights.abs().sum())
+        for ids, weights in lists
+    )
