@@ -9,7 +9,8 @@ Each measurement is a fresh 2-process torchrun job; the variants (in-memory tabl
 with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
 steps through TrainPipeline, each batch's rows read into the cache during the step before, the
 pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no write log,
-evicted rows written to their places, as before the log) alternate in a rotating order,
+evicted rows written to their places, as before the log; ending `-log<N>`, e.g. `lru-log11`: a
+write log of N cache sizes, `DiskTier(write_log=N)`) alternate in a rotating order,
 `--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
 fused row-wise Adagrad, global batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the
 distribution scattered over the table by a fixed permutation). A step is forward + backward with
@@ -18,7 +19,10 @@ the update, timed as the slowest rank's; the median (and mean: evictions come in
 quarter of its rows; time enough steps for each table to evict a batch (a sixteenth of its
 cache), or the mean misses the evictions (a job whose timed steps evicted nothing says so).
 Reported: step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS
-per process against cache + 1 GiB, the cache hit rate over the timed steps. With a write log,
+per process against cache + 1 GiB, the cache hit rate over the timed steps, and the CPU a timed
+step takes (every thread of the process, the drain's and the writes' too, less the making of the
+batches; `cpu_vs_memory`): on a loaded host the wall time counts the waits for a core, and its
+ratios swing between repeats. With a write log,
 the logged rows are then written to their places, timed (`drain_s`, slowest rank), and that cost
 spread over the steps that fill a log (`drain_ms_per_step`: the drain's time per row, times the
 share of appended rows still in the log, times the rows appended per timed step) is added to the
@@ -26,8 +30,8 @@ mean (`mean_with_drains_ms`): the cost of the writes the log only defers. With `
 jobs instead warm up until every write log has drained once and are timed until each has
 drained once more (at least `--steps`): a whole log cycle, whose plain mean is the cost per
 step. Each disk job also reports, per rank, the milliseconds per timed step of each of the
-tier's phases and the device MB read and written (disk_phases.py). Table files are created
-under `--dir` and deleted after each job.
+tier's phases, wall and CPU (`cpu_` keys), and the device MB read and written
+(disk_phases.py). Table files are created under `--dir` and deleted after each job.
 """
 
 from __future__ import annotations
@@ -86,9 +90,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
     rank, world = strategy.rank, strategy.world_size
-    base = args.variant.removesuffix(PIPELINED)
+    base, _, log_size = args.variant.partition(LOG)
+    base = base.removesuffix(PIPELINED)
     in_place = base.endswith(IN_PLACE)
     base = base.removesuffix(IN_PLACE)
+    write_log = 0.0 if in_place else float(log_size) if log_size else None
     disk = base != "memory"
     total = (args.disk_gb if disk else args.memory_gb) * GIB
     row_bytes = args.dim * 4 + 4
@@ -104,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
             args.dir,
             cache_bytes=int(args.cache_gb * GIB),
             policy=policy_of(base),
-            **({"write_log": 0.0} if in_place else {}),
+            **({"write_log": write_log} if write_log is not None else {}),
         )
         if disk
         else None
@@ -159,10 +165,15 @@ def worker(args: argparse.Namespace) -> None:
     made = 0  # batches made so far
     pipeline = (
         iter(mp.TrainPipeline(iter(ready.popleft, None), strategy, emb.prefetch))
-        if base != args.variant
+        if args.variant.partition(LOG)[0].endswith(PIPELINED)
         else None
     )
     times, step, warmup, appended_before = [], 0, None, 0
+    # the process's CPU per step (every thread: the background drain's and writes' too), less
+    # the main thread's making of the batches: on a loaded host the wall time counts the waits
+    # for a core, this does not
+    cpu_steps: list[float] = []
+    cpu_mark, making = time.process_time(), 0.0
     drains_before: list[int] = []
     phases: list[dict[str, float]] = []  # this rank's, a timed step each
     while warmup is None or timing(step):
@@ -177,10 +188,13 @@ def worker(args: argparse.Namespace) -> None:
             appended_before = sum(t.log.appended for t in disk_tables)
             drains_before = [t.log.drains for t in disk_tables]
             clock.take()
+            cpu_mark, making = time.process_time(), 0.0
+        made_at = time.thread_time()
         batch_features = features(step) if pipeline is None else None
         while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
             ready.append(features(made))
             made += 1
+        making += time.thread_time() - made_at
         strategy.barrier()
         begin = time.perf_counter()
         if pipeline is not None:
@@ -190,10 +204,14 @@ def worker(args: argparse.Namespace) -> None:
         times.append(float(strategy.all_reduce(elapsed, op="max")))
         if warmup is not None and step >= warmup:
             phases.append(clock.take())
+            now = time.process_time()
+            cpu_steps.append(now - cpu_mark - making)
+            cpu_mark, making = now, 0.0
         step += 1
     timed = times[warmup:]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     peaks = [float(p) for p in strategy.all_gather_object(peak)]
+    cpu_ms = [1e3 * float(c) for c in strategy.all_gather_object(statistics.mean(cpu_steps))]
     # per rank: each phase's ms (MB for the device's) per timed step, and every step's
     per_rank = strategy.all_gather_object(phases)
     phase_means = [
@@ -238,6 +256,7 @@ def worker(args: argparse.Namespace) -> None:
         "drain_ms_per_step": drain_ms_per_step,
         "mean_with_drains_ms": statistics.mean(timed) * 1e3 + drain_ms_per_step,
         "timed_drains": sum(t.log.drains for t in disk_tables) - sum(drains_before),
+        "cpu_step_ms": cpu_ms,  # per rank: mean CPU per timed step, every thread of the process
         "phase_ms_per_step": phase_means,
         "timed_phases": per_rank[0],
     }
@@ -249,12 +268,13 @@ def worker(args: argparse.Namespace) -> None:
 def policy_of(variant: str) -> str:
     """The cache policy of a disk variant ("lru", "lfu", "lru-baseline": LRU on the baseline
     source tree)."""
-    return variant.removesuffix(BASELINE)
+    return variant.partition(LOG)[0].removesuffix(BASELINE)
 
 
 BASELINE = "-baseline"
 PIPELINED = "-pipelined"
 IN_PLACE = "-inplace"
+LOG = "-log"  # then the write log's size in cache sizes, e.g. lru-log10.6: DiskTier(write_log=10.6)
 
 
 def launch(args: argparse.Namespace, variant: str) -> dict:
@@ -295,7 +315,8 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
             ],
             *(["--cycle"] if args.cycle else []),
         ]
-        source = args.baseline_src if variant.endswith(BASELINE) else str(HERE.parent.parent)
+        baseline = variant.partition(LOG)[0].endswith(BASELINE)
+        source = args.baseline_src if baseline else str(HERE.parent.parent)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": source}
         try:
             run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
@@ -367,14 +388,15 @@ def main() -> None:
                 f"{result['mean_with_drains_ms']:.1f}; after {result['warmup_steps']} warm-up), "
                 f"peak RSS {max(result['peak_rss_gib']):.2f} GiB, hit rate {result['hit_rate']}, "
                 f"{result['logged_rows']} logged rows drained in {result['drain_s']:.2f} s; "
-                f"{len(result['timed_step_ms'])} timed steps, {result['timed_drains']} drains",
+                f"{len(result['timed_step_ms'])} timed steps, {result['timed_drains']} drains, "
+                f"CPU {statistics.mean(result['cpu_step_ms']):.1f} ms/step",
                 flush=True,
             )
             for rank, phase in enumerate(result["phase_ms_per_step"]):
                 if phase:
                     print(
                         f"  rank {rank} per step: "
-                        + ", ".join(f"{key} {value:.1f}" for key, value in phase.items()),
+                        + ", ".join(f"{key} {value:.1f}" for key, value in phase.items() if value),
                         flush=True,
                     )
             if result["hit_rate"] is not None and result["evicted_rows"] == 0:
@@ -390,6 +412,7 @@ def main() -> None:
             "step_ms": statistics.median(r["step_ms"] for r in results),
             "mean_step_ms": statistics.median(r["mean_step_ms"] for r in results),
             "mean_with_drains_ms": statistics.median(r["mean_with_drains_ms"] for r in results),
+            "cpu_step_ms": statistics.median(statistics.mean(r["cpu_step_ms"]) for r in results),
             "peak_rss_gib": max(max(r["peak_rss_gib"]) for r in results),
             "hit_rate": results[0]["hit_rate"]
             and statistics.median(r["hit_rate"] for r in results),
@@ -409,6 +432,11 @@ def main() -> None:
                 for r, m in zip(results, runs["memory"], strict=False)
             ]
             summary[variant]["mean_with_drains_vs_memory"] = statistics.median(with_drains)
+            cpu = [
+                statistics.mean(r["cpu_step_ms"]) / statistics.mean(m["cpu_step_ms"])
+                for r, m in zip(results, runs["memory"], strict=False)
+            ]
+            summary[variant]["cpu_vs_memory"] = statistics.median(cpu)
             summary[variant]["rss_bound_gib"] = args.cache_gb + 1
     print(json.dumps(summary, indent=2))
     if args.json:

@@ -58,11 +58,15 @@ def _io_bytes() -> tuple[int, int]:
 
 
 class PhaseClock:
-    """Seconds per phase of the disk tier, summed since the last `take()`."""
+    """Seconds per phase of the disk tier, summed since the last `take()`: wall time, and the
+    CPU time of the thread that ran it (`cpu_` keys: on a loaded host the wall time counts the
+    waits for a core, the CPU time does not)."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
+        self.cpu: collections.Counter[str] = collections.Counter()
         self.io = _io_bytes()
+        self.process_cpu = time.process_time()
 
     def install(self) -> None:
         import importlib
@@ -76,22 +80,28 @@ class PhaseClock:
                 continue
 
     def _timed(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        seconds = self.seconds
+        seconds, cpu = self.seconds, self.cpu
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 seconds[phase] += time.perf_counter() - began
+                cpu[phase] += time.thread_time() - began_cpu
 
         return timed
 
     def take(self) -> dict[str, float]:
-        """Each phase's seconds and the device MB read and written since the last call."""
+        """Each phase's seconds (wall and CPU), the process's CPU seconds (every thread: the
+        drain's too) and the device MB read and written since the last call."""
         out = {phase: self.seconds[phase] for phase in PHASES}
+        out.update({f"cpu_{phase}": self.cpu[phase] for phase in PHASES})
         self.seconds.clear()
+        self.cpu.clear()
+        now = time.process_time()
+        out["cpu_process"], self.process_cpu = now - self.process_cpu, now
         read, written = _io_bytes()
         out["device_read_mb"] = (read - self.io[0]) / 1e6
         out["device_write_mb"] = (written - self.io[1]) / 1e6

@@ -10,9 +10,10 @@ Each figure is drawn only when its input is given:
   step in the same run, each bar labelled with the step as a multiple of the floor;
 - bench-scale.png (`--scale`, bench_embeddings.py --scale): the median step per table size,
   for every variant of the run, beside the memory floor at that size;
-- bench-disk-cycle.png (`--disk`, bench_disk_tier.py): every timed step of each variant's first
-  job, in order (over a whole write-log cycle when the run timed one), against its mean with the
-  log's drains.
+- bench-disk-cycle.png (`--disk`, bench_disk_tier.py): every timed step of each variant's median
+  job (the repeat whose mean step is the median), in order (over a whole write-log cycle when
+  the run timed one), against its mean with the log's drains; the legend gives each disk
+  variant's mean step over the in-memory one (median of the run's repeats).
 
 Only ratios within one run mean anything on a shared host, so every figure puts a run's numbers
 beside each other, never beside another run's.
@@ -112,10 +113,14 @@ def draw_scale(payload: dict[str, Any], path: Path) -> None:
 def draw_disk(payload: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    summary = payload.get("summary", {})
     for variant, results in payload["runs"].items():
-        steps = results[0]["timed_step_ms"]
-        (line,) = ax.plot(range(len(steps)), steps, linewidth=0.7, label=variant)
-        mean = results[0]["mean_with_drains_ms"]
+        job = _median_job(results)
+        steps = job["timed_step_ms"]
+        ratio = summary.get(variant, {}).get("mean_vs_memory")
+        label = variant if ratio is None else f"{variant}: {ratio:.2f}x memory"
+        (line,) = ax.plot(range(len(steps)), steps, linewidth=0.7, label=label)
+        mean = job["mean_with_drains_ms"]
         ax.axhline(mean, color=line.get_color(), linestyle="--", linewidth=1)
     cycle = " over a whole write-log cycle" if payload["args"].get("cycle") else ""
     ax.set_title(f"every timed step{cycle} (dashed: mean with the log's drains)", fontsize=9)
@@ -124,6 +129,12 @@ def draw_disk(payload: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms")
     ax.legend(fontsize=8)
     _save(fig, path)
+
+
+def _median_job(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job whose mean step is the median of its variant's repeats (the lower middle one)."""
+    ordered = sorted(results, key=lambda job: float(job["mean_step_ms"]))
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _pyplot() -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -47,6 +48,22 @@ logger = logging.getLogger(__name__)
 # chunk's rows. A full log holds far denser rows than either.
 DENSE_SHARE = 32
 SCAN_ROWS = 2**20  # rows of the block a drain looks at a time
+
+
+# Each thread's buffer for the chunks it rewrites whole: a fresh 4 MiB tensor a chunk took its
+# pages anew each time (the allocator hands them back): a step's chunk reads cost the drain
+# thread 3.8 ms of CPU, and 0.8 ms into this buffer (bench_disk_tier.py --cycle, medians of 5
+# repeats and both ranks; docs/benchmarks.md).
+_chunks = threading.local()
+
+
+def _chunk_buffer(rows: int, record: int) -> torch.Tensor:
+    """This thread's buffer for `rows` records of `record` bytes: contiguous, (rows, record)."""
+    size = rows * record
+    buffer: torch.Tensor | None = getattr(_chunks, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _chunks.buffer = torch.empty(size, dtype=torch.uint8)
+    return buffer[:size].view(rows, record)
 
 
 class WriteLog:
@@ -162,8 +179,9 @@ class WriteLog:
                 continue
             start = (first_chunk + index) * chunk
             end = min(start + chunk, self.file.rows)
-            block = self.file.read_range(start, end)
-            block[rows[first:last] - start] = self._records(at[first:last])
+            block = self.file.read_range(start, end, _chunk_buffer(end - start, self.file.record))
+            logged = self._records(at[first:last]).view(torch.int32)
+            block.view(torch.int32).index_copy_(0, rows[first:last] - start, logged)
             self.file.write_range(start, block)
             scattered[first:last] = False
         sparse_rows, sparse_at = rows[scattered], at[scattered]
@@ -172,13 +190,13 @@ class WriteLog:
             self.file.write(sparse_rows[first : first + chunk], records)
 
     def _records(self, at: torch.Tensor) -> torch.Tensor:
-        """The log's records `at`, in that order (read in log order: runs move in one call)."""
+        """The log's records `at`, in that order (read in log order: runs move in one call).
+        Rows of bytes move with index_select and index_copy_ on 4-byte words (a record is
+        whole words): indexing uint8 rows cost 0.12 us a row, these 0.01-0.02 us."""
         in_log_order, order = torch.sort(at)
         records = self.file.empty(at.numel())
         self.file.read(self.file.rows + in_log_order, records)
-        out = torch.empty_like(records)
-        out[order] = records
-        return out
+        return records.index_select(0, torch.argsort(order))
 
     def forget(self) -> None:
         """The file's rows were all rewritten at their places (a load, a fill): the log's
