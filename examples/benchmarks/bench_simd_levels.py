@@ -7,8 +7,9 @@ An AVX2-only host took the portable loops for half rows and initial values befor
 existed: the AVX2 / portable ratio here is the gain on such a host, measured on this one
 (set_simd_level lowers the level; the bits are the same at every level, tested). Kernels, one
 thread: a half-row lookup (`--bags` bags of `--ids-per-bag` ids over `--rows` x `--dim`), a
-half-row update of `--update-rows` distinct rows (bfloat16 stochastic, float16 to nearest), and
-initial values of a `--rows` x `--dim` float32 block. Levels interleave in rotating order,
+half-row update of `--update-rows` distinct rows (bfloat16 stochastic, float16 to nearest),
+initial values of a `--rows` x `--dim` float32 block, and the step's fused row-wise Adagrad pass
+over the lookup's ids on float32 and bfloat16 rows. Levels interleave in rotating order,
 `--repeats` times; medians and ratios to the portable level are printed and written as JSON.
 """
 
@@ -59,6 +60,16 @@ def kernels_to_time(args: argparse.Namespace) -> dict[str, Callable[[], object]]
             w, rows, delta, -0.1, True, 99, 0, 0, args.dim, None
         )
     work["init float32"] = lambda: kernels.uniform_rows(out, 99, 0, 0, args.dim, 0.01)
+    # the step's fused row-wise Adagrad pass over the lookup's ids (float32 and bfloat16 rows)
+    groups = kernels.group_rows(ids, lengths, args.rows, 0, args.bags)
+    grads = torch.randn(args.bags, args.dim, generator=generator)
+    state = torch.zeros(args.rows)
+    common = (*groups[:5], 0, groups[4].numel(), [grads], [1.0], 0, args.bags, 0, 0.01, 1e-8)
+    weight32, weight16 = source.clone(), source.to(torch.bfloat16)
+    work["fused float32"] = lambda: kernels.rowwise_adagrad_update(weight32, state, None, *common)
+    work["fused bfloat16"] = lambda: kernels.rowwise_adagrad_update_rounded(
+        weight16, state, None, *common, True, 99, 0, args.dim, None
+    )
     return work
 
 

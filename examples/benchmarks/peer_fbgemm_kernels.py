@@ -4,8 +4,9 @@
 
 Runs in the TorchRec peer environment (`make torchrec-peer`), never in manualpar's: one table of
 rows x 64 fp32 on the host, EXACT_ROWWISE_ADAGRAD applied in backward, fresh uniform ids each
-repetition (2048 bags of 20), one thread. Times the forward lookup and the backward with its
-fused update, so FBGEMM's growth with table size can be set beside manualpar's kernels.
+repetition (2048 bags of 20), one thread. Times, in this process's CPU time as
+bench_embedding_kernels.py does, the forward lookup and the backward with its fused update, so
+FBGEMM's kernels (and their growth with table size) can be set beside manualpar's.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def measure(rows: int, args: argparse.Namespace) -> dict:
     forward, backward = [], []
     for repeat in range(args.warmup + args.repeats):
         ids = torch.randint(0, rows, (args.bags * args.ids_per_bag,))
-        started = time.perf_counter()
+        started = time.process_time()
         out = table(ids, offsets)
-        looked_up = time.perf_counter()
+        looked_up = time.process_time()
         out.backward(torch.ones_like(out))
-        updated = time.perf_counter()
+        updated = time.process_time()
         if repeat >= args.warmup:
             forward.append(1000 * (looked_up - started))
             backward.append(1000 * (updated - looked_up))

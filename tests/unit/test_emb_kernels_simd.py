@@ -46,7 +46,7 @@ def _at_every_level(compute: Callable[[], torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cols", [37, 64])
+@pytest.mark.parametrize("cols", [37, 64, 150])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_half_lookups_equal_the_portable_loop(dtype, cols, weighted):
     generator = torch.Generator().manual_seed(cols)
@@ -76,6 +76,41 @@ def test_half_updates_round_as_the_portable_loop(dtype, cols, col_start):
     assert not torch.equal(update(), start)  # the update changed the rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("cols", "col_start", "dim"), [(64, 0, 64), (37, 0, 37), (40, 24, 64)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_rowwise_updates_equal_the_portable_loop(dtype, cols, col_start, dim, weighted):
+    """The fused row-wise Adagrad pass (sum of squares, repeated rows summed over their bags,
+    the row written, half rows rounded) gives the portable loop's bits at every level: rows of
+    a table's full width (the bfloat16 bits of 32 elements from one vector of hashes), and
+    column blocks and widths that leave partial vectors."""
+    kernels = native_kernels()
+    generator = torch.Generator().manual_seed(cols + col_start)
+    start = (torch.randn(300, cols, generator=generator) * 0.1).to(dtype)
+    lengths = torch.randint(0, 6, (64,), generator=generator)
+    ids = torch.randint(0, 300, (int(lengths.sum()),), generator=generator)
+    ids[: ids.numel() // 2] = ids[ids.numel() // 2 : 2 * (ids.numel() // 2)]  # repeated rows
+    per_id = torch.rand(ids.shape, generator=generator) if weighted else None
+    grads = torch.randn(64, dim, generator=generator)
+    groups = kernels.group_rows(ids, lengths, 300, 0, 64)
+    runs = groups[4].numel()
+
+    def update() -> torch.Tensor:
+        weight, state = start.clone(), torch.zeros(300)
+        common = (weight, state, per_id, *groups[:5], 0, runs, [grads], [0.5], 0, 64, col_start)
+        if dtype == torch.float32:
+            kernels.rowwise_adagrad_update(*common, 0.05, 1e-8)
+        else:
+            stochastic = dtype == torch.bfloat16
+            kernels.rowwise_adagrad_update_rounded(
+                *common, 0.05, 1e-8, stochastic, 4242, 3, dim, None
+            )
+        return torch.cat([weight.float().view(-1), state])
+
+    _at_every_level(update)
+    assert not torch.equal(update()[: start.numel()], start.float().view(-1))
+
+
 @pytest.mark.parametrize(("cols", "col0"), [(37, 0), (64, 5)])
 def test_initial_values_equal_the_portable_loop(cols, col0):
     def initial() -> torch.Tensor:
@@ -102,6 +137,8 @@ def test_the_level_benchmark_times_each_level_against_the_portable_one(tmp_path,
         "lookup float16",
         "update float16",
         "init float32",
+        "fused float32",
+        "fused bfloat16",
     }
     for kernel in result["summary"].values():
         assert kernel["vs_portable"]["portable"] == 1.0

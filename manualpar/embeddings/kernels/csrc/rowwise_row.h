@@ -10,6 +10,8 @@
 #include <immintrin.h>
 #endif
 
+#include "avx512_rows.h"
+
 namespace {
 
 // The sum of g[0..n)^2 in double (the row-wise state is a running sum: its rounding compounds),
@@ -58,7 +60,8 @@ inline double sum_squares(const scalar_t* g, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) {
     static const bool avx = __builtin_cpu_supports("avx");
-    if (avx) return sum_squares_avx(g, n);
+    if (simd_level() == 2) return sum_squares_avx512(g, n);
+    if (avx && simd_limit > 0) return sum_squares_avx(g, n);
   }
 #endif
   return sum_squares_lanes(g, n);
@@ -70,6 +73,13 @@ template <typename scalar_t>
 inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const scalar_t* g,
                                 scalar_t g_scale, int64_t full, int64_t col_start, int64_t cols,
                                 scalar_t lr, scalar_t eps) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (simd_level() == 2) {
+      return rowwise_adagrad_row_avx512(w, sum, g, g_scale, full, col_start, cols, lr, eps);
+    }
+  }
+#endif
   const double squares = sum_squares(g, full);
   const double scaled = static_cast<double>(g_scale);
   const scalar_t total = *sum + static_cast<scalar_t>(squares * scaled * scaled /

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "avx2_rows.h"
+#include "avx512_rows.h"
 #include "prefetch.h"
 #include "rowwise_row.h"
 
@@ -206,18 +207,22 @@ void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t 
   const int64_t* bag_of = groups.bags;
   const int64_t* rows = groups.rows;
   const int64_t* selected = groups.runs + run_begin;
+  [[maybe_unused]] const bool wide = simd_level() == 2;
   at::parallel_for(0, run_end - run_begin, 256, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> buffer(cols);
     scalar_t* __restrict__ row_grad = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
       if (written.rows != nullptr && i + kPrefetchFar < end) {
-        prefetch_row<1>(written.rows + rows[selected[i + kPrefetchFar]] * written.stride,
-                        written.cols);
+        const int64_t far = rows[selected[i + kPrefetchFar]];
+        prefetch_row<1>(written.rows + far * written.stride, written.cols);
+        if (written.per_row != nullptr) __builtin_prefetch(written.per_row + far, 1, 1);
       }
       if (written.rows != nullptr && i + kPrefetchNear < end) {
         const int64_t near = rows[selected[i + kPrefetchNear]];
         prefetch_row<3>(written.rows + near * written.stride, written.cols);
         if (written.per_row != nullptr) __builtin_prefetch(written.per_row + near, 1, 3);
+        // its (first) bag's gradient row, read at random among the bags: 8-10% of the update
+        prefetch_row_to_read(bags.row_of(bag_of[starts[selected[i + kPrefetchNear]]]), cols);
       }
       const int64_t u = selected[i];
       const int64_t first = starts[u];
@@ -232,6 +237,14 @@ void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t 
         const int64_t bag = bag_of[k];
         const scalar_t w = weight ? weight[order[k]] * bags.scale_of(bag) : bags.scale_of(bag);
         const scalar_t* __restrict__ src = bags.row_of(bag);
+#if defined(__x86_64__) && defined(__GNUC__)
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (wide) {
+            add_scaled_avx512(row_grad, src, w, cols);
+            continue;
+          }
+        }
+#endif
         for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
       }
       visit(u, rows[u], row_grad, scalar_t(1));
@@ -417,27 +430,6 @@ void uniform_row(scalar_t* row, int64_t cols, uint64_t key, uint64_t base, float
   }
 }
 
-// The widest vector loops this CPU runs: 2 AVX-512 (F, DQ, BW), 1 AVX2 with F16C, 0 the
-// portable loops. set_simd_level lowers it: the tests compare every level's bits, and a
-// benchmark can time an AVX2-only host's path on an AVX-512 one.
-int detected_simd_level() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bw")) {
-    return 2;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return 1;
-#endif
-  return 0;
-}
-
-int simd_limit = 2;
-
-inline int simd_level() {
-  static const int detected = detected_simd_level();
-  return std::min(detected, simd_limit);
-}
-
 // At most `level` from now on (this process); returns the level in effect.
 int64_t set_simd_level(int64_t level) {
   simd_limit = static_cast<int>(std::clamp<int64_t>(level, 0, 2));
@@ -448,16 +440,6 @@ int64_t set_simd_level(int64_t level) {
 // The same values sixteen at a time where the CPU has AVX-512 (64-bit multiplies in vectors):
 // integer steps are exact and the float steps are the same single operations, so the bits agree.
 // Initializing a table is mostly this hash and the first touch of its memory.
-__attribute__((target("avx512f,avx512dq"))) __m512i splitmix16(__m512i key, __m512i counter) {
-  __m512i z = _mm512_add_epi64(key, _mm512_mullo_epi64(counter,
-                                                       _mm512_set1_epi64(0x9E3779B97F4A7C15LL)));
-  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)),
-                         _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ULL)));
-  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)),
-                         _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBULL)));
-  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-}
-
 __attribute__((target("avx512f,avx512dq"))) void uniform_row_avx512(float* row, int64_t cols,
                                                                     uint64_t key, uint64_t base,
                                                                     float width, float bound) {
@@ -676,119 +658,6 @@ inline bool has_f16c() {
   static const bool found = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return found;
 }
-
-
-// Whole rows sixteen elements at a time with AVX-512: widen, multiply, add (no fused
-// multiply-add: the same two roundings as the portable loops), narrow. Each returns how many
-// leading elements it did (a multiple of 16); the caller's portable loop does the rest. Widening
-// in registers instead of through a scratch row halved the fused update's time on bfloat16 rows.
-#define MANUALPAR_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw")))
-
-// round_value's 16 random bits of elements index .. index + 15: the 16-bit words of the
-// hashes of index / 4 .. index / 4 + 7 (8 lanes; 4 or 5 of them used), picked in order.
-MANUALPAR_AVX512 inline __m512i noise16(__m512i keys, uint64_t index) {
-  alignas(64) static constexpr uint16_t kWords[32] = {0,  1,  2,  3,  4,  5,  6,  7,
-                                                      8,  9,  10, 11, 12, 13, 14, 15,
-                                                      16, 17, 18, 19, 20, 21, 22, 23,
-                                                      24, 25, 26, 27, 28, 29, 30, 31};
-  const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i groups =
-      _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(index >> 2)), lanes);
-  const __m512i pick = _mm512_add_epi16(_mm512_load_si512(kWords),
-                                        _mm512_set1_epi16(static_cast<int16_t>(index & 3)));
-  const __m512i words = _mm512_permutexvar_epi16(pick, splitmix16(keys, groups));
-  return _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
-}
-
-MANUALPAR_AVX512 inline __m512 widen16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-MANUALPAR_AVX512 inline __m512 widen16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// acc[c] += row[c] (or scale * row[c] when `scaled`)
-template <typename weight_t>
-MANUALPAR_AVX512 int64_t accumulate_avx512(const weight_t* row, float* acc, int64_t n,
-                                           float scale, bool scaled) {
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    __m512 x = widen16(row + c);
-    if (scaled) x = _mm512_mul_ps(s, x);
-    _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), x));
-  }
-  return c;
-}
-
-// w[c] = round(w[c] + a * src[c]): float16 to nearest, bfloat16 stochastically (key, base as in
-// round_value: the element's counter is base + c).
-MANUALPAR_AVX512 int64_t axpy_round_avx512(at::Half* w, const float* src, float a, int64_t n,
-                                           uint64_t, uint64_t) {
-  const __m512 alpha = _mm512_set1_ps(a);
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    const __m512 v =
-        _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  return c;
-}
-
-MANUALPAR_AVX512 int64_t axpy_round_avx512(at::BFloat16* w, const float* src, float a, int64_t n,
-                                           uint64_t key, uint64_t base) {
-  const __m512 alpha = _mm512_set1_ps(a);
-  const __m512i keys = _mm512_set1_epi64(static_cast<int64_t>(key));
-  const __m512i kept = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    const __m512 v =
-        _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
-    const __m512i bits =
-        _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), noise16(keys, base + c)), kept);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-  return c;
-}
-// Bags [begin, end) summed into out (bags x cols), every id's row widened in registers; rows
-// prefetched (for reading) 16 ids ahead, as FBGEMM's lookup does. One call per chunk of bags:
-// per row, a call into a kernel of its own cost about as much as the row's arithmetic.
-template <typename weight_t>
-MANUALPAR_AVX512 void pool_bags_avx512(const weight_t* w, int64_t cols, const int64_t* id,
-                                       const int64_t* start, int64_t n, const float* per_id,
-                                       float* out, int64_t begin, int64_t end) {
-  const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(weight_t));
-  for (int64_t b = begin; b < end; ++b) {
-    float* acc = out + b * cols;
-    for (int64_t k = start[b]; k < start[b + 1]; ++k) {
-      if (k + kPrefetchFar < n) {
-        const char* ahead = reinterpret_cast<const char*>(w + id[k + kPrefetchFar] * cols);
-        for (int64_t offset = 0; offset < row_bytes; offset += kCacheLine) {
-          _mm_prefetch(ahead + offset, _MM_HINT_T0);
-        }
-      }
-      const weight_t* row = w + id[k] * cols;
-      const bool scaled = per_id != nullptr;
-      const float scale = scaled ? per_id[k] : 1.0f;
-      const __m512 s = _mm512_set1_ps(scale);
-      int64_t c = 0;
-      for (; c + 16 <= cols; c += 16) {
-        __m512 x = widen16(row + c);
-        if (scaled) x = _mm512_mul_ps(s, x);
-        _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), x));
-      }
-      for (; c < cols; ++c) {
-        const float x = static_cast<float>(row[c]);
-        acc[c] += scaled ? scale * x : x;
-      }
-    }
-  }
-}
-#undef MANUALPAR_AVX512
 #endif
 
 // A half row widened to float32.
@@ -881,7 +750,10 @@ torch::Tensor pooled_sum_half_impl(const torch::Tensor& weight, const torch::Ten
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
   }
-  auto out = torch::zeros({bags, cols}, weight.options().dtype(torch::kFloat));
+  // the AVX-512 loop writes every element (empty bags too); the others add into zeros
+  const auto options = weight.options().dtype(torch::kFloat);
+  auto out = simd_level() == 2 ? torch::empty({bags, cols}, options)
+                               : torch::zeros({bags, cols}, options);
   const weight_t* w = weight.data_ptr<weight_t>();
   const float* per_id = weights ? weights->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
