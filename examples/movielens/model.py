@@ -11,8 +11,8 @@
   (`target_ranks`: each rank scores its own rows) and ranks the target, ties by item id.
 
 Hyper-parameters and init follow RecBole's SASRec defaults: hidden size 64, inner size 256,
-dropout 0.5 (hidden and attention), layer norm eps 1e-12, weights drawn with std 0.02 (the item
-rows uniform with that std).
+dropout 0.5 (hidden and attention; none inside the feed-forward block), layer norm eps 1e-12,
+every weight, the item rows included, drawn from normal(0, 0.02).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Encoder(nn.Module):
         layer = nn.TransformerEncoderLayer(
             dim, heads, 4 * dim, dropout, activation="gelu", batch_first=True, layer_norm_eps=1e-12
         )
+        # RecBole's feed-forward block drops out only its output; torch's layer also drops out
+        # its inner activations at the same rate (RECBOLE_PROTOCOL.md, (i))
+        layer.dropout = nn.Identity()
         self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
     @torch.no_grad()
@@ -116,8 +119,8 @@ class SASRec(mp.ParallelModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self.num_items, self.lr, self.dense, self.seed = num_items, lr, dense, seed
-        # uniform rows with RecBole's std of 0.02
+        self.num_items, self.dim, self.lr, self.dense, self.seed = num_items, dim, lr, dense, seed
+        # drawn uniform here, normal(0, 0.02) as RecBole's once sharded (setup)
         table = EmbeddingConfig(
             "item", num_items, dim, feature_names=("history", "catalog"), init_bound=0.02 * 3**0.5
         )
@@ -129,10 +132,19 @@ class SASRec(mp.ParallelModule):
         self.items = shard_embeddings(
             self.items, strategy, plan={"item": row_wise()}, rule=Adam(lr=self.lr)
         )
+        self._init_item_rows()
         mp.materialize(self, strategy, seed=self.seed, init_fn=_attention_init)
         self.encoder.init_weights(self.seed)  # whole on every rank, then replicated or sharded
         wrap = mp.fsdp if self.dense == "fsdp" else mp.ddp
         self.encoder = wrap(self.encoder, strategy)
+
+    @torch.no_grad()
+    def _init_item_rows(self) -> None:
+        """RecBole's item rows: normal(0, 0.02) from the seed, the same whole table on every
+        rank, each rank keeping its own rows (a table's init is uniform only)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        rows = torch.empty(self.num_items, self.dim).normal_(0, 0.02, generator=generator)
+        self.items.load_state_dict({"tables.item.weight": rows}, strict=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.dense_parameters(), lr=self.lr)

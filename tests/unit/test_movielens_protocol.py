@@ -9,8 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from example_modules import load_example
 
+import manualpar as mp
 from manualpar import DataFileError
 from manualpar.data import movielens as ratings
 
@@ -147,3 +149,93 @@ def test_prefix_batches_put_each_target_at_its_history_end_only() -> None:
         pairs.append((items[:length].tolist(), int(targets[length - 1])))
     expected = [(row[:width][row[:width] >= 0].tolist(), int(row[width])) for row in samples]
     assert sorted(pairs) == sorted(expected)  # the epoch's shuffle, every sample once
+
+
+def _encoder(dropout: float) -> torch.nn.Module:
+    model = load_example(Path("movielens/model.py"), "ml_model", {"protocol": protocol})
+    encoder = model.Encoder(dim=8, layers=2, heads=2, dropout=dropout)
+    encoder.init_weights(seed=3)
+    return encoder
+
+
+def test_the_feed_forward_block_drops_out_only_its_output_as_recboles() -> None:
+    """RecBole's FeedForward is dense_2(gelu(dense_1(x))), dropout after it only; torch's
+    encoder layer also drops out the inner activations. In training, what reaches each layer's
+    second linear must be exactly gelu of the first's output."""
+    encoder = _encoder(dropout=0.5).train()
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in encoder.transformer.layers:
+        inner: dict[str, torch.Tensor] = {}
+        layer.linear1.register_forward_hook(lambda m, a, out, inner=inner: inner.update(h=out))
+        layer.linear2.register_forward_hook(
+            lambda m, args, out, inner=inner: seen.append((inner["h"], args[0]))
+        )
+    torch.manual_seed(0)
+    encoder(torch.randn(4, protocol.MAX_HISTORY, 8), torch.ones(4, protocol.MAX_HISTORY).bool())
+    assert len(seen) == 2
+    for linear1_out, linear2_in in seen:
+        assert torch.equal(linear2_in, F.gelu(linear1_out))
+
+
+def test_the_encoder_computes_recboles_sasrec_layers() -> None:
+    """In evaluation, the encoder equals RecBole 1.2.1's SASRec written out (layers.py:
+    LayerNorm(items + positions); per layer, scaled dot-product attention with -10000 at padded
+    and later keys, LayerNorm(dense(context) + x), LayerNorm(dense_2(gelu(dense_1(x))) + x)),
+    in float64, at every position that holds an item."""
+    encoder = _encoder(dropout=0.5).double().eval()
+    length, dim, heads = protocol.MAX_HISTORY, 8, 2
+    rows = torch.randn(
+        3, length, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    mask = torch.arange(length) < torch.tensor([[50], [7], [1]])
+    x = F.layer_norm(
+        rows + encoder.positions.weight, (dim,), encoder.norm.weight, encoder.norm.bias, 1e-12
+    )
+    allowed = mask[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()
+    additive = torch.where(allowed, 0.0, -10000.0).double()
+    for layer in encoder.transformer.layers:
+        attention = layer.self_attn
+        q, k, v = F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, dim=-1)
+        split = lambda t: t.view(3, length, heads, dim // heads).transpose(1, 2)  # noqa: E731
+        scores = split(q) @ split(k).transpose(-1, -2) / (dim // heads) ** 0.5 + additive
+        context = (scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(3, length, dim)
+        x = layer.norm1(attention.out_proj(context) + x)
+        x = layer.norm2(layer.linear2(F.gelu(layer.linear1(x))) + x)
+    with torch.no_grad():
+        out = encoder(rows, mask)
+    torch.testing.assert_close(out[mask], x[mask], rtol=0, atol=1e-10)
+
+
+def test_the_item_rows_start_normal_with_recboles_std() -> None:
+    """RecBole draws every item row from normal(0, 0.02); the example loads such a table, drawn
+    from its seed, into the sharded collection (whose own init is uniform)."""
+    model = load_example(Path("movielens/model.py"), "ml_model", {"protocol": protocol})
+    strategy = mp.ManualParallelStrategy()
+    try:
+        with mp.empty_init():
+            sasrec = model.SASRec(300, seed=5)
+        sasrec.setup(strategy)
+        with mp.full_tensors():
+            rows = sasrec.items.state_dict()["tables.item.weight"]
+    finally:
+        strategy.teardown()
+    generator = torch.Generator().manual_seed(5)
+    assert torch.equal(rows, torch.empty(300, 64).normal_(0, 0.02, generator=generator))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "batch", "patience"), [("windows", 32, 20), ("recbole", 2048, 11)]
+)
+def test_each_recipe_has_its_batch_and_patience(
+    recipe: str, batch: int, patience: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A windows epoch is 75 steps: 10 epochs of patience stopped a seed before its best."""
+    model = load_example(Path("movielens/model.py"), "ml_model", {"protocol": protocol})
+    batches = load_example(
+        Path("movielens/batches.py"), "ml_batches", {"protocol": protocol, "model": model}
+    )
+    siblings = {"protocol": protocol, "model": model, "batches": batches}
+    train = load_example(Path("movielens/train.py"), "ml_train", siblings)
+    monkeypatch.setattr("sys.argv", ["train.py", "--recipe", recipe])
+    args = train.parse_args()
+    assert (args.batch, args.patience) == (batch, patience)
