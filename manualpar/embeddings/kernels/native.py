@@ -41,7 +41,13 @@ SOURCES = tuple(
 # included by the sources: part of the version too
 HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("avx2_rows.h", "avx512_rows.h", "prefetch.h", "rowwise_row.h")
+    for name in (
+        "avx2_rows.h",
+        "avx512_rows.h",
+        "prefetch.h",
+        "rowwise_row.h",
+        "table_batch_update.h",
+    )
 )
 ENV_SWITCH = "MANUALPAR_NATIVE_KERNELS"
 # no FMA contraction: the kernels must round as the torch ops do, on every machine

@@ -1,4 +1,4 @@
-// AVX2 versions of sparse_rows.cpp's AVX-512 loops (half-row lookups and updates, initial
+// AVX2 versions of the AVX-512 loops (avx512_rows.h) (half-row lookups and updates, initial
 // values), for the many CPUs that have AVX2 and F16C but not AVX-512: there the kernels took the
 // portable loops (a bfloat16 step measured 0.90x TorchRec's fp32 step on such a host against
 // 0.78x where AVX-512 ran). Eight floats at a time; the same single operations in the same order

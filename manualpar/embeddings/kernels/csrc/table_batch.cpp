@@ -18,13 +18,15 @@
 
 #include "prefetch.h"
 #include "rowwise_row.h"
+#include "table_batch_update.h"
 
 namespace {
 
-// Gradient rows are prefetched this many distinct rows ahead: they lie at random in the step's
-// output gradient (megabytes, in the outer caches), and the first read of each measured about a
-// third of the update's time before.
-constexpr int64_t kPrefetchGrad = 8;
+using table_batch_update::check_rows;
+using table_batch_update::RunInputs;
+using table_batch_update::TableRows;
+using table_batch_update::grad_blocks;
+using table_batch_update::rowwise_adagrad_tables_impl;
 
 // A segment: (table, first bag, end bag, output, first element, row stride): bag b's pooled
 // row is added at outs[output][first element + (b - first bag) * row stride ...].
@@ -66,11 +68,6 @@ std::vector<int64_t> bag_starts(const torch::Tensor& lengths, int64_t ids) {
 void check_index(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == torch::kLong,
               what, " must be a contiguous int64 CPU tensor");
-}
-
-void check_rows(const torch::Tensor& t, torch::ScalarType dtype, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1 && t.scalar_type() == dtype,
-              what, " must be 2-D CPU tensors of one floating dtype with contiguous rows");
 }
 
 // Each bag's sum of rows as embedding_bag(mode="sum") computes it (from zero, in id order),
@@ -120,234 +117,6 @@ void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Te
         for (int64_t c = 0; c < cols; ++c) d[c] += acc[c];
       }
     });
-  }
-}
-
-// The gradient blocks of a pass, each over consecutive bags [begin, end) (their widths may
-// differ: one table's bags each), found by bag. Each update loop keeps the last two blocks it
-// found: a table's rows take their bags from one block per sender, so nearly every lookup is
-// a hit. Per-bag tables of pointers, widths and scales (1 MB for 53k bags) measured slower:
-// building them cost a pass over every bag, and each row read them at random.
-template <typename scalar_t>
-struct GradBlock {
-  int64_t begin, end;
-  const scalar_t* data;
-  int64_t stride, width;
-  scalar_t scale;
-};
-
-template <typename scalar_t>
-struct GradBlocks {
-  std::vector<GradBlock<scalar_t>> blocks;
-  int64_t first = 0, end = 0;
-
-  // The block of bag b (a batch index), or nullptr.
-  const GradBlock<scalar_t>* search(int64_t b) const {
-    auto it = std::upper_bound(blocks.begin(), blocks.end(), b,
-                               [](int64_t v, const GradBlock<scalar_t>& g) { return v < g.begin; });
-    if (it == blocks.begin()) return nullptr;
-    --it;
-    return b < it->end ? &*it : nullptr;
-  }
-};
-
-template <typename scalar_t>
-GradBlocks<scalar_t> grad_blocks(const std::vector<torch::Tensor>& blocks,
-                                 const std::vector<double>& scales, int64_t first_bag,
-                                 torch::ScalarType dtype) {
-  TORCH_CHECK(blocks.size() == scales.size(), "one scale per gradient block");
-  GradBlocks<scalar_t> out;
-  out.first = out.end = first_bag;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const torch::Tensor& block = blocks[i];
-    check_rows(block, dtype, "gradient blocks");
-    const int64_t rows = block.size(0);
-    if (rows) {
-      out.blocks.push_back({out.end, out.end + rows, block.data_ptr<scalar_t>(), block.stride(0),
-                            block.size(1), static_cast<scalar_t>(scales[i])});
-    }
-    out.end += rows;
-  }
-  return out;
-}
-
-// The two blocks an update loop found last.
-template <typename scalar_t>
-struct BlockCache {
-  const GradBlocks<scalar_t>& all;
-  const GradBlock<scalar_t>* last[2] = {nullptr, nullptr};
-
-  const GradBlock<scalar_t>* find(int64_t b) {
-    for (const auto* g : last) {
-      if (g && g->begin <= b && b < g->end) return g;
-    }
-    const GradBlock<scalar_t>* g = all.search(b);
-    if (g) {
-      last[1] = last[0];
-      last[0] = g;
-    }
-    return g;
-  }
-};
-
-// One table's tensors as the update loop reads them.
-template <typename scalar_t>
-struct TableRows {
-  scalar_t* weight;
-  scalar_t* state;
-  int64_t stride, cols, full, col_start, row_offset;
-};
-
-// What an update loop over one table's runs reads besides the table.
-template <typename scalar_t>
-struct RunInputs {
-  const int64_t *selected, *ord, *start, *bag_of, *key;
-  const scalar_t* weight;  // per-id weights or nullptr
-  const GradBlocks<scalar_t>* grads;
-  scalar_t lr, eps;
-};
-
-// rowwise_adagrad_row (rowwise_row.h) from the row's sum of squares, the same operations in
-// the same order: kept beside it so that the loop below can take the sum from its inlined AVX
-// version (a call per row to the dispatching one cost about 5% of the update).
-template <typename scalar_t>
-inline void rowwise_adagrad_row_from(scalar_t* __restrict__ w, scalar_t* sum,
-                                     const scalar_t* __restrict__ g, double squares,
-                                     scalar_t g_scale, int64_t full, int64_t col_start,
-                                     int64_t cols, scalar_t lr, scalar_t eps) {
-  const double scaled = static_cast<double>(g_scale);
-  const scalar_t total = *sum + static_cast<scalar_t>(squares * scaled * scaled /
-                                                      static_cast<double>(full));
-  *sum = total;
-  const scalar_t step = lr * g_scale / (std::sqrt(total) + eps);
-  const scalar_t* __restrict__ src = g + col_start;
-  for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
-}
-
-template <typename scalar_t, bool kAvx>
-inline double row_squares(const scalar_t* g, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if constexpr (kAvx && std::is_same_v<scalar_t, float>) return sum_squares_avx(g, n);
-#endif
-  return sum_squares(g, n);
-}
-
-// The runs [first, last) of one table's rows: each distinct row's gradient summed from its
-// bags as the one-table kernel sums it (sparse_rows.cpp, for_each_row_gradient, same
-// prefetches), then the row-wise Adagrad row. The table's fields are locals here: read from
-// memory per row, the update measured about 1.5x slower.
-template <typename scalar_t, bool kAvx>
-__attribute__((always_inline)) inline void table_runs_body(const TableRows<scalar_t>& tr,
-                                                           const RunInputs<scalar_t>& in,
-                                                           int64_t first, int64_t last,
-                                                           scalar_t* __restrict__ row_grad) {
-  scalar_t* const w = tr.weight;
-  scalar_t* const sum = tr.state;
-  const int64_t stride = tr.stride, cols = tr.cols, full = tr.full, col_start = tr.col_start;
-  const int64_t offset = tr.row_offset;
-  const int64_t *selected = in.selected, *start = in.start, *bag_of = in.bag_of, *key = in.key;
-  BlockCache<scalar_t> blocks{*in.grads}, ahead{*in.grads};
-  auto block_of = [&](int64_t bag) {
-    const GradBlock<scalar_t>* g = blocks.find(bag);
-    TORCH_CHECK(g && g->width == full, "the gradient of bag ", bag, " is missing or not ", full,
-                " wide");
-    return g;
-  };
-  for (int64_t i = first; i < last; ++i) {
-    if (i + kPrefetchFar < last) {
-      prefetch_row<1>(w + (key[selected[i + kPrefetchFar]] - offset) * stride, cols);
-    }
-    if (i + kPrefetchNear < last) {
-      const int64_t near = key[selected[i + kPrefetchNear]] - offset;
-      prefetch_row<3>(w + near * stride, cols);
-      __builtin_prefetch(sum + near, 1, 3);
-    }
-    if (i + kPrefetchGrad < last) {  // its (first) bag's gradient row, read at random
-      const int64_t bag = bag_of[start[selected[i + kPrefetchGrad]]];
-      if (const GradBlock<scalar_t>* g = ahead.find(bag)) {
-        prefetch_row_to_read(g->data + (bag - g->begin) * g->stride, g->width);
-      }
-    }
-    const int64_t u = selected[i];
-    const int64_t row = key[u] - offset;
-    if (start[u + 1] - start[u] == 1) {  // looked up once: its bag's gradient row itself
-      const int64_t k = start[u], bag = bag_of[k];
-      const GradBlock<scalar_t>* g = block_of(bag);
-      const scalar_t g_scale = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
-      const scalar_t* src = g->data + (bag - g->begin) * g->stride;
-      rowwise_adagrad_row_from<scalar_t>(w + row * stride, sum + row, src,
-                                         row_squares<scalar_t, kAvx>(src, full), g_scale, full,
-                                         col_start, cols, in.lr, in.eps);
-      continue;
-    }
-    std::fill(row_grad, row_grad + full, scalar_t(0));
-    for (int64_t k = start[u]; k < start[u + 1]; ++k) {
-      const int64_t bag = bag_of[k];
-      const GradBlock<scalar_t>* g = block_of(bag);
-      const scalar_t s = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
-      const scalar_t* __restrict__ src = g->data + (bag - g->begin) * g->stride;
-      for (int64_t c = 0; c < full; ++c) row_grad[c] += s * src[c];
-    }
-    rowwise_adagrad_row_from<scalar_t>(w + row * stride, sum + row, row_grad,
-                                       row_squares<scalar_t, kAvx>(row_grad, full), scalar_t(1),
-                                       full, col_start, cols, in.lr, in.eps);
-  }
-}
-
-template <typename scalar_t>
-void table_runs_plain(const TableRows<scalar_t>& tr, const RunInputs<scalar_t>& in,
-                      int64_t first, int64_t last, scalar_t* row_grad) {
-  table_runs_body<scalar_t, false>(tr, in, first, last, row_grad);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-// The same loop compiled for AVX (chosen at run time, as sum_squares is): no FMA (the library
-// builds with -ffp-contract=off, and AVX has none), so the same bits.
-__attribute__((target("avx"))) void table_runs_avx(const TableRows<float>& tr,
-                                                   const RunInputs<float>& in, int64_t first,
-                                                   int64_t last, float* row_grad) {
-  table_runs_body<float, true>(tr, in, first, last, row_grad);
-}
-#endif
-
-template <typename scalar_t>
-void rowwise_adagrad_table_runs(const TableRows<scalar_t>& tr, const RunInputs<scalar_t>& in,
-                                int64_t begin, int64_t end) {
-  at::parallel_for(begin, end, 256, [&](int64_t first, int64_t last) {
-    std::vector<scalar_t> buffer(tr.full);
-#if defined(__x86_64__) && defined(__GNUC__)
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      static const bool avx = __builtin_cpu_supports("avx");
-      if (avx) return table_runs_avx(tr, in, first, last, buffer.data());
-    }
-#endif
-    table_runs_plain<scalar_t>(tr, in, first, last, buffer.data());
-  });
-}
-
-// Row-wise Adagrad over the runs [run_begin, run_end) of groups made over keys (row_offsets[t]
-// + the row of table t). Runs ascend by key within each pass, so one table's runs are
-// consecutive: each such stretch goes to rowwise_adagrad_table_runs.
-template <typename scalar_t>
-void rowwise_adagrad_tables_impl(const std::vector<TableRows<scalar_t>>& tables,
-                                 const std::vector<int64_t>& offsets,
-                                 const RunInputs<scalar_t>& in, int64_t run_begin,
-                                 int64_t run_end) {
-  const int64_t *key = in.key, *selected = in.selected;
-  const int64_t last_table = static_cast<int64_t>(offsets.size()) - 2;
-  int64_t i = run_begin;
-  while (i < run_end) {
-    const int64_t first_key = key[selected[i]];
-    const int64_t t =
-        std::min<int64_t>(std::upper_bound(offsets.begin(), offsets.end(), first_key) -
-                              offsets.begin() - 1,
-                          last_table);
-    int64_t j = i + 1;
-    while (j < run_end && key[selected[j]] < offsets[t + 1] && key[selected[j]] >= offsets[t]) {
-      ++j;
-    }
-    rowwise_adagrad_table_runs<scalar_t>(tables[t], in, i, j);
-    i = j;
   }
 }
 
