@@ -69,6 +69,7 @@ from manualpar.errors import (
     PlanError,
     StorageError,
 )
+from manualpar.heap import MallocTuning, malloc_env, tune_malloc
 from manualpar.loop import (
     BestCheckpoints,
     EarlyStopping,
@@ -110,6 +111,7 @@ __all__ = [
     "EmbeddingInputError",
     "EmbeddingPlan",
     "HashIds",
+    "MallocTuning",
     "ManagedCollisions",
     "ManualParError",
     "ManualParallelStrategy",
@@ -143,6 +145,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_trained",
+    "malloc_env",
     "materialize",
     "metrics",
     "nn",
@@ -159,6 +162,7 @@ __all__ = [
     "sharded_grad_scaler",
     "total_grad_norm",
     "tp",
+    "tune_malloc",
     "zero_optimizer",
 ]
 

@@ -26,6 +26,7 @@ from manualpar.checkpoint.load import load_checkpoint
 from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import ClusterEnvironmentError, CollectiveError, MeshError
+from manualpar.heap import tune_malloc
 from manualpar.seed import seed_everything, seed_rank
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
 from manualpar.strategy.mesh import (
@@ -116,8 +117,10 @@ class ManualParallelStrategy(Collectives):
         )
         apply_threads(threads)
         self.num_threads = threads.count
+        malloc = tune_malloc()  # process-wide, like the threads: large temporaries stay mapped
         if self.environment.rank == 0:
             strategy_log.info(threads.describe(self.environment.local_world_size))
+            strategy_log.info(malloc.describe())
         self.backend = backend or ("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
         self._owns_group = False
         self._torn_down = False

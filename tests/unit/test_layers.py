@@ -30,7 +30,7 @@ ROOT = "manualpar"
 LAYERS = [
     # nn: layers built on torch alone; phase_times: the step recorder embeddings and loop share
     {"errors", "eager", "dtensors", "deprecated", "nn", "phase_times"},
-    {"environment", "seed"},
+    {"environment", "heap", "seed"},  # heap: glibc malloc thresholds, process-wide
     {"ownership", "meta", "checkpoint"},
     {"strategy", "module"},
     {"builders", "embeddings", "metrics"},
