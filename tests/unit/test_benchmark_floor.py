@@ -129,3 +129,12 @@ def test_draw_figures_writes_small_pngs_from_the_benchmarks_json(tmp_path: Path)
     for path in written:
         width, height = png_size(path)
         assert width > 300 and height > 100 and path.stat().st_size < 100_000
+
+
+def test_the_disk_figure_draws_the_median_repeat_of_each_variant() -> None:
+    repeats = [
+        {"timed_step_ms": [float(i)], "mean_with_drains_ms": mean}
+        for i, mean in enumerate([90.0, 30.0, 60.0, 10.0])
+    ]
+    assert figures._median_job(repeats)["timed_step_ms"] == [1.0]  # 30 ms: the lower middle
+    assert figures._median_job(repeats[:3])["timed_step_ms"] == [2.0]  # 60 ms: the middle
