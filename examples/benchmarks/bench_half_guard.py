@@ -13,7 +13,10 @@ copied the touched rows every step before the bounds), `--guard none` times the 
 tables against themselves (the spread of the measurement). Alternating order per repeat
 (paired_steps.py); the median ratio of their step times and the extra milliseconds per step
 are reported. `--clock cpu`: each rank's CPU time per step (averaged over the ranks) instead
-of the slowest rank's wall clock, for a loaded host.
+of the slowest rank's wall clock, for a loaded host. `--clock flags` times the agreement alone
+(no tables): the guard's answers riding in the non-finite flags' all_reduce (one float64[6],
+finite_check.py) against two small all_reduces (an int64 flag and the answers, as before they
+were folded), in process CPU, calling thread CPU and wall time (`--repeats` rounds of 200).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def _own_options() -> tuple[str, str, str]:
     sys.argv = rest
     if values["--dtype"] not in DTYPES or values["--guard"] not in GUARDS:
         raise SystemExit(f"--dtype one of {sorted(DTYPES)}, --guard one of {sorted(GUARDS)}")
-    if values["--clock"] not in ("wall", "cpu"):
-        raise SystemExit("--clock wall or cpu")
+    if values["--clock"] not in ("wall", "cpu", "flags"):
+        raise SystemExit("--clock wall, cpu or flags")
     return values["--dtype"], values["--guard"], values["--clock"]
 
 
@@ -83,11 +86,54 @@ def _cpu_compare(
         )
 
 
+def _flags_compare(strategy: mp.ManualParallelStrategy, repeats: int, count: int = 200) -> None:
+    """The flags' agreement as the step issues it (one all_reduce) against two (see above)."""
+    total = torch.randn(1024, 512).sum()
+    answers = [0.0, 0.5, 3.0, 20480.0, 0.0]  # unsafe, share, largest, served, shared
+
+    def two() -> None:
+        flag = (~torch.isfinite(total)).to(torch.int64).reshape(1)
+        first = strategy.all_reduce_async(flag, name="flag")
+        second = strategy.all_reduce_async(torch.tensor(answers, dtype=torch.float64))
+        bool(first.wait().any()), second.wait().tolist()
+
+    def one() -> None:
+        riders = torch.tensor(answers, dtype=torch.float64)
+        flag = (~torch.isfinite(total)).to(torch.float64).reshape(1)
+        flags = strategy.all_reduce_async(torch.cat((flag, riders)), name="flags")
+        bool(flags.wait()[0]), flags.wait()[1:].tolist()
+
+    clocks = {"process": time.process_time, "thread": time.thread_time, "wall": time.perf_counter}
+    ms = {(c, v): [] for c in clocks for v in ("two", "one")}
+    steps = {"two": two, "one": one}
+    for repeat in range(repeats):
+        for v in ("two", "one") if repeat % 2 == 0 else ("one", "two"):
+            strategy.barrier()
+            started = {c: clock() for c, clock in clocks.items()}
+            for _ in range(count):
+                steps[v]()
+            for c, clock in clocks.items():
+                mine = torch.tensor((clock() - started[c]) / count, dtype=torch.float64)
+                ms[c, v].append(1000 * strategy.all_reduce(mine, op="mean").item())
+    if strategy.is_global_zero:
+        for c in clocks:
+            saved = median([a - b for a, b in zip(ms[c, "two"], ms[c, "one"], strict=True)])
+            print(
+                f"{c}: {median(ms[c, 'two']):.3f} ms two all_reduces, "
+                f"{median(ms[c, 'one']):.3f} ms one: {saved:.3f} ms saved a rank and step",
+                flush=True,
+            )
+
+
 def main() -> None:
     dtype, guard, clock = _own_options()
     args = parse_args(__doc__.splitlines()[0], plan="table_wise")
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
+    if clock == "flags":
+        _flags_compare(strategy, args.repeats)
+        strategy.teardown()
+        return
     data = workload(args, strategy, args.warmup + args.steps)
     steps = {
         variant: cycling_step(

@@ -183,3 +183,79 @@ def test_an_overflow_on_one_rank_undoes_the_update_on_every_rank() -> None:
         assert ") on rank 0; the update was undone on every rank" in error, error
         assert stopped[rank]["updates"] == 1
         _assert_same(stopped[rank], before[rank])
+
+
+COUNTED = (
+    "all_reduce_async",
+    "all_reduce_",
+    "reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_to_all_async",
+    "barrier",
+    "broadcast",
+)
+
+
+def _collectives_of_a_step(layout: str, guard: bool | None) -> dict:
+    """The strategy's collectives in one step's backward (after a first step), as (method,
+    name, group given) on this rank, with the reductions' shapes apart. `layout`: "ranks",
+    the float16 table on rank 0 alone and the float32 one on rank 1 (a rank without half
+    rows), or "mesh", both on a 2 x 1 (replicate, shard) mesh."""
+    strategy = mp.ManualParallelStrategy()
+    tables = (
+        EmbeddingBagConfig("user", 10, 4, dtype=torch.float16),
+        EmbeddingBagConfig("item", 5, 4),
+    )
+    on_mesh = layout == "mesh"
+    emb = shard_embeddings(
+        mp.EmbeddingBagCollection(tables, seed=4),
+        strategy,
+        {"user": table_wise(0), "item": table_wise(0 if on_mesh else 1)},
+        RowWiseAdagrad(lr=0.1),
+        guard_half_rows=guard,
+        mesh=strategy.mesh(replicate=2, shard=1) if on_mesh else None,
+    )
+    emb(_batch(0, strategy.rank)).values.square().sum().backward()
+    calls: list[tuple[str, str, bool]] = []
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(method: str) -> Any:
+        original = getattr(strategy, method)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append((method, str(kwargs.get("name", "")), kwargs.get("group") is not None))
+            if method in ("all_reduce_async", "all_reduce_", "reduce"):
+                shapes.append(tuple(torch.as_tensor(args[0]).shape))
+            return original(*args, **kwargs)
+
+        return counted
+
+    values = emb(_batch(1, strategy.rank)).values
+    for method in COUNTED:
+        setattr(strategy, method, counting(method))
+    values.square().sum().backward()
+    for method in COUNTED:
+        delattr(strategy, method)
+    guarded = emb.step.backward_phases.half_rows is not None
+    updates = emb.fused_optimizer.num_updates
+    strategy.teardown()
+    return {"calls": calls, "shapes": shapes, "guarded": guarded, "updates": updates}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["ranks", "mesh"])
+def test_a_guarded_step_asks_both_questions_in_one_all_reduce(layout: str) -> None:
+    """The non-finite flag and the half-row guard's answers travel together: a guarded step
+    issues one small all_reduce before its update, of the same shape as an unguarded one,
+    and every rank the same collectives in the same order, with half rows or without."""
+    flags = ("all_reduce_async", "shard_embeddings: non-finite gradient flag all_reduce", False)
+    for guard in (None, False):
+        results = run_distributed(_collectives_of_a_step, 2, args=(layout, guard), timeout=60)
+        for result in results:
+            assert result["guarded"] is (guard is None)
+            assert result["updates"] == 2
+            reductions = [c for c in result["calls"] if "reduce" in c[0]]
+            assert reductions == [flags], (guard, reductions)
+            assert result["shapes"] == [(6,)]
+        assert results[0]["calls"] == results[1]["calls"], guard

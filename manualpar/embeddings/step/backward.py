@@ -76,9 +76,11 @@ class BackwardPhases:
         # first: collectives on a group complete in the order they start, so the tiny flag
         # exchange must not queue behind the gradients (waiting for it would then wait for them
         # too, and the own rows' update would no longer overlap their travel)
-        non_finite = self.finite.start(grad, frozen)
-        if self.half_rows is not None and self.half_rows.applies(frozen):
-            self.half_rows.start(grad, saved)  # beside it: can any rank's half rows overflow?
+        guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
+        if guard is None:
+            non_finite = self.finite.start(grad, frozen)
+        else:  # can any rank's half rows overflow? Answered in the flags' all_reduce
+            non_finite = self.finite.start(grad, frozen, riders=guard.answers(grad, saved))
         by_bag = OutputGrad(grad, routing, saved.feature_bags)  # summed back onto bags
         routed = {route.table for routes in routing.routes_to for route in routes}
         grads_in = None
@@ -111,8 +113,7 @@ class BackwardPhases:
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
         copy = False  # the same answer on every rank
         if guard is not None:
-            with self.times.phase(GRAD_EXCHANGE):  # arrived with the non-finite flags
-                copy = guard.needs_copy(saved)
+            copy = guard.needs_copy(saved, self.finite.riders(routed.non_finite))
         before = guard.save(saved) if guard and copy else []
         self.journal.record(saved)
         optimizer.begin_update()

@@ -5,10 +5,13 @@ can skip the step afterwards: one NaN loss used to leave NaN rows for good (`max
 not stop NaN). So each rank sums its output gradient (a NaN or inf anywhere makes the sum
 non-finite; measured 0.03 ms for a (1024, 512) gradient, against 1 ms for an element-wise
 isfinite; the columns of frozen tables are left out: nothing uses their gradient) and the flags
-are summed over the job in one small all_reduce, started beside the gradient exchange and waited
-for before the first row changes. Only when a flag is up do the ranks count per table and name
-the ranks (a finite sum that overflowed is found finite there and the step goes on). Then, on
-every rank alike:
+are summed over the job in one small all_reduce, started before the gradient exchange and waited
+for before the first row changes. The half-row guard's answers (half_overflow.py) ride in the
+same all_reduce: it always carries the flag and RIDERS float64 numbers (zeros where no guard
+runs), so every rank issues the same collective, of the same shape, whatever it guards, and a
+guarded step costs one small collective, not two. Only when a flag is up do the ranks count per
+table and name the ranks (a finite sum that overflowed is found finite there and the step goes
+on). Then, on every rank alike:
 
 - "raise" (the default): NonFiniteError naming the tables, the ranks, the update and the counts;
   no row, optimizer state or update count changed anywhere;
@@ -30,9 +33,10 @@ from manualpar.errors import BuilderError, NonFiniteError
 if TYPE_CHECKING:
     from manualpar.strategy import PendingCollective
 
-__all__ = ["NON_FINITE_MODES", "FiniteCheck", "check_mode"]
+__all__ = ["NON_FINITE_MODES", "RIDERS", "FiniteCheck", "check_mode"]
 
 NON_FINITE_MODES = ("raise", "skip")
+RIDERS = 5  # numbers another check sums in the flags' all_reduce (the half-row guard's)
 log = logging.getLogger("manualpar.embeddings")
 
 
@@ -58,20 +62,35 @@ class FiniteCheck:
         self._column_table = column_table
         self._grad = torch.zeros(0)
         self._frozen: frozenset[int] = frozenset()
+        self._no_riders = torch.zeros(RIDERS, dtype=torch.float64)
 
-    def start(self, grad: torch.Tensor, frozen: frozenset[int]) -> PendingCollective:
+    def start(
+        self, grad: torch.Tensor, frozen: frozenset[int], riders: torch.Tensor | None = None
+    ) -> PendingCollective:
         """Whether any rank's gradient may hold a NaN or inf, summed over the job (in flight on
-        return); `frozen` tables' columns do not count (every rank agrees on them)."""
+        return); `frozen` tables' columns do not count (every rank agrees on them). `riders`:
+        RIDERS float64 numbers summed in the same all_reduce (`riders()` reads them)."""
         self._grad, self._frozen = grad, frozen
         total = (
             grad.sum()
             if not frozen
             else grad.sum(0)[self._trained_columns(frozen, grad.device)].sum()
         )
-        flag = (~torch.isfinite(total)).to(torch.int64).reshape(1)
+        flag = (~torch.isfinite(total)).to(torch.float64).reshape(1)
+        if riders is None:
+            if self._no_riders.device != flag.device:  # kept there: no copy a step
+                self._no_riders = self._no_riders.to(flag.device)
+            riders = self._no_riders
+        assert riders.shape == (RIDERS,), riders.shape  # the same collective on every rank
+        flags = torch.cat((flag, riders.to(flag.device)))
         return self.parts.strategy.all_reduce_async(
-            flag, name=f"{BUILDER}: non-finite gradient flag all_reduce"
+            flags, name=f"{BUILDER}: non-finite gradient flag all_reduce"
         )
+
+    @staticmethod
+    def riders(pending: PendingCollective) -> list[float]:
+        """The riders of `start`, summed over the job (waits if `passed` has not)."""
+        return pending.wait()[1:].tolist()
 
     def _trained_columns(self, frozen: frozenset[int], device: torch.device) -> torch.Tensor:
         """The gradient's columns of the tables not frozen (a mask)."""
@@ -92,7 +111,7 @@ class FiniteCheck:
     def passed(self, pending: PendingCollective) -> bool:
         """True if no rank's gradient held a non-finite value; else raise or count a skip."""
         grad, self._grad = self._grad, torch.zeros(0)  # not kept past its step
-        if not bool(pending.wait().any()):
+        if not bool(pending.wait()[0]):
             return True
         parts = self.parts
         per_rank = parts.strategy.all_gather_object(self._counts(grad))

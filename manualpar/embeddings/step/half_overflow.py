@@ -7,10 +7,11 @@ tables (float16 or bfloat16, not frozen this step):
 
 - at gradient dist, each rank asks whether its rows can overflow in this update at all, from
   bounds kept without reading rows (half_bounds.py): its block's largest |value| and the most
-  the rule's step moves an element; the answers travel summed over the job in one small
-  all_reduce started beside the non-finite flags, waited for before the first row changes;
+  the rule's step moves an element; the answers travel summed over the job in the non-finite
+  flags' all_reduce (finite_check.py: one small collective for both), waited for before the
+  first row changes;
 - if every rank proved it cannot, the update runs with nothing copied (the usual case: this
-  costs the all_reduce, a read of the output gradient and a few Python lines a step);
+  costs a read of the output gradient and a few Python lines a step);
 - otherwise, on every rank: the rows the step touches and their optimizer state are copied aside,
   in every table it updates (rows_before.py; float32 tables too, so that an undone step changed
   nothing); after the update the half tables' touched rows are gathered again and their
@@ -28,7 +29,6 @@ moments' history: `guard_half_rows=True` guards it with the copy on every step).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,12 +41,10 @@ from manualpar.embeddings.step.results import SavedForBackward
 from manualpar.embeddings.step.rows_before import RowsBefore, restore_rows, save_rows
 from manualpar.errors import NonFiniteError
 
-if TYPE_CHECKING:
-    from manualpar.strategy import PendingCollective
-
 __all__ = ["HalfRowsGuard", "half_rows_guard"]
 
 log = logging.getLogger("manualpar.embeddings")
+_ANSWERS = 5  # the numbers `answers` gives (at most finite_check.RIDERS: they ride its flags)
 
 
 def half_rows_guard(parts: StepParts, finite: FiniteCheck) -> HalfRowsGuard | None:
@@ -67,7 +65,6 @@ class HalfRowsGuard:
             t for t, config in enumerate(parts.routing.tables) if config.dtype in HALF_DTYPES
         )
         self.bounds = RowBounds(parts, self.half)
-        self._proof: PendingCollective | None = None  # this step's answers, in flight
         self._tables: list[int] = []  # the half tables this step updates
         self._lr = 0.0
 
@@ -80,19 +77,18 @@ class HalfRowsGuard:
         """Whether this step updates a half table (agreed: `frozen` is the same everywhere)."""
         return bool(self.half - frozen)
 
-    def start(self, grad: torch.Tensor, saved: SavedForBackward) -> None:
+    def answers(self, grad: torch.Tensor, saved: SavedForBackward) -> torch.Tensor:
         """At gradient dist (`grad` as it will travel): whether this rank's rows can overflow
-        in this update, summed over the job in flight (see above). Every rank calls it when
-        `applies`, so the all_reduce always pairs up."""
-        parts = self.parts
+        in this update, as numbers to be summed over the job (they ride in the non-finite
+        flags' all_reduce, see above). Every rank asks when `applies`."""
         self._tables = sorted(self.half - saved.frozen)
-        self._lr = parts.optimizer.lr
+        self._lr = self.parts.optimizer.lr
         unsafe = not self.bounds.safe(self._tables, self._lr)
         largest = 0.0
         if grad.numel():  # one pass: 0.15 ms for a (2048, 512) gradient
             low, high = (float(value) for value in torch.aminmax(grad))
             largest = max(-low, high)
-        answers = torch.tensor(
+        return torch.tensor(
             [
                 float(unsafe),
                 self.bounds.share(self._tables),
@@ -102,16 +98,12 @@ class HalfRowsGuard:
             ],
             dtype=torch.float64,
         )
-        self._proof = parts.strategy.all_reduce_async(
-            answers, name=f"{BUILDER}: half-row bound all_reduce"
-        )
 
-    def needs_copy(self, saved: SavedForBackward) -> bool:
-        """Before the update: True unless every rank proved its rows cannot overflow (the
-        same answer on every rank: it is computed from the job's sums alone)."""
-        assert self._proof is not None, "start() runs at gradient dist"
-        proof, self._proof = self._proof, None
-        unsafe, shares, largest, served, shared = proof.wait().tolist()
+    def needs_copy(self, saved: SavedForBackward, summed: list[float]) -> bool:
+        """Before the update, given `answers` summed over the job: True unless every rank
+        proved its rows cannot overflow (the same answer on every rank: it is computed from
+        the job's sums alone)."""
+        unsafe, shares, largest, served, shared = summed[:_ANSWERS]
         # a row's summed gradient: at most every served id's weight times the largest bag
         # gradient (one sample's, or a batch of samples' where bags are shared), rounded on
         # the wire
