@@ -188,33 +188,98 @@ def check_features(
             f"expected SparseFeatures, got {type(features).__name__}; build one with "
             "SparseFeatures.from_dict({'feature': [[ids of sample 0], ...]})"
         )
-    expected = [f for c in tables for f in c.feature_names]
-    unknown = [k for k in features.keys if k not in expected]
-    if unknown:
-        raise EmbeddingInputError(
-            f"unknown features {unknown}: no table looks them up; the tables' features are "
-            f"{expected}"
-        )
-    missing = [k for k in expected if k not in features.keys]
-    if missing:
-        raise EmbeddingInputError(
-            f"features {missing} are missing from the batch; every feature of the tables must "
-            "be present (give a sample no ids with an empty bag)"
-        )
-    if list(features.keys) != expected:
+    spec = _spec_of(tables)
+    expected = spec.features
+    if features.keys != expected:
+        unknown = [k for k in features.keys if k not in expected]
+        if unknown:
+            raise EmbeddingInputError(
+                f"unknown features {unknown}: no table looks them up; the tables' features "
+                f"are {list(expected)}"
+            )
+        missing = [k for k in expected if k not in features.keys]
+        if missing:
+            raise EmbeddingInputError(
+                f"features {missing} are missing from the batch; every feature of the tables "
+                "must be present (give a sample no ids with an empty bag)"
+            )
         features = features.select(expected)
-    sizes = iter(features.feature_sizes())
-    bags = bag_starts(features.bag_counts())
-    start, index = 0, 0
-    for config in tables:
-        for name in config.feature_names:
-            size = next(sizes)
-            ids = features.values[start : start + size]
-            start += size
-            if size and config.raw_ids is None:
-                _check_ids(ids, features.lengths[bags[index] : bags[index + 1]], name, config)
-            index += 1
+    if spec.checked and features.values.numel():
+        _check_all_ids(features, spec)
     return features
+
+
+@dataclass(frozen=True)
+class _IdSpec:
+    """What check_features needs of a collection's tables, derived once per tables sequence."""
+
+    features: tuple[str, ...]  # every feature, in the tables' order
+    configs: tuple[EmbeddingBagConfig, ...]  # each feature's table
+    checked: bool  # whether any feature's ids must be rows (a table without raw_ids)
+    raw: bool  # whether any feature's table takes raw ids (any int64)
+    smallest: int  # the fewest rows of a checked table
+    highest: torch.Tensor  # per feature: its largest valid id (int64 max for raw ids)
+    lowers: torch.Tensor  # per feature: 0 (int64 min for raw ids)
+
+
+_SPECS: dict[int, tuple[Sequence[EmbeddingBagConfig], _IdSpec]] = {}
+
+
+def _spec_of(tables: Sequence[EmbeddingBagConfig]) -> _IdSpec:
+    """The tables' _IdSpec, cached by the tuple's identity (a collection passes the same tuple
+    every step; the entry holds it, so its id is not reused while cached)."""
+    found = _SPECS.get(id(tables))
+    if found is not None and found[0] is tables:
+        return found[1]
+    configs = tuple(c for c in tables for _ in c.feature_names)
+    rows = [c.num_embeddings for c in configs if c.raw_ids is None]
+    info = torch.iinfo(torch.int64)
+    spec = _IdSpec(
+        tuple(f for c in tables for f in c.feature_names),
+        configs,
+        bool(rows),
+        len(rows) < len(configs),
+        min(rows, default=0),
+        torch.tensor(
+            [info.max if c.raw_ids is not None else c.num_embeddings - 1 for c in configs]
+        ),
+        torch.tensor([info.min if c.raw_ids is not None else 0 for c in configs]),
+    )
+    if isinstance(tables, tuple):  # a list could change under the same identity
+        if len(_SPECS) >= 64:
+            _SPECS.clear()
+        _SPECS[id(tables)] = (tables, spec)
+    return spec
+
+
+def _check_all_ids(features: SparseFeatures, spec: _IdSpec) -> None:
+    """Every checked feature's ids in [0, rows of its table), in one pass over all features'
+    ids; on a bad id, the first feature holding one raises _check_ids' error."""
+    values = features.values
+    low, high = values.aminmax()
+    if not spec.raw and bool(low >= 0) and bool(high < spec.smallest):
+        return  # the common case: one reduction for every table
+    sizes = torch.tensor(features.feature_sizes(), device=values.device)
+    total = values.numel()
+    highest = spec.highest.to(values.device).repeat_interleave(sizes, output_size=total)
+    bad = values > highest
+    if spec.raw:
+        lowers = spec.lowers.to(values.device).repeat_interleave(sizes, output_size=total)
+        bad |= values < lowers
+    else:
+        bad |= values < 0
+    if not bool(bad.any()):
+        return
+    position = int(bad.nonzero()[0])
+    feature = int(torch.searchsorted(sizes.cumsum(0), position, right=True))
+    start = int(sizes[:feature].sum())
+    bags = bag_starts(features.bag_counts())
+    _check_ids(
+        values[start : start + int(sizes[feature])],
+        features.lengths[bags[feature] : bags[feature + 1]],
+        spec.features[feature],
+        spec.configs[feature],
+    )
 
 
 def _check_ids(

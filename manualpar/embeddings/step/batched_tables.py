@@ -43,6 +43,8 @@ class BatchedTables:
         self.tables = [shard.table for shard in self.local]
         self.names = [parts.name(t) for t in self.tables]
         self._usable: bool | None = None  # decided at the first step (stores are final then)
+        self._own_cache: dict[tuple[int, int], torch.Tensor] = {}  # pool_own's segments
+        self._spans: list[list[tuple[int, int, int]]] | None = None  # own_blocks' columns
         # off by default: 0.75x the per-table CPU time for 26 small tables with one id a bag,
         # 1.09x for 8 x 1M x 64 at 20 ids a bag (docs/benchmarks.md, "Many small tables")
         self.enabled = False
@@ -77,27 +79,38 @@ class BatchedTables:
         """Whether this step batches its tables (decided by every rank alike: the exchange
         layout is the same either way)."""
         return (
-            routed.fetched is None
+            self.enabled
+            and routed.fetched is None
             and routed.features.weights is None
             and not any(size[2] for size in routed.sizes)
-            and not any(t in routed.frozen for t in self.tables)
-            and self.enabled
+            and routed.frozen.isdisjoint(self.tables)
             and self.usable
         )
 
     # forward ----------------------------------------------------------------------------------
     def pool_own(self, own: list[SenderBags], out: torch.Tensor) -> None:
         """Look this rank's own bags up straight into its output columns (one call)."""
-        routing = self.parts.routing
-        segments = Segments()
-        batch = out.shape[0]
-        for k, shard in enumerate(self.local):
-            for f in shard.features:
-                start = routing.feature_offsets[f] + shard.shard.col_start
-                segments.add(k, batch, 0, start, out.stride(0))
         ids = torch.cat([bags[0] for bags in own])
         lengths = torch.cat([bags[1] for bags in own])
-        pool_tables(self.weights, ids, lengths, segments.tensor(), [out])
+        pool_tables(self.weights, ids, lengths, self._own_segments(out), [out])
+
+    def _own_segments(self, out: torch.Tensor) -> torch.Tensor:
+        """Where our own bags' pooled rows go in `out`: fixed by its shape, so made once per
+        (batch, row stride) and kept (the step's batch rarely changes)."""
+        key = (out.shape[0], out.stride(0))
+        found = self._own_cache.get(key)
+        if found is None:
+            routing = self.parts.routing
+            segments = Segments()
+            for k, shard in enumerate(self.local):
+                for f in shard.features:
+                    start = routing.feature_offsets[f] + shard.shard.col_start
+                    segments.add(k, key[0], 0, start, key[1])
+            found = segments.tensor()
+            if len(self._own_cache) >= 8:
+                self._own_cache.clear()
+            self._own_cache[key] = found
+        return found
 
     def batch(self, senders: list[list[SenderBags]]) -> TableBatch:
         """Every sender's bags, in (sender, table) order, as one batch."""
@@ -166,18 +179,28 @@ class BatchedTables:
         table's rows close while it is updated): the batched update reads every table's rows
         at random at once, from the whole gradient either way, and the copies took about 0.9 ms
         of a 26-table step."""
-        layout, routing = self.parts.layout, self.parts.routing
-        full = self.parts.optimizer.needs_full_rows
-        routes = iter(routing.routes_to[routing.rank])
-        blocks = []
-        for shard in self.local:
-            views = []
-            for _ in shard.features:
-                route = next(routes)
-                start, end = layout.grad_columns(route, full)
-                views.append(grad.columns(route.feature, start, end))
-            blocks.append(views)
-        return blocks
+        spans = self._own_spans()
+        if grad.bags is None or not grad.bags.variable:  # a plain batch: column views
+            whole = grad.grad
+            return [[whole[:, start:end] for _, start, end in table] for table in spans]
+        return [[grad.columns(f, start, end) for f, start, end in table] for table in spans]
+
+    def _own_spans(self) -> list[list[tuple[int, int, int]]]:
+        """Per table, per feature: (feature, first column, end column) of our own gradient
+        blocks (fixed by the routing and the rule: made once)."""
+        if self._spans is None:
+            layout, routing = self.parts.layout, self.parts.routing
+            full = self.parts.optimizer.needs_full_rows
+            routes = iter(routing.routes_to[routing.rank])
+            spans = []
+            for shard in self.local:
+                table = []
+                for _ in shard.features:
+                    route = next(routes)
+                    table.append((route.feature, *layout.grad_columns(route, full)))
+                spans.append(table)
+            self._spans = spans
+        return self._spans
 
     def update(
         self,

@@ -21,10 +21,14 @@ import torch
 
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.remap import RawIdRoutes
-from manualpar.embeddings.kernels.bags import ShardBags
-from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad, route_sums
 from manualpar.embeddings.step.routing import LocalShard, Route, Routing
+from manualpar.embeddings.step.sender_bags import (
+    SenderBags,
+    combine_senders,
+    pack_pooled,
+    split_by_rows,
+)
 
 __all__ = [
     "ExchangeLayout",
@@ -34,9 +38,6 @@ __all__ = [
     "pack_pooled",
     "split_by_rows",
 ]
-
-SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
-
 
 # compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)
 Kept = list[list[torch.Tensor | None] | None] | None
@@ -48,73 +49,6 @@ def _weight_bits(weights: torch.Tensor) -> torch.Tensor:
 
 def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
-
-
-# 1-2: ids -------------------------------------------------------------------------------------
-
-
-def split_by_rows(
-    ids: torch.Tensor,
-    lengths: torch.Tensor,
-    routing: Routing,
-    table: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A row-split table's ids grouped by the row range holding them, bag order kept inside
-    each group: (groups, bags) counts, the ids made local to their range, and the order taken
-    (to reorder per-id weights)."""
-    starts = routing.row_start_tensors[table]
-    if native_kernels_take(ids) and ids.dtype == torch.int64 and lengths.dtype == torch.int64:
-        counts, local, order = loaded_kernels().split_by_rows(
-            ids.contiguous(), lengths.contiguous(), starts
-        )
-        return counts, local, order
-    batch = lengths.numel()
-    starts = starts.to(ids.device)
-    group = torch.bucketize(ids, starts[1:], right=True)
-    bag = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
-    order = torch.argsort(group, stable=True)
-    counts = torch.bincount(group * batch + bag, minlength=len(starts) * batch)
-    return counts.view(len(starts), batch), ids[order] - starts[group[order]], order
-
-
-def combine_senders(parts: list[SenderBags], rank: int) -> ShardBags:
-    """One shard's bags from every sender, in rank order, as one input; senders without
-    weights get weight 1 if another sender has them."""
-    weighted = any(w is not None for _, _, w in parts)
-    own_begin = sum(lens.numel() for _, lens, _ in parts[:rank])
-    own_end = own_begin + parts[rank][1].numel()
-    if len(parts) == 1:
-        return ShardBags(*parts[0], own_begin, own_end)
-    weights = None
-    if weighted:
-        weights = torch.cat(
-            [w if w is not None else torch.ones(i.numel(), device=i.device) for i, _, w in parts]
-        )
-    return ShardBags(
-        torch.cat([ids for ids, _, _ in parts]),
-        torch.cat([lens for _, lens, _ in parts]),
-        weights,
-        own_begin,
-        own_end,
-    )
-
-
-# 3: pooled output -----------------------------------------------------------------------------
-def pack_pooled(
-    pooled: list[list[torch.Tensor] | None],
-    like: torch.Tensor,
-) -> tuple[torch.Tensor, list[int]]:
-    """Owner side: per sender rank, the pooled rows of its bags for each local shard (None for
-    ourselves) -> one buffer by destination (dtype and device of `like`), and the send splits
-    (0 to ourselves)."""
-    flat = [
-        torch.cat([rows.flatten() for rows in shards]) if shards else like.new_empty(0)
-        for shards in pooled
-    ]
-    return torch.cat(flat), [p.numel() for p in flat]
-
-
-# 4: output gradient ---------------------------------------------------------------------------
 
 
 class ExchangeLayout:
@@ -135,6 +69,19 @@ class ExchangeLayout:
         # returns a 64th of the rows a whole table does (a node group's row split, planning/)
         tables = range(len(routing.tables))
         self.compact_tables = frozenset(t for t in tables if compact or routing.splits_rows(t))
+        # pack_ids' per-feature routing, fixed by the plan: (feature, table, the destinations
+        # of a table not split by rows, else None)
+        self._feature_dests = [
+            (f, routes[0][1].table, None if routing.splits_rows(routes[0][1].table) else dests)
+            for f, routes in enumerate(routing.routes_of_feature)
+            if routes
+            for dests in [[dest for dest, _ in routes]]
+        ]
+        # unpack_ids': per routed local shard, (its first route, its routes, its table)
+        self._shard_routes: list[tuple[int, int, int]] = []
+        for shard in routing.routed_local_shards():
+            row = sum(count for _, count, _ in self._shard_routes)
+            self._shard_routes.append((row, len(shard.features), shard.table))
 
     def send_every_bag(self) -> None:
         """The exchange before compact layouts (every bag to every owner, row splits too): the
@@ -154,25 +101,23 @@ class ExchangeLayout:
         bag count first."""
         world = self.routing.world_size
         values, weights = features.values, features.weights
-        starts = [0]
-        for count in features.feature_sizes():
-            starts.append(starts[-1] + count)
+        per_feature = features.feature_sizes()
+        id_of = values.split(per_feature)  # each feature's ids: one call, not a slice each
+        weight_of = None if weights is None else weights.split(per_feature)
         lens_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
         ids_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
         weights_to: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for f, routes in enumerate(self.routing.routes_of_feature):
-            if not routes:
-                continue
-            table = routes[0][1].table
-            ids = values[starts[f] : starts[f + 1]]
-            w = None if weights is None else weights[starts[f] : starts[f + 1]]
-            if not self.routing.splits_rows(table):
-                for dest, _ in routes:
+        for f, table, dests in self._feature_dests:
+            ids = id_of[f]
+            w = None if weight_of is None else weight_of[f]
+            if dests is not None:  # the whole feature to each owner of a block of its columns
+                for dest in dests:
                     lens_to[dest].append(lengths[f])
                     ids_to[dest].append(ids)
                     if w is not None:
                         weights_to[dest].append(w)
                 continue
+            routes = self.routing.routes_of_feature[f]
             remap = self.raw_routes
             raw = remap is not None and table in remap.tables
             keys = remap.route_keys(table, ids) if remap is not None and raw else ids
@@ -232,7 +177,6 @@ class ExchangeLayout:
         """One sender's payload to us -> its bags for each of our routed local shards
         (`compact`: the bags with ids only; `variable`: a batch per feature, each route's bag
         count first)."""
-        local = self.routing.routed_local_shards()
         routes = len(self.routing.routes_to[self.routing.rank])
         head = routes if variable else 0
         counts = payload[:head].tolist() if variable else [batch] * routes
@@ -241,25 +185,19 @@ class ExchangeLayout:
         total = sum(route_ids)
         ids = payload[head + lens.numel() : head + lens.numel() + total]
         bits = payload[head + lens.numel() + total :] if weighted else None
+        shards = self._shard_routes
+        n_ids = [sum(route_ids[row : row + count]) for row, count, _ in shards]
+        n_bags = [sum(counts[row : row + count]) for row, count, _ in shards]
+        id_parts = ids[: sum(n_ids)].split(n_ids)  # one call each, not a slice per shard
+        len_parts = lens[: sum(n_bags)].split(n_bags)
+        bit_parts = None if bits is None else bits[: sum(n_ids)].split(n_ids)
         bags: list[SenderBags] = []
-        row = id_start = bag_start = 0
-        for shard in local:
-            count = len(shard.features)
-            n_ids = sum(route_ids[row : row + count])
-            n_bags = sum(counts[row : row + count])
-            shard_lens = lens[bag_start : bag_start + n_bags]
-            bags.append(
-                (
-                    ids[id_start : id_start + n_ids],
-                    shard_lens[shard_lens > 0]
-                    if compact and shard.table in self.compact_tables
-                    else shard_lens,
-                    None if bits is None else _bits_weight(bits[id_start : id_start + n_ids]),
-                )
-            )
-            row += count
-            id_start += n_ids
-            bag_start += n_bags
+        for k, (_, _, table) in enumerate(shards):
+            shard_lens = len_parts[k]
+            if compact and table in self.compact_tables:
+                shard_lens = shard_lens[shard_lens > 0]
+            weights = None if bit_parts is None else _bits_weight(bit_parts[k])
+            bags.append((id_parts[k], shard_lens, weights))
         return bags
 
     def pooled_blocks(

@@ -30,6 +30,7 @@ from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, froze
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
+from manualpar.embeddings.step.scales import mean_features, pooling_scale, sender_scales
 from manualpar.embeddings.step.size_header import (
     VARIABLE,
     WEIGHTED,
@@ -51,19 +52,6 @@ from manualpar.phase_times import (
 __all__ = ["ForwardPhases", "sender_scales"]
 
 
-def sender_scales(
-    normalize_by: str, batch_sizes: list[int], job_batch_sizes: list[int] | None = None
-) -> list[float]:
-    """Weight of each sender's loss in the table gradient: 1 / (ranks of the job), or its
-    share of the job's samples. `job_batch_sizes`: every job rank's batch (default: the
-    senders are the whole job)."""
-    job = batch_sizes if job_batch_sizes is None else job_batch_sizes
-    if normalize_by == "world_size":
-        return [1 / len(job)] * len(batch_sizes)
-    total = sum(job)
-    return [b / total if total else 0.0 for b in batch_sizes]
-
-
 class ForwardPhases:
     def __init__(
         self,
@@ -81,6 +69,8 @@ class ForwardPhases:
         self.fetches_ahead = True  # False once a batch's rows did not fit beside the pinned
         self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
         self.wire = torch.float32  # the pooled outputs' wire dtype (wire.py)
+        self.names = parts.table_names()  # fixed by the plan, as the mean-pooled features
+        self.means = mean_features(parts.routing)
 
     def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
@@ -98,7 +88,7 @@ class ForwardPhases:
         lengths, per_sample = bag_lengths(features, bags)
         weighted = features.weights is not None
         payloads = layout.pack_ids(features, lengths, bags)
-        names = parts.table_names()
+        names = self.names
         flags = frozen_to_words(frozen_tables(parts.tables, names), len(names))
         header = size_header(features.batch_size, payloads, weighted, flags, bags.variable)
         headers = parts.exchange_headers(header, header_width(len(names)))
@@ -378,7 +368,7 @@ class ForwardPhases:
                 offset += size
         with self.times.phase(LOOKUP):  # the data-parallel tables' own lookup
             feature_ids = self.data_parallel.lookup(routed.features, out, routed.bags)
-        mean_scale = self._mean_scale(routed.lengths, out.dtype)
+        mean_scale = pooling_scale(parts.routing, self.means, routed.lengths, out.dtype)
         if mean_scale is not None:
             out.mul_(mean_scale)
         batch_sizes = [size[0] for size in routed.sizes]
@@ -396,18 +386,3 @@ class ForwardPhases:
             batch=looked.batch,
             feature_bags=routed.bags,
         )
-
-    def _mean_scale(self, lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """(batch, total_dim) factors 1/len for mean-pooled features, or None."""
-        routing = self.parts.routing
-        means = [
-            f for f, (_, t) in enumerate(routing.features) if routing.tables[t].pooling == "mean"
-        ]
-        if not means:
-            return None
-        scale = torch.ones(lengths.shape[1], routing.total_dim, dtype=dtype, device=lengths.device)
-        for f in means:
-            start = routing.feature_offsets[f]
-            inverse = 1 / lengths[f].clamp(min=1).to(dtype).unsqueeze(1)
-            scale[:, start : start + routing.dims[f]] = inverse
-        return scale
