@@ -10,6 +10,8 @@
     ... --sequence --peer-python .venv-torchrec/bin/python   # EmbeddingCollection, unpooled
     ... --sequence --lengths uniform --skip-padded --rows 200000 --peer-python ...
                     # sequences of 0 to 2 x --ids-per-bag ids (the same mean), 200k-row tables
+    ... --plans row_wise --ids zipf --zipf-exponent 1.05 --peer-python ...
+                    # Zipf ids (hot rows spread by a fixed permutation), the same for every variant
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
                     # half tables: manualpar fp16 vs TorchRec FP16, manualpar bf16 vs FP32
@@ -298,7 +300,7 @@ def worker_baseline(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from embedding_workload import LENGTHS, add_workload_args
+    from embedding_workload import LENGTHS, add_id_args, add_workload_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=("manualpar", "baseline", "local"))
@@ -350,6 +352,7 @@ def main() -> None:
         default="fixed",
         help="ids per bag: --ids-per-bag each, or uniform over 0 .. 2 x --ids-per-bag",
     )
+    add_id_args(parser)  # --ids zipf --zipf-exponent 1.05: the same skewed ids for every variant
     parser.add_argument(
         "--precision",
         action="store_true",

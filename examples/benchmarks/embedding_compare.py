@@ -30,7 +30,8 @@ def compare(args: argparse.Namespace) -> dict:
                 print(
                     f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
                     f" ({result['ms_per_step'] / floor[plan]['ms']:.1f}x the memory floor)"
-                    f"  init {result['init_s']:5.2f} s  peak RSS "
+                    + (f" cpu {result['cpu_ms_per_step']:6.1f} ms" if cpu_ms(result) else "")
+                    + f"  init {result['init_s']:5.2f} s  peak RSS "
                     f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
                     flush=True,
                 )
@@ -50,6 +51,10 @@ def compare(args: argparse.Namespace) -> dict:
                 "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
                 "pairs": len(pairs),
             }
+            if all(cpu_ms(a) and cpu_ms(b) for a, b in pairs):  # CPU time: load-proof
+                summary[plan][f"manualpar/{other}"]["cpu_ms_per_step"] = statistics.median(
+                    cpu_ms(a) / cpu_ms(b) for a, b in pairs
+                )
         for mine, theirs in (
             ("batched", "torchrec"),
             ("local", "torchrec"),
@@ -68,10 +73,19 @@ def compare(args: argparse.Namespace) -> dict:
             for name, results in by_name.items()
         }
         floor_line = add_floor(summary[plan], floor[plan])
-        peer = summary[plan].get("manualpar/torchrec", {}).get("ms_per_step")
+        peer = summary[plan].get("manualpar/torchrec", {})
         print(
-            f"{plan}: " + (f"manualpar / TorchRec {peer:.3f}x; " if peer else "") + floor_line,
+            f"{plan}: "
+            + (f"manualpar / TorchRec {peer['ms_per_step']:.3f}x; " if peer else "")
+            + (f"in CPU time {peer['cpu_ms_per_step']:.3f}x; " if "cpu_ms_per_step" in peer else "")
+            + floor_line,
             flush=True,
         )
     print(json.dumps(summary, indent=2))
     return {"summary": summary, "runs": runs}
+
+
+def cpu_ms(result: dict) -> float | None:
+    """A job's median CPU milliseconds per step (its busiest rank's, every thread of it;
+    embedding_workload.STEP_CPU_MS), None from a worker that did not record it."""
+    return result.get("cpu_ms_per_step")

@@ -15,11 +15,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from manualpar import malloc_env
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_embeddings.py"  # its --worker runs one variant under torchrun
 RANKS = 2  # processes per job (torchrun --nproc-per-node)
 
 __all__ = ["RANKS", "error_lines", "keep_stderr", "launch", "variants"]
+_said_allocator = False
 
 
 # --- orchestration -----------------------------------------------------------------------------
@@ -60,14 +63,28 @@ def launch(
             "--lengths",
             args.lengths,
             *(["--sequence"] if args.sequence else []),
+            "--ids",
+            getattr(args, "ids", "uniform"),
+            "--zipf-exponent",
+            str(getattr(args, "zipf_exponent", 1.05)),
         ]
+        # glibc's thresholds as manualpar's strategy fixes them in its own processes, for both
+        # peers' jobs from their start: left to glibc's dynamic threshold, the peer's step swung
+        # by up to 1.5x with what its process freed before (docs/benchmarks.md)
+        allocator = malloc_env(os.environ)
         # faulthandler: a rank that dies on a signal prints every thread's Python stack
         env = {
             **os.environ,
+            **allocator,
             "OMP_NUM_THREADS": "1",
             "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": str(HERE.parent.parent),
         }
+        global _said_allocator
+        if not _said_allocator:
+            _said_allocator = True
+            said = " ".join(f"{k}={v}" for k, v in allocator.items()) or "glibc's default"
+            print(f"allocator, every job of both peers: {said}", flush=True)
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if not os.path.exists(result):
             raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
@@ -79,7 +96,7 @@ def launch(
                 + (f"\n    (whole stderr with the ranks' stacks: {kept})" if kept else ""),
                 flush=True,
             )
-        return json.loads(Path(result).read_text())
+        return {**json.loads(Path(result).read_text()), "allocator": allocator or "default"}
 
 
 def keep_stderr(stderr: str, args: argparse.Namespace) -> Path | None:

@@ -55,6 +55,7 @@ def precision(args: argparse.Namespace) -> dict:
             runs[plan].setdefault(name, []).append(result)
             print(
                 f"repeat {repeat} {plan:<10} {name:<15} {result['ms_per_step']:7.1f} ms/step  "
+                f"cpu {result.get('cpu_ms_per_step') or float('nan'):6.1f} ms  "
                 f"peak RSS {max(result['peak_rss_gb_per_rank']):.2f} GiB",
                 flush=True,
             )
@@ -68,6 +69,7 @@ def precision(args: argparse.Namespace) -> dict:
                 for key, value in (
                     ("ms_per_step", lambda r: r["ms_per_step"]),
                     ("peak_rss", lambda r: max(r["peak_rss_gb_per_rank"])),
+                    ("cpu_ms_per_step", lambda r: r.get("cpu_ms_per_step") or float("nan")),
                 )
             }
             for mine, theirs in PRECISION_RATIOS

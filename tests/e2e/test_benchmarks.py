@@ -31,6 +31,10 @@ TOY = [
 ]
 
 
+# a pair's ratios: wall-clock step, CPU time per step, peak RSS, init
+RATIOS = {"ms_per_step", "cpu_ms_per_step", "peak_rss", "init_s", "pairs"}
+
+
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     run_python(BENCH, *TOY, *extra, "--json", str(out), timeout=240, check=True)
@@ -42,6 +46,9 @@ def _check_run(run: dict, plan: str, rows: int = ROWS) -> None:
     assert run["plan"] == plan and len(run["step_ms"]) == 2
     assert len(run["peak_rss_gb_per_rank"]) == 2
     assert run["ms_per_step"] == statistics.median(run["step_ms"])
+    # CPU time per step (every thread of the busiest rank), beside the wall clock
+    assert len(run["step_cpu_ms"]) == 2 and all(ms > 0 for ms in run["step_cpu_ms"])
+    assert run["cpu_ms_per_step"] == statistics.median(run["step_cpu_ms"])
     lookups = BATCH * TABLES * IDS_PER_BAG
     assert run["lookups_per_s"] == pytest.approx(lookups / (run["ms_per_step"] / 1000), rel=1e-12)
     assert run["table_gb"] == pytest.approx(TABLES * rows * DIM * 4 / 2**30, rel=1e-12)
@@ -55,7 +62,7 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
     result = _run(tmp_path, "--floor", "--pipelined")
     for plan in ("table_wise", "row_wise"):
         ratio = result["summary"][plan]["manualpar/baseline"]
-        assert ratio["pairs"] == 1 and set(ratio) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
+        assert ratio["pairs"] == 1 and set(ratio) == RATIOS
         for name in ("manualpar", "baseline"):
             (run,) = result["runs"][plan][name]
             _check_run(run, plan)
@@ -72,6 +79,9 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
             max(ours["peak_rss_gb_per_rank"]) / max(theirs["peak_rss_gb_per_rank"]), rel=1e-12
         )
         assert ratio["init_s"] == pytest.approx(ours["init_s"] / theirs["init_s"], rel=1e-12)
+        assert ratio["cpu_ms_per_step"] == pytest.approx(
+            ours["cpu_ms_per_step"] / theirs["cpu_ms_per_step"], rel=1e-12
+        )
         assert result["summary"][plan]["median_ms_per_step"] == {
             "manualpar": ours["ms_per_step"],
             "baseline": theirs["ms_per_step"],
@@ -82,7 +92,7 @@ def test_compare_writes_ratios_for_both_plans_and_the_floor(tmp_path: Path) -> N
             pipelined["ms_per_step"] / local["ms_per_step"], rel=1e-12
         )
         floor = result["summary"][plan]["manualpar/local"]
-        assert set(floor) == {"ms_per_step", "peak_rss", "init_s", "pairs"}
+        assert set(floor) == RATIOS
         assert floor["ms_per_step"] == pytest.approx(
             ours["ms_per_step"] / local["ms_per_step"], rel=1e-12
         )
