@@ -16,17 +16,20 @@ variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) is le
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENV_SWITCH", "MallocTuning", "malloc_env", "tune_malloc"]
+__all__ = ["ENV_SWITCH", "MallocTuning", "bulk_io", "malloc_env", "tune_malloc"]
 
 ENV_SWITCH = "MANUALPAR_MALLOC_TUNING"
 MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for its own dynamic threshold on 64-bit hosts
 TRIM_THRESHOLD = 64 * 2**20  # above it: a freed 32 MiB block does not shrink the heap again
+# while checkpoint IO runs: its chunk copies (8 MiB) as fresh mappings, unmapped when freed
+BULK_IO_MMAP_THRESHOLD = 2**20
 # mallopt's parameter numbers (malloc.h), and the variables through which a user sets each one
 _SETTINGS = {
     "M_MMAP_THRESHOLD": (
@@ -87,6 +90,24 @@ def _tune(environ: Mapping[str, str], mallopt: Mallopt | None) -> MallocTuning:
         else:
             skipped.append(f"{name} (mallopt refused {value})")
     return MallocTuning(tuple(applied), tuple(skipped))
+
+
+@contextlib.contextmanager
+def bulk_io(mallopt: Mallopt | None = None) -> Iterator[None]:
+    """Checkpoint IO under glibc's low mmap threshold again, the step's after. Its chunk copies
+    come and go in an order the heap cannot reuse well: kept on the heap, a disk table's save
+    grew the peak RSS by 30-64 MB over training (9 runs) against 28-35 MB as fresh mappings.
+    Only where tune_malloc applied the threshold; `mallopt` replaces glibc's (tests)."""
+    applied = _done is not None and any(a.startswith("M_MMAP_THRESHOLD") for a in _done.applied)
+    function = (mallopt if mallopt is not None else _glibc_mallopt()) if applied else None
+    if function is None:
+        yield
+        return
+    function(_SETTINGS["M_MMAP_THRESHOLD"][0], BULK_IO_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        function(_SETTINGS["M_MMAP_THRESHOLD"][0], MMAP_THRESHOLD)
 
 
 def malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

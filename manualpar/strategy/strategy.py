@@ -26,7 +26,7 @@ from manualpar.checkpoint.load import load_checkpoint
 from manualpar.checkpoint.save import save_checkpoint
 from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import ClusterEnvironmentError, CollectiveError, MeshError
-from manualpar.heap import tune_malloc
+from manualpar.heap import bulk_io, tune_malloc
 from manualpar.seed import seed_everything, seed_rank
 from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
 from manualpar.strategy.mesh import (
@@ -310,7 +310,8 @@ class ManualParallelStrategy(Collectives):
         """Save `state` on all ranks (collective). See manualpar.checkpoint.save_checkpoint."""
         self._check_open("save_checkpoint")  # after teardown each rank would write alone
         self.wait_for_checkpoint()
-        return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
+        with bulk_io():  # its chunk copies do not stay on the step's heap (heap.py)
+            return save_checkpoint(self, path, state, full=full, overwrite=overwrite)
 
     def load_checkpoint(
         self,
@@ -326,7 +327,10 @@ class ManualParallelStrategy(Collectives):
         `verify="sizes"` skips the CRC-32 pass over the tensor files (checks their sizes only)."""
         self._check_open("load_checkpoint")  # after teardown each rank would read alone
         self.wait_for_checkpoint()
-        return load_checkpoint(self, path, state, strict=strict, saturate=saturate, verify=verify)
+        with bulk_io():
+            return load_checkpoint(
+                self, path, state, strict=strict, saturate=saturate, verify=verify
+            )
 
     def save_checkpoint_async(
         self, path: str | os.PathLike, state: Mapping[str, Any], *, overwrite: bool = True
