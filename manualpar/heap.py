@@ -66,13 +66,15 @@ _done: MallocTuning | None = None
 
 
 def tune_malloc(
-    environ: Mapping[str, str] = os.environ, mallopt: Mallopt | None = None
+    environ: Mapping[str, str] | None = None, mallopt: Mallopt | None = None
 ) -> MallocTuning:
     """Fix glibc's mmap and trim thresholds once per process (later calls return the first
-    result). `mallopt` replaces glibc's function (tests); None finds it, or skips off glibc."""
+    result). `environ` is the process's (None) or a stand-in; `mallopt` replaces glibc's
+    function (tests); None finds it, or skips off glibc."""
     global _done
     if _done is None:
-        _done = _tune(environ, mallopt if mallopt is not None else _glibc_mallopt())
+        given = os.environ if environ is None else environ
+        _done = _tune(given, mallopt if mallopt is not None else _glibc_mallopt())
     return _done
 
 
@@ -110,10 +112,11 @@ def bulk_io(mallopt: Mallopt | None = None) -> Iterator[None]:
         function(_SETTINGS["M_MMAP_THRESHOLD"][0], MMAP_THRESHOLD)
 
 
-def malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def malloc_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """glibc's variables that start another process (a job this one launches, a peer measured
     against it) with the thresholds tune_malloc gives this one: the user's own where set,
     none with the switch off. Variables act from the process's first allocation on."""
+    environ = os.environ if environ is None else environ
     if environ.get(ENV_SWITCH, "1") == "0":
         return {}
     return {
