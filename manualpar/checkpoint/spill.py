@@ -6,10 +6,15 @@ does not fit), so blocks that name a `spill_dir` are copied, chunk by chunk, int
 unlinked file there: it has no name from the start (nothing to clean up after a crash), its
 space returns when the save lets go of the copy, and each chunk's pages are dropped before the
 next one is copied or written, so a background save holds about one chunk in memory, as a
-synchronous one does. It needs free space beside the table for the block's checkpointed bytes
-until the save ends: checked for all of a rank's copies before the first is made, and the file
-is reserved (fallocate), so a full file system is a CheckpointError naming the bytes, never a
-SIGBUS in the copy's writes to a map of a file that cannot grow.
+synchronous one does. Each copy is a storage of its own over its part of the map: DCP's writer
+clones a tensor that views a larger storage, and those 8 MiB heap copies, made on the writer
+thread under the step's malloc thresholds (heap.py), stayed mapped: 3 background saves of a
+79 MB disk block grew the peak RSS by 124-165 MiB, and by 0 with a storage per copy.
+
+It needs free space beside the table for the block's checkpointed bytes until the save ends:
+checked for all of a rank's copies before the first is made, and the file is reserved
+(fallocate), so a full file system is a CheckpointError naming the bytes, never a SIGBUS in the
+copy's writes to a map of a file that cannot grow.
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ def spill_blocks(blocks: Sequence[Block], directory: Path) -> list[Block]:
         pages = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the map keeps the file
-    everything = torch.frombuffer(pages, dtype=torch.uint8)
 
     def drop_pages() -> None:
         pages.madvise(mmap.MADV_DONTNEED)  # written pages stay in the file (shared map)
@@ -71,7 +75,9 @@ def spill_blocks(blocks: Sequence[Block], directory: Path) -> list[Block]:
             block.prepare()  # let go of the source's previous chunk
         drop_pages()
         tensor = block.tensor.detach()
-        copy = everything[start : start + size].view(tensor.dtype).view(tensor.shape)
+        # a storage of its own: DCP's writer clones a view of a larger storage, on the heap
+        own = torch.frombuffer(pages, dtype=torch.uint8, count=size, offset=start)
+        copy = own.view(tensor.dtype).view(tensor.shape)
         copy.copy_(tensor)
         copies.append(Block(block.offsets, copy, block.primary, drop_pages))
         start += size

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from manualpar import EmbeddingInputError
-from manualpar.cli.plan_layouts import layouts_text, plan_layouts
+from manualpar.cli.plan_layouts import exchanged_bytes, layouts_text, plan_layouts
 from manualpar.cli.plan_values import (
     UsageError,
+    bags_per_feature_of,
     disk_options,
     parse_bytes,
     precisions_of,
@@ -136,6 +137,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="mean ids a sample per feature, spread evenly over the rows (default 1)",
+    )
+    add(
+        "--bags-per-feature",
+        action="append",
+        default=[],
+        metavar="FEATURE=BAGS",
+        help="a batch per feature (SparseFeatures.bags_per_key): the bags a rank sends per step "
+        "for FEATURE (repeat, or FEATURE=BAGS,...); the others have one per sample. Priced by "
+        "the cost model, and by the bytes line with --batch-per-rank",
     )
     add(
         "--precisions",
@@ -288,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     batch = DEFAULT_BATCH_PER_RANK if args.batch_per_rank is None else args.batch_per_rank
     pooling = {config.name: args.ids_per_bag for config in tables}
     state, full_rows = rule_costs(rule)
-    workload = Workload(batch, pooling, state=state, full_rows=full_rows, skew=args.skew)
+    own = bags_per_feature_of(args, tables, batch)
+    workload = Workload(batch, pooling, own, state=state, full_rows=full_rows, skew=args.skew)
     disk_tier, pinned = disk_options(args)
     if args.precisions and (disk_tier is not None or pinned):  # plan_by_cost has no disk rule
         raise UsageError(
@@ -304,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
             topology=topology,
             batch_per_rank=batch,
             pooling_factors=pooling,
+            bags_per_feature=own,
             skew=args.skew,
         )
     elif disk_tier is not None or pinned:
@@ -340,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
     if any(remappers):  # int64 state per row, beside the tables (ids/buckets.py)
         print("  managed-collision remappers per rank: " + per_rank_text(remappers, format_bytes))
     if args.batch_per_rank is not None and replicas == 1:
-        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, rule))
+        priced = exchanged_bytes(best, topology, workload) if own else None
+        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, rule, own, priced))
     print(costs_text(costs, topology, batch, replicas))
     if args.json:
         try:
@@ -358,14 +371,21 @@ def _traffic(
     batch: int,
     ids_per_bag: float,
     rule: UpdateRule,
+    own: dict[str, float],
+    priced: list[int] | None,
 ) -> str:
-    """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py)."""
+    """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py); for
+    a batch per feature (`own`), the cost model's (`priced`), which counts its bags as a real
+    step sends them (tests/dist/test_emb_planning_variable_batch_ranks.py)."""
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
     full_rows = rule_costs(rule)[1]
     wire = {"wire": plan.wire} if plan.wire is not None else {}  # the planner's pick
-    per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows, **wire)
-    sent = [int(value) for value in per_rank]
+    sent = priced
+    if sent is None:
+        per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows, **wire)
+        sent = [int(value) for value in per_rank]
+    bags = "".join(f", {feature} {count:g} bags" for feature, count in own.items())
     return (
-        f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag): "
+        f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag{bags}): "
         + per_rank_text(sent, format_bytes)
     )

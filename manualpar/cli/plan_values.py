@@ -5,6 +5,7 @@ refuses a malformed value with a one-line UsageError naming the option."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from manualpar import EmbeddingInputError, ManualParError, PlanError
 from manualpar.embeddings import (
     DiskTier,
+    EmbeddingBagConfig,
     TablePlacement,
     data_parallel,
     row_wise,
@@ -28,6 +30,7 @@ from manualpar.embeddings.planning import (
 __all__ = [
     "PIN_PLACEMENTS",
     "UsageError",
+    "bags_per_feature_of",
     "disk_options",
     "parse_bytes",
     "precisions_of",
@@ -94,6 +97,42 @@ def disk_options(
             )
         pinned[name] = placement
     return tier, pinned
+
+
+def bags_per_feature_of(
+    args: argparse.Namespace, tables: list[EmbeddingBagConfig], batch: int
+) -> dict[str, float]:
+    """--bags-per-feature user=64 (repeat, or user=64,hist=8): a batch per feature's bags a rank
+    sends per step, by feature (PlanOptions.bags_per_feature); the features left out have one
+    bag per sample. A count is at most the batch: a rank's samples read its bags."""
+    known = [f for table in tables for f in table.feature_names]
+    bags: dict[str, float] = {}
+    for spec in (part for value in args.bags_per_feature for part in value.split(",") if part):
+        feature, equals, text = spec.partition("=")
+        if not feature or not equals:
+            raise UsageError(
+                f"--bags-per-feature {spec!r}: expected FEATURE=BAGS, the bags one rank sends "
+                "per step for that feature, e.g. --bags-per-feature user=64"
+            )
+        try:
+            count = float(text)
+        except ValueError:
+            count = math.nan
+        if not (math.isfinite(count) and 0 <= count <= batch):
+            raise UsageError(
+                f"--bags-per-feature {spec!r}: feature {feature!r} needs a number of bags from 0 "
+                f"to the batch per rank ({batch}), got {text!r}: the bags one rank sends per "
+                "step for it (its samples read them)"
+            )
+        if feature not in known:
+            raise UsageError(
+                f"--bags-per-feature {spec!r}: no table has feature {feature!r}; the features "
+                f"are {', '.join(known)}"
+            )
+        if feature in bags:
+            raise UsageError(f"--bags-per-feature: feature {feature!r} is given twice")
+        bags[feature] = count
+    return bags
 
 
 def topology_of(args: argparse.Namespace) -> Topology:

@@ -51,10 +51,16 @@ class Resumed:
 
 
 def load_newest_intact(
-    strategy: ManualParallelStrategy, directory: Path, state: dict[str, Any]
+    strategy: ManualParallelStrategy,
+    directory: Path,
+    state: dict[str, Any],
+    action: str = "resume",
+    fix: str = "move them away to start afresh",
 ) -> Resumed | None:
     """Load the newest checkpoint of `directory` that loads into `state` (collective); None if
-    there is none. Raises CheckpointError if there are some but none loads."""
+    there is none. Raises CheckpointError if there are some but none loads: "cannot `action`:
+    ... Restore an intact copy, or `fix`". Trainer.validate and predict(checkpoint="latest")
+    load the model's entries through it too, so they skip what fit's resume skips."""
     listing = scan_checkpoints(directory) if strategy.is_global_zero else ([], [])
     found, unreadable = strategy.broadcast(listing)  # every rank tries the same ones
     skipped = list(unreadable)
@@ -77,8 +83,8 @@ def load_newest_intact(
     if skipped:
         listed = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
         raise CheckpointError(
-            f"cannot resume: none of the checkpoints in {directory} can be read ({listed}). "
-            "Restore an intact copy, or move them away to start afresh"
+            f"cannot {action}: none of the checkpoints in {directory} can be read ({listed}). "
+            f"Restore an intact copy, or {fix}"
         )
     return None
 

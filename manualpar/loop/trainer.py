@@ -14,7 +14,7 @@ batch for a step: every rank then stops at that step (see `_fetch`); `val_data` 
 every rank's validation pass at the same batch (see loop/validation.py). One optimizer step
 (micro-batches, clipping, the update) is train_step.py; each convenience lives in its own file
 beside this one: precision.py, early_stopping.py, best_checkpoints.py, tensorboard_log.py,
-metric_objects.py.
+metric_objects.py, options.py (the option checks), load_weights.py (validate's, predict's).
 """
 
 from __future__ import annotations
@@ -32,19 +32,18 @@ from torch import nn
 from manualpar import deprecated
 from manualpar.checkpoint.extra import extra_checkpoint_entries
 from manualpar.checkpoint.files import read_manifest
-from manualpar.errors import ConfigError
 from manualpar.loop.best_checkpoints import BestCheckpoints
 from manualpar.loop.configured import optimizers_of
 from manualpar.loop.data import Data, dataset_batches, step_batches
-from manualpar.loop.dense_finite import NON_FINITE_MODES
 from manualpar.loop.early_stopping import EarlyStopping
+from manualpar.loop.load_weights import load_weights
 from manualpar.loop.logs import log_with_rank, progress_bar
 from manualpar.loop.metrics_file import MetricsFile, Window, mean_over_ranks
+from manualpar.loop.options import check_options
 from manualpar.loop.precision import Precision
 from manualpar.loop.predict import Predictions, predict
 from manualpar.loop.raw_id_rates import POSTFIX, raw_id_rates, raw_id_remappers
 from manualpar.loop.read_ahead import ReadAhead
-from manualpar.loop.resume_lr import RESUME_LR
 from manualpar.loop.rolling_checkpoints import RollingCheckpoints
 from manualpar.loop.run_record import RunRecord
 from manualpar.loop.step_ahead import StepAhead, model_prefetch
@@ -64,58 +63,11 @@ Scheduler = Any  # a torch lr_scheduler (LRScheduler or ReduceLROnPlateau-free: 
 
 
 class Trainer:
-    """Runs `model.training_step` for `max_steps` optimizer steps; see the module docstring.
+    """Runs `model.training_step` for `max_steps` optimizer steps; every keyword option, its
+    default and range: docs/trainer-options.md.
 
-    Args:
-        strategy: the job's strategy.
-        out_dir: holds `checkpoints/step_<n>/` and `metrics.jsonl`.
-        max_steps: optimizer steps to reach (a resumed run continues towards the same number).
-        checkpoint_every: save every N steps (and always at the end); None: only at the end.
-        keep_last: committed checkpoints to keep (older ones are deleted after a save).
-        accumulate: micro-batches per optimizer step (loss divided accordingly).
-        log_every: reduce and record metrics every N steps.
-        val_every / val_steps: run `model.validation_step` on `val_steps` batches every N steps.
-        progress: show a progress bar on rank 0.
-        clip_grad_norm: clip the dense gradients (the optimizer's parameters: DDP, FSDP, any
-            mix) to this global norm before each optimizer step; logs `grad_norm` (before
-            clipping). Sharded tables clip inside their fused update (see their optimizers).
-        async_checkpoint: write checkpoints in the background (`strategy.save_checkpoint_async`):
-            training waits only for a CPU copy of the state; the checkpoint commits when every
-            rank finished writing, and fit() returns only after the last one committed.
-        resume_lr: on resume, "checkpoint" keeps the learning rates saved with the optimizers
-            (an interrupted run continues as it was); "configured" puts back the ones the
-            optimizers were created with (to change the learning rate of a run). Either way
-            the resume logs which values the checkpoint overrode (a scheduled group only if
-            its rate is not what its restored schedule gives).
-        allow_batch_change: resume a checkpoint saved with another global batch (the data's
-            `global_batch_size` times `accumulate`), for a planned batch-size schedule; by
-            default such a resume is refused, as step-addressed data would then mean other
-            samples (loop/run_record.py).
-        precision: "32", "bf16-mixed" or "fp16-mixed": autocast around training_step and
-            validation_step; fp16 adds a gradient scaler (refused with sharded tables).
-        non_finite: a step whose dense gradients hold NaN or inf: "raise" (NonFiniteError
-            naming the parameters; the optimizer does not step) or "skip" (the whole step is
-            dropped, sparse updates included, and logged as `skipped_non_finite`); None: "skip"
-            if the model's sharded tables all skip (shard_embeddings(..., non_finite="skip")),
-            else "raise". With fp16-mixed the gradient scaler handles overflows instead.
-        early_stopping: an EarlyStopping on a validation value (needs val_every).
-        best_checkpoints: a BestCheckpoints: the best checkpoints by a validation value, in
-            `<out_dir>/best/` (needs val_every).
-        tensorboard: also write every metrics record to `<out_dir>/tensorboard/` (rank 0;
-            needs `pip install manualpar[tensorboard]`).
-        read_ahead: read the next training batch in a background thread during the step
-            (loop/read_ahead.py); the same batches, only for data that draws no numbers from
-            torch's global generator (hence not the default). `prefetch=`, its name before
-            0.3, still works with a warning.
-        pipeline: if the model defines `prefetch(batch)` (calling `emb.prefetch(features)` for
-            each sharded collection), fetch the next step's batch before each step and call
-            it, so its ids travel during the step (loop/pipeline.py; exact, so on by default;
-            only with accumulate=1).
-        step_times_every: every N steps, record where that step's time went (`time/read`,
-            `time/lookup`, ..., `time/step`: seconds, the slowest rank's) in metrics.jsonl and
-            TensorBoard (loop/step_times.py; docs/trainer.md, "Where a step's time goes");
-            None: never. A timed step synchronizes the device at each phase boundary.
-    """
+    The options' reference lives on that page so this file stays the loop (the module docstring
+    and docs/trainer.md explain it)."""
 
     def __init__(
         self,
@@ -147,19 +99,9 @@ class Trainer:
         read_ahead = deprecated.renamed_keyword(
             "Trainer(prefetch=...)", read_ahead, prefetch, "read_ahead="
         )
-        for name, value in (
-            ("max_steps", max_steps),
-            ("accumulate", accumulate),
-            ("log_every", log_every),
-            ("keep_last", keep_last),
-            ("val_steps", val_steps),
-        ):
-            if value < 1:
-                raise ConfigError(f"Trainer: {name} must be >= 1, got {value}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ConfigError(f"Trainer: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
-        if resume_lr not in RESUME_LR:
-            raise ConfigError(f"Trainer: resume_lr must be one of {RESUME_LR}, got {resume_lr!r}")
+        counts = {"max_steps": max_steps, "accumulate": accumulate, "log_every": log_every}
+        counts.update(keep_last=keep_last, val_steps=val_steps)
+        check_options(counts, clip_grad_norm, resume_lr, non_finite)
         self.strategy = strategy
         log_with_rank(strategy.rank, strategy.world_size)
         self.out_dir = Path(out_dir)
@@ -188,10 +130,6 @@ class Trainer:
         self._extra: dict[str, Any] = {}
         self._remappers: dict[str, Any] = {}
         self._schedulers: list[Scheduler] = []
-        if non_finite not in (None, *NON_FINITE_MODES):
-            raise ConfigError(
-                f"Trainer: non_finite must be one of {NON_FINITE_MODES} or None, got {non_finite!r}"
-            )
         self._step = TrainStep(self._precision, strategy, accumulate, clip_grad_norm, non_finite)
         self._times = StepTimes(strategy, step_times_every, self._metrics)
         self._step.times = self._times.recorder
@@ -393,14 +331,18 @@ class Trainer:
         Sets up a ParallelModule not yet set up. `checkpoint`: None validates the current
         weights; "latest" (under checkpoints/), "best" (`best_checkpoint`) or a checkpoint path
         is loaded into the model first (its model entry and extra entries such as sharded
-        tables' state; not the optimizer)."""
+        tables' state; not the optimizer). "latest" skips checkpoints that cannot be read, as
+        fit's resume does (a warning and a `checkpoint_skipped` record for each)."""
         if isinstance(model, ParallelModule) and not model.is_setup:
             model.setup(self.strategy)
         step = self.step
         if checkpoint is not None:
-            path = self._watch.checkpoint("validate", checkpoint, self.checkpoint_dir)
-            self.strategy.load_checkpoint(path, {"model": model, **extra_checkpoint_entries(model)})
-            step = int(read_manifest(path)["step"])
+            loaded = load_weights(
+                self.strategy, self._watch, "validate", model, checkpoint, self.checkpoint_dir
+            )
+            step = int(read_manifest(loaded.path)["step"])
+            for event in loaded.events(step):  # checkpoints "latest" could not read
+                self._metrics.append(event)
         training = model.training
         try:
             return self._validation.validate(model, val_data, step)
@@ -425,8 +367,9 @@ class Trainer:
         if isinstance(model, ParallelModule) and not model.is_setup:
             model.setup(self.strategy)
         if checkpoint is not None:
-            path = self._watch.checkpoint("predict", checkpoint, self.checkpoint_dir)
-            self.strategy.load_checkpoint(path, {"model": model, **extra_checkpoint_entries(model)})
+            load_weights(
+                self.strategy, self._watch, "predict", model, checkpoint, self.checkpoint_dir
+            )
         autocast = functools.partial(self._precision.autocast, self.strategy.device)
         return predict(model, data, self.strategy, steps=steps, order=order, autocast=autocast)
 

@@ -2,8 +2,8 @@
 a disk table streams its file in small chunks, so a rank's peak RSS grows by well under 64 MiB
 over its training peak, however large the block (it grew by about the whole block before).
 A background save stages its private copy in a file beside the table, not in memory (it held
-the whole block before), and the checkpoint holds the rows as they were when the save started,
-though training goes on."""
+the whole block before), writes it without heap copies of its chunks, and the checkpoint holds
+the rows as they were when the save started, though training goes on."""
 
 from __future__ import annotations
 
@@ -89,10 +89,10 @@ def test_a_disk_tier_checkpoint_adds_little_to_the_training_peak(tmp_path, backg
     assert peaks["same"]
     assert not list((tmp_path / "tier").glob(".background-save-*"))  # nameless, nothing left
     if background:
-        # the peak here also holds a training step run during the save (the snapshot's test),
-        # whose overlap with the writer's chunks depends on the machine's load: what is the
-        # save's own is the resident copy, measured right after the save started
         assert peaks["held"] < 16, peaks  # the copy of the 79 MB block is in a file, not memory
+        # the writer thread writes each chunk of that copy as it is: cloned on the heap under
+        # the step's malloc thresholds, the chunks grew the peak by 30-55 MB a save, and kept it
+        assert peaks["saved"] - peaks["trained"] < 16, peaks
         return
     assert peaks["saved"] - peaks["trained"] < 64, peaks
     assert peaks["loaded"] - peaks["trained"] < 64, peaks
