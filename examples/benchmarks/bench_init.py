@@ -15,9 +15,13 @@ local shard + 0.5 GB.
 tables (the embedding benchmark's workload: 8 x 1M x 64 fp32, fused row-wise Adagrad, table-wise
 or row-wise), from the module on meta to the sharded module, imports excluded. Each job reports
 the slowest rank's wall, CPU (user + system of every thread: page faults count, and it is
-steadier than wall on a loaded host) and system seconds; variants rotate and the report gives
-the median of the per-repeat ratios. `--small-pages` adds manualpar without huge pages;
-`--warm` times a second build after one built and freed in the same process, so that both get
+steadier than wall on a loaded host), system seconds and minor page faults, each rank's MiB on
+2 MiB pages and the same clocks inside the first touch of the rows (manualpar's `_fill_block`,
+TorchRec's `torch.zeros` and `uniform_`), and the host's free memory before it (host_memory.py:
+on a virtual machine that reports free blocks to its host, fresh 2 MiB pages always cost the
+host's supply, 4 KiB pages only once the small free blocks run out); variants rotate and the
+report gives the median of the per-repeat ratios. `--small-pages` adds manualpar without huge
+pages; `--warm` times a second build after one built and freed in the same process, so that both get
 pages the process just gave back (on a virtual machine, fresh pages can cost more than the
 build).
 """
@@ -30,14 +34,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import job_launch
+from host_memory import free_memory, huge_mib
+
 WIDTH = 4096  # one Linear(WIDTH, WIDTH) holds 64 MiB of fp32 weights
 
 
@@ -115,10 +119,13 @@ def embeddings_manualpar(args: argparse.Namespace) -> None:
 
     if args.warm:
         _build_and_free(build)
+    import manualpar.embeddings.sharded.table_storage as table_storage
+
+    table_storage._fill_block = _phase("fill", table_storage._fill_block)  # the rows' first touch
     strategy.barrier()
-    started = _clocks()
+    before, started = free_memory(), _clocks()
     built = build()  # held until measured: freeing it is not init
-    _write_init(args, "manualpar", started)
+    _write_init(args, "manualpar", started, before)
     del built
     strategy.teardown()
 
@@ -136,10 +143,12 @@ def embeddings_torchrec(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.warm:
         _build_and_free(lambda: build_model(args, dist.get_rank(), dist.get_world_size()))
+    torch.zeros = _phase("torch.zeros", torch.zeros)  # FBGEMM's weights: one zeroed block
+    torch.Tensor.uniform_ = _phase("uniform_", torch.Tensor.uniform_)  # then each table's values
     dist.barrier()
-    started = _clocks()
+    before, started = free_memory(), _clocks()
     built = build_model(args, dist.get_rank(), dist.get_world_size())
-    _write_init(args, "torchrec", started)
+    _write_init(args, "torchrec", started, before)
     del built
     dist.destroy_process_group()
 
@@ -152,17 +161,36 @@ def _build_and_free(build: Callable[[], object]) -> None:
     gc.collect()
 
 
-CLOCKS = ("init_s", "init_cpu_s", "init_sys_s")  # wall; user + system (all threads); system
+# wall; user + system (all threads); system; minor page faults (a 2 MiB page is one)
+CLOCKS = ("init_s", "init_cpu_s", "init_sys_s", "init_faults")
+PHASES: dict[str, list[float]] = {}  # name: the CLOCKS spent inside its calls (`_phase`)
 
 
-def _clocks() -> tuple[float, float, float]:
+def _clocks() -> tuple[float, float, float, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), usage.ru_utime + usage.ru_stime, usage.ru_stime
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), cpu, usage.ru_stime, float(usage.ru_minflt)
 
 
-def _write_init(args: argparse.Namespace, variant: str, started: tuple[float, ...]) -> None:
-    """The slowest rank's seconds since `started` on each clock and every rank's peak RSS,
-    written by rank 0."""
+def _phase(name: str, function: Callable) -> Callable:
+    """`function`, adding what each call spends on every clock to PHASES[name]."""
+
+    def timed(*args: object, **kwargs: object) -> object:
+        started = _clocks()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent = [b - a for a, b in zip(started, _clocks(), strict=True)]
+            PHASES[name] = [a + b for a, b in zip(PHASES.get(name, [0.0] * 4), spent, strict=True)]
+
+    return timed
+
+
+def _write_init(
+    args: argparse.Namespace, variant: str, started: tuple[float, ...], before: dict
+) -> None:
+    """The slowest rank's seconds since `started` on each clock, every rank's peak RSS, MiB on
+    2 MiB pages and phases, and the host's free memory `before` (rank 0's), written by rank 0."""
     import torch
     import torch.distributed as dist
     from embedding_workload import peak_rss_gb
@@ -172,40 +200,19 @@ def _write_init(args: argparse.Namespace, variant: str, started: tuple[float, ..
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
     peaks: list[float | None] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_rss_gb())
+    pages: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pages, {"huge_mib": huge_mib(), "phases": PHASES})
     if dist.get_rank() == 0:
         record = {"variant": variant, "plan": args.plan, "peak_rss_gb_per_rank": peaks}
+        record |= {"free_memory_before": before, "pages_per_rank": pages}
         record |= dict(zip(CLOCKS, spent.tolist(), strict=True))
         Path(args.result).write_text(json.dumps(record))
 
 
 def launch(python: str, worker_args: list[str], env: dict[str, str] | None = None) -> dict:
-    """One fresh 2-process torchrun job of this script; its rank 0's JSON result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        command = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            __file__,
-            *worker_args,
-            "--result",
-            result,
-        ]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(HERE.parents[1]),
-            **(env or {}),
-        }
-        run = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True)
-        if not os.path.exists(result):
-            raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-        if run.returncode:  # measured and written, then died on the way out: keep, but say so
-            print(f"  (exit code {run.returncode} after writing its result)", flush=True)
-        return json.loads(Path(result).read_text())
+    """One fresh 2-process torchrun job of this script; its rank 0's JSON result (run from the
+    caller's directory: a relative --peer-python is the caller's)."""
+    return job_launch.launch(python, __file__, worker_args, env=env)
 
 
 def dense(args: argparse.Namespace) -> dict:
@@ -268,7 +275,10 @@ def embeddings(args: argparse.Namespace) -> dict:
             print(
                 f"repeat {repeat} {name:18s}: wall {run['init_s']:.2f} s, CPU "
                 f"{run['init_cpu_s']:.2f} s (system {run['init_sys_s']:.2f} s), peak RSS "
-                f"{max(run['peak_rss_gb_per_rank']):.2f} GiB (load {os.getloadavg()[0]:.1f})",
+                f"{max(run['peak_rss_gb_per_rank']):.2f} GiB, {run['init_faults']:.0f} faults, "
+                f"{max(p['huge_mib'] or 0 for p in run['pages_per_rank']):.0f} MiB on 2 MiB pages; "
+                f"host memory free in small blocks {_mib(run, 'free_below_order_mib')} "
+                f"(load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
     summary: dict[str, float] = {}
@@ -283,6 +293,11 @@ def embeddings(args: argparse.Namespace) -> dict:
                 )
     print(json.dumps(summary, indent=1))
     return {"runs": runs, "summary": summary}
+
+
+def _mib(run: dict, key: str) -> str:
+    value = run["free_memory_before"][key]
+    return "unknown" if value is None else f"{value:.0f} MiB"
 
 
 WORKERS = ("eager", "meta", "embeddings-manualpar", "embeddings-torchrec")

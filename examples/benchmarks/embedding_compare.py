@@ -31,7 +31,9 @@ def compare(args: argparse.Namespace) -> dict:
                     f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
                     f" ({result['ms_per_step'] / floor[plan]['ms']:.1f}x the memory floor)"
                     + (f" cpu {result['cpu_ms_per_step']:6.1f} ms" if cpu_ms(result) else "")
-                    + f"  init {result['init_s']:5.2f} s  peak RSS "
+                    + f"  init {result['init_s']:5.2f} s"
+                    + (f" (cpu {result['init_cpu_s']:5.2f} s)" if "init_cpu_s" in result else "")
+                    + "  peak RSS "
                     f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
                     flush=True,
                 )
@@ -51,6 +53,10 @@ def compare(args: argparse.Namespace) -> dict:
                 "init_s": statistics.median(a["init_s"] / b["init_s"] for a, b in pairs),
                 "pairs": len(pairs),
             }
+            if all("init_cpu_s" in a and "init_cpu_s" in b for a, b in pairs):
+                summary[plan][f"manualpar/{other}"]["init_cpu_s"] = statistics.median(
+                    a["init_cpu_s"] / b["init_cpu_s"] for a, b in pairs
+                )
             if all(cpu_ms(a) and cpu_ms(b) for a, b in pairs):  # CPU time: load-proof
                 summary[plan][f"manualpar/{other}"]["cpu_ms_per_step"] = statistics.median(
                     cpu_ms(a) / cpu_ms(b) for a, b in pairs

@@ -7,13 +7,12 @@ embedding_precision.py) run them."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+import job_launch
 
 from manualpar import malloc_env
 
@@ -29,74 +28,63 @@ _said_allocator = False
 def launch(
     python: str, script: Path, extra: list[str], args: argparse.Namespace, plan: str, rows: int
 ) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        command = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(RANKS),
-            str(script),
-            *extra,
-            "--plan",
-            plan,
-            "--tables",
-            str(args.tables),
-            "--rows",
-            str(rows),
-            "--dim",
-            str(args.dim),
-            "--batch",
-            str(args.batch),
-            "--ids-per-bag",
-            str(args.ids_per_bag),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--lr",
-            str(args.lr),
-            "--result",
-            result,
-            "--lengths",
-            args.lengths,
-            *(["--sequence"] if args.sequence else []),
-            "--ids",
-            getattr(args, "ids", "uniform"),
-            "--zipf-exponent",
-            str(getattr(args, "zipf_exponent", 1.05)),
-        ]
-        # glibc's thresholds as manualpar's strategy fixes them in its own processes, for both
-        # peers' jobs from their start: left to glibc's dynamic threshold, the peer's step swung
-        # by up to 1.5x with what its process freed before (docs/benchmarks.md)
-        allocator = malloc_env(os.environ)
+    workload = [
+        "--plan",
+        plan,
+        "--tables",
+        str(args.tables),
+        "--rows",
+        str(rows),
+        "--dim",
+        str(args.dim),
+        "--batch",
+        str(args.batch),
+        "--ids-per-bag",
+        str(args.ids_per_bag),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--lr",
+        str(args.lr),
+        "--lengths",
+        args.lengths,
+        *(["--sequence"] if args.sequence else []),
+        "--ids",
+        getattr(args, "ids", "uniform"),
+        "--zipf-exponent",
+        str(getattr(args, "zipf_exponent", 1.05)),
+    ]
+    # glibc's thresholds as manualpar's strategy fixes them in its own processes, for both
+    # peers' jobs from their start: left to glibc's dynamic threshold, the peer's step swung
+    # by up to 1.5x with what its process freed before (docs/benchmarks.md)
+    allocator = malloc_env(os.environ)
+    global _said_allocator
+    if not _said_allocator:
+        _said_allocator = True
+        said = " ".join(f"{k}={v}" for k, v in allocator.items()) or "glibc's default"
+        print(f"allocator, every job of both peers: {said}", flush=True)
+
+    def died_after_result(returncode: int, stderr: str) -> None:
+        kept = keep_stderr(stderr, args)
+        print(
+            f"  (exit code {returncode} after writing its result; its errors:)\n"
+            + "\n".join(f"    {line[:160]}" for line in error_lines(stderr))
+            + (f"\n    (whole stderr with the ranks' stacks: {kept})" if kept else ""),
+            flush=True,
+        )
+
+    result = job_launch.launch(
+        python,
+        script,
+        [*extra, *workload],
         # faulthandler: a rank that dies on a signal prints every thread's Python stack
-        env = {
-            **os.environ,
-            **allocator,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONFAULTHANDLER": "1",
-            "PYTHONPATH": str(HERE.parent.parent),
-        }
-        global _said_allocator
-        if not _said_allocator:
-            _said_allocator = True
-            said = " ".join(f"{k}={v}" for k, v in allocator.items()) or "glibc's default"
-            print(f"allocator, every job of both peers: {said}", flush=True)
-        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if not os.path.exists(result):
-            raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-        if run.returncode:  # measured and written, then died on the way out: keep, but say so
-            kept = keep_stderr(run.stderr, args)
-            print(
-                f"  (exit code {run.returncode} after writing its result; its errors:)\n"
-                + "\n".join(f"    {line[:160]}" for line in error_lines(run.stderr))
-                + (f"\n    (whole stderr with the ranks' stacks: {kept})" if kept else ""),
-                flush=True,
-            )
-        return {**json.loads(Path(result).read_text()), "allocator": allocator or "default"}
+        env={**allocator, "PYTHONFAULTHANDLER": "1"},
+        ranks=RANKS,
+        timeout=900,
+        on_exit_code=died_after_result,
+    )
+    return {**result, "allocator": allocator or "default"}
 
 
 def keep_stderr(stderr: str, args: argparse.Namespace) -> Path | None:

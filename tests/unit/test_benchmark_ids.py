@@ -77,10 +77,11 @@ def test_zipf_ids_have_the_exponent_asked_for_with_the_hot_rows_spread() -> None
 def test_every_variants_job_gets_the_id_options(monkeypatch: Any, tmp_path: Path) -> None:
     """embedding_jobs.launch builds one command line for manualpar's workers and the peer's:
     the ids options reach both."""
+    launcher = load_example(Path("benchmarks/job_launch.py"), "bench_job_launch")
     jobs = load_example(
         Path("benchmarks/embedding_jobs.py"),
         "bench_embedding_jobs",
-        {"embedding_workload": workload},
+        {"embedding_workload": workload, "job_launch": launcher},
     )
     seen: list[list[str]] = []
 
@@ -88,9 +89,9 @@ def test_every_variants_job_gets_the_id_options(monkeypatch: Any, tmp_path: Path
         seen.append(command)
         result = Path(command[command.index("--result") + 1])
         result.write_text(json.dumps({"ms_per_step": 1.0}))
-        return jobs.subprocess.CompletedProcess(command, 0, "", "")
+        return launcher.subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(jobs.subprocess, "run", run)
+    monkeypatch.setattr(launcher.subprocess, "run", run)
     cli = argparse.Namespace(
         **vars(_workload(*ZIPF, "--zipf-exponent", "1.2")),
         peer_python="peer-python",

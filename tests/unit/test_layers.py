@@ -552,6 +552,9 @@ KNOWN_INTERNAL = {
         ],
         "a benchmark of that internal piece itself (kernels, row files, the cache, wire dtypes)",
     ),
+    ("examples/benchmarks/bench_init.py", "manualpar.embeddings.sharded.table_storage"): (
+        "times the rows' first touch (its `_fill_block`) inside the init it measures whole"
+    ),
     ("examples/benchmarks/bench_cost_model_ranks.py", "manualpar.cli.calibrate"): (
         "measures the links as `python -m manualpar calibrate` does; the command is the public form"
     ),

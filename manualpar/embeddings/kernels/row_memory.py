@@ -7,9 +7,13 @@ about 1.8x faster (1M x 64 fp32 rows). Linux only hands huge pages to memory tha
 allocated empty, advised, and only then written. Elsewhere this is a plain `torch.empty`.
 Zeroed blocks (optimizer state) are fresh mappings that no pass writes (`zeros_rows`).
 
-The cost is paid once, at init: fresh huge pages can be slow to hand out (on a 2-core virtual
-machine, two processes initializing 256 MB blocks at once took 0.23-0.67 s per block on 2 MiB
-pages against 0.17 s on 4 KiB pages). `MANUALPAR_HUGE_PAGES=0` turns the advice off.
+The cost is paid once, at init, by the first touch of each page, and it is the host's where the
+host takes free memory back: a virtual machine whose balloon reports free 2 MiB blocks to the
+host gets every fresh huge page supplied again on first touch (measured 4-5 ms a page, 2.0-2.4 s
+of system time for 1 GiB, however the pages are first touched), while 4 KiB pages come from
+smaller free blocks it keeps (0.35 s for 1 GiB). Pages freed a second before are still backed
+(0.03-0.7 s for 1 GiB; docs/benchmarks.md, "Embedding init against TorchRec").
+`MANUALPAR_HUGE_PAGES=0` turns the advice off (the benchmark's step then took 1.29x).
 """
 
 from __future__ import annotations
