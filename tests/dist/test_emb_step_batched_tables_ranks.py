@@ -151,3 +151,27 @@ def test_an_undone_batched_update_puts_every_table_back() -> None:
         assert torch.equal(value, before[key]), key
     for name, value in state.items():
         assert torch.equal(emb.fused_optimizer.table_state[name]["sum"], value), name
+
+
+@needs_kernels
+def test_by_default_small_tables_take_the_batch_and_large_ones_do_not() -> None:
+    """batches_tables None (the default): a step batches where its tables are small (ids times
+    width per table up to BatchedTables.SMALL), takes the per-table path above."""
+    strategy = mp.ManualParallelStrategy()
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(_tables(torch.float32), seed=3)
+    plan = EmbeddingPlan(1, {f"t{i}": table_wise(0) for i in range(len(SIZES))})
+    emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1))
+    assert emb.step.batches_tables is None
+    taken = []
+    phases = emb.step.forward_phases
+    lookup = phases._lookup_batched
+    phases._lookup_batched = lambda *a: taken.append(1) or lookup(*a)  # type: ignore[method-assign]
+    emb(_batch(0, 0, 6)).values.sum().backward()
+    assert taken == [1]
+    phases.batched.SMALL = 1  # as if the tables were large
+    emb(_batch(0, 1, 6)).values.sum().backward()
+    assert taken == [1]
+    emb.step.batches_tables = True  # forced: whatever the size
+    emb(_batch(0, 2, 6)).values.sum().backward()
+    assert taken == [1, 1]

@@ -29,6 +29,12 @@ class FeatureBags:
     batch: int  # samples
     counts: tuple[int, ...]  # per feature (the routing's order): bags of this rank's batch
     inverse: tuple[torch.Tensor | None, ...]  # per feature: (batch,) bag indices, or None
+    # whether any feature has bags of its own (else the step runs as for a plain batch): read
+    # several times a step, so found once
+    variable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variable", any(row is not None for row in self.inverse))
 
     @classmethod
     def of(cls, features: SparseFeatures) -> FeatureBags:
@@ -44,11 +50,6 @@ class FeatureBags:
             None if plain[f] and counts[f] == batch else indices[f] for f in range(len(counts))
         )
         return cls(batch, counts, inverse)
-
-    @property
-    def variable(self) -> bool:
-        """Whether any feature has bags of its own (else the step runs as for a plain batch)."""
-        return any(row is not None for row in self.inverse)
 
     def expand(self, feature: int, rows: torch.Tensor) -> torch.Tensor:
         """(bags, cols) pooled rows of `feature` -> (batch, cols), a row per sample."""

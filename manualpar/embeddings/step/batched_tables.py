@@ -2,14 +2,16 @@
 kernel call each (kernels/table_batch.py), where the per-table calls of forward.py and
 backward.py would cost more than the rows (many small tables).
 
-Switched on by `ShardedStep.batches_tables` (off by default: faster for many small tables with
-short bags, slower at 20 ids a bag; docs/benchmarks.md, "Many small tables"), a step
-batches its tables when all of them can be: float32 or float64 rows of one dtype whose
-slots are their rows (in memory: nothing read in, nothing pinned), a rule with a table-batched
-pass (row-wise Adagrad without clipping, 1-D tables), no raw ids remapped in the step, no
-compact layout (a row split's compact blocks are batched: each sender's bags are counted as
-they came); and, per step, no per-id weights or batch per feature (the size header's third
-value: step/size_header.py), no frozen table, no batch fetched ahead.
+`ShardedStep.batches_tables` chooses: None (the default) batches a step whose tables are small
+(`SMALL`: ids times width per table; faster for many small tables with short bags, slower for
+8 tables of 1M x 64 at 20 ids a bag; docs/benchmarks.md, "Many small tables"), True every step
+that can, False none. A step batches its tables when all of them can be: float32 or float64
+rows of one dtype whose slots are their rows (in memory: nothing read in, nothing pinned), a
+rule with a table-batched pass (row-wise Adagrad without clipping, 1-D tables), no raw ids
+remapped in the step, no compact layout (a row split's compact blocks are batched: each
+sender's bags are counted as they came); and, per step, no per-id weights or batch per
+feature (the size header's third value: step/size_header.py), no frozen table, no batch
+fetched ahead.
 Otherwise the step takes the per-table path, which gives the same bits.
 """
 
@@ -45,9 +47,16 @@ class BatchedTables:
         self._usable: bool | None = None  # decided at the first step (stores are final then)
         self._own_cache: dict[tuple[int, int], torch.Tensor] = {}  # pool_own's segments
         self._spans: list[list[tuple[int, int, int]]] | None = None  # own_blocks' columns
-        # off by default: 0.75x the per-table CPU time for 26 small tables with one id a bag,
-        # 1.09x for 8 x 1M x 64 at 20 ids a bag (docs/benchmarks.md, "Many small tables")
-        self.enabled = False
+        # None: steps whose tables are small (`SMALL`); True: every step that can; False: none
+        self.enabled: bool | None = None
+        self._widths = sum(shard.shard.cols for shard in self.local)  # `_small`'s
+
+    # the batch's per-table saving is fixed (a Python call chain and kernel calls per table), its
+    # cost grows with the rows (one sort and pass over every table's ids): per 2-rank step, 26
+    # tables of 200k x 16 at 1 id a bag (6.6e4 elements a table) take 0.8-0.9x the per-table CPU
+    # time, 8 tables of 1M x 64 at 20 ids a bag (2.8e6) 1.2-1.5x. Batched up to this many
+    # (ids and bag lengths received) x (columns) per table and step, about their geometric middle.
+    SMALL = 1 << 19
 
     @property
     def usable(self) -> bool:
@@ -79,13 +88,21 @@ class BatchedTables:
         """Whether this step batches its tables (decided by every rank alike: the exchange
         layout is the same either way)."""
         return (
-            self.enabled
+            self.enabled is not False
             and routed.fetched is None
             and routed.features.weights is None
             and not any(size[2] for size in routed.sizes)
             and routed.frozen.isdisjoint(self.tables)
             and self.usable
+            and (self.enabled or self._small(routed))
         )
+
+    def _small(self, routed: RoutedIds) -> bool:
+        """Whether this step's tables are small enough to batch (`SMALL`): by the payload every
+        sender's size header announced (bag lengths and ids), so no tensor is read."""
+        payload = sum(size[1] for size in routed.sizes)
+        tables = len(self.local)
+        return payload * self._widths <= self.SMALL * tables * tables
 
     # forward ----------------------------------------------------------------------------------
     def pool_own(self, own: list[SenderBags], out: torch.Tensor) -> None:

@@ -21,8 +21,10 @@ import torch
 
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.remap import RawIdRoutes
-from manualpar.embeddings.step.bag_expansion import FeatureBags, OutputGrad, route_sums
-from manualpar.embeddings.step.routing import LocalShard, Route, Routing
+from manualpar.embeddings.step.bag_expansion import FeatureBags, route_sums
+from manualpar.embeddings.step.column_blocks import column_view, strided_spans
+from manualpar.embeddings.step.gradient_layout import GradientLayout, Kept
+from manualpar.embeddings.step.routing import Route, Routing
 from manualpar.embeddings.step.sender_bags import (
     SenderBags,
     combine_senders,
@@ -39,9 +41,6 @@ __all__ = [
     "split_by_rows",
 ]
 
-# compact layouts: per owner (None: ourselves), per route, our bags with ids there (None: all)
-Kept = list[list[torch.Tensor | None] | None] | None
-
 
 def _weight_bits(weights: torch.Tensor) -> torch.Tensor:
     return weights.to(torch.float32).view(torch.int32).to(torch.int64)
@@ -51,14 +50,14 @@ def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-class ExchangeLayout:
+class ExchangeLayout(GradientLayout):
     """One plan's exchange layout, bound to its Routing: what this rank packs for each other
     rank, and how it reads what they send (ids, pooled rows, output gradients)."""
 
     def __init__(
         self, routing: Routing, compact: bool = False, raw_routes: RawIdRoutes | None = None
     ) -> None:
-        self.routing = routing
+        super().__init__(routing)
         # raw ids remapped at their owners: a row-split table's go to their bucket's block
         self.raw_routes = raw_routes
         # compact: bags with no ids on an owner are left out of its pooled rows and gradients
@@ -82,6 +81,15 @@ class ExchangeLayout:
         for shard in routing.routed_local_shards():
             row = sum(count for _, count, _ in self._shard_routes)
             self._shard_routes.append((row, len(shard.features), shard.table))
+        # per owner: its routes' output columns as one strided block (column_blocks.py), or None
+        self._pooled_strided = [
+            strided_spans([(self._out_start(r), self._out_start(r) + r.cols) for r in routes])
+            for routes in routing.routes_to
+        ]
+        self._splits: dict[tuple[int, ...], list[int]] = {}  # output_splits' of a whole batch
+
+    def _out_start(self, route: Route) -> int:
+        return self.routing.feature_offsets[route.feature] + route.shard.col_start
 
     def send_every_bag(self) -> None:
         """The exchange before compact layouts (every bag to every owner, row splits too): the
@@ -223,6 +231,16 @@ class ExchangeLayout:
     def output_splits(self, counts: Sequence[int], kept: Kept = None) -> list[int]:
         """Receiver side: how many floats each other owner sends back for our batch
         (`counts`: each feature's bags)."""
+        if kept is None:  # the same for every batch of these counts: made once
+            found = self._splits.get(tuple(counts))
+            if found is None:
+                if len(self._splits) >= 16:
+                    self._splits.clear()
+                found = self._splits[tuple(counts)] = self._output_splits(counts, None)
+            return found
+        return self._output_splits(counts, kept)
+
+    def _output_splits(self, counts: Sequence[int], kept: Kept) -> list[int]:
         splits = []
         for owner, routes in enumerate(self.routing.routes_to):
             owner_kept = None if kept is None else kept[owner]
@@ -239,129 +257,33 @@ class ExchangeLayout:
                 )
         return splits
 
+    def add_pooled(
+        self,
+        out: torch.Tensor,
+        owner: int,
+        received: torch.Tensor,
+        bags: FeatureBags,
+        kept: list[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Receiver side: add an owner's pooled buffer for our batch into the output, each bag's
+        rows expanded to the batch (`kept`: kept_bags' for this owner); equally spaced routes
+        of a plain batch in one strided add (column_blocks.py)."""
+        strided = self._pooled_strided[owner]
+        if strided is not None and kept is None and not bags.variable:
+            blocks, _, _, width = strided
+            if received.numel() == blocks * out.shape[0] * width:
+                column_view(out, strided).add_(received.view(blocks, out.shape[0], width))
+                return
+        for route, block, rows in self.pooled_blocks(owner, received, bags.counts, kept):
+            self.add_block(out, route, bags.expand(route.feature, block), rows)
+
     def add_block(
         self, out: torch.Tensor, route: Route, block: torch.Tensor, rows: torch.Tensor | None = None
     ) -> None:
         """Add one route's pooled block into its columns of the output: (batch, cols), or the
         batch rows `rows` of a compact layout."""
-        start = self.routing.feature_offsets[route.feature] + route.shard.col_start
+        start = self._out_start(route)
         if rows is None:
             out[:, start : start + route.cols] += block
         else:
             out[:, start : start + route.cols].index_add_(0, rows, block)
-
-    def grad_columns(self, route: Route, full_rows: bool) -> tuple[int, int]:
-        """The output-gradient columns an owner needs for one route."""
-        base = self.routing.feature_offsets[route.feature]
-        if full_rows and self.routing.splits_cols(route.table):
-            return base, base + self.routing.dims[route.feature]
-        start = base + route.shard.col_start
-        return start, start + route.cols
-
-    def pack_output_grad(
-        self,
-        grad: OutputGrad,
-        full_rows: bool,
-        frozen: frozenset[int] = frozenset(),
-        kept: Kept = None,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Sender side: the output-gradient blocks each other owner needs, in its route order, and
-        the send splits (0 to ourselves); none for `frozen` tables; the rows of `kept` bags only
-        in a compact layout."""
-        blocks: list[torch.Tensor] = []
-        splits = []
-        for owner, routes in enumerate(self.routing.routes_to):
-            if owner == self.routing.rank:
-                splits.append(0)
-                continue
-            start_len = len(blocks)
-            owner_kept = None if kept is None else kept[owner]
-            for r, route in enumerate(routes):
-                if route.table in frozen:
-                    continue
-                start, end = self.grad_columns(route, full_rows)
-                columns = grad.columns(route.feature, start, end)
-                rows = None if owner_kept is None else owner_kept[r]
-                if rows is not None:
-                    columns = columns.index_select(0, rows)
-                blocks.append(columns.flatten())
-            splits.append(sum(b.numel() for b in blocks[start_len:]))
-        flat = torch.cat(blocks) if blocks else grad.grad.new_empty(0)
-        return flat, splits
-
-    def own_grad_blocks(
-        self,
-        grad: OutputGrad,
-        full_rows: bool,
-        frozen: frozenset[int] = frozenset(),
-    ) -> list[list[torch.Tensor]]:
-        """Per local shard: the gradient of our own bags, one (batch, width) block per feature,
-        copied out of the output gradient: as a column slice its rows would lie a whole output row
-        apart, on few cache sets, and the update reads them in random order. None for `frozen`
-        tables."""
-        routes = self.routing.routes_to[self.routing.rank]
-        blocks: list[list[torch.Tensor]] = []
-        index = 0
-        for shard in self.routing.routed_local_shards():
-            views = []
-            for route in routes[index : index + len(shard.features)]:
-                if route.table in frozen:
-                    continue
-                start, end = self.grad_columns(route, full_rows)
-                views.append(grad.columns(route.feature, start, end).contiguous())
-            index += len(shard.features)
-            blocks.append(views)
-        return blocks
-
-    def grad_width(self, shard: LocalShard, full_rows: bool) -> int:
-        """Columns of the output gradient an owner receives for one of its shards."""
-        if full_rows and self.routing.splits_cols(shard.table):
-            return self.routing.tables[shard.table].embedding_dim
-        return shard.shard.cols
-
-    def grad_receive_splits(
-        self,
-        bag_counts: list[list[int]],
-        full_rows: bool,
-        frozen: frozenset[int] = frozenset(),
-    ) -> list[int]:
-        """Owner side: how many gradient floats each other sender sends for our shards;
-        `bag_counts[k][sender]`: the bags of our k-th shard that sender's ids filled (each a
-        gradient row)."""
-        local = self.routing.routed_local_shards()
-        senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
-        return [
-            0
-            if sender == self.routing.rank
-            else sum(
-                bag_counts[k][sender] * self.grad_width(shard, full_rows)
-                for k, shard in enumerate(local)
-                if shard.table not in frozen
-            )
-            for sender in range(senders)
-        ]
-
-    def grad_blocks(
-        self,
-        received: torch.Tensor,
-        bag_counts: list[list[int]],
-        full_rows: bool,
-        frozen: frozenset[int] = frozenset(),
-    ) -> list[list[torch.Tensor | None]]:
-        """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
-        sender sent (None for ourselves, and for `frozen` tables)."""
-        local = self.routing.routed_local_shards()
-        widths = [self.grad_width(s, full_rows) for s in local]
-        senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
-        per_shard: list[list[torch.Tensor | None]] = [[None] * senders for _ in local]
-        offset = 0
-        for sender in range(senders):
-            if sender == self.routing.rank:
-                continue
-            for k, (shard, width) in enumerate(zip(local, widths, strict=True)):
-                if shard.table in frozen:
-                    continue
-                rows = bag_counts[k][sender]
-                per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
-                offset += rows * width
-        return per_shard

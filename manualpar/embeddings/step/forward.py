@@ -356,15 +356,9 @@ class ForwardPhases:
             kept = routed.kept
             bags = routed.bags
             for owner, size in enumerate(layout.output_splits(bags.counts, kept)):
-                if size:
-                    blocks = layout.pooled_blocks(
-                        owner,
-                        received[offset : offset + size],
-                        bags.counts,
-                        None if kept is None else kept[owner],
-                    )
-                    for route, block, rows in blocks:  # each bag's rows expanded to the batch
-                        layout.add_block(out, route, bags.expand(route.feature, block), rows)
+                if size:  # each bag's rows expanded to the batch
+                    part = received[offset : offset + size]
+                    layout.add_pooled(out, owner, part, bags, None if kept is None else kept[owner])
                 offset += size
         with self.times.phase(LOOKUP):  # the data-parallel tables' own lookup
             feature_ids = self.data_parallel.lookup(routed.features, out, routed.bags)

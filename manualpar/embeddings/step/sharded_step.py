@@ -87,14 +87,15 @@ class ShardedStep:
         return self.parts.dtype
 
     @property
-    def batches_tables(self) -> bool:
-        """Whether steps may look up and update all of this rank's tables in one kernel call
-        each (batched_tables.py; the same bits either way). Off by default: measured no faster
-        than one call per table yet (docs/benchmarks.md, "Many small tables")."""
+    def batches_tables(self) -> bool | None:
+        """Whether steps look up and update all of this rank's tables in one kernel call each
+        (batched_tables.py; the same bits either way): None (the default) where a step's
+        tables are small (many small tables: faster; large ones: slower; docs/benchmarks.md,
+        "Many small tables"), True wherever they can, False never."""
         return self.forward_phases.batched.enabled
 
     @batches_tables.setter
-    def batches_tables(self, value: bool) -> None:
+    def batches_tables(self, value: bool | None) -> None:
         self.forward_phases.batched.enabled = value
 
     @property
