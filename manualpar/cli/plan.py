@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from manualpar import EmbeddingInputError
-from manualpar.cli.plan_layouts import exchanged_bytes, layouts_text, plan_layouts
+from manualpar.cli.plan_layouts import layouts_text, plan_layouts
 from manualpar.cli.plan_values import (
     UsageError,
     bags_per_feature_of,
@@ -352,8 +352,7 @@ def run(args: argparse.Namespace) -> int:
     if any(remappers):  # int64 state per row, beside the tables (ids/buckets.py)
         print("  managed-collision remappers per rank: " + per_rank_text(remappers, format_bytes))
     if args.batch_per_rank is not None and replicas == 1:
-        priced = exchanged_bytes(best, topology, workload) if own else None
-        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, rule, own, priced))
+        print(_traffic(tables, plan, args.batch_per_rank, args.ids_per_bag, rule, own))
     print(costs_text(costs, topology, batch, replicas))
     if args.json:
         try:
@@ -372,18 +371,17 @@ def _traffic(
     ids_per_bag: float,
     rule: UpdateRule,
     own: dict[str, float],
-    priced: list[int] | None,
 ) -> str:
-    """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py); for
-    a batch per feature (`own`), the cost model's (`priced`), which counts its bags as a real
-    step sends them (tests/dist/test_emb_planning_variable_batch_ranks.py)."""
+    """The expected bytes one step's exchanges send per rank (planning/exchange_bytes.py), a
+    batch per feature's (`own`) as a real step sends its bags
+    (tests/dist/test_emb_planning_variable_batch_ranks.py)."""
     per_bag = {f: ids_per_bag for config in tables for f in config.feature_names}
     full_rows = rule_costs(rule)[1]
     wire = {"wire": plan.wire} if plan.wire is not None else {}  # the planner's pick
-    sent = priced
-    if sent is None:
-        per_rank = expected_sent_bytes(tables, plan, batch, per_bag, full_rows=full_rows, **wire)
-        sent = [int(value) for value in per_rank]
+    per_rank = expected_sent_bytes(
+        tables, plan, batch, per_bag, full_rows=full_rows, bags_per_feature=own, **wire
+    )
+    sent = [int(value) for value in per_rank]
     bags = "".join(f", {feature} {count:g} bags" for feature, count in own.items())
     return (
         f"  bytes sent per rank and step ({batch} samples, {ids_per_bag:g} ids per bag{bags}): "

@@ -17,12 +17,11 @@ from manualpar.embeddings.planning import (
     Workload,
     format_bytes,
     format_seconds,
-    placement_costs,
     plan_by_cost,
     plan_costs,
 )
 
-__all__ = ["Layout", "exchanged_bytes", "layouts_text", "plan_layouts"]
+__all__ = ["Layout", "layouts_text", "plan_layouts"]
 
 
 @dataclass(frozen=True)
@@ -88,20 +87,6 @@ def plan_layouts(
     if not layouts:
         raise refused[0][1]
     return layouts, refused
-
-
-def exchanged_bytes(layout: Layout, topology: Topology, workload: Workload) -> list[int]:
-    """Per rank, the bytes a 1-D layout's exchanges send in a step as the cost model prices them
-    (a batch per feature too): its costs without the replicated tables' gradient all_reduce,
-    which is not an exchange (exchange_bytes.py leaves it out too)."""
-    if layout.plan.wire is not None:  # (as plan_costs prices the plan)
-        workload = dataclasses.replace(workload, wire=layout.plan.wire)
-    sent = layout.costs.sent
-    for config in layout.tables:
-        placement = layout.plan.tables[config.name]
-        if placement.sharding == "data_parallel":
-            sent = sent - placement_costs(config, placement, topology, workload).sent
-    return [round(value) for value in sent.tolist()]
 
 
 def layouts_text(

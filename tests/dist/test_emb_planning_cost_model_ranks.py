@@ -1,7 +1,8 @@
 """The planner's cost model counts the bytes a real step sends, per rank, per direction and per
-link: on 4 ranks of two simulated nodes and within the shard groups of a 2 x 2 mesh, a step's
-all_to_all splits (ids, pooled rows, output gradients, sizes) summed over same-node and
-other-node peers equal the model's sent/received intra/inter bytes exactly, for every placement
+link: on 4 ranks of two simulated nodes and on a 2 x 2 mesh (its shard groups' exchanges, and
+the sizes that every rank sends every rank of the job), a step's all_to_all splits (ids, pooled
+rows, output gradients, sizes) summed over same-node and other-node peers equal the model's
+sent/received intra/inter bytes exactly, for every placement
 kind, with the exchanges in float32 and in the half wire dtypes (bf16: the pooled rows and
 gradients in half the bytes; fp16: float16 rows and their overflow flags). The batch spreads
 its ids evenly over each table's row blocks, as the model assumes."""
@@ -28,7 +29,7 @@ from manualpar.embeddings import (
 )
 from manualpar.embeddings.exchange_layout import WIRE_NAMES
 from manualpar.embeddings.planning import Workload, load_topology, plan_costs, rule_costs
-from manualpar.embeddings.planning.cost_model import shard_group
+from manualpar.embeddings.planning.cost_model import collection_costs, shard_group
 from manualpar.testing import run_distributed
 
 CONFIGS = [
@@ -139,13 +140,15 @@ def test_the_cost_model_counts_every_byte_of_a_step(two_d: bool) -> None:
     sharded = [c for c in CONFIGS if c.name != "tiny"]
     plan = EmbeddingPlan(shards, {c.name: _plan(shards).tables[c.name] for c in sharded})
     for wire in WIRES:
-        costs = plan_costs(sharded, plan, group, replace(workload, wire=WIRE_NAMES[wire]))
+        wired = WIRE_NAMES[wire]
+        costs = plan_costs(sharded, plan, group, replace(workload, wire=wired))
+        if two_d:  # and the sizes to the other group's ranks, as the 2-D layout's costs add
+            beyond = collection_costs(sharded, plan, topology, 2, wired)
+            costs = costs + beyond - collection_costs(sharded, plan, group, 1, wired)
         for rank, by_wire in enumerate(recorded):
             sent, received, halved = by_wire[wire]
             me = rank % shards
-            peers = [
-                p for p in range(4) if p != rank and (p // shards == rank // shards or not two_d)
-            ]
+            peers = [p for p in range(4) if p != rank]  # (another group's: the sizes)
             same = [p for p in peers if p // 2 == rank // 2]
             other = [p for p in peers if p // 2 != rank // 2]
 

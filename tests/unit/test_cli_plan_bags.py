@@ -1,7 +1,7 @@
 """`python -m manualpar plan --bags-per-feature FEATURE=BAGS`: a batch per feature, priced as
 the planner prices PlanOptions(bags_per_feature=), its bytes line equal to the bytes a step of
-such batches sends (exchange_bytes), and a malformed value refused in one line naming the
-feature."""
+such batches sends (exchange_bytes), a replicated plan's sizes counted with it too, and a
+malformed value refused in one line naming the feature."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def test_the_planner_gets_the_bags_and_a_full_batch_named_so_is_unchanged(
     named = [f"--bags-per-feature={f}={BATCH}" for f in ("user", "item", "last_item")]
     full = _bytes_line(capsys).split("): ")[1]
     assert _bytes_line(capsys, *named).split("): ")[1] == full
+
+
+def test_a_replicated_plan_sends_its_sizes_with_the_flag_too(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """One source for the line (expected_sent_bytes): every table replicated, a step still
+    sends its 4 int64 sizes to the other rank, a batch per feature's too."""
+    full = _bytes_line(capsys, "--plan", "data_parallel")
+    own = _bytes_line(capsys, "--plan", "data_parallel", "--bags-per-feature", "user=8")
+    assert full.endswith("): r0: 32 bytes, r1: 32 bytes")
+    assert own.split("): ")[1] == full.split("): ")[1]
 
 
 @pytest.mark.parametrize(

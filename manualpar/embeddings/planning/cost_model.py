@@ -245,19 +245,28 @@ def collection_costs(
 ) -> RankCosts:
     """Costs shared by a collection's tables: every rank's share of the managed-collision
     remappers (split over the whole job, ids/buckets.py; an owner's state beyond it is its
-    placement's), and when any table is sharded, the sizes all_to_all (3 + flag words int64 to
-    every other rank of the shard group) and a range-limited `wire`'s overflow flag (one
-    value to every other rank beside the pooled rows, step/wire.py)."""
+    placement's), the sizes all_to_all (3 + flag words int64 to every other rank of the job,
+    those of the other shard groups too: StepParts.exchange_headers) and a range-limited
+    `wire`'s overflow flag (one value to every other rank of the shard group beside the pooled
+    rows, step/wire.py): a step sends both every time, its tables all replicated too
+    (tests/dist/test_emb_planning_variable_batch_ranks.py counts them)."""
     share = remapper_bytes_per_rank(configs, topology.world_size)
-    topology = shard_group(topology, replicas) if replicas > 1 else topology
-    costs = RankCosts.zeros(topology.world_size)
+    group = shard_group(topology, replicas) if replicas > 1 else topology
+    costs = RankCosts.zeros(group.world_size)
     costs.memory += share
-    if all(plan.tables[c.name].sharding == "data_parallel" for c in configs):
-        return costs
     words = header_width(len(configs)) * INT64
-    to_owner = torch.full((topology.world_size,), float(words), dtype=torch.float64)
+    to_owner = torch.full((group.world_size,), float(words), dtype=torch.float64)
     flags = torch.full_like(to_owner, float(flag_bytes(wire.forward)))
-    owner_traffic(costs, to_owner, flags, topology.ranks_per_node)
+    owner_traffic(costs, to_owner, flags, group.ranks_per_node)
+    # the sizes to (and from) the other groups' ranks: on my node those beside my group
+    beside = max(topology.ranks_per_node - group.world_size, 0)
+    elsewhere = topology.world_size - group.world_size - beside
+    for sent, received, peers in (
+        (costs.sent_intra, costs.received_intra, beside),
+        (costs.sent_inter, costs.received_inter, elsewhere),
+    ):
+        sent += words * peers
+        received += words * peers
     return costs
 
 

@@ -14,10 +14,12 @@ own part never travels.
 `exchange_bytes(configs, plan, batches)` counts them from each rank's batch, a batch per feature
 too (exact: the tests compare them with the splits the exchanges really send);
 `expected_exchange_bytes` from batch sizes and ids per bag, with ids spread evenly over a
-table's rows (a plan's expectation); `expected_sent_bytes` the same expectation's bytes each
-rank sends, without the matrices (for thousands of ranks: four world x world matrices took
-8 GB at 8,192).
+table's rows (a plan's expectation), a batch per feature's bags too (`bags_per_feature`, as
+PlanOptions'); `expected_sent_bytes` the same expectation's bytes each rank sends, without the
+matrices (for thousands of ranks: four world x world matrices took 8 GB at 8,192).
 Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
+The sizes (and a float16 or float8 wire's overflow flag) travel every step, every table
+replicated too.
 
 Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a bag of its own,
 every feature padded with empty bags to the batch's largest id count (sharded/
@@ -238,6 +240,32 @@ def _expected_bags(
     return max((batch_per_rank * ids_per_bag.get(n, 1.0) for n in names), default=0.0)
 
 
+def _own_bag_counts(
+    configs: Sequence[EmbeddingBagConfig],
+    batch_per_rank: int,
+    bags_per_feature: Mapping[str, float] | None,
+) -> tuple[dict[str, float], bool]:
+    """The bags a rank sends per feature of `configs` named in `bags_per_feature` (the others:
+    one per sample), and whether the batch is a batch per feature (a count other than the
+    batch: each route then sends its bag count first, and a row block every bag, as
+    Workload.variable prices it); PlanError for a count a step cannot take."""
+    own = dict(bags_per_feature or {})
+    counts: dict[str, float] = {}
+    for config in configs:
+        named = {f: own[f] for f in config.feature_names if f in own}
+        if named and isinstance(config, EmbeddingConfig):
+            raise PlanError(
+                f"bags_per_feature: features {sorted(named)} of sequence table {config.name!r} "
+                "cannot have their own bags (sequence embeddings take one sequence per sample); "
+                "leave them out"
+            )
+        bad = {f: n for f, n in named.items() if not float(n) >= 0}
+        if bad:
+            raise PlanError(f"bags_per_feature: bag counts must be >= 0, got {bad}")
+        counts.update((f, float(n)) for f, n in named.items())
+    return counts, any(n != batch_per_rank for n in counts.values())
+
+
 def expected_exchange_bytes(
     configs: Sequence[EmbeddingBagConfig],
     plan: EmbeddingPlan,
@@ -248,28 +276,47 @@ def expected_exchange_bytes(
     frozen: frozenset[str] = frozenset(),
     full_rows: bool = False,
     wire: WireDtypes = FLOAT32_WIRE,
+    bags_per_feature: Mapping[str, float] | None = None,
 ) -> ExchangeBytes:
     """The expected bytes of a step with `batch_per_rank` samples on every rank and, per
-    feature, `ids_per_bag` ids a sample on average, spread evenly over the table's rows (a
-    sequence collection: its bags padded to the largest feature's expected id count)."""
+    feature, `ids_per_bag` ids a bag on average, spread evenly over the table's rows (a
+    sequence collection: its bags padded to the largest feature's expected id count).
+    `bags_per_feature` ({feature: bags a rank sends}, PlanOptions'): a batch per feature's
+    features with bags of their own, the others one per sample."""
     routing = Routing(configs, plan, 0)
     ids_of: dict[tuple[int, int], list[float]] = {}
     kept_of: dict[tuple[int, int], list[float]] = {}
+    own_bags: dict[tuple[int, int], float] = {}
     sequence = is_sequence(configs)
     bags = _expected_bags(configs, batch_per_rank, ids_per_bag)
+    own, variable = _own_bag_counts(configs, batch_per_rank, bags_per_feature)
     for f, (name, table) in enumerate(routing.features):
         rows = configs[table].num_embeddings
         starts = [*routing.row_starts[table], rows]
         per_bag = ids_per_bag.get(name, 1.0)
+        samples = own.get(name, batch_per_rank)  # the feature's bags (not a sequence's)
         shares = [(starts[g + 1] - starts[g]) / rows for g in range(len(starts) - 1)]
-        share = [batch_per_rank * per_bag * s for s in shares]
+        share = [samples * per_bag * s for s in shares]
         kept = share if sequence else [expected_kept(bags, s, per_bag) for s in shares]
+        if variable:  # every bag comes back, a row block's too
+            kept = [samples] * len(shares)
         for rank in range(plan.world_size):
             ids_of[(rank, f)] = share
             kept_of[(rank, f)] = kept
+            if variable:
+                own_bags[(rank, f)] = samples
     world = plan.world_size
     return _step_bytes(
-        configs, plan, [bags] * world, ids_of, [weighted] * world, frozen, full_rows, kept_of, wire
+        configs,
+        plan,
+        [bags] * world,
+        ids_of,
+        [weighted] * world,
+        frozen,
+        full_rows,
+        kept_of,
+        wire,
+        own_bags,
     )
 
 
@@ -283,15 +330,17 @@ def expected_sent_bytes(
     frozen: frozenset[str] = frozenset(),
     full_rows: bool = False,
     wire: WireDtypes = FLOAT32_WIRE,
+    bags_per_feature: Mapping[str, float] | None = None,
 ) -> list[float]:
     """Per rank, the bytes `expected_exchange_bytes(...).sent(rank)` sums, in memory linear in
     the ranks: with every rank's batch alike, what a sender exchanges with an owner depends on
     the owner alone, so each owner's exchange is summed once, table by table, in the routes'
     order (Routing: table, row block, column block, feature); the ranks' totals, added in
-    another order, agree to the last bits."""
+    another order, agree to the last bits. `bags_per_feature`: expected_exchange_bytes'."""
     world, copies = plan.world_size, 2 if weighted else 1
     sequence = is_sequence(configs)
     bags = _expected_bags(configs, batch_per_rank, ids_per_bag)
+    own, variable = _own_bag_counts(configs, batch_per_rank, bags_per_feature)
     ids, pooled, grads = [0.0] * world, [0.0] * world, [0.0] * world  # per owner, from a sender
     for config in configs:
         if plan.tables[config.name].sharding == "data_parallel":
@@ -309,10 +358,13 @@ def expected_sent_bytes(
             share = (ends[g] - starts[g]) / rows
             for name in config.feature_names:
                 per_bag = ids_per_bag.get(name, 1.0)
-                here = batch_per_rank * per_bag * share
+                samples = own.get(name, batch_per_rank)  # the feature's bags (a batch per
+                here = samples * per_bag * share  # feature: its own, each route's count first)
                 # the bags whose rows come back
                 returned = here if sequence else expected_kept(bags, share, per_bag)
-                ids[owner] += bags + here * copies
+                if variable:
+                    returned = samples
+                ids[owner] += (samples + 1 if variable else bags) + here * copies
                 pooled[owner] += returned * shard.cols
                 if not frozen_table:
                     grads[owner] += returned * grad_cols
