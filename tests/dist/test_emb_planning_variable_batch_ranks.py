@@ -4,8 +4,8 @@ peer, the bytes the model counts (each distinct bag's length, ids, pooled row an
 a bag count per route, a row split's every bag), on every placement kind
 (test_emb_planning_cost_model_ranks.py checks a full batch on 4 ranks), and so does
 expected_sent_bytes(bags_per_feature=) (the `plan` command's bytes line). A step whose
-tables are all replicated still sends its sizes (and a float16 wire's overflow flag), as both
-count."""
+tables are all replicated sends its sizes alone, in one all_to_all (no ids, no pooled rows, no
+float16 overflow flag: nothing is routed, every rank knows it from the plan), as both count."""
 
 from __future__ import annotations
 
@@ -55,7 +55,20 @@ def _variable_batch(rank: int) -> SparseFeatures:
 REPLICATED = EmbeddingPlan(2, {c.name: data_parallel() for c in CONFIGS})
 
 
-def _recorded() -> list[tuple[list[int], list[int]]]:
+Step = tuple[list[int], list[int], list[str]]  # sent, received per peer; the all_to_alls run
+
+
+def _named(start, names):  # type: ignore[no-untyped-def]
+    """`start`, adding the name of every all_to_all it starts to `names`."""
+
+    def named(tensor, send, receive, *, name="", group=None):  # type: ignore[no-untyped-def]
+        names.append(name)
+        return start(tensor, send, receive, name=name, group=group)
+
+    return named
+
+
+def _recorded() -> list[Step]:
     """What this rank sent and received: a batch per feature's step, then a step of the
     replicated plan in float32 and in float16."""
     strategy = mp.ManualParallelStrategy()
@@ -66,23 +79,24 @@ def _recorded() -> list[tuple[list[int], list[int]]]:
             ebc = EmbeddingBagCollection(CONFIGS, seed=0)
         emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1), wire_dtype=wire)
         emb.tables["cold"].weight.requires_grad_(False)
-        sent, received = [0, 0], [0, 0]
-        strategy.all_to_all_async = _recording(strategy, start, sent, received, [0])  # type: ignore[method-assign]
+        sent, received, names = [0, 0], [0, 0], []
+        recording = _recording(strategy, start, sent, received, [0])
+        strategy.all_to_all_async = _named(recording, names)  # type: ignore[method-assign]
         emb(_variable_batch(strategy.rank)).values.sum().backward()
-        out.append((sent, received))
+        out.append((sent, received, names))
     strategy.teardown()
     return out
 
 
 @pytest.fixture(scope="module")
-def recorded() -> list[list[tuple[list[int], list[int]]]]:
+def recorded() -> list[list[Step]]:
     """Per rank, `_recorded`'s steps (one run of 2 ranks for both tests)."""
     return run_distributed(_recorded, 2, timeout=90)
 
 
 @pytest.mark.timeout(120)
 def test_the_cost_model_counts_every_byte_of_a_batch_per_feature(
-    recorded: list[list[tuple[list[int], list[int]]]],
+    recorded: list[list[Step]],
 ) -> None:
     state, full_rows = rule_costs(RowWiseAdagrad(lr=0.1))
     sharded = [c for c in CONFIGS if c.name != "tiny"]
@@ -106,7 +120,7 @@ def test_the_cost_model_counts_every_byte_of_a_batch_per_feature(
         full_rows=full_rows,
         bags_per_feature=OWN_BAGS,
     )
-    for rank, ((sent, received), *_) in enumerate(recorded):
+    for rank, ((sent, received, _), *_) in enumerate(recorded):
         peer = 1 - rank
         assert sent[peer] == costs.sent_intra[rank].item(), (rank, "sent")
         assert received[peer] == costs.received_intra[rank].item(), (rank, "received")
@@ -118,7 +132,7 @@ def test_the_cost_model_counts_every_byte_of_a_batch_per_feature(
 
 @pytest.mark.timeout(120)
 def test_a_step_of_replicated_tables_sends_its_sizes_as_both_models_count(
-    recorded: list[list[tuple[list[int], list[int]]]],
+    recorded: list[list[Step]],
 ) -> None:
     topology = load_topology("cpu-host", 2, 2)
     for index, wire in ((1, "fp32"), (2, "fp16")):
@@ -129,9 +143,10 @@ def test_a_step_of_replicated_tables_sends_its_sizes_as_both_models_count(
             costs = costs - placement_costs(config, placement, topology, workload)
         expected = expected_sent_bytes(CONFIGS, REPLICATED, BATCH, {}, wire=WIRE_NAMES[wire])
         for rank, by_plan in enumerate(recorded):
-            sent, received = by_plan[index]
+            sent, received, names = by_plan[index]
             peer = 1 - rank
-            # 4 int64 sizes, and a float16 wire's one overflow flag value
-            assert sent[peer] == received[peer] == 32 + (2 if wire == "fp16" else 0), wire
+            # 4 int64 sizes; no ids, no pooled rows and so no float16 overflow flag
+            assert sent[peer] == received[peer] == 32, wire
+            assert len(names) == 1 and names[0].endswith("ids all_to_all"), (wire, names)
             assert costs.sent_intra[rank].item() == sent[peer], (wire, rank, "plan_costs")
             assert expected[rank] == sent[peer], (wire, rank, "expected_sent_bytes")

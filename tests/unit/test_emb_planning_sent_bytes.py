@@ -1,9 +1,9 @@
 """The bytes each rank sends per step, as `expected_sent_bytes` (the `plan` command's bytes
 line) and the cost model (`plan_costs`) count them, agree: for a batch per feature
 (bags_per_feature, as PlanOptions') on every placement kind, and for a plan whose tables are
-all replicated, which still sends its sizes every step (a real step's bytes:
-tests/dist/test_emb_planning_variable_batch_ranks.py), to every rank of the job in a 2-D
-layout too."""
+all replicated, which still sends its sizes every step but nothing else, no half wire's
+overflow flag either (a real step's bytes: tests/dist/test_emb_planning_variable_batch_ranks.py),
+to every rank of the job in a 2-D layout too."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def test_a_replicated_plan_still_sends_its_sizes(wire: str) -> None:
     costs = plan_costs(CONFIGS, plan, topology, workload)
     for config in CONFIGS:  # less the gradients' all_reduce: not an exchange
         costs = costs - placement_costs(config, plan.tables[config.name], topology, workload)
-    flag = 2 if wire == "fp16" else 0  # one float16 overflow flag value beside the pooled rows
-    per_peer = 4 * 8 + flag  # [batch, payload length, bits, frozen flags] in int64
+    # [batch, payload length, bits, frozen flags] in int64; no pooled rows, so no float16 flag
+    per_peer = 4 * 8
     assert costs.sent_intra.tolist() == [per_peer] * world
     assert costs.sent_inter.tolist() == [2 * per_peer] * world
     sent = expected_sent_bytes(CONFIGS, plan, 16, PER_FEATURE, wire=WIRE_NAMES[wire])
@@ -69,18 +69,15 @@ def test_a_replicated_plan_still_sends_its_sizes(wire: str) -> None:
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_the_sizes_go_to_every_rank_of_the_job(replicas: int) -> None:
     """A 2-D layout's sizes cross the shard groups (StepParts.exchange_headers): 8 ranks, 4 a
-    node; the float16 flag stays in the group, beside its pooled rows."""
+    node; no float16 flag, as no pooled rows travel (a routed table's:
+    tests/dist/test_emb_planning_cost_model_ranks.py)."""
     world, per_node, shard = 8, 4, 8 // replicas
     plan = EmbeddingPlan(shard, {c.name: data_parallel() for c in CONFIGS})
     costs = collection_costs(
         CONFIGS, plan, _topology(world, per_node), replicas, WIRE_NAMES["fp16"]
     )
-    group_on_node = min(shard, per_node) - 1
-    assert costs.sent_intra.tolist() == [(per_node - 1) * 32 + group_on_node * 2] * shard
-    assert (
-        costs.received_inter.tolist()
-        == [(world - per_node) * 32 + (shard - 1 - group_on_node) * 2] * shard
-    )
+    assert costs.sent_intra.tolist() == [(per_node - 1) * 32] * shard
+    assert costs.received_inter.tolist() == [(world - per_node) * 32] * shard
 
 
 def test_a_sequence_feature_cannot_have_bags_of_its_own() -> None:

@@ -32,6 +32,7 @@ from manualpar.errors import EmbeddingInputError
 __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingTable",
+    "FeatureCheck",
     "PooledEmbeddings",
     "check_features",
     "table_of",
@@ -135,9 +136,10 @@ class EmbeddingBagCollection(TableRecords, nn.Module):
         self.tables = make_tables(self.configs, seed, device)
         self.raw_id_remap = managed_remapper(self.configs, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
+        self.feature_check = FeatureCheck(self.configs)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
-        features = hash_raw_ids(check_features(features, self.configs), self.configs)
+        features = hash_raw_ids(check_features(features, self.feature_check), self.configs)
         features = features.without_unread_bags()  # rows no sample reads stay untouched
         if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
             features = self.raw_id_remap(managed_per_sample(features, self.configs))
@@ -178,17 +180,18 @@ class EmbeddingBagCollection(TableRecords, nn.Module):
 @eager_only("embedding input checks read ids back to the host")
 def check_features(
     features: SparseFeatures,
-    tables: Sequence[EmbeddingBagConfig],
+    tables: Sequence[EmbeddingBagConfig] | FeatureCheck,
 ) -> SparseFeatures:
     """The batch with keys in the tables' feature order; every id a valid row of its table
     (tables with `raw_ids` take any int64 id: the collection maps them to rows next).
+    `tables`: the configs, or their FeatureCheck, which a collection builds once and holds.
     Eager under torch.compile, as SparseFeatures' own validation."""
     if not isinstance(features, SparseFeatures):
         raise EmbeddingInputError(
             f"expected SparseFeatures, got {type(features).__name__}; build one with "
             "SparseFeatures.from_dict({'feature': [[ids of sample 0], ...]})"
         )
-    spec = _spec_of(tables)
+    spec = (tables if isinstance(tables, FeatureCheck) else FeatureCheck(tables)).spec
     expected = spec.features
     if features.keys != expected:
         unknown = [k for k in features.keys if k not in expected]
@@ -211,7 +214,7 @@ def check_features(
 
 @dataclass(frozen=True)
 class _IdSpec:
-    """What check_features needs of a collection's tables, derived once per tables sequence."""
+    """What check_features needs of a collection's tables (FeatureCheck's)."""
 
     features: tuple[str, ...]  # every feature, in the tables' order
     configs: tuple[EmbeddingBagConfig, ...]  # each feature's table
@@ -222,34 +225,25 @@ class _IdSpec:
     lowers: torch.Tensor  # per feature: 0 (int64 min for raw ids)
 
 
-_SPECS: dict[int, tuple[Sequence[EmbeddingBagConfig], _IdSpec]] = {}
+class FeatureCheck:
+    """What check_features needs of a collection's tables, derived once: the collection (or
+    its sharded input shape) builds it with its tables and passes it every step."""
 
-
-def _spec_of(tables: Sequence[EmbeddingBagConfig]) -> _IdSpec:
-    """The tables' _IdSpec, cached by the tuple's identity (a collection passes the same tuple
-    every step; the entry holds it, so its id is not reused while cached)."""
-    found = _SPECS.get(id(tables))
-    if found is not None and found[0] is tables:
-        return found[1]
-    configs = tuple(c for c in tables for _ in c.feature_names)
-    rows = [c.num_embeddings for c in configs if c.raw_ids is None]
-    info = torch.iinfo(torch.int64)
-    spec = _IdSpec(
-        tuple(f for c in tables for f in c.feature_names),
-        configs,
-        bool(rows),
-        len(rows) < len(configs),
-        min(rows, default=0),
-        torch.tensor(
-            [info.max if c.raw_ids is not None else c.num_embeddings - 1 for c in configs]
-        ),
-        torch.tensor([info.min if c.raw_ids is not None else 0 for c in configs]),
-    )
-    if isinstance(tables, tuple):  # a list could change under the same identity
-        if len(_SPECS) >= 64:
-            _SPECS.clear()
-        _SPECS[id(tables)] = (tables, spec)
-    return spec
+    def __init__(self, tables: Sequence[EmbeddingBagConfig]) -> None:
+        configs = tuple(c for c in tables for _ in c.feature_names)
+        rows = [c.num_embeddings for c in configs if c.raw_ids is None]
+        info = torch.iinfo(torch.int64)
+        self.spec = _IdSpec(
+            tuple(f for c in tables for f in c.feature_names),
+            configs,
+            bool(rows),
+            len(rows) < len(configs),
+            min(rows, default=0),
+            torch.tensor(
+                [info.max if c.raw_ids is not None else c.num_embeddings - 1 for c in configs]
+            ),
+            torch.tensor([info.min if c.raw_ids is not None else 0 for c in configs]),
+        )
 
 
 def _check_all_ids(features: SparseFeatures, spec: _IdSpec) -> None:

@@ -21,7 +21,12 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
 from manualpar.embeddings.ids.managed_collisions import managed_remapper
 from manualpar.embeddings.kernels.rounding import accumulation_dtype
-from manualpar.embeddings.modules.bag_collection import check_features, make_tables, table_of
+from manualpar.embeddings.modules.bag_collection import (
+    FeatureCheck,
+    check_features,
+    make_tables,
+    table_of,
+)
 from manualpar.embeddings.modules.table_record import TableRecords
 from manualpar.errors import EmbeddingInputError
 
@@ -134,9 +139,10 @@ class EmbeddingCollection(TableRecords, nn.Module):
         self.tables = make_tables(self.configs, seed, device)
         self.raw_id_remap = managed_remapper(self.configs, device)
         self.feature_names = tuple(f for c in tables for f in c.feature_names)
+        self.feature_check = FeatureCheck(self.configs)
 
     def forward(self, features: SparseFeatures) -> SequenceEmbeddings:
-        features = hash_raw_ids(check_sequence_features(features, self.configs), self.configs)
+        features = hash_raw_ids(check_sequence_features(features, self.feature_check), self.configs)
         if self.raw_id_remap is not None:  # ManagedCollisions tables: raw ids to rows
             features = self.raw_id_remap(features)
         out = {}
@@ -152,10 +158,10 @@ class EmbeddingCollection(TableRecords, nn.Module):
 
 
 def check_sequence_features(
-    features: SparseFeatures, tables: Sequence[EmbeddingBagConfig]
+    features: SparseFeatures, tables: Sequence[EmbeddingBagConfig] | FeatureCheck
 ) -> SparseFeatures:
-    """check_features (keys in the tables' order, ids in range), no per-id weights and one
-    bag per sample (no batch per feature)."""
+    """check_features (keys in the tables' order, ids in range; `tables`: the configs or
+    their FeatureCheck), no per-id weights and one bag per sample (no batch per feature)."""
     if isinstance(features, SparseFeatures) and features.inverse_indices is not None:
         counts = features.bag_counts()
         own = [k for k, n in zip(features.keys, counts, strict=True) if n != features.batch_size]

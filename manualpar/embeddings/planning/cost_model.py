@@ -248,15 +248,18 @@ def collection_costs(
     placement's), the sizes all_to_all (3 + flag words int64 to every other rank of the job,
     those of the other shard groups too: StepParts.exchange_headers) and a range-limited
     `wire`'s overflow flag (one value to every other rank of the shard group beside the pooled
-    rows, step/wire.py): a step sends both every time, its tables all replicated too
-    (tests/dist/test_emb_planning_variable_batch_ranks.py counts them)."""
+    rows, step/wire.py): a step sends the sizes every time, its tables all replicated too,
+    the flag only where some table is routed to an owner (tables all replicated: no pooled
+    exchange runs, StepParts.exchange; tests/dist/test_emb_planning_variable_batch_ranks.py
+    counts them)."""
     share = remapper_bytes_per_rank(configs, topology.world_size)
     group = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(group.world_size)
     costs.memory += share
     words = header_width(len(configs)) * INT64
     to_owner = torch.full((group.world_size,), float(words), dtype=torch.float64)
-    flags = torch.full_like(to_owner, float(flag_bytes(wire.forward)))
+    routed = any(plan.tables[c.name].sharding != "data_parallel" for c in configs)
+    flags = torch.full_like(to_owner, float(flag_bytes(wire.forward) if routed else 0))
     owner_traffic(costs, to_owner, flags, group.ranks_per_node)
     # the sizes to (and from) the other groups' ranks: on my node those beside my group
     beside = max(topology.ranks_per_node - group.world_size, 0)

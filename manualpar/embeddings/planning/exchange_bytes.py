@@ -18,8 +18,8 @@ table's rows (a plan's expectation), a batch per feature's bags too (`bags_per_f
 PlanOptions'); `expected_sent_bytes` the same expectation's bytes each rank sends, without the
 matrices (for thousands of ranks: four world x world matrices took 8 GB at 8,192).
 Replicated (data-parallel) tables exchange no ids; their gradient all_reduce is not counted.
-The sizes (and a float16 or float8 wire's overflow flag) travel every step, every table
-replicated too.
+The sizes travel every step, every table replicated too; a float16 or float8 wire's overflow
+flag only where some table is routed (all replicated: no pooled exchange runs).
 
 Sequence tables (EmbeddingConfig, an EmbeddingCollection's) look each id up as a bag of its own,
 every feature padded with empty bags to the batch's largest id count (sharded/
@@ -136,7 +136,7 @@ def _step_bytes(
         for routes in routing.routes_to
         for route in routes
     }
-    flag = flag_bytes(wire.forward)
+    flag = flag_bytes(wire.forward) if any(routing.routes_to) else 0  # (none: no exchange)
     own_bags = own_bags or {}
     variable = {rank for rank, _ in own_bags}  # the senders of a batch per feature
     for sender in range(world):
@@ -369,7 +369,8 @@ def expected_sent_bytes(
                 if not frozen_table:
                     grads[owner] += returned * grad_cols
     sizes = (world - 1) * header_width(len(configs)) * INT64
-    sizes += (world - 1) * flag_bytes(wire.forward)  # beside the pooled rows (step/wire.py)
+    if any(plan.tables[c.name].sharding != "data_parallel" for c in configs):
+        sizes += (world - 1) * flag_bytes(wire.forward)  # beside the pooled rows (step/wire.py)
     row, grad = wire.forward.itemsize, wire.backward.itemsize
     all_ids = math.fsum(ids) * INT64  # (exactly rounded, then each owner's own taken off)
     all_grads = math.fsum(grads) * grad

@@ -38,7 +38,7 @@ from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.hashing import hash_raw_ids
 from manualpar.embeddings.ids.managed_collisions import managed_per_sample
 from manualpar.embeddings.ids.remap import RawIdRemap
-from manualpar.embeddings.modules.bag_collection import check_features
+from manualpar.embeddings.modules.bag_collection import FeatureCheck, check_features
 from manualpar.embeddings.step.frozen import frozen_tables
 from manualpar.embeddings.step.results import RoutedIds
 from manualpar.embeddings.step.sharded_step import ShardedStep
@@ -69,9 +69,10 @@ class InputShape(Protocol):
 
 def pooled_bags(configs: Sequence[EmbeddingBagConfig]) -> InputShape:
     """A bag collection's input shape: the batch itself, checked against the tables."""
+    check = FeatureCheck(configs)
 
     def shape(features: SparseFeatures) -> tuple[SparseFeatures, Any]:
-        return check_features(features, configs), None
+        return check_features(features, check), None
 
     return shape
 

@@ -30,6 +30,7 @@ import torch
 from manualpar.eager import eager_only
 from manualpar.embeddings.config import BUILDER, EmbeddingBagConfig
 from manualpar.embeddings.features import SparseFeatures
+from manualpar.embeddings.modules.bag_collection import FeatureCheck
 from manualpar.embeddings.modules.sequence_collection import (
     EmbeddingCollection,
     JaggedEmbeddings,
@@ -190,10 +191,11 @@ class _UnitBags:
 
     def __init__(self, configs: Sequence[EmbeddingBagConfig], device: torch.device) -> None:
         self.configs, self.device = configs, device
+        self.check = FeatureCheck(configs)
 
     def __call__(
         self, features: SparseFeatures
     ) -> tuple[SparseFeatures, tuple[SparseFeatures, list[int]]]:
-        features = check_sequence_features(features, self.configs).to(self.device)
+        features = check_sequence_features(features, self.check).to(self.device)
         bags, counts = unit_bags(features)
         return bags, (features, counts)

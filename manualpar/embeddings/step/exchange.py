@@ -9,8 +9,10 @@ Per step (each `all_to_all_single`; the list form fails on gloo for unequal size
      column blocks concatenated, by the receiver: no separate reduce-scatter);
   4. in backward, the reverse of 3 carries the output gradient (of the tables not frozen).
 A rank's own part of 2-4 never enters the collectives (its split is 0): it is computed and
-used in place while the other ranks' parts travel (forward.py, backward.py). Row-wise tables
-split each feature's ids by row range (a stable sort keeps bag order).
+used in place while the other ranks' parts travel (forward.py, backward.py). With every table
+replicated (no route), 2-4 do not run at all (StepParts.exchange): 1 alone, which carries the
+refusals, frozen flags and batch sizes. Row-wise tables split each feature's ids by row range (a
+stable sort keeps bag order).
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.routing import LocalShard, Routing
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.storage.tier import TableStores
+from manualpar.strategy.collectives import PendingCollective
 
 if TYPE_CHECKING:
-    from manualpar.strategy import ManualParallelStrategy, PendingCollective
+    from manualpar.strategy import ManualParallelStrategy
 
 __all__ = ["StepParts"]
 
@@ -67,11 +68,23 @@ class StepParts:
         (2-D tables take the row-sum path, as global clipping does)."""
         return self.optimizer.fuses_bags and not self.mesh.combines
 
+    @property
+    def routes_any(self) -> bool:
+        """Whether any table's ids travel to an owner: False when every table is replicated
+        (data_parallel.py). Fixed by the plan, so every rank of the job answers alike."""
+        return any(self.routing.routes_to)
+
     def exchange(
         self, tensor: torch.Tensor, send: list[int], receive: list[int], what: str
     ) -> PendingCollective:
         """Start one all_to_all of the step inside the shard group (elements per rank of the
-        group); errors name `what`."""
+        group); errors name `what`. None runs where no table is routed: every rank's splits
+        are all 0 then, every rank knows it from the plan, and so every rank skips it alike
+        (the size exchange, exchange_headers, still runs: refusals, frozen tables and the
+        job's batch sizes travel in it)."""
+        if not self.routes_any:
+            nothing = tensor.new_empty(0)
+            return PendingCollective(self.strategy, None, nothing, nothing, what)
         return self.strategy.all_to_all_async(
             tensor, send, receive, name=f"{BUILDER}: {what} all_to_all", group=self.mesh.shard
         )

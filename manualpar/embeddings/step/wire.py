@@ -117,8 +117,9 @@ def start_on_wire(
 ) -> Arriving:
     """Start one of the step's exchanges with its values in `dtype` (float32: exactly the plain
     exchange). `culprits`: the tables whose values overflow a limited dtype, asked only on an
-    overflow, for the error."""
-    if dtype == torch.float32:
+    overflow, for the error. Where no table is routed nothing travels, no flag either
+    (StepParts.exchange: every rank skips it)."""
+    if dtype == torch.float32 or not parts.routes_any:
         return parts.exchange(flat, send, receive, what)
     me = parts.routing.rank
     flags = [int(limited(dtype) and d != me) for d in range(len(send))]
