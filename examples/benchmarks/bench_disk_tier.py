@@ -9,7 +9,8 @@ Each measurement is a fresh 2-process torchrun job; the variants (in-memory tabl
 with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
 steps through TrainPipeline, each batch's rows read into the cache during the step before, the
 pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no write log,
-evicted rows written to their places, as before the log; ending `-log<N>`, e.g. `lru-log11`: a
+evicted rows written to their places, as before the log; with `-io<N>` after the policy, e.g.
+`lru-io1`: `DiskTier(io_threads=N)`; ending `-log<N>`, e.g. `lru-log11`: a
 write log of N cache sizes, `DiskTier(write_log=N)`) alternate in a rotating order,
 `--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
 fused row-wise Adagrad, global batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the
@@ -40,18 +41,17 @@ import argparse
 import collections
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from disk_phases import PhaseClock
+import job_launch
+from disk_phases import PhaseClock, StepCPU, phase_means, summary_of
 
-HERE = Path(__file__).resolve().parent
 GIB = 2**30
 PERMUTE = 2_654_435_761  # Knuth's multiplicative hash constant, a prime: a fixed permutation
 
@@ -95,6 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     in_place = base.endswith(IN_PLACE)
     base = base.removesuffix(IN_PLACE)
     write_log = 0.0 if in_place else float(log_size) if log_size else None
+    io = re.search(r"-io(\d+)$", base)
+    base = base.removesuffix(io.group(0)) if io else base
     disk = base != "memory"
     total = (args.disk_gb if disk else args.memory_gb) * GIB
     row_bytes = args.dim * 4 + 4
@@ -111,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
             cache_bytes=int(args.cache_gb * GIB),
             policy=policy_of(base),
             **({"write_log": write_log} if write_log is not None else {}),
+            **({"io_threads": int(io.group(1))} if io else {}),
         )
         if disk
         else None
@@ -169,11 +172,7 @@ def worker(args: argparse.Namespace) -> None:
         else None
     )
     times, step, warmup, appended_before = [], 0, None, 0
-    # the process's CPU per step (every thread: the background drain's and writes' too), less
-    # the main thread's making of the batches: on a loaded host the wall time counts the waits
-    # for a core, this does not
-    cpu_steps: list[float] = []
-    cpu_mark, making = time.process_time(), 0.0
+    cpu = StepCPU()  # the process's CPU per timed step, less the making of the batches
     drains_before: list[int] = []
     phases: list[dict[str, float]] = []  # this rank's, a timed step each
     while warmup is None or timing(step):
@@ -188,13 +187,12 @@ def worker(args: argparse.Namespace) -> None:
             appended_before = sum(t.log.appended for t in disk_tables)
             drains_before = [t.log.drains for t in disk_tables]
             clock.take()
-            cpu_mark, making = time.process_time(), 0.0
-        made_at = time.thread_time()
-        batch_features = features(step) if pipeline is None else None
-        while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
-            ready.append(features(made))
-            made += 1
-        making += time.thread_time() - made_at
+            cpu.restart()
+        with cpu.making():
+            batch_features = features(step) if pipeline is None else None
+            while pipeline is not None and made < step + 3:  # the pipeline reads 2 ahead
+                ready.append(features(made))
+                made += 1
         strategy.barrier()
         begin = time.perf_counter()
         if pipeline is not None:
@@ -204,25 +202,13 @@ def worker(args: argparse.Namespace) -> None:
         times.append(float(strategy.all_reduce(elapsed, op="max")))
         if warmup is not None and step >= warmup:
             phases.append(clock.take())
-            now = time.process_time()
-            cpu_steps.append(now - cpu_mark - making)
-            cpu_mark, making = now, 0.0
+            cpu.step()
         step += 1
     timed = times[warmup:]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     peaks = [float(p) for p in strategy.all_gather_object(peak)]
-    cpu_ms = [1e3 * float(c) for c in strategy.all_gather_object(statistics.mean(cpu_steps))]
-    # per rank: each phase's ms (MB for the device's) per timed step, and every step's
-    per_rank = strategy.all_gather_object(phases)
-    phase_means = [
-        {
-            key: sum(p[key] for p in ranks) / len(ranks) * (1e3 if "_mb" not in key else 1.0)
-            for key in ranks[0]
-        }
-        if ranks
-        else {}
-        for ranks in per_rank
-    ]
+    cpu_ms = [1e3 * float(c) for c in strategy.all_gather_object(statistics.mean(cpu.steps))]
+    per_rank = strategy.all_gather_object(phases)  # per rank: every timed step's phases
     appended = sum(t.log.appended for t in disk_tables)
     logged = sum(int(t.cache.logged_rows()[0].numel()) for t in disk_tables)
     strategy.barrier()
@@ -257,7 +243,7 @@ def worker(args: argparse.Namespace) -> None:
         "mean_with_drains_ms": statistics.mean(timed) * 1e3 + drain_ms_per_step,
         "timed_drains": sum(t.log.drains for t in disk_tables) - sum(drains_before),
         "cpu_step_ms": cpu_ms,  # per rank: mean CPU per timed step, every thread of the process
-        "phase_ms_per_step": phase_means,
+        "phase_ms_per_step": phase_means(per_rank),
         "timed_phases": per_rank[0],
     }
     if rank == 0:
@@ -278,53 +264,23 @@ LOG = "-log"  # then the write log's size in cache sizes, e.g. lru-log10.6: Disk
 
 
 def launch(args: argparse.Namespace, variant: str) -> dict:
+    """One fresh 2-process job of `variant` (job_launch.py); its table files deleted after."""
     directory = Path(args.dir) / f"{variant}-{os.getpid()}-{time.monotonic_ns()}"
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(Path(__file__)),
-            "--worker",
-            "--variant",
-            variant,
-            "--dir",
-            str(directory),
-            "--result",
-            result,
-            *[
-                f"--{name.replace('_', '-')}={getattr(args, name)}"
-                for name in (
-                    "disk_gb",
-                    "memory_gb",
-                    "cache_gb",
-                    "tables",
-                    "dim",
-                    "batch",
-                    "ids_per_bag",
-                    "exponent",
-                    "steps",
-                    "warmup",
-                    "max_warmup",
-                    "max_cycle",
-                )
-            ],
-            *(["--cycle"] if args.cycle else []),
-        ]
-        baseline = variant.partition(LOG)[0].endswith(BASELINE)
-        source = args.baseline_src if baseline else str(HERE.parent.parent)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": source}
-        try:
-            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)  # the table files: tens of GB
-        if not os.path.exists(result):
-            raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-        return dict(json.loads(Path(result).read_text()))
+    options = "disk_gb memory_gb cache_gb tables dim batch ids_per_bag exponent steps warmup"
+    options += " max_warmup max_cycle"
+    worker_args = [
+        *("--worker", "--variant", variant, "--dir", str(directory)),
+        *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in options.split()],
+        *(["--cycle"] if args.cycle else []),
+    ]
+    baseline = variant.partition(LOG)[0].endswith(BASELINE)
+    source = args.baseline_src if baseline else job_launch.ROOT
+    try:
+        return job_launch.launch(
+            sys.executable, __file__, worker_args, pythonpath=source, timeout=3600
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # the table files: tens of GB
 
 
 def main() -> None:
@@ -406,38 +362,7 @@ def main() -> None:
                     "writes; time more --steps (an eviction batch is a sixteenth of a cache)",
                     flush=True,
                 )
-    summary: dict[str, dict] = {}
-    for variant, results in runs.items():
-        summary[variant] = {
-            "step_ms": statistics.median(r["step_ms"] for r in results),
-            "mean_step_ms": statistics.median(r["mean_step_ms"] for r in results),
-            "mean_with_drains_ms": statistics.median(r["mean_with_drains_ms"] for r in results),
-            "cpu_step_ms": statistics.median(statistics.mean(r["cpu_step_ms"]) for r in results),
-            "peak_rss_gib": max(max(r["peak_rss_gib"]) for r in results),
-            "hit_rate": results[0]["hit_rate"]
-            and statistics.median(r["hit_rate"] for r in results),
-        }
-        if "memory" in runs and variant != "memory":
-            ratios = [
-                r["step_ms"] / m["step_ms"] for r, m in zip(results, runs["memory"], strict=False)
-            ]
-            summary[variant]["vs_memory"] = statistics.median(ratios)
-            means = [
-                r["mean_step_ms"] / m["mean_step_ms"]
-                for r, m in zip(results, runs["memory"], strict=False)
-            ]
-            summary[variant]["mean_vs_memory"] = statistics.median(means)
-            with_drains = [
-                r["mean_with_drains_ms"] / m["mean_step_ms"]
-                for r, m in zip(results, runs["memory"], strict=False)
-            ]
-            summary[variant]["mean_with_drains_vs_memory"] = statistics.median(with_drains)
-            cpu = [
-                statistics.mean(r["cpu_step_ms"]) / statistics.mean(m["cpu_step_ms"])
-                for r, m in zip(results, runs["memory"], strict=False)
-            ]
-            summary[variant]["cpu_vs_memory"] = statistics.median(cpu)
-            summary[variant]["rss_bound_gib"] = args.cache_gb + 1
+    summary = summary_of(runs, args.cache_gb + 1)
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,20 +4,28 @@
 only) with timers; `take()` returns the seconds each phase took since the last call, and the
 bytes this process read from and wrote to the device (`/proc/self/io`: reads the page cache
 served are not counted, so `device_read_mb` is the page cache's misses). Phases nest: `to_slots`
-holds `fetch` (`read`, `generate`, `into_slots`), `copy_out` and `append`; `append` holds `drain`
+holds `fetch` (`read_into_slots`, or `read` and
+`into_slots` on the torch path; `generate`), `copy_out` and `append`; `append` holds `drain`
 (its own time beside it: handing the batch to the writing thread); `write_wait` is the wait for
 the batch before, wherever it falls. A drain's parts (`chunk_read`, `chunk_write`, `log_read`,
 `record_write`) are timed in whichever thread runs them: with the background drain, mostly its
 own thread, beside the step rather than in it (`drain_step` and `drain_finish` are its share of
 the step).
+
+`StepCPU` counts the process's CPU a timed step takes (every thread: the drain's and the writes'
+too) less the making of the batches, and `summary_of` sets each variant's jobs against the
+in-memory ones (bench_disk_tier.py's summary): on a loaded host the wall time counts the waits
+for a core, the CPU time does not.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,8 @@ PHASES = {
     "to_slots": ("disk_tier", "DiskTable", "to_slots"),
     "fetch": ("disk_tier", "DiskTable", "_fetch"),
     "read": ("background_writes", "BackgroundWrites", "read"),
+    # the C++ fetch: records read straight into their slots (instead of `read`, `into_slots`)
+    "read_into_slots": ("background_writes", "BackgroundWrites", "fetch"),
     "generate": ("disk_tier", None, "init_rows_into"),
     "into_slots": ("row_file", "RowFile", "to_slots"),
     "copy_out": ("disk_tier", "DiskTable", "_copy_out"),
@@ -107,3 +117,76 @@ class PhaseClock:
         out["device_write_mb"] = (written - self.io[1]) / 1e6
         self.io = (read, written)
         return out
+
+
+class StepCPU:
+    """The process's CPU seconds per timed step (every thread), less the main thread's making
+    of the batches (`making()` around it)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """The next step starts now (the first timed one, say)."""
+        self.mark, self.made = time.process_time(), 0.0
+
+    @contextlib.contextmanager
+    def making(self) -> Iterator[None]:
+        began = time.thread_time()
+        try:
+            yield
+        finally:
+            self.made += time.thread_time() - began
+
+    def step(self) -> None:
+        """A timed step ended: keep its CPU."""
+        now = time.process_time()
+        self.steps.append(now - self.mark - self.made)
+        self.mark, self.made = now, 0.0
+
+
+def phase_means(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per rank: each phase's ms (MB for the device's) per timed step, from `take()`'s."""
+    return [
+        {
+            key: sum(p[key] for p in ranks) / len(ranks) * (1e3 if "_mb" not in key else 1.0)
+            for key in ranks[0]
+        }
+        if ranks
+        else {}
+        for ranks in per_rank
+    ]
+
+
+def summary_of(runs: dict[str, list[dict]], rss_bound_gib: float) -> dict[str, dict]:
+    """Each variant's medians over its jobs and, beside "memory", the medians of the ratios of
+    jobs run one after the other: median and mean step, the mean with the log's drains, CPU."""
+    summary: dict[str, dict] = {}
+    for variant, results in runs.items():
+        summary[variant] = {
+            "step_ms": statistics.median(r["step_ms"] for r in results),
+            "mean_step_ms": statistics.median(r["mean_step_ms"] for r in results),
+            "mean_with_drains_ms": statistics.median(r["mean_with_drains_ms"] for r in results),
+            "cpu_step_ms": statistics.median(statistics.mean(r["cpu_step_ms"]) for r in results),
+            "peak_rss_gib": max(max(r["peak_rss_gib"]) for r in results),
+            "hit_rate": results[0]["hit_rate"]
+            and statistics.median(r["hit_rate"] for r in results),
+        }
+        if "memory" not in runs or variant == "memory":
+            continue
+        pairs = list(zip(results, runs["memory"], strict=False))
+        ratios = {
+            "vs_memory": [r["step_ms"] / m["step_ms"] for r, m in pairs],
+            "mean_vs_memory": [r["mean_step_ms"] / m["mean_step_ms"] for r, m in pairs],
+            "mean_with_drains_vs_memory": [
+                r["mean_with_drains_ms"] / m["mean_step_ms"] for r, m in pairs
+            ],
+            "cpu_vs_memory": [
+                statistics.mean(r["cpu_step_ms"]) / statistics.mean(m["cpu_step_ms"])
+                for r, m in pairs
+            ],
+        }
+        summary[variant].update({key: statistics.median(v) for key, v in ratios.items()})
+        summary[variant]["rss_bound_gib"] = rss_bound_gib
+    return summary

@@ -15,6 +15,7 @@ from manualpar.embeddings import DiskTier
 from manualpar.embeddings.kernels.native import native_kernels
 from manualpar.embeddings.storage import row_file
 from manualpar.embeddings.storage.background_writes import BackgroundWrites
+from manualpar.embeddings.storage.row_cache import LOGGED, NEVER, STORED
 from manualpar.embeddings.storage.row_file import RowFile
 from manualpar.errors import BuilderError, StorageError
 
@@ -142,3 +143,53 @@ def test_cpp_copies_between_records_and_cache_rows_equal_the_torch_ops(
     assert torch.equal(back, back_ref)  # padding included
     for key in ("sum", "moment"):  # read back in the reverse order of the slots
         assert torch.equal(file.state_of(back, key), file.state_of(records, key).flip(0))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_fetch_reads_each_record_straight_into_its_slot(tmp_path, threads):
+    """One C++ call per fetch: rows at their place, in the write log and in the batch being
+    written land in their slots' weights and state (padding of an odd bfloat16 row dropped);
+    rows never written are handed back, as the read into records and copies did."""
+    fields = {"sum": True, "moment": False}
+    file = RowFile(tmp_path / "t.rows", 3000, 5, torch.bfloat16, fields, "t", threads, 100)
+    records = _records(file, 3100, 0)
+    file.weight_of(records).copy_(torch.randn(3100, 5).to(torch.bfloat16))  # no NaN bits
+    file.write(torch.arange(3100), records)
+    writes = BackgroundWrites(file)
+    in_flight = torch.tensor([7, 40, 3021])  # rows 7 and 40 at their place, log record 21
+    newer = _records(file, 3, 1)
+    file.weight_of(newer).copy_(torch.randn(3, 5).to(torch.bfloat16))
+    writes.submit(in_flight, newer.clone())
+    latest = records.clone()
+    latest[in_flight] = newer
+    rows = torch.randperm(3000, generator=torch.Generator().manual_seed(2))[:1400]
+    rows = torch.cat([rows[(rows != 7) & (rows != 40)], torch.tensor([7, 40])])
+    origins = torch.full((rows.numel(),), STORED, dtype=torch.int32)
+    origins[::5] = NEVER
+    origins[1::5] = LOGGED - torch.arange(origins[1::5].numel(), dtype=torch.int32) % 100
+    origins[-3] = LOGGED - 21  # in the batch on its way, as rows 7 and 40 at their place
+    origins[-2:] = STORED
+    slots = torch.randperm(1600, generator=torch.Generator().manual_seed(3))[: rows.numel()]
+    weight = torch.zeros(1600, 5, dtype=torch.bfloat16)
+    state = {"sum": torch.zeros(1600), "moment": torch.zeros(1600, 5)}
+    if threads > 1:  # out of the page cache: the threads read from the device
+        os.fsync(file.fd)
+        os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    never = writes.fetch(rows, slots, origins, weight, state)
+    writes.settle()
+    assert never is not None and torch.equal(never, torch.nonzero(origins == NEVER).flatten())
+    read = origins != NEVER
+    record_of = torch.where(origins == STORED, rows, 3000 + LOGGED - origins.long())[read]
+    expected = latest[record_of]
+    assert torch.equal(
+        weight[slots[read]].view(torch.int16), file.weight_of(expected).view(torch.int16)
+    )
+    for key in state:
+        got, want = state[key][slots[read]], file.state_of(expected, key)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaN bits too
+    assert not weight[slots[~read]].any()  # left to the caller
+    os.truncate(tmp_path / "t.rows", 3006 * file.record + 3)  # record 6 of the log is cut
+    cut = torch.tensor([LOGGED - 6], dtype=torch.int32)
+    with pytest.raises(StorageError, match=re.escape("cannot read write-log record 6 from ")):
+        writes.fetch(torch.tensor([9]), torch.tensor([0]), cut, weight, state)

@@ -16,6 +16,7 @@ random 260-byte rows).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,6 +58,43 @@ class BackgroundWrites:
         self._pending, self._rows, self._records = None, None, None
         if pending is not None and rows is not None:
             self.file.check(rows, pending.wait(), "write")
+
+    def fetch(
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        origins: torch.Tensor,
+        weight: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Rows `rows` into cache `slots` of `weight` and `state` from where `origins` (their
+        `slot_of` codes, row_cache.py) say, in one C++ call: each record read straight into
+        its slot's rows (one preadv), or copied from the batch in flight (as `read`). Returns
+        the positions of the rows never written (the caller generates them), or None where
+        the C++ kernels do not take these tensors (then nothing was read)."""
+        fields = self.file.native_fields(weight, state)
+        if fields is None or not native_kernels_take(rows, slots, origins):
+            return None
+        if self._pending is not None and self._pending.done():
+            self.settle()  # its error, if any, surfaces here
+        batch, records = self._rows, self._records
+        if batch is None or records is None:
+            batch, records = rows[:0], self.file.empty(0)
+        never, failed = loaded_kernels().fetch_into_slots(
+            self.file.fd,
+            self.file.rows,
+            rows.contiguous(),
+            slots.contiguous(),
+            origins.contiguous(),
+            batch,
+            records,
+            *fields,
+            self.file.record,
+            self.file.threads,
+        )
+        if failed[0] >= 0:
+            self.file.raise_failed(failed[3], failed[1], "read")
+        return never
 
     def read(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Read the records of `rows` into `out`: those of the batch in flight from its own

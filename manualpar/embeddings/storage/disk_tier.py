@@ -173,17 +173,21 @@ class DiskTable:
 
     def _fetch(self, rows: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor) -> None:
         device = self.weight.device
-        stored = origins != NEVER
-        if bool(stored.any()):
-            old, into, origin = rows[stored], slots[stored].to(device), origins[stored]
-            at_place = origin == STORED
-            records_at = torch.where(at_place, old, self.file.rows + log_record_of(origin))
-            records = self.file.empty(old.numel())
-            self.write_back.read(records_at, records)  # evicted a moment ago: from its batch
-            self.file.to_slots(records, into, self.weight, self.state)
-        fresh = ~stored
-        if bool(fresh.any()):
-            new, into = rows[fresh], slots[fresh].to(device)
+        # one C++ call: each record read straight into its slot (or copied from the batch in
+        # flight); the torch path reads records, then copies them in
+        never = self.write_back.fetch(rows, slots, origins, self.weight, self.state)
+        if never is None:
+            stored = origins != NEVER
+            if bool(stored.any()):
+                old, into, origin = rows[stored], slots[stored].to(device), origins[stored]
+                at_place = origin == STORED
+                records_at = torch.where(at_place, old, self.file.rows + log_record_of(origin))
+                records = self.file.empty(old.numel())
+                self.write_back.read(records_at, records)  # evicted a moment ago: from its batch
+                self.file.to_slots(records, into, self.weight, self.state)
+            never = torch.nonzero(~stored).flatten()
+        if never.numel():
+            new, into = rows[never], slots[never].to(device)
             table_rows, shard = new + self.shard.row_start, self.shard
             columns = (shard.col_start, shard.col_end)
             init_rows_into(self.config, self.seed, table_rows, columns, self.weight, into)

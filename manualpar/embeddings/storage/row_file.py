@@ -100,7 +100,7 @@ class RowFile:
         state: Mapping[str, torch.Tensor],
     ) -> None:
         """Each record's weights and state into rows `slots` of the cache tensors."""
-        tensors = self._native_fields(weight, state)
+        tensors = self.native_fields(weight, state)
         if tensors is not None:
             loaded_kernels().records_to_slots(records, slots, *tensors)
             return
@@ -115,7 +115,7 @@ class RowFile:
         state: Mapping[str, torch.Tensor],
     ) -> None:
         """Rows `slots` of the cache tensors into `records` (a write-back's copy)."""
-        tensors = self._native_fields(weight, state)
+        tensors = self.native_fields(weight, state)
         if tensors is not None:
             loaded_kernels().slots_to_records(records, slots, *tensors)
             return
@@ -129,7 +129,7 @@ class RowFile:
         pairs = [(weight, self.weight_of(records))]
         return pairs + [(tensor, self.state_of(records, key)) for key, tensor in state.items()]
 
-    def _native_fields(
+    def native_fields(
         self, weight: torch.Tensor, state: Mapping[str, torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[int]] | None:
         """The cache tensors and their fields' offsets, where one C++ copy per field moves them
@@ -168,10 +168,14 @@ class RowFile:
 
     def check(self, rows: torch.Tensor, failed: list[int], how: str) -> None:
         """Raise for the C++ batch's first failed row (kernels/csrc/row_io.cpp), if any."""
-        index, error, _ = failed
-        if index < 0:
-            return
-        row = self.record_name(int(rows[index]))
+        index, error, _ = failed[:3]
+        if index >= 0:
+            self.raise_failed(int(rows[index]), error, how)
+
+    def raise_failed(self, record: int, error: int, how: str) -> None:
+        """Raise StorageError for a failed read or write of `record` (errno `error`, 0: the
+        file ended)."""
+        row = self.record_name(record)
         if error:
             raise StorageError(error, f"cannot {how} {row} of {self.path}: {os.strerror(error)}")
         if how == "read":
