@@ -277,21 +277,32 @@ def test_vectorized_sum_of_squares_agrees_to_the_bit():
         assert portable == pytest.approx(float(row.double().square().sum()), rel=1e-12)
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 2**11 + 3, 2**13 + 1, 2**22 + 9, 2**25 + 7])
+@pytest.mark.parametrize("num_rows", [1, 5, 2**11 + 3, 2**13 + 1, 2**22 + 9, 2**25 + 7, 2**55])
 def test_grouping_orders_ids_stably_in_any_row_space(num_rows):
     """The radix sort under group_rows takes as many digit bits as the row space needs (two
     passes up to 26 bits, a table batch's rows): each id's occurrences in position order, ids
-    ascending, whatever the number of passes."""
+    ascending, whatever the number of passes. Its keys carry the bag and position with the row,
+    or (2**55 rows: the three do not fit 64 bits) the position only."""
     generator = torch.Generator().manual_seed(num_rows)
     lengths = torch.randint(0, 4, (200,), generator=generator)
     count = int(lengths.sum())
     ids = torch.randint(0, num_rows, (count,), generator=generator)
     ids[: count // 3] = ids[count // 3 : 2 * (count // 3)]  # repeated ids
     ids[-1] = num_rows - 1  # the top of the row space
-    groups = kernels.group_rows(kernels.ShardBags(ids, lengths, None, 0, 200), num_rows)
+    groups = kernels.group_rows(kernels.ShardBags(ids, lengths, None, 0, 100), num_rows)
     assert groups is not None
     expected = torch.sort(ids, stable=True).indices
     assert torch.equal(groups.order, expected)
     assert torch.equal(groups.rows, torch.unique(ids))
     bag_of = torch.repeat_interleave(torch.arange(200), lengths)
     assert torch.equal(groups.bags, bag_of[expected])
+    # the runs whose bags all lie in [0, 100) first, then the others, each by ascending row
+    starts, runs = groups.starts, groups.runs
+    own = [
+        bool(((bag_of[expected[starts[u] : starts[u + 1]]]) < 100).all())
+        for u in range(groups.rows.numel())
+    ]
+    assert runs.tolist() == [u for u, mine in enumerate(own) if mine] + [
+        u for u, mine in enumerate(own) if not mine
+    ]
+    assert groups.num_own == sum(own)

@@ -27,11 +27,16 @@ from manualpar.errors import MissingDependencyError
 
 __all__ = ["clear_stale_lock", "native_kernels", "native_kernels_take", "wait_for_build"]
 
-# sparse_rows.cpp holds the module definition; the other files register their functions in it
+# sparse_rows.cpp holds the module definition; the other files' functions are bound there
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
         "sparse_rows.cpp",
+        "row_groups.cpp",
+        "pooled_rows.cpp",
+        "half_rows.cpp",
+        "table_init.cpp",
+        "split_rows.cpp",
         "raw_ids.cpp",
         "row_io.cpp",
         "row_cache.cpp",
@@ -44,8 +49,13 @@ HEADERS = tuple(
     for name in (
         "avx2_rows.h",
         "avx512_rows.h",
+        "half_rows.h",
+        "kernel_checks.h",
         "prefetch.h",
+        "row_gradients.h",
+        "row_groups.h",
         "rowwise_row.h",
+        "splitmix.h",
         "table_batch_update.h",
     )
 )

@@ -4,8 +4,8 @@
 // 0.78x where AVX-512 ran). Eight floats at a time; the same single operations in the same order
 // as the portable loops, so the same bits (tested at every level a CPU has, set_simd_level).
 // AVX2 has no 64-bit multiply in vectors: splitmix64's are built from three 32-bit ones, exact
-// modulo 2**64. Included by sparse_rows.cpp, which falls back to its portable loops for what
-// these leave (each returns how many leading elements it did).
+// modulo 2**64. Included by the half-row, lookup and init files, which fall back to their portable
+// loops for what these leave (each returns how many leading elements it did).
 #pragma once
 
 #include <torch/extension.h>
@@ -20,6 +20,8 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MANUALPAR_AVX2 __attribute__((target("avx2,f16c")))
 
+namespace {
+
 // a * b modulo 2**64 in each of four lanes
 MANUALPAR_AVX2 inline __m256i mullo64_avx2(__m256i a, __m256i b) {
   const __m256i low = _mm256_mul_epu32(a, b);
@@ -28,15 +30,20 @@ MANUALPAR_AVX2 inline __m256i mullo64_avx2(__m256i a, __m256i b) {
   return _mm256_add_epi64(low, _mm256_slli_epi64(cross, 32));
 }
 
-// splitmix(key, counter) (sparse_rows.cpp) in four lanes
-MANUALPAR_AVX2 inline __m256i splitmix4(__m256i key, __m256i counter) {
-  __m256i z = _mm256_add_epi64(
-      key, mullo64_avx2(counter, _mm256_set1_epi64x(static_cast<int64_t>(0x9E3779B97F4A7C15ULL))));
+// splitmix(key, counter) (splitmix.h) in four lanes after its first step,
+// z = key + counter * golden (mod 2^64): consecutive counters' z differ by multiples of golden
+MANUALPAR_AVX2 inline __m256i splitmix4_from(__m256i z) {
   z = mullo64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)),
                    _mm256_set1_epi64x(static_cast<int64_t>(0xBF58476D1CE4E5B9ULL)));
   z = mullo64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)),
                    _mm256_set1_epi64x(static_cast<int64_t>(0x94D049BB133111EBULL)));
   return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+// splitmix(key, counter) in four lanes
+MANUALPAR_AVX2 inline __m256i splitmix4(__m256i key, __m256i counter) {
+  return splitmix4_from(_mm256_add_epi64(
+      key, mullo64_avx2(counter, _mm256_set1_epi64x(static_cast<int64_t>(0x9E3779B97F4A7C15ULL)))));
 }
 
 // the low 32 bits of four 64-bit lanes
@@ -107,19 +114,24 @@ MANUALPAR_AVX2 int64_t axpy_round_avx2(at::Half* w, const float* src, float a, i
 // (base + c) / 4, as round_value; sixteen elements a step share the hashes of 8 groups
 MANUALPAR_AVX2 int64_t axpy_round_avx2(at::BFloat16* w, const float* src, float a, int64_t n,
                                        uint64_t key, uint64_t base) {
+  constexpr uint64_t golden = 0x9E3779B97F4A7C15ULL;
   const __m256 alpha = _mm256_set1_ps(a);
-  const __m256i keys = _mm256_set1_epi64x(static_cast<int64_t>(key));
+  const __m256i lanes = _mm256_setr_epi64x(0, static_cast<int64_t>(golden),
+                                           static_cast<int64_t>(2 * golden),
+                                           static_cast<int64_t>(3 * golden));
+  const __m256i four = _mm256_set1_epi64x(static_cast<int64_t>(4 * golden));
   const __m256i kept = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   alignas(32) uint64_t hashes[8];
   const auto* words = reinterpret_cast<const uint16_t*>(hashes);  // little-endian: word k of 4
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
     const uint64_t index = base + static_cast<uint64_t>(c);
-    const __m256i groups = _mm256_add_epi64(
-        _mm256_set1_epi64x(static_cast<int64_t>(index >> 2)), _mm256_setr_epi64x(0, 1, 2, 3));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(hashes), splitmix4(keys, groups));
+    // z of groups index / 4 .. + 7: one scalar multiply, not a vector one per hash
+    const __m256i z = _mm256_add_epi64(
+        _mm256_set1_epi64x(static_cast<int64_t>(key + (index >> 2) * golden)), lanes);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hashes), splitmix4_from(z));
     _mm256_store_si256(reinterpret_cast<__m256i*>(hashes + 4),
-                       splitmix4(keys, _mm256_add_epi64(groups, _mm256_set1_epi64x(4))));
+                       splitmix4_from(_mm256_add_epi64(z, four)));
     const uint16_t* noise = words + (index & 3);
     for (int half = 0; half < 2; ++half) {
       const int64_t at = c + 8 * half;
@@ -159,5 +171,6 @@ MANUALPAR_AVX2 void pool_bags_avx2(const weight_t* w, int64_t cols, const int64_
     }
   }
 }
+}  // namespace
 #undef MANUALPAR_AVX2
 #endif

@@ -131,19 +131,50 @@ inline void rowwise_adagrad_row_from(scalar_t* __restrict__ w, scalar_t* sum,
   for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
 }
 
-template <typename scalar_t, bool kAvx>
+// The vector level a loop below is compiled for: 0 portable, 1 AVX, 2 AVX-512 (simd_level).
+template <typename scalar_t, int kLevel>
 inline double row_squares(const scalar_t* g, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if constexpr (kAvx && std::is_same_v<scalar_t, float>) return sum_squares_avx(g, n);
+  if constexpr (kLevel == 1 && std::is_same_v<scalar_t, float>) return sum_squares_avx(g, n);
 #endif
   return sum_squares(g, n);
+}
+
+// The row update from its gradient g * g_scale: at level 2 the one-table kernel's own AVX-512
+// row (rowwise_row.h dispatches there), else rowwise_adagrad_row_from with the level's sum.
+template <typename scalar_t, int kLevel>
+__attribute__((always_inline)) inline void update_row(scalar_t* __restrict__ w, scalar_t* sum,
+                                                      const scalar_t* __restrict__ g,
+                                                      scalar_t g_scale, int64_t full,
+                                                      int64_t col_start, int64_t cols,
+                                                      scalar_t lr, scalar_t eps) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (kLevel == 2 && std::is_same_v<scalar_t, float>) {
+    return rowwise_adagrad_row_avx512(w, sum, g, g_scale, full, col_start, cols, lr, eps);
+  }
+#endif
+  rowwise_adagrad_row_from<scalar_t>(w, sum, g, row_squares<scalar_t, kLevel>(g, full), g_scale,
+                                     full, col_start, cols, lr, eps);
+}
+
+// acc += s * src over a repeated row's bags, as for_each_row_gradient (row_gradients.h) adds.
+template <typename scalar_t, int kLevel>
+__attribute__((always_inline)) inline void add_scaled(scalar_t* __restrict__ acc,
+                                                      const scalar_t* __restrict__ src,
+                                                      scalar_t s, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (kLevel == 2 && std::is_same_v<scalar_t, float>) {
+    return add_scaled_avx512(acc, src, s, n);
+  }
+#endif
+  for (int64_t c = 0; c < n; ++c) acc[c] += s * src[c];
 }
 
 // The runs [first, last) of one table's rows: each distinct row's gradient summed from its
 // bags as the one-table kernel sums it (sparse_rows.cpp, for_each_row_gradient, same
 // prefetches), then the row-wise Adagrad row. The table's fields are locals here: read from
 // memory per row, the update measured about 1.5x slower.
-template <typename scalar_t, bool kAvx>
+template <typename scalar_t, int kLevel>
 __attribute__((always_inline)) inline void table_runs_body(const TableRows<scalar_t>& tr,
                                                            const RunInputs<scalar_t>& in,
                                                            int64_t first, int64_t last,
@@ -182,9 +213,8 @@ __attribute__((always_inline)) inline void table_runs_body(const TableRows<scala
       const GradBlock<scalar_t>* g = block_of(bag);
       const scalar_t g_scale = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
       const scalar_t* src = g->data + (bag - g->begin) * g->stride;
-      rowwise_adagrad_row_from<scalar_t>(w + row * stride, sum + row, src,
-                                         row_squares<scalar_t, kAvx>(src, full), g_scale, full,
-                                         col_start, cols, in.lr, in.eps);
+      update_row<scalar_t, kLevel>(w + row * stride, sum + row, src, g_scale, full, col_start,
+                                   cols, in.lr, in.eps);
       continue;
     }
     std::fill(row_grad, row_grad + full, scalar_t(0));
@@ -193,18 +223,17 @@ __attribute__((always_inline)) inline void table_runs_body(const TableRows<scala
       const GradBlock<scalar_t>* g = block_of(bag);
       const scalar_t s = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
       const scalar_t* __restrict__ src = g->data + (bag - g->begin) * g->stride;
-      for (int64_t c = 0; c < full; ++c) row_grad[c] += s * src[c];
+      add_scaled<scalar_t, kLevel>(row_grad, src, s, full);
     }
-    rowwise_adagrad_row_from<scalar_t>(w + row * stride, sum + row, row_grad,
-                                       row_squares<scalar_t, kAvx>(row_grad, full), scalar_t(1),
-                                       full, col_start, cols, in.lr, in.eps);
+    update_row<scalar_t, kLevel>(w + row * stride, sum + row, row_grad, scalar_t(1), full,
+                                 col_start, cols, in.lr, in.eps);
   }
 }
 
 template <typename scalar_t>
 void table_runs_plain(const TableRows<scalar_t>& tr, const RunInputs<scalar_t>& in,
                       int64_t first, int64_t last, scalar_t* row_grad) {
-  table_runs_body<scalar_t, false>(tr, in, first, last, row_grad);
+  table_runs_body<scalar_t, 0>(tr, in, first, last, row_grad);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -213,7 +242,14 @@ void table_runs_plain(const TableRows<scalar_t>& tr, const RunInputs<scalar_t>& 
 __attribute__((target("avx"))) inline void table_runs_avx(const TableRows<float>& tr,
                                                    const RunInputs<float>& in, int64_t first,
                                                    int64_t last, float* row_grad) {
-  table_runs_body<float, true>(tr, in, first, last, row_grad);
+  table_runs_body<float, 1>(tr, in, first, last, row_grad);
+}
+
+// And for AVX-512, with the one-table kernel's AVX-512 row update and sums (avx512_rows.h).
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) inline void table_runs_avx512(
+    const TableRows<float>& tr, const RunInputs<float>& in, int64_t first, int64_t last,
+    float* row_grad) {
+  table_runs_body<float, 2>(tr, in, first, last, row_grad);
 }
 #endif
 
@@ -225,7 +261,8 @@ void rowwise_adagrad_table_runs(const TableRows<scalar_t>& tr, const RunInputs<s
 #if defined(__x86_64__) && defined(__GNUC__)
     if constexpr (std::is_same_v<scalar_t, float>) {
       static const bool avx = __builtin_cpu_supports("avx");
-      if (avx) return table_runs_avx(tr, in, first, last, buffer.data());
+      if (simd_level() == 2) return table_runs_avx512(tr, in, first, last, buffer.data());
+      if (avx && simd_limit > 0) return table_runs_avx(tr, in, first, last, buffer.data());
     }
 #endif
     table_runs_plain<scalar_t>(tr, in, first, last, buffer.data());
