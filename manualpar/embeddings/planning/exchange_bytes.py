@@ -53,6 +53,7 @@ __all__ = [
     "expected_kept",
     "expected_sent_bytes",
     "is_sequence",
+    "own_bags_of",
 ]
 
 EXCHANGES = ("sizes", "ids", "pooled", "gradients")
@@ -252,18 +253,27 @@ def _own_bag_counts(
     own = dict(bags_per_feature or {})
     counts: dict[str, float] = {}
     for config in configs:
-        named = {f: own[f] for f in config.feature_names if f in own}
-        if named and isinstance(config, EmbeddingConfig):
-            raise PlanError(
-                f"bags_per_feature: features {sorted(named)} of sequence table {config.name!r} "
-                "cannot have their own bags (sequence embeddings take one sequence per sample); "
-                "leave them out"
-            )
-        bad = {f: n for f, n in named.items() if not float(n) >= 0}
-        if bad:
-            raise PlanError(f"bags_per_feature: bag counts must be >= 0, got {bad}")
+        named = own_bags_of(config, own)
         counts.update((f, float(n)) for f, n in named.items())
     return counts, any(n != batch_per_rank for n in counts.values())
+
+
+def own_bags_of(
+    config: EmbeddingBagConfig, bags_per_feature: Mapping[str, float]
+) -> dict[str, float]:
+    """The features of `config` named in `bags_per_feature`, with their counts; PlanError for a
+    count a step cannot take (a sequence table's feature, a negative count)."""
+    named = {f: bags_per_feature[f] for f in config.feature_names if f in bags_per_feature}
+    if named and isinstance(config, EmbeddingConfig):
+        raise PlanError(
+            f"bags_per_feature: features {sorted(named)} of sequence table {config.name!r} "
+            "cannot have their own bags (sequence embeddings take one sequence per sample); "
+            "leave them out"
+        )
+    bad = {f: n for f, n in named.items() if not float(n) >= 0}
+    if bad:
+        raise PlanError(f"bags_per_feature: bag counts must be >= 0, got {bad}")
+    return named
 
 
 def expected_exchange_bytes(

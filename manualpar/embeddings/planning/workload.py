@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from manualpar.embeddings.config import ROW_WISE_STATE, EmbeddingBagConfig
 from manualpar.embeddings.exchange_layout import FLOAT32_WIRE, WireDtypes
 from manualpar.embeddings.optim.update_rules import RowWiseAdagrad, UpdateRule
-from manualpar.embeddings.planning.exchange_bytes import is_sequence
-from manualpar.errors import PlanError
+from manualpar.embeddings.planning.exchange_bytes import is_sequence, own_bags_of
 
 __all__ = ["Workload", "rule_costs", "sequence_padding"]
 
@@ -81,21 +80,7 @@ class Workload:
     def _own_bags(self, config: EmbeddingBagConfig) -> bool:
         """Whether a feature of `config` has its own bag count; PlanError for one a step
         cannot take (a sequence table's, a negative count)."""
-        own = {
-            f: self.bags_per_feature[f] for f in config.feature_names if f in self.bags_per_feature
-        }
-        if not own:
-            return False
-        if is_sequence([config]):
-            raise PlanError(
-                f"bags_per_feature: features {sorted(own)} of sequence table {config.name!r} "
-                "cannot have their own bags (sequence embeddings take one sequence per sample); "
-                "leave them out"
-            )
-        bad = {f: n for f, n in own.items() if not float(n) >= 0}
-        if bad:
-            raise PlanError(f"bags_per_feature: bag counts must be >= 0, got {bad}")
-        return True
+        return bool(own_bags_of(config, self.bags_per_feature))
 
 
 def sequence_padding(
