@@ -31,6 +31,15 @@ struct Failure {
   int64_t moved = 0;
 };
 
+// Calls run(0..workers-1), worker 0 on this thread and the rest on threads of their own.
+template <typename Run>
+void run_on_workers(int64_t workers, const Run& run) {
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
+  run(0);
+  for (auto& t : pool) t.join();
+}
+
 // Runs of consecutive rows move in one call (their records are adjacent in the batch too): the
 // write log's batches are one run, and one pwrite of them cost 0.09 us a row against 1-5 us
 // for a call per record (bench_row_writes.py).
@@ -77,14 +86,7 @@ std::vector<int64_t> move_batch(int64_t fd, const torch::Tensor& rows, torch::Te
     const int64_t begin = n * w / workers, end = n * (w + 1) / workers;
     failures[w] = move_records<Write>(static_cast<int>(fd), row, data, record, begin, end);
   };
-  if (workers == 1) {
-    run(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
-    run(0);
-    for (auto& t : pool) t.join();
-  }
+  run_on_workers(workers, run);
   for (const Failure& f : failures) {
     if (f.index >= 0) return {f.index, f.error, f.moved};
   }
@@ -276,14 +278,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> fetch_into_slots(
     failures[w] = read_into(static_cast<int>(fd), to_read, record_of.data(), slot, fields,
                             record, reads * w / workers, reads * (w + 1) / workers);
   };
-  if (workers == 1) {
-    run(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
-    run(0);
-    for (auto& t : pool) t.join();
-  }
+  run_on_workers(workers, run);
   std::vector<int64_t> failed = {-1, 0, 0, 0};
   for (const Failure& f : failures) {
     if (f.index >= 0) {
