@@ -114,23 +114,6 @@ struct RunInputs {
   scalar_t lr, eps;
 };
 
-// rowwise_adagrad_row (rowwise_row.h) from the row's sum of squares, the same operations in
-// the same order: kept beside it so that the loop below can take the sum from its inlined AVX
-// version (a call per row to the dispatching one cost about 5% of the update).
-template <typename scalar_t>
-inline void rowwise_adagrad_row_from(scalar_t* __restrict__ w, scalar_t* sum,
-                                     const scalar_t* __restrict__ g, double squares,
-                                     scalar_t g_scale, int64_t full, int64_t col_start,
-                                     int64_t cols, scalar_t lr, scalar_t eps) {
-  const double scaled = static_cast<double>(g_scale);
-  const scalar_t total = *sum + static_cast<scalar_t>(squares * scaled * scaled /
-                                                      static_cast<double>(full));
-  *sum = total;
-  const scalar_t step = lr * g_scale / (std::sqrt(total) + eps);
-  const scalar_t* __restrict__ src = g + col_start;
-  for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
-}
-
 // The vector level a loop below is compiled for: 0 portable, 1 AVX, 2 AVX-512 (simd_level).
 template <typename scalar_t, int kLevel>
 inline double row_squares(const scalar_t* g, int64_t n) {
