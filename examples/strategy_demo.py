@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +46,9 @@ def main() -> None:
 
     # Collectives: every rank gets the same answers.
     ranks = strategy.all_gather(torch.tensor([strategy.rank]))
-    config = strategy.broadcast({"lr": 0.05, "hidden": 16} if strategy.is_global_zero else None)
+    mine: dict[str, Any] | None = {"lr": 0.05, "hidden": 16} if strategy.is_global_zero else None
+    config = strategy.broadcast(mine)
+    assert config is not None  # rank 0's, on every rank
     total = strategy.all_reduce(torch.tensor(float(strategy.rank + 1)), op="sum")
     say(
         f"all_gather of ranks -> {ranks.flatten().tolist()}; broadcast config -> {config}; "
@@ -56,7 +59,7 @@ def main() -> None:
     true_weight = torch.linspace(-1, 1, 8)
     model = nn.Sequential(nn.Linear(8, config["hidden"]), nn.Tanh(), nn.Linear(config["hidden"], 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
-    state = {"model": model, "optim": optimizer, "step": 0, "rng": mp.RNGState()}
+    state: dict[str, Any] = {"model": model, "optim": optimizer, "step": 0, "rng": mp.RNGState()}
 
     latest = mp.latest_checkpoint(args.out)
     if latest is not None:
@@ -71,7 +74,8 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         for param in model.parameters():  # average gradients over ranks, as DDP would
-            param.grad = strategy.all_reduce(param.grad, op="mean")
+            if param.grad is not None:
+                param.grad = strategy.all_reduce(param.grad, op="mean")
         optimizer.step()
         state["step"] = step + 1
         mean_loss = strategy.all_reduce(loss.detach(), op="mean").item()
@@ -85,6 +89,7 @@ def main() -> None:
     # Reload the latest checkpoint into a fresh model and check it matches on every rank.
     fresh = nn.Sequential(nn.Linear(8, config["hidden"]), nn.Tanh(), nn.Linear(config["hidden"], 1))
     latest = mp.latest_checkpoint(args.out)
+    assert latest is not None  # (saved above)
     strategy.load_checkpoint(latest, {"model": fresh}, strict=False)
     pairs = zip(fresh.parameters(), model.parameters(), strict=True)
     same = all(torch.equal(a, b) for a, b in pairs)

@@ -113,7 +113,7 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=strategy.group)
 
     def raw_load(path: Path) -> None:
-        sd = {
+        sd: dict[str, Any] = {
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer),
         }
@@ -170,7 +170,7 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
         ]
         for name, fn in pairs if repeat % 2 == 0 else pairs[::-1]:
             runs[name].append(timed(strategy, fn))
-        loads = [
+        loads: list[tuple[str, Callable[[], object]]] = [
             ("manualpar_load_s", lambda: strategy.load_checkpoint(root / "mp", state)),
             ("dcp_load_s", lambda: raw_load(root / "dcp")),
             (
@@ -179,14 +179,14 @@ def measure(strategy: mp.ManualParallelStrategy, args: argparse.Namespace) -> No
             ),
         ]
         first = repeat % len(loads)  # each goes first, second and last in turn
-        for name, fn in loads[first:] + loads[:first]:
-            runs[name].append(timed(strategy, fn))
+        for name, load in loads[first:] + loads[:first]:
+            runs[name].append(timed(strategy, load))
         strategy.barrier()
         if strategy.is_global_zero:
             shutil.rmtree(root, ignore_errors=True)
 
     med = {k: median(v) for k, v in runs.items()}
-    summary = {
+    summary: dict[str, Any] = {
         "state_mb": total_mb,
         "median": med,
         "async_stall/sync_save": med["async_stall_s"] / med["sync_save_s"],

@@ -12,7 +12,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def time_steps(
 def compare_builders(
     strategy: mp.ManualParallelStrategy,
     family: str,
-    build: dict[str, Callable[[], torch.nn.Module]],
+    build: Mapping[str, Callable[[], torch.nn.Module]],
     x: torch.Tensor,
     *,
     steps: int,
@@ -122,7 +122,7 @@ def pipelined_step(emb: Any, data: list, strategy: mp.ManualParallelStrategy) ->
     return stepper(emb, iter(mp.TrainPipeline(endless(data), strategy, emb.prefetch)))
 
 
-def median(values: list[float]) -> float:
+def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 

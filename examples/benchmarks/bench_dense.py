@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from bench_common import compare_builders, environment_info, write_json
@@ -39,14 +40,22 @@ def raw_fsdp(model: nn.Sequential, strategy: mp.ManualParallelStrategy) -> nn.Mo
     for block in model:
         if isinstance(block, nn.Linear):
             fully_shard(block)
-    return fully_shard(model)
+    fully_shard(model)  # (in place: the model's class becomes an FSDP one)
+    return model
 
 
 def manualpar_fsdp(model: nn.Sequential, strategy: mp.ManualParallelStrategy) -> nn.Module:
     return fsdp(model, strategy, wrap=(nn.Linear,))
 
 
-VARIANTS: dict[str, dict[str, Callable]] = {
+Wrap = Callable[[nn.Sequential, mp.ManualParallelStrategy], nn.Module]
+
+
+def built(wrap: Wrap, hidden: int, layers: int, strategy: mp.ManualParallelStrategy) -> nn.Module:
+    return wrap(make_model(hidden, layers), strategy)
+
+
+VARIANTS: dict[str, dict[str, Wrap]] = {
     "ddp": {"baseline": raw_ddp, "manualpar": ddp},
     "fsdp": {"baseline": raw_fsdp, "manualpar": manualpar_fsdp},
 }
@@ -67,7 +76,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for family, pair in VARIANTS.items():
         build = {
-            name: (lambda wrap=wrap: wrap(make_model(args.hidden, args.layers), strategy))
+            name: partial(built, wrap, args.hidden, args.layers, strategy)
             for name, wrap in pair.items()
         }
         results[family] = compare_builders(

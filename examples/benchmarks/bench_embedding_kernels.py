@@ -39,7 +39,8 @@ def fused_update(
     kernels = native_kernels()
     assert kernels is not None and bags.groups is not None
     g = bags.groups
-    common = (weight, state, None, g.order, g.starts, g.bags, g.rows, g.runs, 0, g.runs.numel())
+    common: tuple[object, ...] = (weight, state, None, g.order, g.starts, g.bags, g.rows, g.runs)
+    common += (0, g.runs.numel())
     common += ([grads], [1.0], 0, bags.lengths.numel(), 0, 0.01, 1e-8)
     if weight.dtype == torch.float32:
         kernels.rowwise_adagrad_update(*common)

@@ -43,6 +43,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -85,7 +86,8 @@ def worker_manualpar(args: argparse.Namespace) -> None:
     strategy.barrier()
     started, cpu_started = time.perf_counter(), time.process_time()
     with mp.empty_init():
-        ebc = (EmbeddingCollection if args.sequence else EmbeddingBagCollection)(tables)
+        sequence = [t for t in tables if isinstance(t, EmbeddingConfig)]  # (all, or none)
+        ebc = EmbeddingCollection(sequence) if args.sequence else EmbeddingBagCollection(tables)
     emb = shard_embeddings(
         ebc, strategy, EmbeddingPlan(world, placement), RowWiseAdagrad(lr=args.lr, eps=1e-8)
     )
@@ -235,22 +237,24 @@ def worker_baseline(args: argparse.Namespace) -> None:
         bags = nn.ModuleList(
             nn.EmbeddingBag(hi - lo, args.dim, mode="sum", sparse=True) for _ in range(args.tables)
         )
-    for bag in bags:
-        nn.init.uniform_(bag.weight, -(args.rows**-0.5), args.rows**-0.5)
+    for weight in bags.parameters():  # (each bag's one weight)
+        nn.init.uniform_(weight, -(args.rows**-0.5), args.rows**-0.5)
     optimizer = torch.optim.Adagrad(bags.parameters(), lr=args.lr, eps=1e-8)
     init_s = max_over_ranks(time.perf_counter() - started)
     init_cpu_s = max_over_ranks(time.process_time() - cpu_started)  # all threads: load-proof
 
     class AllToAll(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, tensor, send, receive):  # type: ignore[override]
+        def forward(
+            ctx: Any, tensor: torch.Tensor, send: list[int], receive: list[int]
+        ) -> torch.Tensor:
             ctx.send, ctx.receive = send, receive
             out = tensor.new_empty(sum(receive))
             dist.all_to_all_single(out, tensor, receive, send)
             return out
 
         @staticmethod
-        def backward(ctx, grad):  # type: ignore[override]
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
             out = grad.new_empty(sum(ctx.send))
             dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive)
             return out, None, None

@@ -5,7 +5,8 @@
         --json runs/bench_half_guard.json
     python examples/benchmarks/bench_half_guard.py --rows 1000000 --clock cpu
 
-The same half tables (RowWiseAdagrad, embedding_workload.py's uniform ids) train in the same
+The same half tables (RowWiseAdagrad, or Adam with `--rule adam`; embedding_workload.py's
+uniform ids) train in the same
 processes without the guard (`guard_half_rows=False`) and with it: `--guard bounded` is the
 default (`guard_half_rows=None`: rows copied aside only when a rank's bound cannot rule an
 overflow out), `--guard copy` is `guard_half_rows=True` (for row-wise Adagrad the same; it
@@ -30,14 +31,21 @@ from bench_common import cycling_step, median
 from paired_steps import build_tables, compare, parse_args, workload
 
 import manualpar as mp
+from manualpar.embeddings import Adam, RowWiseAdagrad
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 GUARDS = {"bounded": None, "copy": True, "none": False}
+RULES = {"rowwise_adagrad": RowWiseAdagrad, "adam": Adam}
 
 
-def _own_options() -> tuple[str, str, str]:
+def _own_options() -> tuple[str, str, str, str]:
     """Take this script's options out of argv (the rest are paired_steps.py's)."""
-    values = {"--dtype": "fp16", "--guard": "bounded", "--clock": "wall"}
+    values = {
+        "--dtype": "fp16",
+        "--guard": "bounded",
+        "--clock": "wall",
+        "--rule": "rowwise_adagrad",
+    }
     rest = [sys.argv[0]]
     args = iter(sys.argv[1:])
     for arg in args:
@@ -50,7 +58,9 @@ def _own_options() -> tuple[str, str, str]:
         raise SystemExit(f"--dtype one of {sorted(DTYPES)}, --guard one of {sorted(GUARDS)}")
     if values["--clock"] not in ("wall", "cpu", "flags"):
         raise SystemExit("--clock wall, cpu or flags")
-    return values["--dtype"], values["--guard"], values["--clock"]
+    if values["--rule"] not in RULES:
+        raise SystemExit(f"--rule one of {sorted(RULES)}")
+    return values["--dtype"], values["--guard"], values["--clock"], values["--rule"]
 
 
 def _cpu_compare(
@@ -104,7 +114,7 @@ def _flags_compare(strategy: mp.ManualParallelStrategy, repeats: int, count: int
         bool(flags.wait()[0]), flags.wait()[1:].tolist()
 
     clocks = {"process": time.process_time, "thread": time.thread_time, "wall": time.perf_counter}
-    ms = {(c, v): [] for c in clocks for v in ("two", "one")}
+    ms: dict[tuple[str, str], list[float]] = {(c, v): [] for c in clocks for v in ("two", "one")}
     steps = {"two": two, "one": one}
     for repeat in range(repeats):
         for v in ("two", "one") if repeat % 2 == 0 else ("one", "two"):
@@ -126,7 +136,7 @@ def _flags_compare(strategy: mp.ManualParallelStrategy, repeats: int, count: int
 
 
 def main() -> None:
-    dtype, guard, clock = _own_options()
+    dtype, guard, clock, rule = _own_options()
     args = parse_args(__doc__.splitlines()[0], plan="table_wise")
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
@@ -141,6 +151,7 @@ def main() -> None:
                 args,
                 strategy,
                 DTYPES[dtype],
+                RULES[rule](lr=args.lr),
                 guard_half_rows=GUARDS[guard] if variant == "guarded" else False,
             ),
             data,
@@ -148,7 +159,7 @@ def main() -> None:
         for variant in ("unguarded", "guarded")
     }
     if strategy.is_global_zero:
-        print(f"{dtype} rows, guard {guard}", flush=True)
+        print(f"{dtype} rows, {rule}, guard {guard}", flush=True)
     if clock == "cpu":
         _cpu_compare(strategy, steps, args.steps, args.warmup, args.repeats)
     else:

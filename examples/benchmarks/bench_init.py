@@ -49,6 +49,7 @@ def worker(variant: str, gb: float, result: str) -> None:
     import torch
     from bench_common import peak_rss_gb
     from torch import nn
+    from torch.distributed.tensor import DTensor
 
     import manualpar as mp
     from manualpar import fsdp
@@ -61,10 +62,11 @@ def worker(variant: str, gb: float, result: str) -> None:
     with mp.empty_init(enabled=variant == "meta"):
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
-    model = fsdp(model, strategy, wrap=(nn.Linear,))
+    sharded = fsdp(model, strategy, wrap=(nn.Linear,))
     elapsed = time.perf_counter() - started
     slowest = strategy.all_reduce(torch.tensor(elapsed, dtype=torch.float64), op="max").item()
-    local_gb = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2**30
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in sharded.parameters()]
+    local_gb = sum(p.numel() * 4 for p in local) / 2**30
     peaks = strategy.all_gather(torch.tensor([peak_rss_gb()], dtype=torch.float64))
     if strategy.is_global_zero:
         full_gb = layers * WIDTH * WIDTH * 4 / 2**30
@@ -144,7 +146,8 @@ def embeddings_torchrec(args: argparse.Namespace) -> None:
     if args.warm:
         _build_and_free(lambda: build_model(args, dist.get_rank(), dist.get_world_size()))
     torch.zeros = _phase("torch.zeros", torch.zeros)  # FBGEMM's weights: one zeroed block
-    torch.Tensor.uniform_ = _phase("uniform_", torch.Tensor.uniform_)  # then each table's values
+    # then each table's values
+    torch.Tensor.uniform_ = _phase("uniform_", torch.Tensor.uniform_)  # type: ignore[method-assign]
     dist.barrier()
     before, started = free_memory(), _clocks()
     built = build_model(args, dist.get_rank(), dist.get_world_size())
@@ -260,7 +263,7 @@ def embeddings(args: argparse.Namespace) -> dict:
     workload = [f"--{key}={getattr(args, key)}" for key in ("plan", "tables", "rows", "dim")]
     workload += ["--warm"] if args.warm else []
     mine = ["--worker", "embeddings-manualpar", *workload]
-    jobs = {
+    jobs: dict[str, tuple[str, list[str], dict[str, str]]] = {
         "manualpar": (sys.executable, mine, {}),
         "torchrec": (args.peer_python, ["--worker", "embeddings-torchrec", *workload], {}),
     }

@@ -36,6 +36,7 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     row_wise,
     shard_embeddings,
 )
@@ -48,11 +49,14 @@ class Scorer(mp.ParallelModule):
     def __init__(self, rows: int, directory: Path) -> None:
         super().__init__()
         self.directory = directory
-        self.sparse = EmbeddingBagCollection([EmbeddingBagConfig("big", rows, DIM)], seed=3)
+        self.sparse: EmbeddingBagCollection | ShardedEmbeddingBagCollection = (
+            EmbeddingBagCollection([EmbeddingBagConfig("big", rows, DIM)], seed=3)
+        )
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         plan = EmbeddingPlan(strategy.world_size, {"big": row_wise(on_disk=True)})
         tier = DiskTier(self.directory, cache_rows=4096)
+        assert isinstance(self.sparse, EmbeddingBagCollection)  # (setup runs once)
         self.sparse = shard_embeddings(
             self.sparse, strategy, plan, RowWiseAdagrad(lr=0.1), disk_tier=tier
         )

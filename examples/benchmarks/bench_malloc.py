@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_common import median, write_json
 
@@ -79,7 +80,7 @@ def main() -> None:
             runs[name].append(json.loads(run.stdout.strip().splitlines()[-1]))
             print(f"repeat {repeat} {name:<8} {runs[name][-1]}", flush=True)
     pairs = list(zip(runs["tuned"], runs["default"], strict=True))
-    summary = {
+    summary: dict[str, Any] = {
         name: {key: median([r[key] for r in found]) for key in found[0]}
         for name, found in runs.items()
     }

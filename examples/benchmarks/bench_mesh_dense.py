@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from bench_common import compare_builders, environment_info, write_json
@@ -39,6 +40,10 @@ def make_model(hidden: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(hidden, 1))
 
 
+def built(wrap: Callable[[nn.Sequential], nn.Module], hidden: int, layers: int) -> nn.Module:
+    return wrap(make_model(hidden, layers))
+
+
 def tp_plan(model: nn.Sequential) -> dict[str, str]:
     """Each pair's first Linear colwise, its second rowwise (one all-reduce per pair); the
     head stays whole."""
@@ -50,7 +55,8 @@ def raw_hsdp(model: nn.Sequential, mesh: DeviceMesh) -> nn.Module:
     for block in model:
         if isinstance(block, nn.Linear):
             fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # (in place: the model's class becomes an FSDP one)
+    return model
 
 
 def raw_fsdp_tp(model: nn.Sequential, mesh: DeviceMesh) -> nn.Module:
@@ -81,7 +87,7 @@ def main() -> None:
         return mp.fsdp(model, strategy, mesh=hsdp_mesh, wrap=(nn.Linear,))
 
     def mp_fsdp_tp(model: nn.Sequential) -> nn.Module:
-        mp.tp(model, strategy, mesh=tp_mesh["tp"], plan=tp_plan(model))  # type: ignore[arg-type]
+        mp.tp(model, strategy, mesh=tp_mesh["tp"], plan=tp_plan(model))
         return mp.fsdp(model, strategy, mesh=tp_mesh["dp"], wrap=(nn.Linear,))
 
     variants: dict[str, dict[str, Callable[[nn.Sequential], nn.Module]]] = {
@@ -92,8 +98,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for family, pair in variants.items():
         build = {
-            name: (lambda wrap=wrap: wrap(make_model(args.hidden, args.layers)))
-            for name, wrap in pair.items()
+            name: partial(built, wrap, args.hidden, args.layers) for name, wrap in pair.items()
         }
         results[family] = compare_builders(
             strategy, family, build, x, steps=args.steps, warmup=args.warmup, repeats=args.repeats

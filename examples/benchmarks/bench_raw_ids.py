@@ -41,6 +41,7 @@ from manualpar.embeddings import (
     HashIds,
     ManagedCollisions,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     SparseFeatures,
     row_wise,
     shard_embeddings,
@@ -76,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 
 def make_variant(
     args: argparse.Namespace, strategy: mp.ManualParallelStrategy, variant: str
-) -> torch.nn.Module:
+) -> ShardedEmbeddingBagCollection:
     variant = variant.removesuffix("-pipelined")
     raw_ids = {
         "rows": None,
@@ -95,9 +96,10 @@ def make_variant(
         ebc = EmbeddingBagCollection(configs, seed=0)
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=args.lr))
     if variant == "managed-torch":  # the torch path (the GPU's) instead of the C++ kernels
-        assert emb.raw_id_remap is not None
-        for table in emb.raw_id_remap.tables.values():
-            table.native = False
+        remapper = emb.raw_id_remap
+        assert remapper is not None
+        for name in remapper.tables:
+            remapper.table(name).native = False
     return emb
 
 
@@ -163,10 +165,10 @@ def main() -> None:
         "environment": environment_info(strategy),
     }
     if strategy.is_global_zero:
-        for v, data in summary.items():
+        for v, row in summary.items():
             print(
-                f"{v:8s} {data['ms_per_step']:8.2f} ms/step  x{data['ratio_to_rows']:.3f} of rows "
-                f"({data['extra_ms_per_step']:+.2f} ms)",
+                f"{v:8s} {row['ms_per_step']:8.2f} ms/step  x{row['ratio_to_rows']:.3f} of rows "
+                f"({row['extra_ms_per_step']:+.2f} ms)",
                 flush=True,
             )
         if args.pipelined:

@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,9 +56,9 @@ def kernels_to_time(args: argparse.Namespace) -> dict[str, Callable[[], object]]
     for dtype in (torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
         weight = source.to(dtype)
-        work[f"lookup {name}"] = lambda w=weight: kernels.pooled_sum_half(w, ids, lengths, None)
-        work[f"update {name}"] = lambda w=weight: kernels.add_to_rows_rounded(
-            w, rows, delta, -0.1, True, 99, 0, 0, args.dim, None
+        work[f"lookup {name}"] = partial(kernels.pooled_sum_half, weight, ids, lengths, None)
+        work[f"update {name}"] = partial(
+            kernels.add_to_rows_rounded, weight, rows, delta, -0.1, True, 99, 0, 0, args.dim, None
         )
     work["init float32"] = lambda: kernels.uniform_rows(out, 99, 0, 0, args.dim, 0.01)
     # the step's fused row-wise Adagrad pass over the lookup's ids (float32 and bfloat16 rows)

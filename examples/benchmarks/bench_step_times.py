@@ -46,7 +46,7 @@ class Ctr(mp.ParallelModule):
         self.args = args
         torch.manual_seed(0)  # the same head on every rank
         width = args.tables * args.dim
-        self.head = nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.head: nn.Module = nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
         self.calls: list[float] = []
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
@@ -92,7 +92,7 @@ def fit_ms(
     starts = torch.tensor(model.calls, dtype=torch.float64)
     seconds = strategy.all_reduce(starts.diff(), op="max")[args.warmup :].tolist()
     measured = range(args.warmup, args.warmup + args.steps)  # step k: seconds[k - warmup]
-    is_timed = [bool(every) and (k + 1) % every == 0 for k in measured]
+    is_timed = [bool(every) and (k + 1) % (every or 1) == 0 for k in measured]
     timed = [1000 * t for t, on in zip(seconds, is_timed, strict=True) if on]
     untimed = [1000 * t for t, on in zip(seconds, is_timed, strict=True) if not on]
     result = {

@@ -73,8 +73,8 @@ class PhaseClock:
     waits for a core, the CPU time does not)."""
 
     def __init__(self) -> None:
-        self.seconds: collections.Counter[str] = collections.Counter()
-        self.cpu: collections.Counter[str] = collections.Counter()
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.io = _io_bytes()
         self.process_cpu = time.process_time()
 

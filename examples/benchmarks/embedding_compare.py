@@ -37,7 +37,7 @@ def compare(args: argparse.Namespace) -> dict:
                     f"{max(result['peak_rss_gb_per_rank']):.2f} GiB",
                     flush=True,
                 )
-    summary = {}
+    summary: dict[str, dict[str, dict[str, float]]] = {}
     for plan, by_name in runs.items():
         summary[plan] = {}
         for other in names[1:]:
@@ -57,10 +57,10 @@ def compare(args: argparse.Namespace) -> dict:
                 summary[plan][f"manualpar/{other}"]["init_cpu_s"] = statistics.median(
                     a["init_cpu_s"] / b["init_cpu_s"] for a, b in pairs
                 )
-            if all(cpu_ms(a) and cpu_ms(b) for a, b in pairs):  # CPU time: load-proof
-                summary[plan][f"manualpar/{other}"]["cpu_ms_per_step"] = statistics.median(
-                    cpu_ms(a) / cpu_ms(b) for a, b in pairs
-                )
+            cpu = [(cpu_ms(a), cpu_ms(b)) for a, b in pairs]
+            ratios = [ours / peer for ours, peer in cpu if ours and peer]
+            if len(ratios) == len(pairs):  # CPU time: load-proof
+                summary[plan][f"manualpar/{other}"]["cpu_ms_per_step"] = statistics.median(ratios)
         for mine, theirs in (
             ("batched", "torchrec"),
             ("local", "torchrec"),

@@ -23,6 +23,7 @@ from manualpar.embeddings import (
     EmbeddingPlan,
     RowWiseAdagrad,
     SparseFeatures,
+    UpdateRule,
     row_wise,
     shard_embeddings,
     table_wise,
@@ -49,9 +50,11 @@ def build_tables(
     args: argparse.Namespace,
     strategy: mp.ManualParallelStrategy,
     dtype: torch.dtype = torch.float32,
+    rule: UpdateRule | None = None,
     **options: Any,
 ) -> Any:
-    """`--tables` tables placed by `--plan`, sharded with `options` (shard_embeddings')."""
+    """`--tables` tables placed by `--plan`, sharded with `options` (shard_embeddings') and
+    `rule` (default RowWiseAdagrad at `--lr`)."""
     configs = [
         EmbeddingBagConfig(f"t{i}", args.rows, args.dim, dtype=dtype) for i in range(args.tables)
     ]
@@ -60,7 +63,7 @@ def build_tables(
     plan = EmbeddingPlan(world, {c.name: place(i) for i, c in enumerate(configs)})
     with mp.empty_init():
         ebc = EmbeddingBagCollection(configs, seed=0)
-    return shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=args.lr), **options)
+    return shard_embeddings(ebc, strategy, plan, rule or RowWiseAdagrad(lr=args.lr), **options)
 
 
 def workload(args: argparse.Namespace, strategy: mp.ManualParallelStrategy, count: int) -> list:

@@ -24,6 +24,7 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     row_wise,
     shard_embeddings,
 )
@@ -80,12 +81,18 @@ class DCN(mp.ParallelModule):
         self.tables, self.disk_table = tuple(tables), disk_table
         self.tier = DiskTier(tier_dir, cache_rows=cache_rows)
         self.emb_lr, self.lr, self.seed = emb_lr, lr, seed
-        self.embeddings = EmbeddingBagCollection(tables, seed=seed)
-        self.bottom = mlp([num_dense, *bottom, self.dim], last_relu=True)
-        self.head = DeepCross((len(tables) + 1) * self.dim, cross_layers, cross_rank, top)
+        # (sharded and wrapped in setup)
+        self.embeddings: EmbeddingBagCollection | ShardedEmbeddingBagCollection = (
+            EmbeddingBagCollection(tables, seed=seed)
+        )
+        self.bottom: nn.Module = mlp([num_dense, *bottom, self.dim], last_relu=True)
+        self.head: nn.Module = DeepCross(
+            (len(tables) + 1) * self.dim, cross_layers, cross_rank, top
+        )
         self.ctr = CTRMetrics()  # validation: AUC, log loss, NE, calibration over every rank
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        assert isinstance(self.embeddings, EmbeddingBagCollection)  # (setup runs once)
         self.embeddings = shard_embeddings(
             self.embeddings,
             strategy,
@@ -101,6 +108,7 @@ class DCN(mp.ParallelModule):
 
     def prefetch(self, batch: CriteoBatch) -> None:
         """The next batch's ids travel (and its disk rows are read) during this step."""
+        assert isinstance(self.embeddings, ShardedEmbeddingBagCollection)  # (after setup)
         self.embeddings.prefetch(batch.sparse)
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:

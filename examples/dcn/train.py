@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import manualpar as mp
 from manualpar.data import CRITEO_FEATURES, CriteoStream
-from manualpar.embeddings import EmbeddingBagConfig, HashIds
+from manualpar.embeddings import EmbeddingBagConfig, HashIds, ShardedEmbeddingBagCollection
 
 METRICS = ("auc", "log_loss", "normalized_entropy", "calibration")
 
@@ -141,7 +141,9 @@ def main() -> None:
     with mp.empty_init():
         model = build(args, os.path.join(args.out, "tables"))
     model.setup(strategy)
-    say(model.embeddings.plan.describe(model.tables), flush=True)
+    sharded = model.embeddings
+    assert isinstance(sharded, ShardedEmbeddingBagCollection)  # (setup shards it)
+    say(sharded.plan.describe(model.tables), flush=True)
     data = criteo_data(args, strategy)
     trainer = mp.Trainer(
         strategy,

@@ -22,8 +22,11 @@ VALIDATION = 2**40  # validation batches start here, far from any training step
 
 
 class Ranks(Protocol):
-    rank: int
-    world_size: int
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,10 @@ class TinyLM(mp.ParallelModule):
             raise ValueError(f"mesh must be one of {MESHES}, got {mesh!r}")
         self.lr, self.seed, self.mesh = lr, seed, mesh
         self.data_ranks = DataRanks(0, 1)
-        self.embed = Embedding(vocab, width, max_len)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
-        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
+        # (sharded and wrapped in setup)
+        self.embed: nn.Module = Embedding(vocab, width, max_len)
+        self.blocks: nn.Module = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
+        self.head: nn.Module = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         self.data_ranks = DataRanks(strategy.rank, strategy.world_size)
@@ -118,10 +119,10 @@ class TinyLM(mp.ParallelModule):
             self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,), mesh=hsdp)
         else:
             mesh = strategy.mesh(dp=strategy.world_size // pairs, tp=pairs)
-            plan = {}
-            for i in range(len(self.blocks)):
+            plan: dict[str, str] = {}
+            for i, _ in enumerate(self.blocks.children()):
                 plan |= {f"{i}.mlp.0": "colwise", f"{i}.mlp.2": "rowwise"}
-            mp.tp(self.blocks, strategy, mesh=mesh["tp"], plan=plan)  # type: ignore[arg-type]
+            mp.tp(self.blocks, strategy, mesh=mesh["tp"], plan=plan)
             self.blocks = mp.fsdp(self.blocks, strategy, wrap=(Block,), mesh=mesh["dp"])
             dp = mesh["dp"]
             self.data_ranks = DataRanks(strategy.group_rank(dp), strategy.group_size(dp))

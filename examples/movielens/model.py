@@ -29,6 +29,7 @@ from manualpar.embeddings import (
     Adam,
     EmbeddingCollection,
     EmbeddingConfig,
+    ShardedEmbeddingCollection,
     SparseFeatures,
     row_wise,
     shard_embeddings,
@@ -64,7 +65,7 @@ class Encoder(nn.Module):
         )
         # RecBole's feed-forward block drops out only its output; torch's layer also drops out
         # its inner activations at the same rate (RECBOLE_PROTOCOL.md, (i))
-        layer.dropout = nn.Identity()
+        layer.dropout = nn.Identity()  # type: ignore[assignment]  # (torch types it Dropout)
         self.transformer = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
     @torch.no_grad()
@@ -124,19 +125,25 @@ class SASRec(mp.ParallelModule):
         table = EmbeddingConfig(
             "item", num_items, dim, feature_names=("history", "catalog"), init_bound=0.02 * 3**0.5
         )
-        self.items = EmbeddingCollection([table], seed=seed)
-        self.encoder = Encoder(dim, layers, heads, dropout)
+        # (sharded and wrapped in setup)
+        self.items: EmbeddingCollection | ShardedEmbeddingCollection = EmbeddingCollection(
+            [table], seed=seed
+        )
+        self.encoder: nn.Module = Encoder(dim, layers, heads, dropout)
         self.ranking = mp.metrics.RankingMetrics(ks=(10, 20))  # exact over every rank's users
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
+        assert isinstance(self.items, EmbeddingCollection)  # (setup runs once)
         self.items = shard_embeddings(
             self.items, strategy, plan={"item": row_wise()}, rule=Adam(lr=self.lr)
         )
         self._init_item_rows()
         mp.materialize(self, strategy, seed=self.seed, init_fn=_attention_init)
-        self.encoder.init_weights(self.seed)  # whole on every rank, then replicated or sharded
+        encoder = self.encoder
+        assert isinstance(encoder, Encoder)
+        encoder.init_weights(self.seed)  # whole on every rank, then replicated or sharded
         wrap = mp.fsdp if self.dense == "fsdp" else mp.ddp
-        self.encoder = wrap(self.encoder, strategy)
+        self.encoder = wrap(encoder, strategy)
 
     @torch.no_grad()
     def _init_item_rows(self) -> None:
@@ -169,6 +176,7 @@ class SASRec(mp.ParallelModule):
     def prefetch(self, batch: Histories) -> None:
         """The next training batch's ids start travelling now: the Trainer calls this before
         each step (TrainPipeline; the numbers are those of an unpipelined step)."""
+        assert isinstance(self.items, ShardedEmbeddingCollection)  # (after setup)
         self.items.prefetch(self.features(batch, catalog=True))
 
     def encode(self, batch: Histories, catalog: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

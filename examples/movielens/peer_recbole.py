@@ -47,7 +47,7 @@ def _stand_in_for_ray() -> None:
     ray = types.ModuleType("ray")
     ray.tune = types.ModuleType("ray.tune")  # type: ignore[attr-defined]
     sys.modules["ray"] = ray
-    sys.modules["ray.tune"] = ray.tune  # type: ignore[attr-defined]
+    sys.modules["ray.tune"] = ray.tune
 
 
 _stand_in_for_ray()

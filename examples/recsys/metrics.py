@@ -36,8 +36,8 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def gather(strategy: ManualParallelStrategy, values: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-D `values` concatenated in rank order (sizes may differ per rank)."""
     values = values.detach().flatten()
-    sizes = strategy.all_gather(torch.tensor([values.numel()], device=values.device))
-    sizes = sizes.flatten().tolist()
+    gathered = strategy.all_gather(torch.tensor([values.numel()], device=values.device))
+    sizes: list[int] = gathered.flatten().tolist()
     padded = values.new_zeros(max(sizes))
     padded[: values.numel()] = values
     parts = strategy.all_gather(padded)

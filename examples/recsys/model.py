@@ -27,6 +27,7 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     row_wise,
     shard_embeddings,
     table_wise,
@@ -85,10 +86,10 @@ def table_mesh(kind: str, strategy: mp.ManualParallelStrategy) -> DeviceMesh | N
     if kind == "2d":
         shard = strategy.environment.local_world_size
         return strategy.mesh(replicate=strategy.world_size // shard, shard=shard)
-    replicate, _, shard = kind.partition("x")
-    if not (replicate.isdigit() and shard.isdigit()):
+    replicas, _, shards = kind.partition("x")
+    if not (replicas.isdigit() and shards.isdigit()):
         raise ValueError(f"--mesh takes 1d, 2d or RxS (e.g. 2x2), got {kind!r}")
-    return strategy.mesh(replicate=int(replicate), shard=int(shard))
+    return strategy.mesh(replicate=int(replicas), shard=int(shards))
 
 
 class DLRM(mp.ParallelModule):
@@ -129,14 +130,18 @@ class DLRM(mp.ParallelModule):
         top_in = (
             vectors * (vectors - 1) // 2 + self.dim if interaction == "dot" else vectors * self.dim
         )
-        self.embeddings = EmbeddingBagCollection(tables, seed=seed)
-        self.bottom = mlp([num_dense, *bottom, self.dim], last_relu=True)
-        self.top = mlp([top_in, *top, 1], last_relu=False)
+        # (sharded and wrapped in setup)
+        self.embeddings: EmbeddingBagCollection | ShardedEmbeddingBagCollection = (
+            EmbeddingBagCollection(tables, seed=seed)
+        )
+        self.bottom: nn.Module = mlp([num_dense, *bottom, self.dim], last_relu=True)
+        self.top: nn.Module = mlp([top_in, *top, 1], last_relu=False)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         mesh = table_mesh(self.mesh_kind, strategy)
         shard_ranks = strategy.world_size if mesh is None else int(mesh.shape[1])
         plan = make_plan(self.plan_kind, self.tables, shard_ranks)
+        assert isinstance(self.embeddings, EmbeddingBagCollection)  # (setup runs once)
         self.embeddings = shard_embeddings(
             self.embeddings,
             strategy,
@@ -153,6 +158,7 @@ class DLRM(mp.ParallelModule):
     def prefetch(self, batch: CriteoBatch) -> None:
         """Send the next batch's ids to their owners now: the Trainer calls this before each
         step with the next step's batch, so they travel during the step (TrainPipeline)."""
+        assert isinstance(self.embeddings, ShardedEmbeddingBagCollection)  # (after setup)
         self.embeddings.prefetch(batch.sparse)
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import manualpar as mp
 from manualpar.cli.plot import plot_metrics
 from manualpar.data import BAD_LINE_POLICIES, BadLines, CriteoStream
-from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad
+from manualpar.embeddings import EmbeddingPlan, RowWiseAdagrad, ShardedEmbeddingBagCollection
 from manualpar.embeddings.planning import DTYPE_NAMES, dtype_name, plan_tables, raw_ids_to_json
 
 
@@ -213,7 +213,7 @@ def main() -> None:
     unsharded_gib = sum(t.num_bytes for t in tables) / 2**30
     if args.plan_only is not None:
         plan = make_plan(args.plan, tables, args.plan_only)
-        if plan == "auto":
+        if isinstance(plan, str):  # "auto"
             plan = plan_tables(
                 tables,
                 args.plan_only,
@@ -245,14 +245,17 @@ def main() -> None:
             wire_dtype=args.wire_dtype,
         )
     model.setup(strategy)
-    say(model.embeddings.plan.describe(tables))
+    sharded = model.embeddings
+    assert isinstance(sharded, ShardedEmbeddingBagCollection)  # (setup shards it)
+    say(sharded.plan.describe(tables))
     if strategy.is_global_zero:
-        say(f"plan {save_plan(model.embeddings.plan, tables, args.out)}")
+        say(f"plan {save_plan(sharded.plan, tables, args.out)}")
     local_gib = sum(p.numel() * p.element_size() for p in model.embeddings.parameters()) / 2**30
     say(
         f"tables: {sum(rows):,} rows, {unsharded_gib:.2f} GiB unsharded (never allocated); "
         f"rank 0 holds {local_gib:.3f} GiB of them"
     )
+    data: CriteoStream | SyntheticCriteo
     if args.criteo:
         data = CriteoStream(
             args.criteo,
@@ -283,7 +286,7 @@ def main() -> None:
     if resumed is not None:
         say(f"resuming from {resumed}")
     started = time.perf_counter()
-    train = data.train
+    train: Callable[[int, Any], Any] = data.train
     if args.fail_once_at_step is not None:
         train = fail_once(train, args.fail_once_at_step, args.out)
     trainer.fit(model, train, val_data=data.validation)
@@ -304,7 +307,7 @@ def main() -> None:
         f"validation AUC {final['auc']:.4f}, log loss {final['loss']:.4f} "
         f"({args.val_samples} samples)"
     )
-    if args.criteo and args.criteo_bad_lines == "skip":
+    if isinstance(data, CriteoStream) and args.criteo_bad_lines == "skip":  # (--criteo)
         counts = torch.tensor([data.bad_lines.skipped, data.bad_lines.lines], dtype=torch.float64)
         skipped, read = (int(n) for n in strategy.all_reduce(counts, op="sum").tolist())
         say(f"criteo: skipped {skipped} malformed lines of {read} read (all ranks)")

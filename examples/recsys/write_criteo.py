@@ -41,8 +41,8 @@ def write_synthetic_criteo(
             labels, counts, ids = source.raw(begin, count)
             raw = (ids.astype(np.uint64) + offsets) * np.uint64(RAW_SCATTER) % np.uint64(1 << 32)
             counts[(begin + np.arange(count)) % 7 == 3, 1] = -1
-            gaps = np.random.default_rng([seed, begin]).random((count, NUM_DENSE + NUM_SPARSE))
-            gaps = gaps < missing
+            draws = np.random.default_rng([seed, begin]).random((count, NUM_DENSE + NUM_SPARSE))
+            gaps = draws < missing
             for row in range(count):
                 dense = ("" if gaps[row, j] else str(c) for j, c in enumerate(counts[row]))
                 hexes = (

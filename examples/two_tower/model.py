@@ -25,10 +25,13 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     SparseFeatures,
     row_wise,
     shard_embeddings,
 )
+
+Tables = EmbeddingBagCollection | ShardedEmbeddingBagCollection  # before and after setup
 
 
 def tower_mlp(dim: int, hidden: int) -> nn.Sequential:
@@ -55,30 +58,34 @@ class TwoTower(mp.ParallelModule):
         self.temperature, self.lr, self.emb_lr, self.steps = temperature, lr, emb_lr, steps
         self.items, self.clusters = items, clusters
         self.freeze_tables, self.seed = freeze_tables, seed
-        self.user_tables = EmbeddingBagCollection(
+        # (sharded and wrapped in setup)
+        self.user_tables: Tables = EmbeddingBagCollection(
             [
                 EmbeddingBagConfig("user_id", users, dim),
                 EmbeddingBagConfig("user_segment", clusters, dim),
             ],
             seed=seed,
         )
-        self.item_tables = EmbeddingBagCollection(
+        self.item_tables: Tables = EmbeddingBagCollection(
             [
                 EmbeddingBagConfig("item_id", items, dim),
                 EmbeddingBagConfig("item_category", clusters, dim),
             ],
             seed=seed + 1,
         )
-        self.user_mlp = tower_mlp(dim, hidden)
-        self.item_mlp = tower_mlp(dim, hidden)
+        self.user_mlp: nn.Module = tower_mlp(dim, hidden)
+        self.item_mlp: nn.Module = tower_mlp(dim, hidden)
 
     def setup(self, strategy: mp.ManualParallelStrategy) -> None:
         user_plan = {name: row_wise() for name in ("user_id", "user_segment")}
+        users, items = self.user_tables, self.item_tables
+        assert isinstance(users, EmbeddingBagCollection)  # (setup runs once)
+        assert isinstance(items, EmbeddingBagCollection)
         self.user_tables = shard_embeddings(
-            self.user_tables, strategy, plan=user_plan, rule=RowWiseAdagrad(lr=self.emb_lr)
+            users, strategy, plan=user_plan, rule=RowWiseAdagrad(lr=self.emb_lr)
         )
         self.item_tables = shard_embeddings(
-            self.item_tables, strategy, plan="auto", rule=RowWiseAdagrad(lr=self.emb_lr)
+            items, strategy, plan="auto", rule=RowWiseAdagrad(lr=self.emb_lr)
         )
         self.user_mlp = mp.fsdp(self.user_mlp, strategy)  # sharded from meta
         mp.materialize(self, strategy, seed=self.seed)  # the item MLP, equal on every rank
@@ -91,17 +98,26 @@ class TwoTower(mp.ParallelModule):
         dense = torch.optim.AdamW(self.dense_parameters(), lr=self.lr)
         schedulers: list[object] = [CosineAnnealingLR(dense, T_max=self.steps)]
         if not self.freeze_tables:
+            users, items = self.sharded()
             schedulers += [
-                CosineAnnealingLR(self.user_tables.fused_optimizer, T_max=self.steps),
-                CosineAnnealingLR(self.item_tables.fused_optimizer, T_max=self.steps),
+                CosineAnnealingLR(users.fused_optimizer, T_max=self.steps),
+                CosineAnnealingLR(items.fused_optimizer, T_max=self.steps),
             ]
         return {"optimizer": dense, "schedulers": schedulers}
 
     def prefetch(self, pairs: Pairs) -> None:
         """The next batch's ids start travelling now (the Trainer calls this before each step
         with the next step's batch; TrainPipeline)."""
-        self.user_tables.prefetch(pairs.users)
-        self.item_tables.prefetch(pairs.items)
+        users, items = self.sharded()
+        users.prefetch(pairs.users)
+        items.prefetch(pairs.items)
+
+    def sharded(self) -> tuple[ShardedEmbeddingBagCollection, ShardedEmbeddingBagCollection]:
+        """The user and item tables as setup left them."""
+        users, items = self.user_tables, self.item_tables
+        assert isinstance(users, ShardedEmbeddingBagCollection)
+        assert isinstance(items, ShardedEmbeddingBagCollection)
+        return users, items
 
     def embed_users(self, pairs: Pairs) -> torch.Tensor:
         return F.normalize(self.user_mlp(self.user_tables(pairs.users).values), dim=-1)

@@ -18,6 +18,7 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     SparseFeatures,
     row_wise,
     shard_embeddings,
@@ -33,7 +34,9 @@ def _items(ids: torch.Tensor, clusters: int) -> SparseFeatures:
 
 
 @torch.no_grad()
-def item_index(model: TwoTower, strategy: mp.ManualParallelStrategy) -> torch.nn.Module:
+def item_index(
+    model: TwoTower, strategy: mp.ManualParallelStrategy
+) -> ShardedEmbeddingBagCollection:
     """Every item's vector, in a row-wise sharded table (never trained: frozen)."""
     items, world = model.items, strategy.world_size
     share = -(-items // world)
@@ -43,7 +46,9 @@ def item_index(model: TwoTower, strategy: mp.ManualParallelStrategy) -> torch.nn
     padded[: len(vectors)] = vectors
     every = strategy.all_gather(padded).flatten(0, 1)[:items]
     table = EmbeddingBagCollection([EmbeddingBagConfig(INDEX, items, vectors.shape[1])])
-    table.tables[INDEX].weight.copy_(every)
+    weight = table.tables[INDEX].weight
+    assert isinstance(weight, torch.Tensor)
+    weight.copy_(every)
     index = shard_embeddings(table, strategy, plan={INDEX: row_wise()}, rule=RowWiseAdagrad(lr=0))
     return index.requires_grad_(False)
 
@@ -51,7 +56,7 @@ def item_index(model: TwoTower, strategy: mp.ManualParallelStrategy) -> torch.nn
 @torch.no_grad()
 def precision_at(
     model: TwoTower,
-    index: torch.nn.Module,
+    index: ShardedEmbeddingBagCollection,
     pairs: Pairs,
     k: int,
     strategy: mp.ManualParallelStrategy,

@@ -62,7 +62,9 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counted
 
 
-@pytest.mark.parametrize("rule", [RowWiseAdagrad(lr=1e4), Adagrad(lr=1e4), SGD(lr=1e4)])
+@pytest.mark.parametrize(
+    "rule", [RowWiseAdagrad(lr=1e4), Adagrad(lr=1e4), SGD(lr=1e4), Adam(lr=1e4)]
+)
 def test_half_tables_are_guarded_by_default(rule: UpdateRule) -> None:
     """Without being asked: an update that would overflow float16 rows is refused, every row
     and accumulator as before (before the default turned on, the rows became inf)."""
@@ -85,7 +87,9 @@ def test_guard_half_rows_false_opts_out() -> None:
     assert torch.isinf(_rows(emb)[1:4]).all()
 
 
-@pytest.mark.parametrize("rule", [RowWiseAdagrad(lr=0.1), Adagrad(lr=0.1), SGD(lr=0.1)])
+@pytest.mark.parametrize(
+    "rule", [RowWiseAdagrad(lr=0.1), Adagrad(lr=0.1), SGD(lr=0.1), Adam(lr=0.1)]
+)
 def test_a_step_the_bounds_rule_out_copies_nothing(rule: UpdateRule, copies: list[int]) -> None:
     """The usual step: no row is copied aside, and the tables train to the bits of an
     unguarded run."""
@@ -133,17 +137,19 @@ def test_bfloat16_rows_are_guarded_at_their_own_limit(copies: list[int]) -> None
         _step(emb)
 
 
-def test_adam_is_guarded_only_when_asked() -> None:
-    """Adam's step has no bound (its moments' history): guarding it copies every step, so the
-    default leaves it off and `guard_half_rows=True` turns it on."""
-    unguarded = _build(Adam(lr=1e4), fill=60000.0)
+def test_adam_without_a_second_moment_is_guarded_only_when_asked() -> None:
+    """Adam with b2 = 0 has no step bound (v forgets at once, m does not; adam_bounds.py):
+    guarding it copies every step, so the default leaves it off and `guard_half_rows=True`
+    turns it on. With b2 > 0 it is bounded and guarded by default (above)."""
+    rule = Adam(lr=1e4, betas=(0.9, 0.0))
+    unguarded = _build(rule, fill=60000.0)
     assert unguarded.step.backward_phases.half_rows is None
-    guarded = _build(Adam(lr=1e4), fill=60000.0, guard_half_rows=True)
+    guarded = _build(rule, fill=60000.0, guard_half_rows=True)
     with pytest.raises(NonFiniteError, match="overflowed"):
         _step(guarded)
 
 
-@pytest.mark.parametrize("rule_type", [RowWiseAdagrad, Adagrad, SGD])
+@pytest.mark.parametrize("rule_type", [RowWiseAdagrad, Adagrad, SGD, Adam])
 def test_no_step_near_the_limit_overflows_unseen(
     rule_type: type[UpdateRule], copies: list[int]
 ) -> None:
@@ -165,3 +171,18 @@ def test_no_step_near_the_limit_overflows_unseen(
         else:
             assert torch.isfinite(after).all(), trial
     assert 0 < len(copies) < 24
+
+
+def test_adam_moments_written_by_hand_are_read_again(copies: list[int]) -> None:
+    """Adam's bound carries its moments' ratio through the updates; moments written other than
+    by an update (torch's version counter moved) are read again, and moments it cannot bound
+    (m without v) send the step down the copy path."""
+    emb = _build(Adam(lr=0.1))
+    for _ in range(3):
+        _step(emb)
+    assert copies == []
+    state = emb.fused_optimizer.table_state["user"]
+    state["exp_avg"].fill_(1.0)
+    state["exp_avg_sq"].zero_()
+    _step(emb)
+    assert copies == [1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from test_emb_planning_cost_model import CONFIGS, PER_BAG, SEQUENCE, _plan, _topology
 
-from manualpar.embeddings import EmbeddingPlan, data_parallel
+from manualpar.embeddings import EmbeddingPlan, data_parallel, table_wise
 from manualpar.embeddings.exchange_layout import WIRE_NAMES
 from manualpar.embeddings.planning import Workload, placement_costs, plan_costs
 from manualpar.embeddings.planning.cost_model import collection_costs
@@ -85,3 +85,19 @@ def test_a_sequence_feature_cannot_have_bags_of_its_own() -> None:
         expected_sent_bytes(SEQUENCE, _plan(2, 2), 16, PER_FEATURE, bags_per_feature={"user": 4})
     with pytest.raises(PlanError, match="bag counts must be >= 0"):
         expected_sent_bytes(CONFIGS, _plan(2, 2), 16, PER_FEATURE, bags_per_feature={"user": -1})
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_replicated_plan_pays_its_sizes_exchanges_latency(replicas: int) -> None:
+    """Tables all replicated: the gradients' all_reduce and the sizes all_to_all, two calls'
+    latency; a routed plan's sizes are one of its four exchanges (rank_costs.CALLS)."""
+    world, per_node = 4, 2
+    topology, workload = _topology(world, per_node), Workload(16, PER_BAG)
+    shard = world // replicas
+    replicated = EmbeddingPlan(shard, {c.name: data_parallel() for c in CONFIGS})
+    routed = EmbeddingPlan(shard, {c.name: table_wise(0) for c in CONFIGS})
+    for plan, calls in ((replicated, 2), (routed, 4 + (2 if replicas > 1 else 0))):
+        costs = plan_costs(CONFIGS, plan, topology, workload, replicas=replicas)
+        latency = costs.seconds(topology) - costs.seconds(topology, latency=False)
+        expected = calls * topology.inter_node_latency
+        assert latency.tolist() == pytest.approx([expected] * shard, rel=1e-9), plan

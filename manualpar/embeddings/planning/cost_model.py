@@ -251,7 +251,7 @@ def collection_costs(
     rows, step/wire.py): a step sends the sizes every time, its tables all replicated too,
     the flag only where some table is routed to an owner (tables all replicated: no pooled
     exchange runs, StepParts.exchange; tests/dist/test_emb_planning_variable_batch_ranks.py
-    counts them)."""
+    counts them). The sizes all_to_all's latency is counted once (RankCosts.collectives)."""
     share = remapper_bytes_per_rank(configs, topology.world_size)
     group = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(group.world_size)
@@ -270,6 +270,8 @@ def collection_costs(
     ):
         sent += words * peers
         received += words * peers
+    if topology.world_size > 1:  # its latency: alone where every table is replicated (CALLS)
+        costs.users["sizes"] = 1
     return costs
 
 

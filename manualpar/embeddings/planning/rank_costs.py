@@ -18,9 +18,11 @@ __all__ = ["CALLS", "RankCosts"]
 
 # Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
 # pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
-# replicated tables' gradients (step/data_parallel.py), and on a 2-D mesh the two all_to_alls
-# that sum the touched rows' gradients across the replicas (step/replica_combine.py).
-CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2}
+# replicated tables' gradients (step/data_parallel.py), on a 2-D mesh the two all_to_alls
+# that sum the touched rows' gradients across the replicas (step/replica_combine.py), and the
+# sizes all_to_all every collection runs (collection_costs), the first of the exchanges where
+# some table is routed, alone where all are replicated (StepParts.exchange).
+CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2, "sizes": 1}
 
 
 @dataclass
@@ -77,8 +79,12 @@ class RankCosts:
 
     @property
     def collectives(self) -> int:
-        """Collective calls per step: each kind some table uses runs once for all of them."""
-        return sum(CALLS[kind] for kind, tables in self.users.items() if tables > 0)
+        """Collective calls per step: each kind some table uses runs once for all of them (the
+        sizes all_to_all is one of the exchanges where they run)."""
+        kinds = {kind for kind, tables in self.users.items() if tables > 0}
+        if "exchanges" in kinds:
+            kinds.discard("sizes")
+        return sum(CALLS[kind] for kind in kinds)
 
     @property
     def sent(self) -> torch.Tensor:

@@ -130,10 +130,10 @@ def shard_embeddings(
     `guard_half_rows`: in a collection with float16/bfloat16 tables, refuse an update that
     would overflow their rows to inf or NaN on any rank, leaving every rank's rows and state
     as before (then `non_finite` decides: NonFiniteError, or a counted skip). None (the
-    default): on where the rule's step is bounded (SGD, Adagrad, RowWiseAdagrad), where it
-    costs nothing measurable (the touched rows are copied aside only when a rank's bound
-    cannot rule an overflow out); True: also for Adam, copying the touched rows every step
-    (about 2x the step); False: off (step/half_overflow.py).
+    default): on where the rule's step is bounded (SGD, Adagrad, RowWiseAdagrad, Adam with
+    b2 > 0), where it costs nothing measurable (the touched rows are copied aside only when a
+    rank's bound cannot rule an overflow out); True: also for Adam with b2 = 0, copying the
+    touched rows and state every step; False: off (step/half_overflow.py).
 
     `wire_dtype`: the dtype the pooled outputs and output gradients travel in between ranks
     (None: float32), one for both or `WireDtypes(forward=torch.float16, backward=

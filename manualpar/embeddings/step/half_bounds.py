@@ -10,9 +10,13 @@ amount whatever the gradient:
 - Adagrad: lr * g_j / (sqrt(s_j + g_j^2) + eps), at most lr;
 - SGD: lr times the row's summed gradient, at most lr * (largest bag gradient) * (ids'
   weight) * (sender scale) * (bags a sample's gradient was summed over), bounded from one
-  float64 sum over the job.
+  float64 sum over the job;
+- Adam: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), at most that step size times a
+  bound C on |m| / sqrt(v) over the block (adam_bounds.py: read from the moments at a scan,
+  then grown by each update, towards (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)), 7.3 for the
+  default betas; with b2 = 0 there is none, and the guard copies as before).
 
-(Adam's step depends on its moments' history: no bound, the copy stays.) So each rank keeps,
+So each rank keeps,
 per half table, an upper bound on its block's largest |value|: read once (a scan), then grown by
 each update's bound. While bound + step bound stays below the dtype's largest finite value
 (with a 0.1% margin for float32 rounding), no row can overflow and no copy is needed. A scan is
@@ -32,7 +36,8 @@ import torch
 from torch import nn
 
 from manualpar.embeddings.modules.bag_collection import table_of
-from manualpar.embeddings.optim.update_rules import SGD, Adagrad, RowWiseAdagrad, UpdateRule
+from manualpar.embeddings.optim.update_rules import SGD, Adagrad, Adam, RowWiseAdagrad, UpdateRule
+from manualpar.embeddings.step.adam_bounds import AdamSteps
 from manualpar.embeddings.step.parts import StepParts
 
 __all__ = ["GRADIENT_LIMIT", "MARGIN", "RowBounds", "step_bound"]
@@ -45,7 +50,8 @@ _SUBNORMAL = 2.0**-60  # |g| below this: g^2 is subnormal and the denominator im
 
 def step_bound(rule: UpdateRule, lr: float, dim: int) -> float | None:
     """The most one update of `rule` moves an element of a row of width `dim`, whatever the
-    gradient (None: it depends on the gradient, SGD, or on the state's history, Adam)."""
+    gradient (None: it depends on the gradient, SGD, or on the state's history, Adam: see
+    AdamSteps)."""
     if isinstance(rule, RowWiseAdagrad):
         return lr * math.sqrt(dim) * max(1 + 10 * MARGIN, _SUBNORMAL / rule.eps)
     if isinstance(rule, Adagrad):
@@ -60,7 +66,11 @@ class RowBounds:
         self.parts, self.half = parts, half
         rule = parts.optimizer.rule
         self.by_gradient = isinstance(rule, SGD)  # its step bound comes from the gradient
-        self.bounded = self.by_gradient or step_bound(rule, 1.0, 1) is not None
+        # Adam's comes from its moments (None: b2 = 0, no bound)
+        self.adam = AdamSteps.of(rule) if isinstance(rule, Adam) else None
+        self.bounded = (
+            self.by_gradient or self.adam is not None or step_bound(rule, 1.0, 1) is not None
+        )
         self.limit = {t: _limit(parts.routing.tables[t].dtype) for t in half}
         # the step bound per unit of lr (SGD: 0, its part comes from the gradient); the full
         # width: row-wise statistics are over the whole row under column sharding too
@@ -79,7 +89,10 @@ class RowBounds:
         self._empty: set[int] = set()  # tables of which this rank holds no rows
 
     def step(self, t: int, lr: float) -> float:
-        """Table `t`'s step bound for a gradient-free rule (SGD: 0, its part comes later)."""
+        """Table `t`'s step bound for a gradient-free rule (SGD: 0, its part comes later) in
+        the coming update (Adam's: from its moments' bound, the update count and lr)."""
+        if self.adam is not None:
+            return self.adam.step(t, lr, self.parts.optimizer.num_updates + 1)
         return self._per_lr[t] * lr
 
     def safe(self, tables: list[int], lr: float) -> bool:
@@ -92,9 +105,11 @@ class RowBounds:
                 return False
             if t in self._empty:
                 continue
-            step = self._per_lr[t] * lr
-            if self.versions.get(t) != self._versions(t) or self._loose(t, step):
-                self._scan(t)
+            step = self.step(t, lr)
+            stale = self.versions.get(t) != self._versions(t)  # written other than by updates
+            if stale or self._loose(t, step):
+                self._scan(t, stale)
+                step = self.step(t, lr)  # (Adam's: from the moments just read)
             if not self.bound[t] + step <= self.limit[t]:  # NaN: not safe
                 return False
         return True
@@ -109,7 +124,9 @@ class RowBounds:
         so that it holds for the rows however far the update gets."""
         for t in tables:
             if t in self.bound:
-                self.bound[t] += self._per_lr[t] * lr + extra
+                self.bound[t] += self.step(t, lr) + extra
+                if self.adam is not None:  # and the moments' bound by this update
+                    self.adam.grow(t)
 
     def settled(self, tables: list[int]) -> None:
         """After an update that stays: the bounds hold for the tensors as it left them."""
@@ -125,7 +142,7 @@ class RowBounds:
             return True
         return bound - scanned >= max((self.limit[t] - scanned) / 2, 64 * step)
 
-    def _scan(self, t: int) -> None:
+    def _scan(self, t: int, stale: bool = True) -> None:
         """Read the block's largest |value| (inf if any is NaN or inf, or if the state would
         let a step grow past its bound: a negative or NaN accumulator)."""
         weight = self.parts.weight(t)
@@ -135,14 +152,22 @@ class RowBounds:
         else:  # aminmax: 6 ms for 1M x 64 float16 rows, abs().amax() 62 ms
             low, high = (float(value) for value in torch.aminmax(weight))  # NaN propagates
         largest = max(-low, high)
-        if math.isnan(low) or math.isnan(high) or not self._state_ok(t):
+        ok = self._state_ok(t, stale)  # (first: Adam's ratio is read whatever the rows hold)
+        if math.isnan(low) or math.isnan(high) or not ok:
             largest = math.inf
         self.bound[t] = self.scanned[t] = largest
         self.versions[t] = self._versions(t)
 
-    def _state_ok(self, t: int) -> bool:
-        """Adagrad's bounds need accumulators >= 0 (a loaded state could hold anything)."""
+    def _state_ok(self, t: int, stale: bool) -> bool:
+        """Adagrad's bounds need accumulators >= 0 (a loaded state could hold anything);
+        Adam's, moments whose ratio is bounded: read again only where `stale` (the ratio
+        carried through the updates holds otherwise; reading it costs 50x the weights'
+        scan)."""
         state = self.parts.optimizer.table_state.get(self.parts.name(t), {})
+        if self.adam is not None:
+            if stale or t not in self.adam.ratio:
+                return self.adam.read(t, state)
+            return math.isfinite(self.adam.ratio[t])
         total = state.get("sum")
         return total is None or total.numel() == 0 or bool(total.min() >= 0)
 

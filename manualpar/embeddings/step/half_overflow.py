@@ -22,8 +22,8 @@ tables (float16 or bfloat16, not frozen this step):
 
 The copy path cost 2.1-2.4x the step of 8 float16 tables (examples/benchmarks/
 bench_half_guard.py; docs/benchmarks.md); the bounds make it rare, so the guard is on by default
-where the rule has a bound (SGD, Adagrad, row-wise Adagrad; not Adam, whose step depends on its
-moments' history: `guard_half_rows=True` guards it with the copy on every step).
+where the rule has a bound (SGD, Adagrad, row-wise Adagrad, Adam through its moments; not Adam
+with b2 = 0, which has none: `guard_half_rows=True` guards it with the copy on every step).
 """
 
 from __future__ import annotations
