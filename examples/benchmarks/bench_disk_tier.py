@@ -4,21 +4,22 @@
         --steps 200 --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
         [--baseline-src ../manualpar-before --variants memory lru]
 
-Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of
-`--memory-gb` in total, the largest that fit next to everything else; disk tables of `--disk-gb`
-with an LRU cache; the same with LFU; any of them with `-pipelined`, e.g. `lru-pipelined`: the
-steps through TrainPipeline, each batch's rows read into the cache during the step before, the
-pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no write log,
-evicted rows written to their places, as before the log; with `-io<N>` after the policy, e.g.
-`lru-io1`: `DiskTier(io_threads=N)`; ending `-log<N>`, e.g. `lru-log11`: a
-write log of N cache sizes, `DiskTier(write_log=N)`) alternate in a rotating order,
+Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of `--memory-gb`
+in total, the largest that fit next to everything else; disk tables of `--disk-gb` with an LRU
+cache; the same with LFU or LRFU (`lfu`, `lrfu`); any of them with `-pipelined`, e.g.
+`lru-pipelined`: the steps through TrainPipeline, each batch's rows read into the cache during the
+step before, the pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no
+write log, evicted rows written to their places, as before the log; with `-io<N>` after the policy,
+e.g. `lru-io1`: `DiskTier(io_threads=N)`; ending `-log<N>`, e.g. `lru-log11`: a write log of N
+cache sizes, `DiskTier(write_log=N)`) alternate in a rotating order,
 `--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
 fused row-wise Adagrad, global batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the
-distribution scattered over the table by a fixed permutation). A step is forward + backward with
-the update, timed as the slowest rank's; the median (and mean: evictions come in batches) of
-`--steps` after a warm-up that, on disk, lasts until every cache has been full and evicted a
-quarter of its rows; time enough steps for each table to evict a batch (a sixteenth of its
-cache), or the mean misses the evictions (a job whose timed steps evicted nothing says so).
+distribution scattered over the table by a fixed permutation; with `--shift-every N` the
+permutation moves every N steps, so the hot rows shift to other rows). A step is forward +
+backward with the update, timed as the slowest rank's; the median (and mean: evictions come in
+batches) of `--steps` after a warm-up that, on disk, lasts until every cache has been full and
+evicted a quarter of its rows; time enough steps for each table to evict a batch (a sixteenth
+of its cache), or the mean misses the evictions (a job whose timed steps evicted nothing says so).
 Reported: step-time ratio disk / memory (median over repeats of the per-repeat ratios), peak RSS
 per process against cache + 1 GiB, the cache hit rate over the timed steps, and the CPU a timed
 step takes (every thread of the process, the drain's and the writes' too, less the making of the
@@ -48,17 +49,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import job_launch
 from disk_phases import PhaseClock, StepCPU, phase_means, summary_of
 
+if TYPE_CHECKING:  # (imported where used: the launcher itself never loads torch)
+    import torch
+
 GIB = 2**30
 PERMUTE = 2_654_435_761  # Knuth's multiplicative hash constant, a prime: a fixed permutation
+SHIFT = 1_000_003  # a prime: where the permutation moves each `--shift-every` steps
 
 
-def zipf_ids(rows: int, count: int, seed: int, exponent: float) -> object:
+def zipf_ids(rows: int, count: int, seed: int, exponent: float, epoch: int = 0) -> torch.Tensor:
     """`count` ids in [0, rows): Zipf ranks (too-large draws redrawn), scattered by a permutation
-    so the hot rows are not neighbours."""
+    so the hot rows are not neighbours; each `epoch` moves the permutation by a prime, so every
+    rank lands on another row (the hot rows shift)."""
     import numpy as np
     import torch
 
@@ -67,7 +74,7 @@ def zipf_ids(rows: int, count: int, seed: int, exponent: float) -> object:
     while out.size < count:
         draw = rng.zipf(exponent, size=2 * count)
         out = np.concatenate([out, draw[draw <= rows][: count - out.size]])
-    ids = ((out - 1) * PERMUTE) % rows
+    ids = ((out - 1) * PERMUTE + epoch * SHIFT) % rows
     return torch.from_numpy(ids)
 
 
@@ -107,14 +114,10 @@ def worker(args: argparse.Namespace) -> None:
     ]
     placement = row_wise(on_disk=True) if disk else row_wise()
     plan = EmbeddingPlan(world, {t.name: placement for t in tables})
+    options: dict[str, Any] = {"write_log": write_log} if write_log is not None else {}
+    options.update({"io_threads": int(io.group(1))} if io else {})
     tier = (
-        DiskTier(
-            args.dir,
-            cache_bytes=int(args.cache_gb * GIB),
-            policy=policy_of(base),
-            **({"write_log": write_log} if write_log is not None else {}),
-            **({"io_threads": int(io.group(1))} if io else {}),
-        )
+        DiskTier(args.dir, cache_bytes=int(args.cache_gb * GIB), policy=policy_of(base), **options)
         if disk
         else None
     )
@@ -128,10 +131,16 @@ def worker(args: argparse.Namespace) -> None:
 
     def features(step: int) -> SparseFeatures:
         ids = [
-            zipf_ids(rows, batch * args.ids_per_bag, 7919 * step + 31 * rank + t, args.exponent)
+            zipf_ids(
+                rows,
+                batch * args.ids_per_bag,
+                7919 * step + 31 * rank + t,
+                args.exponent,
+                step // args.shift_every if args.shift_every else 0,
+            )
             for t in range(args.tables)
         ]
-        return SparseFeatures([f"f{t}" for t in range(args.tables)], torch.cat(ids), lengths)
+        return SparseFeatures(tuple(f"f{t}" for t in range(args.tables)), torch.cat(ids), lengths)
 
     disk_tables = [t for t in emb.storage.stores.values() if isinstance(t, DiskTable)]
     caches = [t.cache for t in disk_tables]
@@ -252,8 +261,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def policy_of(variant: str) -> str:
-    """The cache policy of a disk variant ("lru", "lfu", "lru-baseline": LRU on the baseline
-    source tree)."""
+    """The cache policy of a disk variant ("lru", "lfu", "lrfu", "lru-baseline": LRU on the
+    baseline source tree)."""
     return variant.partition(LOG)[0].removesuffix(BASELINE)
 
 
@@ -267,7 +276,7 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
     """One fresh 2-process job of `variant` (job_launch.py); its table files deleted after."""
     directory = Path(args.dir) / f"{variant}-{os.getpid()}-{time.monotonic_ns()}"
     options = "disk_gb memory_gb cache_gb tables dim batch ids_per_bag exponent steps warmup"
-    options += " max_warmup max_cycle"
+    options += " max_warmup max_cycle shift_every"
     worker_args = [
         *("--worker", "--variant", variant, "--dir", str(directory)),
         *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in options.split()],
@@ -296,6 +305,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048, help="global batch")
     parser.add_argument("--ids-per-bag", type=int, default=20)
     parser.add_argument("--exponent", type=float, default=1.05, help="Zipf exponent")
+    parser.add_argument(
+        "--shift-every",
+        type=int,
+        default=0,
+        help="every this many steps the hot rows move to other rows (0: never): a cache "
+        "policy's adaptation to shifting hot rows",
+    )
     parser.add_argument(
         "--steps",
         type=int,

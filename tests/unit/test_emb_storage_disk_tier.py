@@ -45,7 +45,9 @@ def test_disk_tier_settings_are_checked() -> None:
         DiskTier("x")
     with pytest.raises(BuilderError, match=re.escape("cache_rows must be a positive int, got 0")):
         DiskTier("x", cache_rows=0)
-    with pytest.raises(BuilderError, match=re.escape("policy must be one of ('lru', 'lfu')")):
+    with pytest.raises(
+        BuilderError, match=re.escape("policy must be one of ('lru', 'lfu', 'lrfu')")
+    ):
         DiskTier("x", cache_rows=8, policy="fifo")
     with pytest.raises(
         BuilderError,
@@ -55,6 +57,7 @@ def test_disk_tier_settings_are_checked() -> None:
         ),
     ):
         DiskTier("x", cache_rows=8, write_log=-1)
+    assert DiskTier("x", cache_rows=8).policy == "lrfu"  # fewer misses than LRU, shifts too
     tier = DiskTier("x", cache_rows=8, write_log=2.5)
     # 2.5 caches of 8 slots, at most the block's rows
     assert (tier.log_rows(8, 1000), tier.log_rows(8, 12), DiskTier("x", 8).log_rows(8, 99)) == (

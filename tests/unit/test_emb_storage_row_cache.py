@@ -66,6 +66,52 @@ def test_lfu_evicts_the_least_frequently_used() -> None:
     assert _fill_then_evict("lfu") == {0, 1, 3, 9}  # row 2: used once, before row 3
 
 
+def test_lrfu_evicts_by_last_use_plus_a_reach_per_use(monkeypatch) -> None:
+    """Keys: row 0 used in steps 1-3, row 1 in 5-6, row 3 in 4 and 7-9, row 2 in 12; then a
+    new row. LRU evicts row 0 (the oldest use), LFU row 2 (one use), LRFU (last use + 4 steps
+    a use) row 1: 6 + 8 against 3 + 12, 12 + 4 and 9 + 16."""
+    from manualpar.embeddings.storage import row_cache
+
+    monkeypatch.setattr(row_cache, "LRFU_REACH", 4)
+    monkeypatch.setattr(row_cache, "LRFU_USES", 8)
+    left = {}
+    for policy in ("lru", "lfu", "lrfu"):
+        for native in (True, False):
+            cache = RowCache(100, 4, policy)
+            cache.native = native
+            for used in ([0], [0], [0], [3], [1], [1], [3], [3], [3], [], [], [2]):
+                if used:
+                    step(cache, *used)
+                else:
+                    cache.new_step()
+            cache.new_step()
+            cache.assign_ids(rows(9))  # evicts one slot (a batch of 4 // 16 = 0, at least 1)
+            left[policy, native] = cached(cache)
+    for native in (True, False):
+        assert left["lru", native] == {1, 2, 3, 9}
+        assert left["lfu", native] == {0, 1, 3, 9}
+        assert left["lrfu", native] == {0, 2, 3, 9}
+
+
+def test_lrfu_forgets_uses_past_its_reach(monkeypatch) -> None:
+    """A row used in every step long ago is evicted before a row used once lately, once its
+    uses (at most LRFU_USES count) no longer reach past it; LFU keeps it."""
+    from manualpar.embeddings.storage import row_cache
+
+    monkeypatch.setattr(row_cache, "LRFU_REACH", 2)
+    monkeypatch.setattr(row_cache, "LRFU_USES", 3)
+    for policy, kept in (("lrfu", {1, 9}), ("lfu", {0, 9})):
+        cache = RowCache(100, 2, policy)
+        for _ in range(20):
+            step(cache, 0)  # 20 uses: 3 count, reaching 6 steps past step 20
+        for _ in range(10):
+            cache.new_step()
+        step(cache, 1)  # step 31: one use, reaching step 33
+        cache.new_step()
+        cache.assign(rows(9))
+        assert cached(cache) == kept, policy
+
+
 def test_evicted_dirty_rows_are_written_back_and_later_read_from_the_file() -> None:
     cache = RowCache(100, 2)
     step(cache, 5, updated=True)
@@ -131,7 +177,7 @@ def _state(cache: RowCache) -> dict[str, object]:
     return state
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
 def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
     """Skewed ids with repeats, two calls a step, evictions in batches, a cache too small
     once: the C++ pass and the torch path give the same slots, victims and state."""
@@ -141,7 +187,7 @@ def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
         pytest.skip("the C++ kernels could not be built on this machine")
     native, torch_path = RowCache(500, 64, policy), RowCache(500, 64, policy)
     torch_path.native = False
-    from_log = 0
+    from_log = evicted_before = 0
     generator = torch.Generator().manual_seed(3)
     for index in range(40):
         pins = []
@@ -167,6 +213,8 @@ def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
             assert sorted(a.slots.tolist()) == sorted(b.slots.tolist())
             for name in ("evict_rows", "evict_slots", "fetch_rows", "fetch_slots", "origins"):
                 assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+            assert a.evict_rows.tolist() == sorted(a.evict_rows.tolist())  # as written
+            evicted_before += a.evict_rows.numel()
             pins.append(a.slots)
             from_log += int((a.origins <= LOGGED).sum())
             # every other victim to the write log: read back from there, and dirty once read
@@ -177,5 +225,5 @@ def test_the_cpp_pass_leaves_the_state_of_the_torch_path(policy: str) -> None:
             native.release(slots, updated=index % 3 != 0)
             torch_path.release(slots, updated=index % 3 != 0)
         assert _state(native) == _state(torch_path)
-    assert native.evictions > 64  # the cache turned over
+    assert native.evictions > 64 and evicted_before > 8  # the cache turned over
     assert from_log > 0 and native.logged_rows()[0].numel() > 0  # rows read from the log

@@ -193,3 +193,31 @@ def test_a_fetch_reads_each_record_straight_into_its_slot(tmp_path, threads):
     cut = torch.tensor([LOGGED - 6], dtype=torch.int32)
     with pytest.raises(StorageError, match=re.escape("cannot read write-log record 6 from ")):
         writes.fetch(torch.tensor([9]), torch.tensor([0]), cut, weight, state)
+
+
+@needs_kernels
+def test_reads_share_kept_threads_across_calls_and_callers(tmp_path):
+    """The reading threads are kept between calls, a set per calling thread: many calls from
+    four Python threads at once, each split over four, read every record right."""
+    import threading
+
+    file = _file(tmp_path / "t.rows", threads=4)
+    records = _records(file, 5000, 3)
+    file.write(torch.arange(5000), records)
+    wrong: list[int] = []
+
+    def reader(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(30):
+            rows = torch.randperm(5000, generator=generator)[:1100]
+            got = file.empty(rows.numel())
+            file.read(rows, got)
+            if not torch.equal(got, records[rows]):
+                wrong.append(seed)
+
+    callers = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not wrong

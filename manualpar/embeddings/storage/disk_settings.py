@@ -24,9 +24,11 @@ class DiskTier:
     `cache_rows`: slots per table block on each rank; or `cache_bytes`: the rank's cache for all
     its disk tables together (weights + optimizer state), split in proportion to their blocks,
     the evicted rows on their way to the file included (a 1/17 of it).
-    `policy`: "lru" (default: on Zipf ids LFU's hit rate was only 0.3 points higher,
-    docs/embeddings-storage.md) or "lfu". `io_threads`: threads reading a step's missing rows (reads
-    that wait on the device overlap; writes go one at a time, see DiskTable).
+    `policy`: "lrfu" (default: the last use plus a few steps per use while cached, LFU's
+    fewer misses on steady ids without keeping yesterday's hot rows once they shift), "lru" or
+    "lfu" (row_cache.py, docs/embeddings-storage.md). `io_threads`: threads reading a step's
+    missing rows (reads that wait on the device overlap; writes go one at a time, see
+    DiskTable).
     `write_log`: each block's write log (write_log.py), in multiples of its cache slots (at
     most the block's rows): evicted rows are appended there and written to their places in the
     background once it is half full (background_drain.py), and before a checkpoint; 0: evicted
@@ -36,7 +38,7 @@ class DiskTier:
     directory: str | os.PathLike[str]
     cache_rows: int | None = None
     cache_bytes: int | None = None
-    policy: str = "lru"
+    policy: str = "lrfu"
     io_threads: int = 4
     write_log: float = 4.0
 

@@ -141,7 +141,7 @@ class DiskTable:
                 f"cache holds {full.capacity} rows; raise DiskTier(cache_rows=...) to at least "
                 f"{full.needed} (or cache_bytes=...), or use smaller batches"
             ) from None
-        evicted = self._copy_out(assignment.evict_rows, assignment.evict_slots)
+        evicted = self._copy_out(assignment.evict_rows, assignment.evict_slots, ascending=True)
         if assignment.fetch_rows.numel():
             # before the victims' write: a write may drain the log the fetched rows are read from
             self._fetch(assignment.fetch_rows, assignment.fetch_slots, assignment.origins)
@@ -150,15 +150,18 @@ class DiskTable:
         return id_slots.to(ids.device), assignment.slots.to(ids.device)
 
     def _copy_out(
-        self, rows: torch.Tensor, slots: torch.Tensor
+        self, rows: torch.Tensor, slots: torch.Tensor, ascending: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Dirty victims' records copied out of the cache, by ascending row (their slots are
-        reused at once); None if there are none."""
+        reused at once; `ascending`: `rows` are in that order already); None if there are
+        none."""
         if not rows.numel():
             return None
-        rows, order = torch.sort(rows)
+        if not ascending:
+            rows, order = torch.sort(rows)
+            slots = slots[order]
         records = self.file.empty(rows.numel())
-        self.file.from_slots(records, slots[order].to(self.weight.device), self.weight, self.state)
+        self.file.from_slots(records, slots.to(self.weight.device), self.weight, self.state)
         return rows, records
 
     def _write(self, rows: torch.Tensor, records: torch.Tensor, in_place: bool = False) -> None:

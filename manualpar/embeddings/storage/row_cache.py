@@ -7,7 +7,10 @@ file's write log, write_log.py). A step's rows are
 Victims are the unpinned slots with the smallest key:
 
 - "lru": the step the row was last used;
-- "lfu": how many steps used it while cached, ties broken by the last use.
+- "lfu": how many steps used it while cached, ties broken by the last use;
+- "lrfu": the step it was last used, plus LRFU_REACH steps for each step that used it while
+  cached, up to LRFU_USES of them: a row used often stays longer than one used once, but not
+  for ever (LFU's counts keep yesterday's hot rows once the hot rows shift).
 
 Victims are chosen in batches (at least 1/16 of the cache, once the free slots run out), so the
 selection over all slots runs every few steps, not every step. Ties go to the lower slot, and
@@ -27,6 +30,8 @@ from manualpar.errors import ConfigError
 __all__ = [
     "EVICT_FRACTION",
     "LOGGED",
+    "LRFU_REACH",
+    "LRFU_USES",
     "NEVER",
     "POLICIES",
     "STORED",
@@ -36,7 +41,9 @@ __all__ = [
     "log_record_of",
 ]
 
-POLICIES = ("lru", "lfu")
+POLICIES = ("lru", "lfu", "lrfu")  # the C++ pass takes their index
+LRFU_REACH = 16  # steps of lasting a use adds to an "lrfu" key
+LRFU_USES = 8  # uses counted, at most
 NEVER = -1  # slot_of value: never written, its values are the table's initial ones
 STORED = -2  # slot_of value: not cached, its values are in the file at the row's own place
 LOGGED = -3  # slot_of values <= LOGGED: not cached, at write-log record LOGGED - value
@@ -62,8 +69,9 @@ class CacheFull(Exception):
 @dataclass
 class SlotAssignment:
     """The slot of each requested row, and the IO to do first: write `evict_rows` back from
-    `evict_slots` (dirty rows only), then read `fetch_rows` into `fetch_slots` from where
-    `origins` says (their `slot_of` values before: NEVER rows are generated)."""
+    `evict_slots` (dirty rows only, by ascending row), then read `fetch_rows` into
+    `fetch_slots` from where `origins` says (their `slot_of` values before: NEVER rows are
+    generated)."""
 
     slots: torch.Tensor
     evict_rows: torch.Tensor
@@ -116,7 +124,9 @@ class RowCache:
             self.free_slots,
             self.free_count,
             self.step,
-            self.policy == "lfu",
+            POLICIES.index(self.policy),
+            LRFU_REACH,
+            LRFU_USES,
             self.capacity // EVICT_FRACTION,
         )
         counts = result[-1].tolist()
@@ -167,8 +177,8 @@ class RowCache:
 
     def _evict(self, short: int, missing: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Free at least `short` slots (a batch of 1/16 of the cache where possible); returns
-        the dirty victims (rows, slots) to write back."""
-        key = self.last_used.clone() if self.policy == "lru" else self.uses * 2**32 + self.last_used
+        the dirty victims (rows, slots) to write back, by ascending row."""
+        key = self._keys()
         unavailable = (self.pins > 0) | (self.row_of < 0)
         key[unavailable] = _UNAVAILABLE
         available = self.capacity - int(unavailable.sum())
@@ -189,7 +199,16 @@ class RowCache:
         self.free_slots[count : count + self.free_count] = left
         self.free_slots[:count] = victims.flip(0)
         self.free_count += count
-        return rows[dirty], victims[dirty]
+        rows, order = torch.sort(rows[dirty])
+        return rows, victims[dirty][order]
+
+    def _keys(self) -> torch.Tensor:
+        """Each slot's eviction key (a fresh tensor): the smallest go first."""
+        if self.policy == "lfu":
+            return self.uses * 2**32 + self.last_used
+        if self.policy == "lrfu":
+            return self.last_used + LRFU_REACH * self.uses.clamp(max=LRFU_USES)
+        return self.last_used.clone()
 
     def _touch(self, slots: torch.Tensor) -> None:
         fresh = slots[self.last_used[slots] != self.step]

@@ -17,6 +17,7 @@
 namespace {
 
 constexpr int32_t kStored = -2;  // row_cache.STORED: in the file at the row's place
+constexpr int64_t kLru = 0, kLfu = 1, kLrfu = 2;  // row_cache.POLICIES, in order
 // values <= row_cache.LOGGED (-3): in the file's write log
 
 void check(const torch::Tensor& t, c10::ScalarType type, int64_t size, const char* what) {
@@ -71,14 +72,15 @@ torch::Tensor long_tensor(const std::vector<int64_t>& values) {
 
 // One call's `ids` (block rows, repeats allowed) pinned into slots. Returns [id_slots (the slot
 // of each id), pinned (distinct slots), fetch_rows, fetch_slots, origins (the fetched rows'
-// slot_of values before: where to read them from), evict_rows,
-// evict_slots, counts], counts = [free_count, hits, misses, evictions]; or, when the pinned
+// slot_of values before: where to read them from), evict_rows (the dirty victims' rows,
+// ascending), evict_slots (theirs), counts], counts = [free_count, hits, misses, evictions]; or, when the pinned
 // rows would not fit, counts = [-1, needed] and the state untouched (RowCache raises CacheFull).
 std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of,
                                         torch::Tensor row_of, torch::Tensor pins,
                                         torch::Tensor dirty, torch::Tensor last_used,
                                         torch::Tensor uses, torch::Tensor free_slots,
-                                        int64_t free_count, int64_t step, bool lfu,
+                                        int64_t free_count, int64_t step, int64_t policy,
+                                        int64_t reach, int64_t most_uses,
                                         int64_t evict_batch) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kLong,
               "cache_assign: ids must be a contiguous int64 CPU tensor");
@@ -116,8 +118,14 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
   const int64_t missing = static_cast<int64_t>(misses.size());
   const int64_t shortfall = missing - free_count;
 
+  TORCH_CHECK(policy >= kLru && policy <= kLrfu && reach >= 0 && most_uses >= 0,
+              "cache_assign: bad policy ", policy);
+  // row_cache.py's keys: LRU the last use; LFU the uses, ties by the last use; LRFU the last
+  // use plus `reach` steps for each step that used the row while cached, up to `most_uses`
   const auto key_of = [&](int64_t s) {
-    return lfu ? use[s] * (int64_t{1} << 32) + last[s] : last[s];
+    if (policy == kLfu) return use[s] * (int64_t{1} << 32) + last[s];
+    if (policy == kLrfu) return last[s] + reach * std::min(use[s], most_uses);
+    return last[s];
   };
   for (const int64_t s : hits) ++pin[s];
 
@@ -174,15 +182,21 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
         victims.push_back(entry.first);
       }
     }
+    std::vector<std::pair<int64_t, int64_t>> dirty_victims;  // (row, slot)
     for (const int64_t v : victims) {
       const int64_t r = row[v];
       slot[r] = kStored;  // dirty ones are written back (to their place or the log)
       row[v] = -1;
       if (dirt[v]) {
-        evict_rows.push_back(r);
-        evict_slots.push_back(v);
+        dirty_victims.emplace_back(r, v);
         dirt[v] = false;
       }
+    }
+    // by ascending row, as the write log and the file take them (the caller sorted them)
+    std::sort(dirty_victims.begin(), dirty_victims.end());
+    for (const auto& [r, v] : dirty_victims) {
+      evict_rows.push_back(r);
+      evict_slots.push_back(v);
     }
     // the victims go under the free slots left, taken last and in ascending order
     std::memmove(free_stack + evicted, free_stack, free_count * sizeof(int64_t));
