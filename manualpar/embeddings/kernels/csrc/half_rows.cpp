@@ -35,22 +35,6 @@ void add_to_rows_rounded_impl(torch::Tensor& tensor, const torch::Tensor& rows,
   });
 }
 
-// rowwise_adagrad_row on half rows: the same float32 arithmetic, each result rounded back.
-template <typename weight_t>
-inline void rowwise_adagrad_row_rounded(weight_t* __restrict__ w, float* sum, const float* g,
-                                        float g_scale, int64_t full, int64_t col_start,
-                                        int64_t cols, float lr, float eps, const Rounding& r,
-                                        int64_t row) {
-  const double squares = sum_squares(g, full);
-  const double scaled = static_cast<double>(g_scale);
-  const float total =
-      *sum + static_cast<float>(squares * scaled * scaled / static_cast<double>(full));
-  *sum = total;
-  const float step = lr * g_scale / (std::sqrt(total) + eps);
-  // w - step * g, as w + (-step) * g: the same bits (negation is exact)
-  axpy_round_row(w, g + col_start, -step, cols, r, row);
-}
-
 template <typename weight_t>
 void rowwise_adagrad_rounded_impl(torch::Tensor& weight, torch::Tensor& state,
                                   const c10::optional<torch::Tensor>& weights,
@@ -68,11 +52,15 @@ void rowwise_adagrad_rounded_impl(torch::Tensor& weight, torch::Tensor& state,
   weight_t* w = weight.data_ptr<weight_t>();
   float* sum = state.data_ptr<float>();
   const float lr_ = static_cast<float>(lr), eps_ = static_cast<float>(eps);
-  for_each_row_gradient<float>(
+  // the float update's arithmetic (rowwise_adagrad_rows), each result rounded back: w - step * g
+  // as w + (-step) * g, the same bits (negation is exact)
+  for_each_row_batch<float, kUpdateRows>(
       groups, run_begin, run_end, weights, bags,
-      [&](int64_t, int64_t row, const float* g, float g_scale) {
-        rowwise_adagrad_row_rounded<weight_t>(w + row * stride, sum + row, g, g_scale, full,
-                                              col_start, cols, lr_, eps_, r, row);
+      [&](const RowBatch<float, kUpdateRows>& b) {
+        rowwise_adagrad_rows<float>(
+            b.n, b.row, b.g, b.scale, sum, full, lr_, eps_, [&](int i, float step) {
+              axpy_round_row(w + b.row[i] * stride, b.g[i] + col_start, -step, cols, r, b.row[i]);
+            });
       },
       Written<float, weight_t>{w, stride, cols, sum});
 }

@@ -58,14 +58,27 @@ struct Written {
   scalar_t* per_row = nullptr;  // one value per row (row-wise optimizer state)
 };
 
-// For each distinct id of runs [run_begin, run_end): `visit(u, row, g, g_scale)`, where g * g_scale is the row's
-// summed gradient. A row looked up once (the common case for large tables) is visited with its
-// bag's gradient row itself, not a copy.
-template <typename scalar_t, typename Visit, typename WrittenRows = Written<scalar_t>>
-void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t run_end,
-                           const c10::optional<torch::Tensor>& weights,
-                           const BagRows<scalar_t>& bags, Visit visit,
-                           WrittenRows written = {}) {
+// Distinct rows the row-wise updates take at a time (rowwise_row.h's rowwise_adagrad_rows).
+constexpr int kUpdateRows = 8;
+
+// Up to kRows distinct rows with their summed gradients (g[i] * scale[i]), handed over together
+// so that an update can interleave their arithmetic (rowwise_row.h's rowwise_adagrad_rows).
+template <typename scalar_t, int kRows>
+struct RowBatch {
+  int n = 0;
+  int64_t u[kRows];    // the run (distinct id) index
+  int64_t row[kRows];  // its row
+  const scalar_t* g[kRows];
+  scalar_t scale[kRows];
+};
+
+// For each distinct id of runs [run_begin, run_end), in order, in batches of up to kRows:
+// `visit(batch)`. A row looked up once (the common case for large tables) comes with its bag's
+// gradient row itself, not a copy; a repeated row's gradient is summed into a buffer of its own.
+template <typename scalar_t, int kRows, typename Visit, typename WrittenRows = Written<scalar_t>>
+void for_each_row_batch(const GroupsView& groups, int64_t run_begin, int64_t run_end,
+                        const c10::optional<torch::Tensor>& weights,
+                        const BagRows<scalar_t>& bags, Visit visit, WrittenRows written = {}) {
   const int64_t cols = bags.cols;
   const scalar_t* weight = weights ? weights->data_ptr<scalar_t>() : nullptr;
   const int64_t* order = groups.order;
@@ -75,8 +88,8 @@ void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t 
   const int64_t* selected = groups.runs + run_begin;
   [[maybe_unused]] const bool wide = simd_level() == 2;
   at::parallel_for(0, run_end - run_begin, 256, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> buffer(cols);
-    scalar_t* __restrict__ row_grad = buffer.data();
+    std::vector<scalar_t> buffer(kRows * cols);
+    RowBatch<scalar_t, kRows> batch;
     for (int64_t i = begin; i < end; ++i) {
       if (written.rows != nullptr && i + kPrefetchFar < end) {
         const int64_t far = rows[selected[i + kPrefetchFar]];
@@ -92,30 +105,52 @@ void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t 
       }
       const int64_t u = selected[i];
       const int64_t first = starts[u];
+      const int slot = batch.n++;
+      batch.u[slot] = u;
+      batch.row[slot] = rows[u];
       if (starts[u + 1] - first == 1) {
         const int64_t bag = bag_of[first];
-        visit(u, rows[u], bags.row_of(bag),
-              weight ? weight[order[first]] * bags.scale_of(bag) : bags.scale_of(bag));
-        continue;
-      }
-      std::fill(buffer.begin(), buffer.end(), scalar_t(0));
-      for (int64_t k = first; k < starts[u + 1]; ++k) {
-        const int64_t bag = bag_of[k];
-        const scalar_t w = weight ? weight[order[k]] * bags.scale_of(bag) : bags.scale_of(bag);
-        const scalar_t* __restrict__ src = bags.row_of(bag);
+        batch.g[slot] = bags.row_of(bag);
+        batch.scale[slot] = weight ? weight[order[first]] * bags.scale_of(bag) : bags.scale_of(bag);
+      } else {
+        scalar_t* __restrict__ row_grad = buffer.data() + slot * cols;
+        std::fill(row_grad, row_grad + cols, scalar_t(0));
+        for (int64_t k = first; k < starts[u + 1]; ++k) {
+          const int64_t bag = bag_of[k];
+          const scalar_t w = weight ? weight[order[k]] * bags.scale_of(bag) : bags.scale_of(bag);
+          const scalar_t* __restrict__ src = bags.row_of(bag);
 #if defined(__x86_64__) && defined(__GNUC__)
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          if (wide) {
-            add_scaled_avx512(row_grad, src, w, cols);
-            continue;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            if (wide) {
+              add_scaled_avx512(row_grad, src, w, cols);
+              continue;
+            }
           }
-        }
 #endif
-        for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
+          for (int64_t c = 0; c < cols; ++c) row_grad[c] += w * src[c];
+        }
+        batch.g[slot] = row_grad;
+        batch.scale[slot] = scalar_t(1);
       }
-      visit(u, rows[u], row_grad, scalar_t(1));
+      if (batch.n == kRows || i + 1 == end) {
+        visit(static_cast<const RowBatch<scalar_t, kRows>&>(batch));
+        batch.n = 0;
+      }
     }
   });
+}
+
+// For each distinct id of runs [run_begin, run_end), one at a time: `visit(u, row, g, g_scale)`,
+// where g * g_scale is the row's summed gradient.
+template <typename scalar_t, typename Visit, typename WrittenRows = Written<scalar_t>>
+void for_each_row_gradient(const GroupsView& groups, int64_t run_begin, int64_t run_end,
+                           const c10::optional<torch::Tensor>& weights,
+                           const BagRows<scalar_t>& bags, Visit visit,
+                           WrittenRows written = {}) {
+  for_each_row_batch<scalar_t, 1>(
+      groups, run_begin, run_end, weights, bags,
+      [&](const RowBatch<scalar_t, 1>& b) { visit(b.u[0], b.row[0], b.g[0], b.scale[0]); },
+      written);
 }
 
 }  // namespace

@@ -101,4 +101,45 @@ inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const s
                            eps);
 }
 
+// Row-wise Adagrad on n distinct rows at once (n <= 8; row i's gradient g[i] * g_scale[i], full
+// width): each row's state updated in `sum` and `write(i, step)` called with its step, for the
+// caller to apply w -= step * g[i][col_start..] its own way (float rows, rounded half rows).
+// The same bits as rowwise_adagrad_row on each row in turn; at the AVX-512 level eight rows'
+// arithmetic is interleaved (rowwise_steps8_avx512).
+template <typename scalar_t, typename Write>
+inline void rowwise_adagrad_rows(int n, const int64_t* row, const scalar_t* const* g,
+                                 const scalar_t* g_scale, scalar_t* sum, int64_t full,
+                                 scalar_t lr, scalar_t eps, Write write) {
+  scalar_t steps[8];
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (simd_level() == 2 && full % 8 == 0 && n > 1) {
+      rowwise_steps8_avx512(g, g_scale, row, n, full, sum, lr, eps, steps);
+      for (int i = 0; i < n; ++i) write(i, steps[i]);
+      return;
+    }
+  }
+#endif
+  for (int i = 0; i < n; ++i) {
+    const double squares = sum_squares(g[i], full);
+    const double scaled = static_cast<double>(g_scale[i]);
+    const scalar_t total = sum[row[i]] + static_cast<scalar_t>(squares * scaled * scaled /
+                                                               static_cast<double>(full));
+    sum[row[i]] = total;
+    write(i, lr * g_scale[i] / (std::sqrt(total) + eps));
+  }
+}
+
+// w[k] -= step * src[k] for k < cols: rowwise_adagrad_row's write of a float row.
+template <typename scalar_t>
+inline void subtract_step(scalar_t* __restrict__ w, const scalar_t* __restrict__ src,
+                          scalar_t step, int64_t cols) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (simd_level() == 2) return sub_scaled_avx512(w, src, step, cols);
+  }
+#endif
+  for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
+}
+
 }  // namespace

@@ -13,9 +13,8 @@
 //   split_by_rows              split_rows.cpp step/exchange.py
 //   sum_squares_versions, set_simd_level      tests (every vector level gives the same bits)
 // and raw_ids.cpp, row_io.cpp, row_cache.cpp, table_batch.cpp register their own.
-// The float and half row-wise Adagrad updates (rowwise_adagrad_row and _rounded) repeat one
-// body: a shared template measured 5-15% slower in the update (the kernel benchmark and a
-// profiled step), so they stay apart until that is understood.
+// The float and half row-wise Adagrad updates share rowwise_adagrad_rows (rowwise_row.h), eight
+// distinct rows at a time; they differ only in how a row takes its step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -75,11 +74,13 @@ void rowwise_adagrad_update_impl(torch::Tensor& weight, torch::Tensor& state,
   scalar_t* w = weight.data_ptr<scalar_t>();
   scalar_t* sum = state.data_ptr<scalar_t>();
   const scalar_t lr_ = static_cast<scalar_t>(lr), eps_ = static_cast<scalar_t>(eps);
-  for_each_row_gradient<scalar_t>(
+  for_each_row_batch<scalar_t, kUpdateRows>(
       groups, run_begin, run_end, weights, bags,
-      [&](int64_t, int64_t row, const scalar_t* g, scalar_t g_scale) {
-        rowwise_adagrad_row<scalar_t>(w + row * stride, sum + row, g, g_scale, full, col_start,
-                                      cols, lr_, eps_);
+      [&](const RowBatch<scalar_t, kUpdateRows>& b) {
+        rowwise_adagrad_rows<scalar_t>(
+            b.n, b.row, b.g, b.scale, sum, full, lr_, eps_, [&](int i, scalar_t step) {
+              subtract_step<scalar_t>(w + b.row[i] * stride, b.g[i] + col_start, step, cols);
+            });
       },
       Written<scalar_t>{w, stride, cols, sum});
 }
