@@ -15,6 +15,7 @@ its deadline has every live child's Python stack dumped, then is killed.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -23,6 +24,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -74,7 +76,13 @@ def free_port() -> int:
 
 
 def _child(
-    fn_bytes: bytes, rank: int, env: Mapping[str, str], results: Any, args: tuple, kwargs: dict
+    fn_bytes: bytes,
+    rank: int,
+    env: Mapping[str, str],
+    results: Any,
+    start: Any,
+    args: tuple,
+    kwargs: dict,
 ) -> None:
     for key in list(os.environ):
         if key.startswith(_LAUNCHER_PREFIXES):
@@ -92,21 +100,33 @@ def _child(
         # Unpickled only now, so the test module is imported with this rank's environment
         # (e.g. GPUs already hidden when it asks torch.cuda at import time).
         fn = pickle.loads(fn_bytes)
-        value = fn(*args, **kwargs)
-        outcome = RankOutcome(rank, ok=True, value=value)
-    except BaseException as error:  # report everything, including SystemExit
-        outcome = RankOutcome(
-            rank,
-            ok=False,
-            error_type=type(error).__name__,
-            error=str(error),
-            traceback=traceback.format_exc(),
-        )
+    except BaseException as error:
+        fn, outcome = None, _failed(rank, error)
+    # The ranks start `fn` together: forked one after the other and each importing the test
+    # module, they would otherwise start seconds apart on a loaded machine, and a test with a
+    # collective timeout of a few seconds would time out joining the group.
+    with contextlib.suppress(threading.BrokenBarrierError):  # a peer died before it
+        start.wait()
+    if fn is not None:
+        try:
+            outcome = RankOutcome(rank, ok=True, value=fn(*args, **kwargs))
+        except BaseException as error:  # report everything, including SystemExit
+            outcome = _failed(rank, error)
     # Plain pickle copies tensors by value; the queue's own pickler would pass shared-memory
     # handles that die with this process.
     results.put(pickle.dumps(outcome))
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _failed(rank: int, error: BaseException) -> RankOutcome:
+    return RankOutcome(
+        rank,
+        ok=False,
+        error_type=type(error).__name__,
+        error=str(error),
+        traceback=traceback.format_exc(),
+    )
 
 
 # Loaded once in the fork server, so every rank starts with them. `import manualpar` leaves the
@@ -161,21 +181,66 @@ def run_distributed(
             f"world_size={world_size} (nodes of equal size)"
         )
     ctx = _context()
-    results = ctx.Queue()
-    base_env = {
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size or world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        TIMEOUT_ENV_VAR: str(collective_timeout),
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",  # the CPU/gloo path, also on a GPU machine
-        **(env or {}),
-    }
     fn_bytes = pickle.dumps(fn)
+    for attempt in range(_PORT_ATTEMPTS):
+        port = str(free_port())
+        base_env = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size or world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            TIMEOUT_ENV_VAR: str(collective_timeout),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",  # the CPU/gloo path, also on a GPU machine
+            **(env or {}),
+        }
+        # The port was free when free_port() let it go, not necessarily when rank 0 binds it:
+        # another process may have taken it meanwhile. Then the job never started: run it again
+        # on another port (unless the test chose the port).
+        retry = attempt + 1 < _PORT_ATTEMPTS and base_env["MASTER_PORT"] == port
+        name = getattr(fn, "__name__", fn)
+        ordered = _run_job(ctx, name, fn_bytes, base_env, args, kwargs or {}, timeout, retry)
+        if ordered is not None:
+            break
+    assert ordered is not None  # the last attempt never gives up on a taken port
+    if allow_failure:
+        return ordered
+    if not all(o.ok for o in ordered):
+        raise DistributedTestError(ordered)
+    return [o.value for o in ordered]
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _lost_the_port(outcome: RankOutcome, env: Mapping[str, str]) -> bool:
+    """Whether `outcome` is a rank that found its job's port taken by another process (rank 0
+    could not listen on it, or another job's ranks were met there)."""
+    address = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    error = outcome.error or ""
+    return address in error and (
+        "already listens on" in error or "another process already joined the job at" in error
+    )
+
+
+def _run_job(
+    ctx: Any,
+    name: object,
+    fn_bytes: bytes,
+    env: Mapping[str, str],
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    retry_on_taken_port: bool,
+) -> list[RankOutcome] | None:
+    """One run of the job: each rank's outcome in order, or None if `retry_on_taken_port` and a
+    rank found the port taken (every rank is then killed)."""
+    world_size = int(env["WORLD_SIZE"])
+    results = ctx.Queue()
+    start = ctx.Barrier(world_size, timeout=timeout)
     procs = [
         ctx.Process(
-            target=_child, args=(fn_bytes, rank, base_env, results, args, kwargs or {}), daemon=True
+            target=_child, args=(fn_bytes, rank, env, results, start, args, kwargs), daemon=True
         )
         for rank in range(world_size)
     ]
@@ -188,11 +253,16 @@ def run_distributed(
             try:
                 outcome = pickle.loads(results.get(timeout=0.05))
                 outcomes[outcome.rank] = outcome
+                if retry_on_taken_port and _lost_the_port(outcome, env):
+                    for proc in procs:
+                        proc.kill()
+                    return None
                 continue
             except queue.Empty:
                 pass
             for rank, proc in enumerate(procs):
                 if rank not in outcomes and proc.exitcode is not None:
+                    start.abort()  # the others must not wait for it to start
                     # It may have queued its result just before exiting: drain once more.
                     time.sleep(0.2)
                     while not results.empty():
@@ -204,9 +274,8 @@ def run_distributed(
                 _dump_and_kill(procs, outcomes)
                 live = sorted(set(range(world_size)) - set(outcomes))
                 raise TimeoutError(
-                    f"distributed run of {getattr(fn, '__name__', fn)} did not finish in "
-                    f"{timeout:g}s; ranks {live} were still running (their stacks are in the "
-                    "captured stderr)"
+                    f"distributed run of {name} did not finish in {timeout:g}s; ranks {live} "
+                    "were still running (their stacks are in the captured stderr)"
                 )
     finally:
         for proc in procs:
@@ -217,11 +286,7 @@ def run_distributed(
     ordered = [outcomes[rank] for rank in range(world_size)]
     for outcome in ordered:
         outcome.exitcode = procs[outcome.rank].exitcode
-    if allow_failure:
-        return ordered
-    if not all(o.ok for o in ordered):
-        raise DistributedTestError(ordered)
-    return [o.value for o in ordered]
+    return ordered
 
 
 def _dump_and_kill(procs: Sequence[Any], outcomes: Mapping[int, RankOutcome]) -> None:

@@ -18,12 +18,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 from launch import is_launcher_variable  # noqa: E402  (needs SUPPORT on sys.path)
+
+# One intra-op thread in the test process, as every rank and launched job has: torch's default
+# (one per core) makes its threads spin-wait for each other, and with the other pytest worker
+# and the ranks on 2 loaded cores a small op then waits milliseconds for a descheduled thread
+# (an in-process test of 2,000 small ops took 48 s of wall and 10 s of CPU at load 13 on 2
+# threads, 0.7 s and 0.24 s on one).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

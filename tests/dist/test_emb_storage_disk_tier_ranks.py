@@ -116,7 +116,6 @@ def test_kill_in_write_back_keeps_the_committed_checkpoint(tmp_path: Path) -> No
         2,
         args=(directory, checkpoint),
         timeout=60,
-        collective_timeout=5.0,
         allow_failure=True,
     )
     assert not outcomes[1].ok and outcomes[1].exitcode == -9  # SIGKILL, mid write-back

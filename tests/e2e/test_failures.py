@@ -74,7 +74,12 @@ def test_dead_rank_makes_the_others_fail_naming_the_operation(tmp_path: Path) ->
 def _rank_one_stalls(out: str) -> None:
     strategy = mp.ManualParallelStrategy()
     if strategy.rank == 1:
-        time.sleep(6)  # longer than the collective timeout; then exits without the collective
+        # Stalls until rank 0's collective has timed out and its roll call is over (rank 0's
+        # file says so; a fixed sleep would race them on a loaded machine), then exits without
+        # the collective.
+        deadline = time.monotonic() + 60
+        while not Path(out).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     with _timed(out):
         strategy.all_reduce(torch.ones(3), op="sum")
@@ -93,7 +98,7 @@ def test_stalled_rank_times_out_within_the_configured_timeout(tmp_path: Path) ->
     assert rank0.error_type == "CollectiveError"
     assert rank0.error.startswith("reduce(op=sum, shape=(3,)) failed on rank 0 of 2")
     assert "timeout 2s" in rank0.error
-    # the configured 2 s timeout ended the wait, not the stalled rank's exit at 6 s
+    # the configured 2 s timeout ended the wait (the stalled rank exited only after it)
     assert "Timed out waiting 2000ms" in rank0.error
     assert (
         "All 2 ranks answered a roll call after the failure, so every process is still running"

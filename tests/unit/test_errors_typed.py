@@ -62,7 +62,7 @@ ALLOWED = {
     ("checkpoint/direct.py", "read_into_target", "EOFError"),
     ("checkpoint/direct.py", "_read_exactly", "EOFError"),
     # a test helper's verdict on the run under test, like pytest's own failures
-    ("testing.py", "run_distributed", "TimeoutError"),
+    ("testing.py", "_run_job", "TimeoutError"),
 }
 
 
