@@ -153,10 +153,47 @@ __attribute__((always_inline)) inline void add_scaled(scalar_t* __restrict__ acc
   for (int64_t c = 0; c < n; ++c) acc[c] += s * src[c];
 }
 
+// Rows of the gradient buffer of an update loop (a group's repeated rows each sum into one).
+constexpr int64_t kRowGradRows = 8;
+
+// A run's gradient: g * scale, g one bag's gradient row or the sum over the run's bags.
+template <typename scalar_t>
+struct RunGradient {
+  const scalar_t* g;
+  scalar_t scale;
+  int64_t row;  // within the table
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// At level 2, where the gradient width is a multiple of 8, rows are updated kRowGradRows at a
+// time: the group's states and steps by the one-table kernel's rowwise_steps8_avx512
+// (avx512_rows.h: eight rows' sums of squares side by side, then their states and steps as
+// vectors; the same bits as one row at a time), then each row written. One row's update is a
+// chain of dependent operations (its gradient's load, the sum, a division, a square root,
+// another division) that kept the loop waiting one row at a time.
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) inline void update_group_avx512(
+    float* __restrict__ w, float* __restrict__ sum, int64_t stride, const RunGradient<float>* rg,
+    int64_t full, int64_t col_start, int64_t cols, float lr, float eps) {
+  const float* g[kRowGradRows];
+  float scale[kRowGradRows], step[kRowGradRows];
+  int64_t row[kRowGradRows];
+  for (int64_t r = 0; r < kRowGradRows; ++r) {
+    g[r] = rg[r].g;
+    scale[r] = rg[r].scale;
+    row[r] = rg[r].row;
+  }
+  rowwise_steps8_avx512(g, scale, row, kRowGradRows, full, sum, lr, eps, step);
+  for (int64_t r = 0; r < kRowGradRows; ++r) {
+    sub_scaled_avx512(w + row[r] * stride, g[r] + col_start, step[r], cols);
+  }
+}
+#endif
+
 // The runs [first, last) of one table's rows: each distinct row's gradient summed from its
 // bags as the one-table kernel sums it (sparse_rows.cpp, for_each_row_gradient, same
-// prefetches), then the row-wise Adagrad row. The table's fields are locals here: read from
-// memory per row, the update measured about 1.5x slower.
+// prefetches), then the row-wise Adagrad row (at level 2 kRowGradRows rows at a time). The
+// table's fields are locals here: read from memory per row, the update measured about 1.5x
+// slower. `row_grad`: kRowGradRows rows of `full` values.
 template <typename scalar_t, int kLevel>
 __attribute__((always_inline)) inline void table_runs_body(const TableRows<scalar_t>& tr,
                                                            const RunInputs<scalar_t>& in,
@@ -174,7 +211,8 @@ __attribute__((always_inline)) inline void table_runs_body(const TableRows<scala
                 " wide");
     return g;
   };
-  for (int64_t i = first; i < last; ++i) {
+  // run i's prefetches ahead, then its gradient (summed into `buf` if it has several bags)
+  auto gradient = [&](int64_t i, scalar_t* __restrict__ buf) -> RunGradient<scalar_t> {
     if (i + kPrefetchFar < last) {
       prefetch_row<1>(w + (key[selected[i + kPrefetchFar]] - offset) * stride, cols);
     }
@@ -195,21 +233,32 @@ __attribute__((always_inline)) inline void table_runs_body(const TableRows<scala
       const int64_t k = start[u], bag = bag_of[k];
       const GradBlock<scalar_t>* g = block_of(bag);
       const scalar_t g_scale = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
-      const scalar_t* src = g->data + (bag - g->begin) * g->stride;
-      update_row<scalar_t, kLevel>(w + row * stride, sum + row, src, g_scale, full, col_start,
-                                   cols, in.lr, in.eps);
-      continue;
+      return {g->data + (bag - g->begin) * g->stride, g_scale, row};
     }
-    std::fill(row_grad, row_grad + full, scalar_t(0));
+    std::fill(buf, buf + full, scalar_t(0));
     for (int64_t k = start[u]; k < start[u + 1]; ++k) {
       const int64_t bag = bag_of[k];
       const GradBlock<scalar_t>* g = block_of(bag);
       const scalar_t s = in.weight ? in.weight[in.ord[k]] * g->scale : g->scale;
       const scalar_t* __restrict__ src = g->data + (bag - g->begin) * g->stride;
-      add_scaled<scalar_t, kLevel>(row_grad, src, s, full);
+      add_scaled<scalar_t, kLevel>(buf, src, s, full);
     }
-    update_row<scalar_t, kLevel>(w + row * stride, sum + row, row_grad, scalar_t(1), full,
-                                 col_start, cols, in.lr, in.eps);
+    return {buf, scalar_t(1), row};
+  };
+  int64_t i = first;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (kLevel == 2 && std::is_same_v<scalar_t, float>) {
+    RunGradient<float> group[kRowGradRows];
+    for (; full % 8 == 0 && i + kRowGradRows <= last; i += kRowGradRows) {
+      for (int64_t r = 0; r < kRowGradRows; ++r) group[r] = gradient(i + r, row_grad + r * full);
+      update_group_avx512(w, sum, stride, group, full, col_start, cols, in.lr, in.eps);
+    }
+  }
+#endif
+  for (; i < last; ++i) {
+    const RunGradient<scalar_t> g = gradient(i, row_grad);
+    update_row<scalar_t, kLevel>(w + g.row * stride, sum + g.row, g.g, g.scale, full, col_start,
+                                 cols, in.lr, in.eps);
   }
 }
 
@@ -240,7 +289,7 @@ template <typename scalar_t>
 void rowwise_adagrad_table_runs(const TableRows<scalar_t>& tr, const RunInputs<scalar_t>& in,
                                 int64_t begin, int64_t end) {
   at::parallel_for(begin, end, 256, [&](int64_t first, int64_t last) {
-    std::vector<scalar_t> buffer(tr.full);
+    std::vector<scalar_t> buffer(kRowGradRows * tr.full);
 #if defined(__x86_64__) && defined(__GNUC__)
     if constexpr (std::is_same_v<scalar_t, float>) {
       static const bool avx = __builtin_cpu_supports("avx");
