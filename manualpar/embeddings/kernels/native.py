@@ -50,6 +50,7 @@ HEADERS = tuple(
         "avx2_rows.h",
         "avx512_rows.h",
         "half_rows.h",
+        "kept_threads.h",
         "kernel_checks.h",
         "prefetch.h",
         "row_gradients.h",

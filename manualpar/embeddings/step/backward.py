@@ -54,8 +54,8 @@ class BackwardPhases:
 
     def guard_half_rows(self, copy_always: bool = True) -> None:
         """Undo and report updates that overflow half rows (half_overflow.py); unless
-        `copy_always`, only where the rule's steps are bounded (Adam's are not: it would copy
-        the touched rows every step)."""
+        `copy_always`, only where the rule's steps are bounded (Adam with `b2 = 0` has no
+        bound: it would copy the touched rows every step)."""
         guard = half_rows_guard(self.parts, self.finite)
         self.half_rows = guard if guard is not None and (copy_always or guard.bounded) else None
 

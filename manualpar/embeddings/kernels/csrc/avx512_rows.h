@@ -117,7 +117,8 @@ MANUALPAR_AVX512 inline void add_scaled_avx512(float* acc, const float* src, flo
   }
 }
 
-// Row-wise Adagrad on one float row (rowwise_row.h's rowwise_adagrad_row, the same operations).
+// Row-wise Adagrad on one float row (the same operations as rowwise_row.h's
+// rowwise_adagrad_row_from).
 MANUALPAR_AVX512 inline void rowwise_adagrad_row_avx512(float* w, float* sum, const float* g,
                                                         float g_scale, int64_t full,
                                                         int64_t col_start, int64_t cols, float lr,

@@ -73,8 +73,9 @@ torch::Tensor long_tensor(const std::vector<int64_t>& values) {
 // One call's `ids` (block rows, repeats allowed) pinned into slots. Returns [id_slots (the slot
 // of each id), pinned (distinct slots), fetch_rows, fetch_slots, origins (the fetched rows'
 // slot_of values before: where to read them from), evict_rows (the dirty victims' rows,
-// ascending), evict_slots (theirs), counts], counts = [free_count, hits, misses, evictions]; or, when the pinned
-// rows would not fit, counts = [-1, needed] and the state untouched (RowCache raises CacheFull).
+// ascending), evict_slots (theirs), counts], counts = [free_count, hits, misses, evictions];
+// or, when the pinned rows would not fit, counts = [-1, needed] and the state untouched
+// (RowCache raises CacheFull).
 std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of,
                                         torch::Tensor row_of, torch::Tensor pins,
                                         torch::Tensor dirty, torch::Tensor last_used,
@@ -153,7 +154,8 @@ std::vector<torch::Tensor> cache_assign(torch::Tensor ids, torch::Tensor slot_of
       torch::Tensor counts = torch::tensor({int64_t{-1}, pinned_now + missing});
       return {counts};
     }
-    evicted = std::min<int64_t>(static_cast<int64_t>(open.size()), std::max(shortfall, evict_batch));
+    evicted = std::min<int64_t>(static_cast<int64_t>(open.size()),
+                                std::max(shortfall, evict_batch));
     // The victims: every key below the threshold, then the lowest slots at it. LRU's keys are
     // steps, a few dozen apart: a count per key finds the threshold (a selection over the keys
     // took most of an eviction's 0.6 ms at 97,000 slots); other keys take the selection.

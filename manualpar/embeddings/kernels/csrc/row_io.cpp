@@ -1,30 +1,31 @@
 // The disk tier's row IO (storage/row_file.py): a batch of fixed-size records read or written at
 // their rows' offsets with pread/pwrite, without the interpreter (a Python loop added 0.7 us to
 // each 2.7-4.7 us call) and without holding the GIL (the step's other threads run meanwhile),
-// split over `threads` threads: on a disk whose reads wait on the device, several in flight
-// are what makes it fast; rows in the page cache cost CPU, which threads do not add. Records
-// are copied to and from the cache's rows here too, one memcpy per field.
+// split over up to `threads` workers (the caller and helper threads kept between calls:
+// kept_threads.h): on a disk whose reads wait on the device, several in flight are what makes it
+// fast; rows in the page cache cost CPU, which threads do not add. Records are copied to and
+// from the cache's rows here too, one memcpy per field.
 #include <torch/extension.h>
+
+#include "kept_threads.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <cstdint>
-#include <functional>
 #include <future>
-#include <memory>
-#include <mutex>
-#include <thread>
 #include <tuple>
 #include <vector>
 
 namespace {
 
-// Rows below this per thread stay on one thread: starting one costs about what 20 reads do.
+using kept_threads::run_on_workers;
+
+// Rows below this per worker stay on the calling thread: a part handed to a helper pays a wake-up
+// and a wait, worth it only over many reads.
 constexpr int64_t kRowsPerThread = 256;
 
 // One failed row: its index in the batch, errno (0: the file ended), bytes moved.
@@ -33,98 +34,6 @@ struct Failure {
   int64_t error = 0;
   int64_t moved = 0;
 };
-
-// Threads kept from one call to the next, one set per calling thread (the step's, the drain's:
-// each helper inherits its caller's priority, as the threads once started per call did).
-// Starting and joining three threads per fetch cost more CPU than their reads saved on rows in
-// the page cache. The caller takes parts too, so a part no helper picked up runs on it: a
-// process forked from one with helpers (they are not copied) runs every part itself.
-class Helpers {
- public:
-  Helpers() : owner_(getpid()), threads_(new std::vector<std::thread>()) {}
-  Helpers(const Helpers&) = delete;
-  Helpers& operator=(const Helpers&) = delete;
-  ~Helpers() {
-    if (getpid() != owner_) return;  // forked: the threads are not ours to join (leaked)
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : *threads_) t.join();
-    delete threads_;
-  }
-
-  // Calls run(0..parts-1), each once, over this thread and up to parts-1 helpers; returns once
-  // every part has run. `run` must not throw.
-  void run(int64_t parts, const std::function<void(int64_t)>& run) {
-    if (parts <= 1) {
-      if (parts == 1) run(0);
-      return;
-    }
-    if (getpid() == owner_) {
-      while (static_cast<int64_t>(threads_->size()) < parts - 1) {
-        threads_->emplace_back([this] { serve(); });
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      task_ = &run;
-      next_ = 0;
-      parts_ = parts;
-      done_ = 0;
-    }
-    wake_.notify_all();
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (next_ < parts_) {
-      const int64_t part = next_++;
-      lock.unlock();
-      run(part);
-      lock.lock();
-      ++done_;
-    }
-    finished_.wait(lock, [this] { return done_ == parts_; });
-    task_ = nullptr;
-  }
-
- private:
-  void serve() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      wake_.wait(lock, [this] { return stop_ || (task_ != nullptr && next_ < parts_); });
-      if (stop_) return;
-      const int64_t part = next_++;
-      const std::function<void(int64_t)>* task = task_;
-      lock.unlock();
-      (*task)(part);
-      lock.lock();
-      if (++done_ == parts_) finished_.notify_one();
-    }
-  }
-
-  const pid_t owner_;
-  std::vector<std::thread>* threads_;
-  std::mutex mutex_;
-  std::condition_variable wake_, finished_;
-  const std::function<void(int64_t)>* task_ = nullptr;
-  int64_t next_ = 0, parts_ = 0, done_ = 0;
-  bool stop_ = false;
-};
-
-Helpers& helpers_of_this_thread() {
-  thread_local Helpers helpers;
-  return helpers;
-}
-
-// Calls run(0..workers-1), on this thread and its helpers.
-template <typename Run>
-void run_on_workers(int64_t workers, const Run& run) {
-  if (workers <= 1) {
-    run(0);
-    return;
-  }
-  helpers_of_this_thread().run(workers, std::function<void(int64_t)>(run));
-}
 
 // Runs of consecutive rows move in one call (their records are adjacent in the batch too): the
 // write log's batches are one run, and one pwrite of them cost 0.09 us a row against 1-5 us

@@ -69,7 +69,7 @@ inline double sum_squares(const scalar_t* g, int64_t n) {
 
 // Row-wise Adagrad on one row from its gradient's sum of squares: split out so that the table
 // batch's loop (table_batch_update.h) can take the sum from its inlined AVX version (a call per
-// row to the dispatching rowwise_adagrad_row cost about 5% of the update).
+// row to a dispatching one-row function cost about 5% of the update).
 template <typename scalar_t>
 inline void rowwise_adagrad_row_from(scalar_t* __restrict__ w, scalar_t* sum,
                                      const scalar_t* __restrict__ g, double squares,
@@ -84,27 +84,10 @@ inline void rowwise_adagrad_row_from(scalar_t* __restrict__ w, scalar_t* sum,
   for (int64_t k = 0; k < cols; ++k) w[k] -= step * src[k];
 }
 
-// Exact row-wise Adagrad on one distinct row whose gradient is g * g_scale (full width); the
-// block holds columns [col_start, col_start + cols).
-template <typename scalar_t>
-inline void rowwise_adagrad_row(scalar_t* __restrict__ w, scalar_t* sum, const scalar_t* g,
-                                scalar_t g_scale, int64_t full, int64_t col_start, int64_t cols,
-                                scalar_t lr, scalar_t eps) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (simd_level() == 2) {
-      return rowwise_adagrad_row_avx512(w, sum, g, g_scale, full, col_start, cols, lr, eps);
-    }
-  }
-#endif
-  rowwise_adagrad_row_from(w, sum, g, sum_squares(g, full), g_scale, full, col_start, cols, lr,
-                           eps);
-}
-
 // Row-wise Adagrad on n distinct rows at once (n <= 8; row i's gradient g[i] * g_scale[i], full
 // width): each row's state updated in `sum` and `write(i, step)` called with its step, for the
 // caller to apply w -= step * g[i][col_start..] its own way (float rows, rounded half rows).
-// The same bits as rowwise_adagrad_row on each row in turn; at the AVX-512 level eight rows'
+// The same bits as rowwise_adagrad_row_from on each row in turn; at the AVX-512 level eight rows'
 // arithmetic is interleaved (rowwise_steps8_avx512).
 template <typename scalar_t, typename Write>
 inline void rowwise_adagrad_rows(int n, const int64_t* row, const scalar_t* const* g,
@@ -130,7 +113,7 @@ inline void rowwise_adagrad_rows(int n, const int64_t* row, const scalar_t* cons
   }
 }
 
-// w[k] -= step * src[k] for k < cols: rowwise_adagrad_row's write of a float row.
+// w[k] -= step * src[k] for k < cols: rowwise_adagrad_row_from's write of a float row.
 template <typename scalar_t>
 inline void subtract_step(scalar_t* __restrict__ w, const scalar_t* __restrict__ src,
                           scalar_t step, int64_t cols) {
