@@ -266,7 +266,7 @@ def policy_of(variant: str) -> str:
     return variant.partition(LOG)[0].removesuffix(BASELINE)
 
 
-BASELINE = "-baseline"
+BASELINE = job_launch.BASELINE
 PIPELINED = "-pipelined"
 IN_PLACE = "-inplace"
 LOG = "-log"  # then the write log's size in cache sizes, e.g. lru-log10.6: DiskTier(write_log=10.6)
@@ -282,8 +282,7 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
         *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in options.split()],
         *(["--cycle"] if args.cycle else []),
     ]
-    baseline = variant.partition(LOG)[0].endswith(BASELINE)
-    source = args.baseline_src if baseline else job_launch.ROOT
+    source = job_launch.source_of(variant.partition(LOG)[0], args.baseline_src)
     try:
         return job_launch.launch(
             sys.executable, __file__, worker_args, pythonpath=source, timeout=3600
@@ -330,14 +329,14 @@ def main() -> None:
     )
     parser.add_argument("--max-cycle", type=int, default=20000, help="at most, with --cycle")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=["memory", "lru", "lfu"])
-    parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
     parser.add_argument(
-        "--baseline-src",
-        default=None,
-        help="another checkout of the project (say, the commit before a change): adds the "
-        "variant lru-baseline, the LRU disk tier run from that source, in the same rotation",
+        "--variants",
+        nargs="+",
+        default=["memory", "lrfu", "lru"],
+        help="lrfu is the default policy",
     )
+    parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
+    job_launch.add_baseline_src(parser, "the variant lru-baseline (the LRU disk tier)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.worker:
