@@ -12,6 +12,8 @@
                     # sequences of 0 to 2 x --ids-per-bag ids (the same mean), 200k-row tables
     ... --plans row_wise --ids zipf --zipf-exponent 1.05 --peer-python ...
                     # Zipf ids (hot rows spread by a fixed permutation), the same for every variant
+    ... --baseline-src ../manualpar-before   # also manualpar imported from another checkout
+                    # (manualpar-baseline): this tree's worker and workload, the same repeats
     python examples/benchmarks/bench_embeddings.py --precision --plans table_wise \
         --peer-python .venv-torchrec/bin/python --json runs/bench_precision.json
                     # half tables: manualpar fp16 vs TorchRec FP16, manualpar bf16 vs FP32
@@ -120,7 +122,10 @@ def worker_manualpar(args: argparse.Namespace) -> None:
 
     name = "pipelined" if args.pipelined else "manualpar"
     steps = time_steps(step, args)
-    write_result(args, name, steps, init_s, sharding=args.plan, init_cpu_s=init_cpu_s)
+    source = str(Path(mp.__file__).resolve().parent.parent)  # --baseline-src's, or this tree
+    write_result(
+        args, name, steps, init_s, sharding=args.plan, init_cpu_s=init_cpu_s, source=source
+    )
     strategy.teardown()
 
 
@@ -310,6 +315,7 @@ def worker_baseline(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    import job_launch
     from embedding_workload import LENGTHS, add_id_args, add_workload_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -363,6 +369,9 @@ def main() -> None:
         help="ids per bag: --ids-per-bag each, or uniform over 0 .. 2 x --ids-per-bag",
     )
     add_id_args(parser)  # --ids zipf --zipf-exponent 1.05: the same skewed ids for every variant
+    job_launch.add_baseline_src(
+        parser, "the variant manualpar-baseline (this tree's worker and workload, DIR's manualpar)"
+    )
     parser.add_argument(
         "--precision",
         action="store_true",

@@ -1,5 +1,6 @@
 """bench_embeddings.py's default mode: manualpar against the baseline, the peer and its own
-optional steps, per plan, as medians of per-repeat ratios (and each against the memory
+optional steps and manualpar from --baseline-src (manualpar-baseline: its jobs import that
+tree's manualpar), per plan, as medians of per-repeat ratios (and each against the memory
 floor)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import argparse
 import json
 import statistics
 
+import job_launch
 from embedding_jobs import RANKS, launch, variants
 
 __all__ = ["compare"]
@@ -25,7 +27,8 @@ def compare(args: argparse.Namespace) -> dict:
             order = names[repeat % len(names) :] + names[: repeat % len(names)]
             for name in order:
                 python, script, extra = variants(args)[name]
-                result = launch(python, script, extra, args, plan, args.rows)
+                source = job_launch.source_of(name, getattr(args, "baseline_src", None))
+                result = launch(python, script, extra, args, plan, args.rows, pythonpath=source)
                 runs.setdefault(plan, {}).setdefault(name, []).append(result)
                 print(
                     f"repeat {repeat} {plan:<10} {name:<9} {result['ms_per_step']:7.1f} ms/step"
@@ -80,10 +83,17 @@ def compare(args: argparse.Namespace) -> dict:
         }
         floor_line = add_floor(summary[plan], floor[plan])
         peer = summary[plan].get("manualpar/torchrec", {})
+        before = summary[plan].get("manualpar/manualpar" + job_launch.BASELINE, {})
         print(
             f"{plan}: "
             + (f"manualpar / TorchRec {peer['ms_per_step']:.3f}x; " if peer else "")
             + (f"in CPU time {peer['cpu_ms_per_step']:.3f}x; " if "cpu_ms_per_step" in peer else "")
+            + (f"manualpar / --baseline-src {before['ms_per_step']:.3f}x; " if before else "")
+            + (
+                f"in CPU time {before['cpu_ms_per_step']:.3f}x; "
+                if "cpu_ms_per_step" in before
+                else ""
+            )
             + floor_line,
             flush=True,
         )

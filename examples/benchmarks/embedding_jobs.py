@@ -1,8 +1,8 @@
 """bench_embeddings.py's jobs: each measurement a fresh torchrun job of RANKS processes
 (`launch`), the variants a run compares (`variants`: manualpar, the plain-torch baseline, the
-peer and manualpar's optional steps), and what a failed job leaves (its error lines, its whole
-stderr beside the JSON). The modes (embedding_compare.py, embedding_scale.py,
-embedding_precision.py) run them."""
+peer, manualpar's optional steps and manualpar from --baseline-src), and what a failed job
+leaves (its error lines, its whole stderr beside the JSON). The modes (embedding_compare.py,
+embedding_scale.py, embedding_precision.py) run them."""
 
 from __future__ import annotations
 
@@ -26,8 +26,16 @@ _said_allocator = False
 
 # --- orchestration -----------------------------------------------------------------------------
 def launch(
-    python: str, script: Path, extra: list[str], args: argparse.Namespace, plan: str, rows: int
+    python: str,
+    script: Path,
+    extra: list[str],
+    args: argparse.Namespace,
+    plan: str,
+    rows: int,
+    pythonpath: str | Path | None = None,
 ) -> dict:
+    """One job of a variant on `plan` with tables of `rows`; `pythonpath`: the source tree its
+    manualpar imports from (job_launch.source_of; this repository by default)."""
     workload = [
         "--plan",
         plan,
@@ -80,6 +88,7 @@ def launch(
         [*extra, *workload],
         # faulthandler: a rank that dies on a signal prints every thread's Python stack
         env={**allocator, "PYTHONFAULTHANDLER": "1"},
+        pythonpath=pythonpath,
         ranks=RANKS,
         timeout=900,
         on_exit_code=died_after_result,
@@ -130,5 +139,13 @@ def variants(args: argparse.Namespace) -> dict[str, tuple[str, Path, list[str]]]
             sys.executable,
             WORKER,
             ["--worker", "manualpar", "--batch-tables"],
+        )
+    if getattr(args, "baseline_src", None):  # this worker, manualpar imported from there
+        if args.scale or args.precision:
+            raise SystemExit("--baseline-src runs in the default mode (no --scale, --precision)")
+        found["manualpar" + job_launch.BASELINE] = (
+            sys.executable,
+            WORKER,
+            ["--worker", "manualpar"],
         )
     return found

@@ -1,5 +1,8 @@
 """One fresh torchrun job of a benchmark's worker script, and its rank 0's JSON result: the
-launcher the benchmarks share (bench_init.py, embedding_jobs.py, bench_disk_tier.py).
+launcher the benchmarks share (bench_init.py, embedding_jobs.py, bench_disk_tier.py), and their
+`--baseline-src DIR` option: a "-baseline" variant's jobs run with another source tree (say, the
+commit before a change) on PYTHONPATH, interleaved with this one's (`add_baseline_src`,
+`source_of`).
 
 The job runs `python -m torch.distributed.run --standalone --nproc-per-node RANKS script *args
 --result FILE` with one thread per process (OMP_NUM_THREADS=1) and the repository on PYTHONPATH;
@@ -9,6 +12,7 @@ that wrote its result and then died on the way out is kept, and said.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,8 +22,53 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent  # the repository: manualpar imports from there
+BASELINE = "-baseline"  # a variant whose jobs run from --baseline-src (lru-baseline, ...)
 
-__all__ = ["ROOT", "job_command", "job_env", "launch"]
+__all__ = [
+    "BASELINE",
+    "ROOT",
+    "add_baseline_src",
+    "baseline_source",
+    "job_command",
+    "job_env",
+    "launch",
+    "source_of",
+]
+
+
+def add_baseline_src(parser: argparse.ArgumentParser, adds: str) -> None:
+    """The `--baseline-src DIR` option; `adds` names the variant it adds to the rotation."""
+    parser.add_argument(
+        "--baseline-src",
+        type=baseline_source,
+        default=None,
+        metavar="DIR",
+        help=f"another checkout of the project (say, the commit before a change): adds {adds}, "
+        "its jobs run with DIR on PYTHONPATH, in the same rotation. DIR's C++ kernels build "
+        "once, in their own extensions directory (named by a hash of their sources): about "
+        "40 s, minutes on a loaded host, in its first job; a tree with the same kernel sources "
+        "finds the library already built",
+    )
+
+
+def baseline_source(path: str) -> str:
+    """--baseline-src's DIR, made absolute (the JSON records where it ran from), checked to hold
+    manualpar; a str, so that the arguments stay JSON."""
+    directory = Path(path).resolve()
+    if not (directory / "manualpar" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{path} holds no manualpar/__init__.py: give the root of a checkout of the project "
+            "(e.g. `git worktree add ../manualpar-before HEAD~1`)"
+        )
+    return str(directory)
+
+
+def source_of(variant: str, baseline_src: str | Path | None) -> Path:
+    """The source tree a variant's jobs import manualpar from: `baseline_src` for a "-baseline"
+    variant (where one is given), this repository otherwise."""
+    if variant.endswith(BASELINE) and baseline_src is not None:
+        return Path(baseline_src)
+    return ROOT
 
 
 def job_command(
