@@ -65,3 +65,22 @@ def test_adam_state_on_fresh_memory_trains_as_a_zero_filled_state(monkeypatch):
     assert state.keys() == zero_filled_state.keys() and len(state) == 2
     for key, value in state.items():
         assert torch.equal(value, zero_filled_state[key]), key
+
+
+def test_a_table_block_and_its_state_are_packed_on_advised_2_mib_aligned_memory(monkeypatch):
+    advised = []
+    monkeypatch.setattr(row_memory, "_madvise_range", lambda *span: advised.append(span) or True)
+    monkeypatch.setattr(row_memory, "_current", None)
+    weight = row_memory.empty_rows(200_000, 16)  # 12.8 MB: not a whole number of huge pages
+    state = row_memory.zeros_rows(200_000)  # 800 KB: too small to be advised on its own
+    ((start, length),) = advised
+    assert start % row_memory.HUGE_PAGE == 0 and length % row_memory.HUGE_PAGE == 0
+    for block in (weight, state):  # no head or tail outside the advised huge pages
+        first = block.data_ptr()
+        assert start <= first and first + block.numel() * block.element_size() <= start + length
+    assert state.data_ptr() >= weight.data_ptr() + 12_800_000 and not state.any()
+    row_memory.empty_rows(10, 4)  # small: on the heap, nothing more advised
+    assert len(advised) == 1
+    mapping = row_memory._current[0]
+    del weight, state, block
+    assert mapping() is None  # unmapped with the last block carved from it

@@ -14,6 +14,15 @@ of system time for 1 GiB, however the pages are first touched), while 4 KiB page
 smaller free blocks it keeps (0.35 s for 1 GiB). Pages freed a second before are still backed
 (0.03-0.7 s for 1 GiB; docs/benchmarks.md, "Embedding init against TorchRec").
 `MANUALPAR_HUGE_PAGES=0` turns the advice off (the benchmark's step then took 1.29x).
+
+Blocks are packed: every CPU block of at least 64 KiB is carved from a shared mapping that
+starts on a 2 MiB boundary and is advised whole (`_carve`), one after another, so a table's
+block and its optimizer state share huge pages. Advising each block's own 2 MiB-aligned interior
+left a 12.8 MB table's unaligned head and tail (1-18% of it) and its whole 800 KB row-wise
+state on 4 KiB pages: packed, 13 such tables' lookup and update took 0.91x the thread time
+(docs/benchmarks.md, "CPU kernels and huge pages"). A mapping is unmapped when the last block
+carved from it is freed (until then a freed block's pages stay resident); its memory is never
+handed to a second block, so a carved block is zero until written.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import math
 import mmap
 import os
 import sys
+import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +47,13 @@ HUGE_PAGE = 2 * 2**20
 ENV_SWITCH = "MANUALPAR_HUGE_PAGES"
 _MADV_HUGEPAGE = 14
 _libc: ctypes.CDLL | None = None
+MAPPING = 64 * 2**20  # a shared mapping's size: a rank's tables and states fill a few
+SMALLEST_CARVED = 64 * 2**10  # smaller blocks stay on the allocator's heap
+_ALIGN = 64  # each carved block's start, as torch's own allocator aligns
+_lock = threading.Lock()
+# the mapping blocks are carved from now (weakly: the blocks keep it alive), its next free
+# offset and its end
+_current: tuple[weakref.ref[mmap.mmap], int, int] | None = None
 
 
 def _madvise_huge(tensor: torch.Tensor) -> bool:
@@ -52,17 +70,65 @@ def _madvise_huge(tensor: torch.Tensor) -> bool:
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if last <= first:
         return False
+    return _madvise_range(first, last - first)
+
+
+def _madvise_range(start: int, length: int) -> bool:
+    """MADV_HUGEPAGE on [start, start + length); False if the OS refused."""
+    global _libc
     if _libc is None:
         # the process's own symbols hold libc's: find_library("c") runs `ldconfig -p` in a
         # subprocess (15 ms of each shard_embeddings, measured)
         _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+
+
+def _carved(
+    shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """The block's dtype if it is to be carved (CPU, Linux, advice on, at least 64 KiB), else
+    None."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    nbytes = math.prod(shape) * probe.element_size()
+    if (
+        probe.device.type != "cpu"
+        or not sys.platform.startswith("linux")
+        or os.environ.get(ENV_SWITCH, "1") == "0"
+        or nbytes < SMALLEST_CARVED
+    ):
+        return None
+    return probe.dtype
+
+
+def _carve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A block packed after the previous one in a 2 MiB-aligned, advised, anonymous mapping
+    (fresh memory: zero until written); a new mapping when it does not fit."""
+    global _current
+    nbytes = math.prod(shape) * dtype.itemsize
+    size = -(-nbytes // _ALIGN) * _ALIGN
+    with _lock:
+        memory = _current[0]() if _current is not None else None
+        if memory is None or _current is None or _current[2] - _current[1] < size:
+            length = max(MAPPING, -(-size // HUGE_PAGE) * HUGE_PAGE)
+            # one huge page more than used, so that an aligned start lies inside; its unused
+            # pages are never touched and take no memory
+            memory = mmap.mmap(-1, length + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            address = torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr()
+            start = -address % HUGE_PAGE
+            _madvise_range(address + start, length)
+            _current = (weakref.ref(memory), start, start + length)
+        offset = _current[1]
+        _current = (_current[0], offset + size, _current[2])
+    flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape)
 
 
 def empty_rows(
     *shape: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """torch.empty, on huge pages when large enough (do not write it before this returns)."""
+    """torch.empty, on huge pages when large enough: carved (the module's docstring)."""
+    if (carved := _carved(shape, device, dtype)) is not None:
+        return _carve(shape, carved)
     tensor = torch.empty(*shape, device=device, dtype=dtype)
     if tensor.numel() * tensor.element_size() >= 2 * HUGE_PAGE:
         _madvise_huge(tensor)
@@ -78,7 +144,9 @@ def zeros_rows(
     page pays for it instead. Adam's state is twice the table: init of 2 x 1M x 64 measured
     0.07-0.91 s of CPU instead of 1.90-2.83 s, peak RSS 0.70 instead of 1.65 GiB
     (docs/benchmarks.md, "Embedding init against TorchRec")."""
-    probe = torch.empty(0, device=device, dtype=dtype)
+    if (carved := _carved(shape, device, dtype)) is not None:
+        return _fresh_zeros(shape, carved)
+    probe = torch.empty(0, device=device, dtype=dtype)  # advice off: a mapping of its own
     nbytes = math.prod(shape) * probe.element_size()
     if probe.device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < 2 * HUGE_PAGE:
         return empty_rows(*shape, device=device, dtype=dtype).zero_()
@@ -86,8 +154,10 @@ def zeros_rows(
 
 
 def _fresh_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor on its own private anonymous mapping (zero until written), advised to huge
-    pages; the tensor keeps the mapping alive."""
+    """A tensor on fresh anonymous memory (zero until written): carved where the advice is on,
+    else on its own mapping; the tensor keeps the mapping alive."""
+    if os.environ.get(ENV_SWITCH, "1") != "0" and math.prod(shape) * dtype.itemsize > 0:
+        return _carve(shape, dtype)
     memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
     _madvise_huge(tensor)
