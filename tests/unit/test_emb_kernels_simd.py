@@ -5,26 +5,17 @@ blocks that start mid-hash."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from manualpar.embeddings.kernels.native import native_kernels
+from tests.support.simd import simd_level
 
 pytestmark = pytest.mark.skipif(
     native_kernels() is None, reason="the C++ kernels could not be built on this machine"
 )
-
-
-@contextmanager
-def simd_level(level: int) -> Iterator[int]:
-    kernels = native_kernels()
-    try:
-        yield kernels.set_simd_level(level)
-    finally:
-        kernels.set_simd_level(2)  # back to the widest this CPU has
 
 
 def _levels() -> list[int]:

@@ -6,9 +6,6 @@ time loop (4, 37) and a column block of a wider gradient (12 of 24 columns) all 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -16,6 +13,7 @@ from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.native import native_kernels
 from manualpar.embeddings.kernels.table_batch import Segments, TableBatch, group_batch
 from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_tables
+from tests.support.simd import simd_level
 
 pytestmark = pytest.mark.skipif(
     native_kernels() is None, reason="the C++ kernels could not be built on this machine"
@@ -24,15 +22,6 @@ pytestmark = pytest.mark.skipif(
 # (rows, columns of the block, gradient width, first column of the block in it)
 TABLES = ((300, 16, 16, 0), (40, 4, 4, 0), (500, 12, 24, 8), (90, 37, 37, 0))
 SENDERS, BAGS = 2, 30
-
-
-@contextmanager
-def simd_level(level: int) -> Iterator[int]:
-    kernels = native_kernels()
-    try:
-        yield kernels.set_simd_level(level)
-    finally:
-        kernels.set_simd_level(2)  # back to the widest this CPU has
 
 
 def _batch(generator: torch.Generator, weighted: bool) -> TableBatch:
