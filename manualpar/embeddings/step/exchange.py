@@ -89,6 +89,33 @@ class ExchangeLayout(GradientLayout):
             for routes in routing.routes_to
         ]
         self._splits: dict[tuple[int, ...], list[int]] = {}  # output_splits' of a whole batch
+        # each output column written by exactly one route or replicated table (table-wise,
+        # column-wise; not a row split, whose owners' partial sums add up): see `fills_output`
+        self.writes_once = self._writes_once()
+
+    def _writes_once(self) -> bool:
+        routing = self.routing
+        if any(routing.splits_rows(t) for t in range(len(routing.tables))):
+            return False
+        cover = torch.zeros(routing.total_dim, dtype=torch.int32)
+        for routes in routing.routes_to:
+            for route in routes:
+                start = self._out_start(route)
+                cover[start : start + route.cols] += 1
+        for f, (_, t) in enumerate(routing.features):
+            if t in routing.data_parallel:
+                start = routing.feature_offsets[f]
+                cover[start : start + routing.dims[f]] += 1
+        return bool((cover == 1).all())
+
+    def fills_output(self, kept: Kept, wire: torch.dtype) -> bool:
+        """Whether a step's output can start unfilled (torch.empty) and every pooled block be
+        copied into it (`add_pooled`/`add_block` with copy=True) for the same bits as adding it
+        into zeros: every column written once, every bag's rows (no compact layout), and the
+        received rows exactly the owners' sums (a float32 wire). 0 + x has x's bits except for
+        x = -0.0, which no pooled sum is: each sums into +0 (embedding_bag, the native kernels),
+        but a narrower wire can round a tiny negative sum to -0.0."""
+        return self.writes_once and kept is None and wire == torch.float32
 
     def _out_start(self, route: Route) -> int:
         return self.routing.feature_offsets[route.feature] + route.shard.col_start
@@ -259,6 +286,17 @@ class ExchangeLayout(GradientLayout):
                 )
         return splits
 
+    def zero_own(self, out: torch.Tensor) -> None:
+        """Zero this rank's own routes' columns of an unfilled output (for a lookup that adds
+        into them)."""
+        strided = self._pooled_strided[self.routing.rank]
+        if strided is not None:
+            column_view(out, strided).zero_()
+            return
+        for route in self.routing.routes_to[self.routing.rank]:
+            start = self._out_start(route)
+            out[:, start : start + route.cols].zero_()
+
     def add_pooled(
         self,
         out: torch.Tensor,
@@ -266,26 +304,39 @@ class ExchangeLayout(GradientLayout):
         received: torch.Tensor,
         bags: FeatureBags,
         kept: list[torch.Tensor | None] | None = None,
+        copy: bool = False,
     ) -> None:
         """Receiver side: add an owner's pooled buffer for our batch into the output, each bag's
         rows expanded to the batch (`kept`: kept_bags' for this owner); equally spaced routes
-        of a plain batch in one strided add (column_blocks.py)."""
+        of a plain batch in one strided add (column_blocks.py). `copy`: copied instead, into
+        an output left unfilled (`fills_output`)."""
         strided = self._pooled_strided[owner]
         if strided is not None and kept is None and not bags.variable:
             blocks, _, _, width = strided
             if received.numel() == blocks * out.shape[0] * width:
-                column_view(out, strided).add_(received.view(blocks, out.shape[0], width))
+                view, rows = column_view(out, strided), received.view(blocks, out.shape[0], width)
+                if copy:
+                    view.copy_(rows)
+                else:
+                    view.add_(rows)
                 return
-        for route, block, rows in self.pooled_blocks(owner, received, bags.counts, kept):
-            self.add_block(out, route, bags.expand(route.feature, block), rows)
+        for route, block, kept_rows in self.pooled_blocks(owner, received, bags.counts, kept):
+            self.add_block(out, route, bags.expand(route.feature, block), kept_rows, copy)
 
     def add_block(
-        self, out: torch.Tensor, route: Route, block: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        out: torch.Tensor,
+        route: Route,
+        block: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        copy: bool = False,
     ) -> None:
         """Add one route's pooled block into its columns of the output: (batch, cols), or the
-        batch rows `rows` of a compact layout."""
+        batch rows `rows` of a compact layout. `copy`: copied instead (`fills_output`)."""
         start = self._out_start(route)
-        if rows is None:
+        if rows is None and copy:
+            out[:, start : start + route.cols].copy_(block)
+        elif rows is None:
             out[:, start : start + route.cols] += block
         else:
             out[:, start : start + route.cols].index_add_(0, rows, block)

@@ -172,13 +172,16 @@ class ForwardPhases:
         routing, stores = parts.routing, parts.stores
         rank, batch = routing.rank, routed.batch
         local = routing.routed_local_shards()
-        out = torch.zeros(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
+        # every column written once: copied into an unfilled output, not added into zeros
+        fills = parts.layout.fills_output(routed.kept, self.wire)
+        new = torch.empty if fills else torch.zeros
+        out = new(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
         if routed.fetched is not None:
             senders, pins = routed.fetched.senders, routed.fetched.pins
-            self._add_own_pooled(senders[rank], out, routed.bags)
-            return self._send_and_group(routed, senders, out, pins)
+            self._add_own_pooled(senders[rank], out, routed.bags, fills)
+            return self._send_and_group(routed, senders, out, pins, fills)
         if self.batched.takes(routed):
-            return self._lookup_batched(routed, out)
+            return self._lookup_batched(routed, out, fills)
         pins = []  # slots held from here to the step's backward
         stores.begin_step()
         remap = parts.owner_remap
@@ -188,7 +191,7 @@ class ForwardPhases:
         if remap is not None:
             remap_senders(remap, local, senders)
         senders[rank] = stores.to_slots(local, senders[rank], pins)
-        self._add_own_pooled(senders[rank], out, routed.bags)  # while the others' ids travel
+        self._add_own_pooled(senders[rank], out, routed.bags, fills)  # while the others' travel
         try:
             if not remaps_here:
                 self._unpack_others(self._ids_in(routed), routed.sizes, senders)
@@ -197,17 +200,20 @@ class ForwardPhases:
         except Exception:
             stores.release(pins, updated=False)
             raise
-        return self._send_and_group(routed, senders, out, pins)
+        return self._send_and_group(routed, senders, out, pins, fills)
 
-    def _lookup_batched(self, routed: RoutedIds, out: torch.Tensor) -> LookedUp:
+    def _lookup_batched(self, routed: RoutedIds, out: torch.Tensor, fills: bool) -> LookedUp:
         """The lookup with every table in one call per sender group (batched_tables.py): our
         own bags while the others' ids travel, then theirs, sent back, and the rows grouped
-        while they travel. Slots are rows here: nothing is mapped or pinned."""
+        while they travel. Slots are rows here: nothing is mapped or pinned. `fills`: `out` is
+        unfilled, and our own columns are zeroed here (the batch adds into them)."""
         parts, batched = self.parts, self.batched
         routing = parts.routing
         world = routing.world_size
         parts.stores.begin_step()
         senders = self._senders(routed, wait=False)
+        if fills:
+            parts.layout.zero_own(out)
         batched.pool_own(senders[routing.rank], out)
         self._unpack_others(self._ids_in(routed), routed.sizes, senders)
         batch = batched.batch(senders)
@@ -227,7 +233,7 @@ class ForwardPhases:
             )
         batched.group(batch)  # while the pooled rows travel
         counts = [[batch.counts[s][k] for s in range(world)] for k in range(len(batched.local))]
-        return LookedUp(routed, out, [], pooled_in, [], counts, batch)
+        return LookedUp(routed, out, [], pooled_in, [], counts, batch, fills)
 
     def _senders(self, routed: RoutedIds, wait: bool) -> list[list[SenderBags]]:
         """Every sender's bags for this rank's shards: ours, and (`wait`) the others' once
@@ -249,7 +255,12 @@ class ForwardPhases:
         return [rank, *(s for s in range(world) if s != rank)]
 
     def _send_and_group(
-        self, routed: RoutedIds, senders: list[list[SenderBags]], out: torch.Tensor, pins: Pins
+        self,
+        routed: RoutedIds,
+        senders: list[list[SenderBags]],
+        out: torch.Tensor,
+        pins: Pins,
+        fills: bool,
     ) -> LookedUp:
         """Send the other ranks their pooled rows, then group each shard's rows for backward
         while they travel."""
@@ -266,7 +277,7 @@ class ForwardPhases:
             for shard, shard_bags in zip(local, bags, strict=True):
                 if shard.table not in routed.frozen:
                     shard_bags.groups = group_rows(shard_bags, parts.block_rows(shard))
-        return LookedUp(routed, out, bags, pooled_in, pins, bag_counts)
+        return LookedUp(routed, out, bags, pooled_in, pins, bag_counts, fills=fills)
 
     def _unpack_others(
         self, received: torch.Tensor, sizes: list[list[int]], senders: list[list[SenderBags]]
@@ -285,9 +296,11 @@ class ForwardPhases:
                 )
                 offset += length
 
-    def _add_own_pooled(self, own: list[SenderBags], out: torch.Tensor, bags: FeatureBags) -> None:
+    def _add_own_pooled(
+        self, own: list[SenderBags], out: torch.Tensor, bags: FeatureBags, fills: bool
+    ) -> None:
         """Look up this rank's own bags in its own shards, straight into the output (each
-        feature's rows expanded to the batch)."""
+        feature's rows expanded to the batch; `fills`: copied into an unfilled output)."""
         parts = self.parts
         routing = parts.routing
         routes = iter(routing.routes_to[routing.rank])
@@ -296,7 +309,7 @@ class ForwardPhases:
             served = [next(routes) for _ in shard.features]
             blocks = pooled.split([bags.counts[route.feature] for route in served])
             for route, block in zip(served, blocks, strict=True):
-                parts.layout.add_block(out, route, bags.expand(route.feature, block))
+                parts.layout.add_block(out, route, bags.expand(route.feature, block), None, fills)
 
     def _send_pooled(
         self,
@@ -358,7 +371,8 @@ class ForwardPhases:
             for owner, size in enumerate(layout.output_splits(bags.counts, kept)):
                 if size:  # each bag's rows expanded to the batch
                     part = received[offset : offset + size]
-                    layout.add_pooled(out, owner, part, bags, None if kept is None else kept[owner])
+                    owner_kept = None if kept is None else kept[owner]
+                    layout.add_pooled(out, owner, part, bags, owner_kept, looked.fills)
                 offset += size
         with self.times.phase(LOOKUP):  # the data-parallel tables' own lookup
             feature_ids = self.data_parallel.lookup(routed.features, out, routed.bags)

@@ -80,6 +80,8 @@ class LookedUp:
     bag_counts: list[list[int]]  # per local shard, per sender: its bags here (gradient rows)
     # every shard's bags in one batch (batched_tables.py; then `bags` is empty), or None
     batch: TableBatch | None = None
+    # `out` left unfilled: the pooled rows are copied in (ExchangeLayout.fills_output)
+    fills: bool = False
 
 
 @dataclass(frozen=True)
