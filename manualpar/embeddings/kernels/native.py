@@ -55,6 +55,7 @@ HEADERS = tuple(
         "prefetch.h",
         "row_gradients.h",
         "row_groups.h",
+        "rowwise_block.h",
         "rowwise_row.h",
         "splitmix.h",
         "table_batch_update.h",

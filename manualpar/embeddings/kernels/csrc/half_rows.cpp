@@ -13,6 +13,7 @@
 #include "prefetch.h"
 #include "row_gradients.h"
 #include "row_groups.h"
+#include "rowwise_block.h"
 #include "rowwise_row.h"
 
 namespace {
@@ -33,36 +34,6 @@ void add_to_rows_rounded_impl(torch::Tensor& tensor, const torch::Tensor& rows,
       axpy_round_row(dst + row[u] * cols, src + u * cols, a, cols, r, row[u]);
     }
   });
-}
-
-template <typename weight_t>
-void rowwise_adagrad_rounded_impl(torch::Tensor& weight, torch::Tensor& state,
-                                  const c10::optional<torch::Tensor>& weights,
-                                  const Groups& grouped, const std::vector<torch::Tensor>& blocks,
-                                  const std::vector<double>& scales, int64_t run_begin,
-                                  int64_t run_end, int64_t first_bag, int64_t end_bag,
-                                  int64_t col_start, double lr, double eps, const Rounding& r) {
-  const GroupsView groups(grouped);
-  const auto bags = bag_rows<float>(blocks, scales, first_bag);
-  TORCH_CHECK(static_cast<int64_t>(bags.row.size()) == end_bag - first_bag, "gradients given for ",
-              bags.row.size(), " bags, but these rows occur in bags ", first_bag, "..",
-              end_bag - 1);
-  const int64_t full = bags.cols, cols = weight.size(1), stride = weight.stride(0);
-  TORCH_CHECK(run_begin == run_end || col_start + cols <= full, "column block outside gradient");
-  weight_t* w = weight.data_ptr<weight_t>();
-  float* sum = state.data_ptr<float>();
-  const float lr_ = static_cast<float>(lr), eps_ = static_cast<float>(eps);
-  // the float update's arithmetic (rowwise_adagrad_rows), each result rounded back: w - step * g
-  // as w + (-step) * g, the same bits (negation is exact)
-  for_each_row_batch<float, kUpdateRows>(
-      groups, run_begin, run_end, weights, bags,
-      [&](const RowBatch<float, kUpdateRows>& b) {
-        rowwise_adagrad_rows<float>(
-            b.n, b.row, b.g, b.scale, sum, full, lr_, eps_, [&](int i, float step) {
-              axpy_round_row(w + b.row[i] * stride, b.g[i] + col_start, -step, cols, r, b.row[i]);
-            });
-      },
-      Written<float, weight_t>{w, stride, cols, sum});
 }
 
 }  // namespace
@@ -107,8 +78,13 @@ void rowwise_adagrad_update_rounded(torch::Tensor weight, torch::Tensor state,
   const Rounding r = make_rounding(stochastic, key, row_start, col_start, dim, row_of,
                                    weight.size(0));
   AT_DISPATCH_REDUCED_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update_rounded", [&] {
-    rowwise_adagrad_rounded_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
-                                           run_begin, run_end, first_bag, end_bag, col_start, lr,
-                                           eps, r);
+    // the float update's arithmetic, each result rounded back: w - step * g as
+    // w + (-step) * g, the same bits (negation is exact)
+    rowwise_adagrad_block<float, scalar_t>(
+        weight, state, weights, groups, blocks, scales, run_begin, run_end, first_bag, end_bag,
+        col_start, lr, eps,
+        [&](scalar_t* w, const float* g, float step, int64_t cols, int64_t row) {
+          axpy_round_row(w, g, -step, cols, r, row);
+        });
   });
 }

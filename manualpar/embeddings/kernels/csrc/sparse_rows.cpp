@@ -29,6 +29,7 @@
 #include "prefetch.h"
 #include "row_gradients.h"
 #include "row_groups.h"
+#include "rowwise_block.h"
 #include "rowwise_row.h"
 
 namespace {
@@ -55,34 +56,6 @@ std::vector<torch::Tensor> segment_sum_impl(const torch::Tensor& ids, const torc
         for (int64_t c = 0; c < cols; ++c) dst[c] = g_scale * g[c];
       });
   return {rows, summed};
-}
-
-template <typename scalar_t>
-void rowwise_adagrad_update_impl(torch::Tensor& weight, torch::Tensor& state,
-                                 const c10::optional<torch::Tensor>& weights,
-                                 const Groups& grouped, const std::vector<torch::Tensor>& blocks,
-                                 const std::vector<double>& scales, int64_t run_begin,
-                                 int64_t run_end, int64_t first_bag, int64_t end_bag,
-                                 int64_t col_start, double lr, double eps) {
-  const GroupsView groups(grouped);
-  const auto bags = bag_rows<scalar_t>(blocks, scales, first_bag);
-  TORCH_CHECK(static_cast<int64_t>(bags.row.size()) == end_bag - first_bag, "gradients given for ",
-              bags.row.size(), " bags, but these rows occur in bags ", first_bag, "..",
-              end_bag - 1);
-  const int64_t full = bags.cols, cols = weight.size(1), stride = weight.stride(0);
-  TORCH_CHECK(run_begin == run_end || col_start + cols <= full, "column block outside gradient");
-  scalar_t* w = weight.data_ptr<scalar_t>();
-  scalar_t* sum = state.data_ptr<scalar_t>();
-  const scalar_t lr_ = static_cast<scalar_t>(lr), eps_ = static_cast<scalar_t>(eps);
-  for_each_row_batch<scalar_t, kUpdateRows>(
-      groups, run_begin, run_end, weights, bags,
-      [&](const RowBatch<scalar_t, kUpdateRows>& b) {
-        rowwise_adagrad_rows<scalar_t>(
-            b.n, b.row, b.g, b.scale, sum, full, lr_, eps_, [&](int i, scalar_t step) {
-              subtract_step<scalar_t>(w + b.row[i] * stride, b.g[i] + col_start, step, cols);
-            });
-      },
-      Written<scalar_t>{w, stride, cols, sum});
 }
 
 template <typename scalar_t>
@@ -156,9 +129,12 @@ void rowwise_adagrad_update(torch::Tensor weight, torch::Tensor state,
   }
   Groups groups{order, starts, bags, rows, runs};
   AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "rowwise_adagrad_update", [&] {
-    rowwise_adagrad_update_impl<scalar_t>(weight, state, weights, groups, blocks, scales,
-                                          run_begin, run_end, first_bag, end_bag, col_start, lr,
-                                          eps);
+    rowwise_adagrad_block<scalar_t, scalar_t>(
+        weight, state, weights, groups, blocks, scales, run_begin, run_end, first_bag, end_bag,
+        col_start, lr, eps,
+        [](scalar_t* w, const scalar_t* g, scalar_t step, int64_t cols, int64_t) {
+          subtract_step<scalar_t>(w, g, step, cols);
+        });
   });
 }
 
