@@ -81,6 +81,40 @@ def test_a_table_block_and_its_state_are_packed_on_advised_2_mib_aligned_memory(
     assert state.data_ptr() >= weight.data_ptr() + 12_800_000 and not state.any()
     row_memory.empty_rows(10, 4)  # small: on the heap, nothing more advised
     assert len(advised) == 1
-    mapping = row_memory._current[0]
+    mapping = row_memory._current
+    assert mapping is not None
     del weight, state, block
     assert mapping() is None  # unmapped with the last block carved from it
+
+
+def _mapping_resident_bytes(address: int) -> int:
+    """Rss of the mapping holding `address`, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as handle:
+        inside = False
+        for line in handle:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the block")
+
+
+def test_a_freed_block_returns_its_pages_while_its_siblings_live(monkeypatch):
+    monkeypatch.setattr(row_memory, "_current", None)
+    before = row_memory.empty_rows(300_000)  # 1.2 MB, then 8 MB, then 1.2 MB: one mapping
+    freed = row_memory.empty_rows(2**21)
+    after = row_memory.empty_rows(300_000)
+    for value, block in enumerate((before, freed, after), 1):
+        block.fill_(value)
+    resident = _mapping_resident_bytes(before.data_ptr())
+    assert resident >= 10 * 2**20
+    del freed, block
+    # the 8 MB block's whole 2 MiB pages went back; the two a live neighbour shares stayed whole
+    kept = _mapping_resident_bytes(before.data_ptr())
+    assert kept <= resident - 4 * 2**20
+    assert bool(before.eq(1).all()) and bool(after.eq(3).all())  # neighbours untouched
+    del before  # the gap now reaches the mapping's start: the page it shared goes too
+    assert _mapping_resident_bytes(after.data_ptr()) <= kept - 2**20
+    assert bool(after.eq(3).all())

@@ -21,12 +21,15 @@ block and its optimizer state share huge pages. Advising each block's own 2 MiB-
 left a 12.8 MB table's unaligned head and tail (1-18% of it) and its whole 800 KB row-wise
 state on 4 KiB pages: packed, 13 such tables' lookup and update took 0.91x the thread time
 (docs/benchmarks.md, "CPU kernels and huge pages"). A mapping is unmapped when the last block
-carved from it is freed (until then a freed block's pages stay resident); its memory is never
-handed to a second block, so a carved block is zero until written.
+carved from it is freed; its memory is never handed to a second block, so a carved block is zero
+until written. While siblings live, a freed block's memory goes back to the OS at once
+(`_release`, `MADV_DONTNEED`): the whole 2 MiB pages of the gap between its live neighbours (a
+page a live block shares is kept whole, so no live block's huge page is split).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import mmap
@@ -46,14 +49,29 @@ __all__ = ["agreed_available_bytes", "available_bytes", "empty_rows", "zeros_row
 HUGE_PAGE = 2 * 2**20
 ENV_SWITCH = "MANUALPAR_HUGE_PAGES"
 _MADV_HUGEPAGE = 14
+_MADV_DONTNEED = 4
 _libc: ctypes.CDLL | None = None
 MAPPING = 64 * 2**20  # a shared mapping's size: a rank's tables and states fill a few
 SMALLEST_CARVED = 64 * 2**10  # smaller blocks stay on the allocator's heap
 _ALIGN = 64  # each carved block's start, as torch's own allocator aligns
-_lock = threading.Lock()
-# the mapping blocks are carved from now (weakly: the blocks keep it alive), its next free
-# offset and its end
-_current: tuple[weakref.ref[mmap.mmap], int, int] | None = None
+# reentrant: a block freed by a garbage collection inside `_carve` releases under the lock
+_lock = threading.RLock()
+
+
+class _Mapping:
+    """A shared mapping: its memory, the address of its first byte, the (start, end) offsets
+    of its live blocks in order, the next free offset and its end. The blocks' finalizers keep
+    it alive."""
+
+    __slots__ = ("__weakref__", "address", "end", "live", "memory", "next")
+
+    def __init__(self, memory: mmap.mmap, address: int, start: int, end: int) -> None:
+        self.memory, self.address, self.next, self.end = memory, address, start, end
+        self.live: list[tuple[int, int]] = []
+
+
+# the mapping blocks are carved from now (weakly: the blocks keep it alive)
+_current: weakref.ref[_Mapping] | None = None
 
 
 def _madvise_huge(tensor: torch.Tensor) -> bool:
@@ -75,12 +93,41 @@ def _madvise_huge(tensor: torch.Tensor) -> bool:
 
 def _madvise_range(start: int, length: int) -> bool:
     """MADV_HUGEPAGE on [start, start + length); False if the OS refused."""
+    return _madvise(start, length, _MADV_HUGEPAGE)
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """madvise(2) on [start, start + length); False if the OS refused."""
     global _libc
     if _libc is None:
         # the process's own symbols hold libc's: find_library("c") runs `ldconfig -p` in a
         # subprocess (15 ms of each shard_embeddings, measured)
         _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+
+
+def _release(mapping: _Mapping, block: tuple[int, int]) -> None:
+    """A carved block's finalizer: forget it, and hand the whole 2 MiB pages between its live
+    neighbours (or the carving frontier) back to the OS. Pages a live block shares stay whole
+    (a partial MADV_DONTNEED would split a live block's huge page); the mapping stays, unmapped
+    with its last block."""
+    with _lock:
+        live = mapping.live
+        index = bisect.bisect_left(live, block)
+        del live[index]
+        if not live:  # the last block: the mapping goes with this finalizer's reference
+            return
+        low = live[index - 1][1] if index > 0 else 0
+        high = live[index][0] if index < len(live) else mapping.next
+    first = -(-(mapping.address + low) // HUGE_PAGE) * HUGE_PAGE
+    last = (mapping.address + high) // HUGE_PAGE * HUGE_PAGE
+    if last > first:  # never carved again: the frontier only moves forward
+        _release_range(first, last - first)
+
+
+def _release_range(start: int, length: int) -> None:
+    """MADV_DONTNEED: the pages go back to the OS now (read again, they are zero)."""
+    _madvise(start, length, _MADV_DONTNEED)
 
 
 def _carved(
@@ -102,13 +149,14 @@ def _carved(
 
 def _carve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A block packed after the previous one in a 2 MiB-aligned, advised, anonymous mapping
-    (fresh memory: zero until written); a new mapping when it does not fit."""
+    (fresh memory: zero until written); a new mapping when it does not fit. Freed, its pages go
+    back to the OS (`_release`)."""
     global _current
     nbytes = math.prod(shape) * dtype.itemsize
     size = -(-nbytes // _ALIGN) * _ALIGN
     with _lock:
-        memory = _current[0]() if _current is not None else None
-        if memory is None or _current is None or _current[2] - _current[1] < size:
+        mapping = _current() if _current is not None else None
+        if mapping is None or mapping.end - mapping.next < size:
             length = max(MAPPING, -(-size // HUGE_PAGE) * HUGE_PAGE)
             # one huge page more than used, so that an aligned start lies inside; its unused
             # pages are never touched and take no memory
@@ -116,10 +164,15 @@ def _carve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             address = torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr()
             start = -address % HUGE_PAGE
             _madvise_range(address + start, length)
-            _current = (weakref.ref(memory), start, start + length)
-        offset = _current[1]
-        _current = (_current[0], offset + size, _current[2])
-    flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
+            mapping = _Mapping(memory, address, start, start + length)
+            _current = weakref.ref(mapping)
+        block = (mapping.next, mapping.next + nbytes)
+        bisect.insort(mapping.live, block)  # live before the frontier moves past it
+        mapping.next += size
+    # the view alone holds the tensor's storage: its finalizer runs when the storage is freed
+    view = memoryview(mapping.memory)[block[0] : block[1]]
+    flat = torch.frombuffer(view, dtype=torch.uint8)
+    weakref.finalize(view, _release, mapping, block).atexit = False
     return flat.view(dtype).view(shape)
 
 
