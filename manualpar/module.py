@@ -21,7 +21,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -235,18 +235,23 @@ if os.environ.get("MANUALPAR_NO_OPTIMIZER_CHECK") != "1":
     register_optimizer_step_pre_hook(_first_step_check)
 
 
+_Model = TypeVar("_Model", bound=ParallelModule)
+
+
 def load_trained(
-    build: Callable[[], ParallelModule],
+    build: Callable[[], _Model],
     strategy: ManualParallelStrategy,
     path: str | os.PathLike,
     *,
     key: str = "model",
     strict: bool = True,
-) -> ParallelModule:
+) -> _Model:
     """Build a model on meta, run its setup, then load its weights: one call, any world size.
 
     `build()` constructs the model (its __init__ only declares modules); `key` is the name the
-    model was saved under in `strategy.save_checkpoint(path, {key: model, ...})`.
+    model was saved under in `strategy.save_checkpoint(path, {key: model, ...})`. The model
+    comes back as the type `build` returns (`load_trained(MyModel, ...)` is a `MyModel` to a
+    type checker: no isinstance needed).
     """
     from manualpar.meta import empty_init
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import RunConfig
-from model import TinyLM
 from torch.distributed.elastic.multiprocessing.errors import record
 from train import layout
 
@@ -60,8 +59,7 @@ def evaluate(
     if path is None:
         raise FileNotFoundError(f"no checkpoint under {out / 'checkpoints'}")
     manifest = mp.read_manifest(path)
-    model = mp.load_trained(config.model, strategy, path)
-    assert isinstance(model, TinyLM)
+    model = mp.load_trained(config.model, strategy, path)  # a TinyLM, as config.model builds
     model.eval()
     loss = model.validation_step(config.data().validation(0, strategy))["loss"]
     return Evaluation(

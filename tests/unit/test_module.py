@@ -4,7 +4,9 @@ an optimizer over the self-updating tables warns."""
 from __future__ import annotations
 
 import re
+import typing
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -150,11 +152,21 @@ def test_load_trained_builds_on_meta_sets_up_and_loads(tmp_path) -> None:  # typ
     optimizer = torch.optim.Adam(trained.dense_parameters())
     strategy.save_checkpoint(tmp_path / "ckpt", {"model": trained, "optim": optimizer, "step": 3})
     loaded = mp.load_trained(Regressor, strategy, tmp_path / "ckpt")
-    assert loaded.is_setup
+    typing.assert_type(loaded, Regressor)  # the built type, to a type checker (no isinstance)
+    assert type(loaded) is Regressor and loaded.is_setup
     for a, b in zip(loaded.parameters(), trained.parameters(), strict=True):
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)  # b was built eagerly on CPU
     with pytest.raises(mp.CheckpointMismatchError, match="missing from the checkpoint: net"):
         mp.load_trained(Regressor, strategy, tmp_path / "ckpt", key="net")
+
+
+def test_load_trained_returns_the_type_its_build_returns() -> None:
+    hints = typing.get_type_hints(
+        mp.load_trained, localns={"ManualParallelStrategy": mp.ManualParallelStrategy}
+    )
+    built = hints["return"]  # a type checker infers load_trained(Regressor, ...): Regressor
+    assert isinstance(built, typing.TypeVar) and built.__bound__ is ParallelModule
+    assert hints["build"] == Callable[[], built]
 
 
 class _Tower(ParallelModule):
