@@ -18,6 +18,8 @@ of the slowest rank's wall clock, for a loaded host. `--clock flags` times the a
 (no tables): the guard's answers riding in the non-finite flags' all_reduce (one float64[6],
 finite_check.py) against two small all_reduces (an int64 flag and the answers, as before they
 were folded), in process CPU, calling thread CPU and wall time (`--repeats` rounds of 200).
+`--betas 0.95,0.5` (with `--rule adam`): Adam's betas, e.g. b1^2 >= b2, where its moments'
+bound grows with every update and is read again from the moments (step/adam_bounds.py).
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ GUARDS = {"bounded": None, "copy": True, "none": False}
 RULES = {"rowwise_adagrad": RowWiseAdagrad, "adam": Adam}
 
 
-def _own_options() -> tuple[str, str, str, str]:
+def _own_options() -> tuple[str, str, str, str, str]:
     """Take this script's options out of argv (the rest are paired_steps.py's)."""
     values = {
         "--dtype": "fp16",
         "--guard": "bounded",
         "--clock": "wall",
         "--rule": "rowwise_adagrad",
+        "--betas": "0.9,0.999",
     }
     rest = [sys.argv[0]]
     args = iter(sys.argv[1:])
@@ -60,7 +63,13 @@ def _own_options() -> tuple[str, str, str, str]:
         raise SystemExit("--clock wall, cpu or flags")
     if values["--rule"] not in RULES:
         raise SystemExit(f"--rule one of {sorted(RULES)}")
-    return values["--dtype"], values["--guard"], values["--clock"], values["--rule"]
+    return (
+        values["--dtype"],
+        values["--guard"],
+        values["--clock"],
+        values["--rule"],
+        values["--betas"],
+    )
 
 
 def _cpu_compare(
@@ -135,8 +144,16 @@ def _flags_compare(strategy: mp.ManualParallelStrategy, repeats: int, count: int
             )
 
 
+def _rule(name: str, lr: float, betas: str) -> Adam | RowWiseAdagrad:
+    """The update rule named by --rule (Adam with --betas)."""
+    if name == "adam":
+        first, second = (float(beta) for beta in betas.split(","))
+        return Adam(lr=lr, betas=(first, second))
+    return RowWiseAdagrad(lr=lr)
+
+
 def main() -> None:
-    dtype, guard, clock, rule = _own_options()
+    dtype, guard, clock, rule, betas = _own_options()
     args = parse_args(__doc__.splitlines()[0], plan="table_wise")
     torch.set_num_threads(1)
     strategy = mp.ManualParallelStrategy()
@@ -151,7 +168,7 @@ def main() -> None:
                 args,
                 strategy,
                 DTYPES[dtype],
-                RULES[rule](lr=args.lr),
+                _rule(rule, args.lr, betas),
                 guard_half_rows=GUARDS[guard] if variant == "guarded" else False,
             ),
             data,
@@ -159,7 +176,7 @@ def main() -> None:
         for variant in ("unguarded", "guarded")
     }
     if strategy.is_global_zero:
-        print(f"{dtype} rows, {rule}, guard {guard}", flush=True)
+        print(f"{dtype} rows, {rule} (betas {betas}), guard {guard}", flush=True)
     if clock == "cpu":
         _cpu_compare(strategy, steps, args.steps, args.warmup, args.repeats)
     else:

@@ -68,3 +68,29 @@ def test_moments_it_cannot_bound_read_as_unbounded() -> None:
     state = {"exp_avg": torch.tensor([[3.0, -4.0]]), "exp_avg_sq": torch.tensor([[1.0, 4.0]])}
     assert steps.read(2, state) and steps.ratio[2] == pytest.approx(3.0)
     assert AdamSteps.of(Adam(lr=1.0, betas=(0.9, 0.0))) is None  # v forgets at once: none
+
+
+@pytest.mark.parametrize("betas", [(0.95, 0.5), (0.9, 0.81), (0.9, 0.999)])
+def test_a_loose_bound_read_again_still_holds_and_stays_small(betas: tuple[float, float]) -> None:
+    """Where b1^2 >= b2 the carried C grows without limit; read again whenever it is `loose`
+    (past twice the last read), every update still moves every element by at most the bound,
+    and C stays near the moments' real ratio. Under the default betas it is never loose."""
+    rule, lr = Adam(lr=0.5, betas=betas), 0.5
+    steps = AdamSteps.of(rule)
+    assert steps is not None
+    weight, state = torch.zeros(ROWS, DIM), rule.init_state(ROWS, DIM)
+    assert steps.read(0, state)
+    reads, g = 0, torch.Generator().manual_seed(3)
+    for update in range(1, 121):
+        if steps.loose(0):
+            reads += 1
+            assert steps.read(0, state)
+        rows = torch.arange(ROWS) if update % 3 else torch.tensor([0, 2])
+        bound = steps.step(0, lr, update)
+        steps.grow(0)
+        before = weight.clone()
+        grad = torch.randn(len(rows), DIM, generator=g) * float(10.0 ** (update % 7 - 3))
+        rule.step_rows(weight, state, rows, grad, update, None)
+        assert float((weight - before).abs().max()) <= bound, update
+    assert (reads == 0) == (betas[0] ** 2 < betas[1])
+    assert steps.ratio[0] < 100  # carried alone, (0.95, 0.5) reaches about 3e15 by now

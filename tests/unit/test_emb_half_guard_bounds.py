@@ -186,3 +186,21 @@ def test_adam_moments_written_by_hand_are_read_again(copies: list[int]) -> None:
     state["exp_avg_sq"].zero_()
     _step(emb)
     assert copies == [1]
+
+
+def test_adam_with_b1_squared_past_b2_reads_its_moments_again_instead_of_copying(
+    copies: list[int],
+) -> None:
+    """b1^2 >= b2: the moments' bound grows by sqrt(b1^2 / b2) an update whatever they hold
+    (adam_bounds.py), past float16's headroom after about 35 updates here, while their real
+    ratio stays near 1: read again, it is small and no step copies (before, every step from
+    then on copied). The rows train to the bits of an unguarded run."""
+    rule = Adam(lr=1.0, betas=(0.95, 0.5))
+    guarded, unguarded = _build(rule), _build(rule, guard_half_rows=False)
+    for _ in range(60):
+        _step(guarded)
+        _step(unguarded)
+    assert copies == []
+    bounds = guarded.step.backward_phases.half_rows.bounds
+    assert bounds.adam.ratio[0] < 1e3  # grown without the reads: about 4e6
+    assert torch.equal(_rows(guarded), _rows(unguarded)) and torch.isfinite(_rows(guarded)).all()

@@ -12,10 +12,13 @@ by each update through that recursion (rows not touched keep their ratio: C neve
 here), and the step is at most the step size times C. Where b1^2 < b2 (the default betas),
 C tends to (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)), 7.3 for (0.9, 0.999); a row first touched
 late (lazy Adam's bias correction counts every update) stays below it too. Where b1^2 >= b2,
-C grows with every update without limit: once it no longer rules an overflow out, the guard
-copies the rows on every step (correct, as slow as `guard_half_rows=True`) until the moments
-are written other than by an update (a load). With b2 = 0, v forgets at once while m does
-not: no bound (`AdamSteps.of` gives None).
+C grows with every update without limit (geometrically where b1^2 > b2) while the moments' real
+ratio usually stays small: so once C has grown to twice what the last read found (`loose`) and
+its step takes half the rows' headroom, the guard reads the moments again (half_bounds.py)
+instead of copying the rows on every step from then on; it copies only while the real ratio is
+that large. Under the default betas C never gets loose (it stays below its limit or the read
+value), so nothing is read again. With b2 = 0, v forgets at once while m does not: no bound
+(`AdamSteps.of` gives None).
 
 Float32 rounding of the moments is covered by a 0.1% growth per update; gradients too small for
 (1 - b2) g^2 to be a normal float32 (|g| below 2**-63 / sqrt(1 - b2)) lose their share of v,
@@ -49,6 +52,13 @@ class AdamSteps:
         self._fresh = (1 - self.beta1) ** 2 / (1 - self.beta2)  # an update's new share
         self._lost = 1 / math.sqrt(1 - self.beta2)  # |m| / sqrt(v) of one subnormal share
         self.ratio: dict[int, float] = {}  # table -> C (absent: not read)
+        self.read_ratio: dict[int, float] = {}  # table -> C as last read from the moments
+        # C grown from any start below this stays below it (b1^2 < b2: the recursion's limit
+        # with the margin; else one update's growth from zero moments)
+        self._settles = math.sqrt(self._fresh) * (1 + _MARGIN)
+        kept = self._shrink * (1 + _MARGIN) ** 2
+        if kept < 1:
+            self._settles = max(self._settles, math.sqrt(self._fresh / (1 - kept)) * (1 + _MARGIN))
 
     @classmethod
     def of(cls, rule: Adam) -> AdamSteps | None:
@@ -74,8 +84,16 @@ class AdamSteps:
                 m = exp_avg[start : start + _ROWS]
                 v = exp_avg_sq[start : start + _ROWS]
                 ratio = max(ratio, self._largest(m, v))
-        self.ratio[t] = ratio
+        self.ratio[t] = self.read_ratio[t] = ratio
         return math.isfinite(ratio)
+
+    def loose(self, t: int) -> bool:
+        """Whether C has grown past twice the last read (and past where the recursion settles):
+        the moments read again may well give a much smaller one (b1^2 >= b2)."""
+        ratio, read = self.ratio.get(t), self.read_ratio.get(t)
+        if ratio is None or read is None or not math.isfinite(ratio):
+            return False
+        return ratio > 2 * max(read, self._settles)
 
     def _largest(self, m: torch.Tensor, v: torch.Tensor) -> float:
         """max |m| / sqrt(v), less the lost shares' allowance (0/0: 0; v < 0 or NaN: inf)."""

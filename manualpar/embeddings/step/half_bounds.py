@@ -14,7 +14,9 @@ amount whatever the gradient:
 - Adam: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), at most that step size times a
   bound C on |m| / sqrt(v) over the block (adam_bounds.py: read from the moments at a scan,
   then grown by each update, towards (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)), 7.3 for the
-  default betas; with b2 = 0 there is none, and the guard copies as before).
+  default betas; where b1^2 >= b2 it grows without limit and is read again from the moments
+  once its step takes half the headroom; with b2 = 0 there is none, and the guard copies as
+  before).
 
 So each rank keeps,
 per half table, an upper bound on its block's largest |value|: read once (a scan), then grown by
@@ -107,8 +109,9 @@ class RowBounds:
                 continue
             step = self.step(t, lr)
             stale = self.versions.get(t) != self._versions(t)  # written other than by updates
-            if stale or self._loose(t, step):
-                self._scan(t, stale)
+            reread = stale or self._moments_loose(t, step)
+            if reread or self._loose(t, step):
+                self._scan(t, reread)
                 step = self.step(t, lr)  # (Adam's: from the moments just read)
             if not self.bound[t] + step <= self.limit[t]:  # NaN: not safe
                 return False
@@ -142,6 +145,14 @@ class RowBounds:
             return True
         return bound - scanned >= max((self.limit[t] - scanned) / 2, 64 * step)
 
+    def _moments_loose(self, t: int, step: float) -> bool:
+        """Adam's moment bound grown far past its last read (AdamSteps.loose: b1^2 >= b2) with
+        its step taking half the headroom left: read the moments again before copying."""
+        bound = self.bound.get(t)
+        if bound is None or self.adam is None or not self.adam.loose(t):
+            return False
+        return not bound + 2 * step <= self.limit[t]
+
     def _scan(self, t: int, stale: bool = True) -> None:
         """Read the block's largest |value| (inf if any is NaN or inf, or if the state would
         let a step grow past its bound: a negative or NaN accumulator)."""
@@ -160,9 +171,9 @@ class RowBounds:
 
     def _state_ok(self, t: int, stale: bool) -> bool:
         """Adagrad's bounds need accumulators >= 0 (a loaded state could hold anything);
-        Adam's, moments whose ratio is bounded: read again only where `stale` (the ratio
-        carried through the updates holds otherwise; reading it costs 50x the weights'
-        scan)."""
+        Adam's, moments whose ratio is bounded: read again only where `stale` (written other
+        than by an update, or its bound loose: `_moments_loose`; the ratio carried through the
+        updates holds otherwise; reading it costs 50x the weights' scan)."""
         state = self.parts.optimizer.table_state.get(self.parts.name(t), {})
         if self.adam is not None:
             if stale or t not in self.adam.ratio:
