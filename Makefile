@@ -55,7 +55,8 @@ kernels: install
 # The whole suite on 2 worker processes (pytest-xdist): a test's ranks and launched jobs spend
 # part of their time starting and waiting, which the other worker's test fills. loadscope keeps
 # each test file on one worker, so a module-scoped fixture (e.g. one training run shared by a
-# file's tests) runs once.
+# file's tests) runs once; tests/conftest.py hands out the files of tests/e2e first, so that no
+# long one is left to a single worker at the end (tests/support/heavy_first.py).
 TEST_WORKERS ?= 2
 
 # Bytecode compiled once up front: where PYTHONDONTWRITEBYTECODE is set (as on CI machines), each

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import importlib
 import inspect
 import re
@@ -134,11 +135,19 @@ def _members(cls: type) -> Iterator[tuple[str, Any]]:
                 yield name, value
 
 
+@functools.cache
+def _parsed(path: Path, mtime_ns: int) -> tuple[list[str], list[ast.stmt]]:
+    """A source file's lines and top-level statements, parsed once per version of the file (the
+    page looks up each of its constants in the same hundred files)."""
+    lines = path.read_text().splitlines()
+    return lines, ast.parse("\n".join(lines)).body
+
+
 def _constant_comment(module: types.ModuleType, name: str) -> str:
     """The comment above or beside `name = ...` in the module that assigns it ('' if none)."""
     for path in sorted(Path(module.__file__ or "").parent.rglob("*.py")):
-        lines = path.read_text().splitlines()
-        for node in ast.parse("\n".join(lines)).body:
+        lines, body = _parsed(path, path.stat().st_mtime_ns)
+        for node in body:
             targets = (
                 node.targets
                 if isinstance(node, ast.Assign)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,9 @@ SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
-from launch import is_launcher_variable  # noqa: E402  (needs SUPPORT on sys.path)
+from heavy_first import make_scheduler  # noqa: E402  (needs SUPPORT on sys.path)
+from launch import clean_env, is_launcher_variable  # noqa: E402
+from warm import python_through_server  # noqa: E402
 
 # One intra-op thread in the test process, as every rank and launched job has: torch's default
 # (one per core) makes its threads spin-wait for each other, and with the other pytest worker
@@ -42,10 +45,33 @@ def _single_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key, raising=False)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _native_kernels_built() -> None:
+@pytest.fixture
+def warm_launcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For a launcher that a test runs in its own process (torchx's Runner): the `python`
+    processes it starts get the launched jobs' settings (launch.clean_env: one thread, no GPU)
+    and start as forks of the warm server, as run_python's and run_torchrun's jobs do
+    (warm.py): each saves the seconds of CPU of a fresh interpreter's imports."""
+    for key, value in clean_env().items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    with python_through_server():
+        yield
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the C++ embedding kernels once, before any test starts ranks: a first build takes
-    tens of seconds, longer than the tests' collective timeouts."""
+    tens of seconds, longer than the tests' collective timeouts. Here rather than in a test's
+    setup, so that a build does not count against that test's timeout; under pytest-xdist the
+    workers do it (the first builds, the other waits for its lock), not the controller, which
+    would have to import manualpar before starting them."""
+    if session.config.pluginmanager.has_plugin("dsession"):  # xdist's controller
+        return
     from manualpar.embeddings.kernels.native import native_kernels
 
     native_kernels()
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """--dist loadscope starts the files of launched jobs first (heavy_first.py)."""
+    return make_scheduler(config, log) if config.getvalue("dist") == "loadscope" else None

@@ -58,11 +58,17 @@ def first_call_seconds(strategy: mp.ManualParallelStrategy, step: Step) -> float
 
 
 def make_steps(
-    model: DLRM, optimizer: torch.optim.Optimizer, batches: list, compiled: bool
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    batches: list,
+    compiled: bool,
+    backend: str = "inductor",
 ) -> dict[str, Step]:
-    """The two measured steps of `model`, eager or through torch.compile."""
-    forward = torch.compile(model) if compiled else model
-    dense_forward = torch.compile(model.dense_forward) if compiled else model.dense_forward
+    """The two measured steps of `model`, eager or through torch.compile with `backend`."""
+    forward = torch.compile(model, backend=backend) if compiled else model
+    dense_forward = (
+        torch.compile(model.dense_forward, backend=backend) if compiled else model.dense_forward
+    )
     device = batches[0].dense.device
     pooled = torch.randn(len(batches[0]), len(model.tables) * model.dim, device=device)
     pooled.requires_grad_(True)
@@ -123,7 +129,7 @@ def main() -> None:
         torch._dynamo.reset()
         steps = {
             "eager": make_steps(model, optimizer, batches, compiled=False),
-            "compiled": make_steps(model, optimizer, batches, compiled=True),
+            "compiled": make_steps(model, optimizer, batches, compiled=True, backend=args.backend),
         }
         first = first_call_seconds(strategy, steps["compiled"]["step"])
         order = ["eager", "compiled"] if repeat % 2 == 0 else ["compiled", "eager"]

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from launch import run_python
 
 FULL_DISK = """
 import resource, signal
@@ -30,10 +29,7 @@ def test_a_full_disk_is_reported_at_build_time(tmp_path: Path) -> None:
     """Simulated with RLIMIT_FSIZE (the file may not grow past 4 KiB): reserving the 64 KiB
     file fails as on a full disk, before any training."""
     script = textwrap.dedent(FULL_DISK).replace("DIRECTORY", repr(str(tmp_path)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
-    )
+    run = run_python("-c", script, timeout=60)  # its limit and signal setting are its own
     path = tmp_path / "big.rows0.cols0.rank0.rows"
     message = run.stdout.strip()
     assert message.startswith(

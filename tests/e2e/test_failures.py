@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from faults import assert_first_checkpoint_intact, save_twice
 
 import manualpar as mp
+import manualpar.strategy.strategy as strategy_module
+from manualpar.strategy.roll_call import roll_call
 from manualpar.testing import free_port, run_distributed
 
 
@@ -81,7 +85,11 @@ def _rank_one_stalls(out: str) -> None:
         while not Path(out).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return
-    with _timed(out):
+    # Rank 0's roll call ends once both ranks answered. Rank 1's answer comes from a thread that
+    # looks once a second: on a heavily loaded machine it can miss the 3 s a failing rank waits
+    # by default, and rank 1 would be called silent. Here rank 0 waits up to 30 s for it.
+    patient = functools.partial(roll_call, wait_s=30.0)
+    with mock.patch.object(strategy_module, "roll_call", patient), _timed(out):
         strategy.all_reduce(torch.ones(3), op="sum")
 
 

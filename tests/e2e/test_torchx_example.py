@@ -14,6 +14,7 @@ import manualpar as mp
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("warm_launcher")  # torchrun and its workers start warm (conftest.py)
 def test_recsys_fails_once_restarts_and_finishes(tmp_path: Path) -> None:
     example = load_example(Path("torchx/run_recsys.py"), "torchx_run_recsys")
     out = tmp_path / "out"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
 from manualpar.cli.torchx_component import run_script
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "launched.py")
+# torchx's local scheduler starts torchrun, and torchrun its workers, warm (conftest.py)
+pytestmark = pytest.mark.usefixtures("warm_launcher")
 
 
 def _launch(tmp_path: Path, *script_args: str, max_restarts: int = 0):  # type: ignore[no-untyped-def]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torchx.runner import get_runner
 
 import manualpar as mp
 from manualpar.cli.torchx_component import run_script
-from manualpar.testing import run_distributed
+from manualpar.testing import free_port, run_distributed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,8 +136,15 @@ def _load_mixed(shared: str) -> dict:
     return report
 
 
-def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:
+def test_survivors_of_a_lost_node_name_its_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "lose_node"
+    # Also: another process takes the first port start_nodes picks before node 0 binds it (here
+    # a socket listening there); the job starts again on another port.
+    taken = socket.create_server(("127.0.0.1", 0))
+    ports = [taken.getsockname()[1]]
+    monkeypatch.setattr("launch.free_port", lambda: ports.pop() if ports else free_port())
 
     def training_everywhere() -> bool:
         return all((folder / f"training_{rank}").exists() for rank in range(4))
@@ -161,6 +169,8 @@ def test_survivors_of_a_lost_node_name_its_ranks(tmp_path: Path) -> None:
         print(f"MEASURED rank {rank} raised {failure['time'] - killed:.1f}s after the kill")
     assert not list(folder.glob("error_[23].json"))  # the lost ranks said nothing
     assert "No answer: ranks 2, 3 (node 1)" in node0.stderr  # what the user sees in node 0's log
+    assert ports == []  # the taken port was tried first
+    taken.close()
 
 
 def test_torchx_two_by_two_runs_torchrun_on_two_nodes_with_c10d() -> None:

@@ -24,15 +24,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import warm
+from procfs import descendants, listeners, process_group, sockets
+
+from manualpar.testing import _PORT_ATTEMPTS, free_port
 
 __all__ = [
     "TIMEOUT_S",
@@ -295,10 +296,16 @@ def c10d_command(
     ]
 
 
+class PortTaken(AssertionError):
+    """Node 0 could not host the rendezvous store: another process took its port after
+    free_port() let it go (start_nodes then starts the job again on another port)."""
+
+
 class NodeJob:
     """A job of `nnodes` torchrun agents on this machine, one per node, each in its own process
     group; their output goes to files so it can be read while they run. Use as a context
-    manager: leaving it stops whatever still runs."""
+    manager: leaving it stops whatever still runs. PortTaken if node 0 could not listen on
+    `port` (every agent is stopped then)."""
 
     def __init__(self, commands: Sequence[Sequence[str]], env: dict[str, str], port: int) -> None:
         self.commands = [list(c) for c in commands]
@@ -315,7 +322,11 @@ class NodeJob:
                 )
             )
             if node == 0:  # the store's host listens before anyone connects to it
-                self.wait_for(lambda: _listening(port), 60, "node 0 to host the rendezvous store")
+                try:
+                    self._wait_for_store(port)
+                except AssertionError:
+                    self.__exit__()
+                    raise
 
     def __enter__(self) -> NodeJob:
         return self
@@ -325,6 +336,23 @@ class NodeJob:
         for out, err in self._files:
             out.close()
             err.close()
+
+    def _wait_for_store(self, port: int) -> None:
+        """Until node 0's agent listens on `port`; PortTaken if another process listens there
+        or the agent could not (EADDRINUSE), failing the test if 60 s pass first."""
+        agent = self.processes[0]
+
+        def listening() -> bool:
+            listening_now = listeners(port)
+            if listening_now & sockets([agent.pid, *descendants(agent.pid)]):
+                return True
+            exited = agent.poll() is not None
+            if listening_now or (exited and "EADDRINUSE" in self.result(0).stderr):
+                self.stop()
+                raise PortTaken(f"port {port} was taken by another process\n{self.outputs()}")
+            return False
+
+        self.wait_for(listening, 60, f"node 0 to host the rendezvous store on port {port}")
 
     def result(self, node: int) -> subprocess.CompletedProcess[str]:
         """Node `node`'s command, exit code (None while it runs) and output so far."""
@@ -382,7 +410,7 @@ class NodeJob:
         """Lose node `node` at once, as a machine that dies: SIGKILL to its agent's process
         group and to every worker's (torchrun starts each worker in a session of its own)."""
         root = self.processes[node].pid
-        groups = {root} | {_process_group(pid) for pid in _descendants(root)}
+        groups = {root} | {process_group(pid) for pid in descendants(root)}
         # Freeze the whole node first, then kill it: killed one group at a time, a worker still
         # running while its peer's death is seen elsewhere could answer the survivors' roll
         # call (seen once under heavy load); a stopped one cannot, and dies on SIGKILL.
@@ -395,7 +423,7 @@ class NodeJob:
     def stop(self) -> None:
         """SIGTERM every running agent (it stops its workers), then SIGKILL what is left."""
         running = [p for p in self.processes if p.poll() is None]
-        trees = {p.pid: _descendants(p.pid) for p in running}
+        trees = {p.pid: descendants(p.pid) for p in running}
         for process in running:
             process.terminate()
         for process in running:
@@ -418,22 +446,30 @@ def start_nodes(
     env: Mapping[str, str | None] | None = None,
 ) -> NodeJob:
     """Start `script *args` as a job of `nnodes` nodes x `nproc` processes: one torchrun agent
-    per node, node 0 first (it hosts the stores), then the others once it listens."""
-    port = _free_port()
-    commands = [
-        c10d_command(
-            script,
-            *args,
-            nnodes=nnodes,
-            nproc=nproc,
-            node=node,
-            port=port,
-            run_id=f"test-{port}",
-            max_restarts=max_restarts,
-        )
-        for node in range(nnodes)
-    ]
-    return NodeJob(commands, clean_env(env), port)
+    per node, node 0 first (it hosts the stores), then the others once it listens. As
+    run_distributed, on another port if the one free_port() gave was taken before node 0 bound
+    it (at most _PORT_ATTEMPTS ports)."""
+    for attempt in range(_PORT_ATTEMPTS):
+        port = free_port()
+        commands = [
+            c10d_command(
+                script,
+                *args,
+                nnodes=nnodes,
+                nproc=nproc,
+                node=node,
+                port=port,
+                run_id=f"test-{port}",
+                max_restarts=max_restarts,
+            )
+            for node in range(nnodes)
+        ]
+        try:
+            return NodeJob(commands, clean_env(env), port)
+        except PortTaken:
+            if attempt + 1 == _PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def run_nodes(
@@ -452,37 +488,3 @@ def run_nodes(
         script, *args, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts, env=env
     ) as job:
         return job.wait(timeout, check=check)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below `root` (Linux /proc), children before grandchildren."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        children = parents.get(todo.pop(0), [])
-        found += children
-        todo += children
-    return found
-
-
-def _process_group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None

@@ -45,11 +45,11 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["WarmProcess", "start"]
+__all__ = ["WarmProcess", "python_through_server", "start"]
 
 DISABLE_VAR = "MANUALPAR_TEST_WARM"  # "0": every launch is a fresh interpreter
 PRELOAD = [
@@ -460,6 +460,24 @@ if code < 0:  # die of the same signal
     os.kill(os.getpid(), -code)
 os._exit(code & 0xFF)
 """
+
+
+@contextlib.contextmanager
+def python_through_server() -> Iterator[None]:
+    """While it lasts, a `python ...` this (test) process starts with subprocess runs as a job of
+    the warm server, as one a job starts does: for a launcher that a test runs in its own
+    process (torchx's Runner, whose local scheduler starts torchrun). The job must be given the
+    server's start-up settings (clean_env's), or it starts plainly."""
+    if os.environ.get(DISABLE_VAR) == "0":
+        yield
+        return
+    _SERVER_PATH or _ensure_server()
+    plain = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    subprocess.Popen._execute_child = _through_shim(plain)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child = plain  # type: ignore[attr-defined]
 
 
 def _through_shim(execute_child: Any) -> Any:
