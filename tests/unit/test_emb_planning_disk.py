@@ -114,8 +114,14 @@ def test_the_planner_prices_a_tier_through_the_storage_interface(tmp_path) -> No
 
     cached_bytes = 64 * 2**20
     assert DiskTier(tmp_path, cache_bytes=cached_bytes).cache_memory({}) == 0
-    assert DiskTier(tmp_path, cache_bytes=cached_bytes).cache_memory({"t": (10, 8)}) == cached_bytes
-    assert DiskTier(tmp_path, cache_rows=4).cache_memory({"a": (10, 8), "b": (2, 100)}) == 232
+    # the slots' rows, plus 4 bytes a block row and 37 a slot of bookkeeping (row_cache.py)
+    index = 10 * 4 + 10 * 37
+    assert DiskTier(tmp_path, cache_bytes=cached_bytes).cache_memory({"t": (10, 8)}) == (
+        cached_bytes + index
+    )
+    blocks = {"a": (10, 8), "b": (2, 100)}
+    index = 10 * 4 + 4 * 37 + 2 * 4 + 2 * 37
+    assert DiskTier(tmp_path, cache_rows=4).cache_memory(blocks) == 232 + index
 
     class HalfRows:  # a tier caching half of every block
         def slots(self, blocks):  # type: ignore[no-untyped-def]
@@ -149,3 +155,19 @@ def test_the_planner_prices_a_tier_through_the_storage_interface(tmp_path) -> No
 def test_a_table_pinned_on_disk_without_a_budget_plans_the_rest(tmp_path) -> None:  # type: ignore[no-untyped-def]
     plan = plan_tables(TABLES, 2, disk_tier=_tier(tmp_path), pinned={"big": row_wise(on_disk=True)})
     assert plan.tables["big"] == row_wise(on_disk=True) and not plan.tables["mid"].on_disk
+
+
+@pytest.mark.parametrize("price", ["time", "memory"])
+def test_the_caches_bookkeeping_counts_against_the_budget(tmp_path, price) -> None:  # type: ignore[no-untyped-def]
+    """A disk block's cache keeps 4 bytes for each of its rows (where the row is), however few
+    it caches: 'big' on 2 ranks, 10M rows each, needs 40 MB of it beside a one-row cache."""
+    tier = DiskTier(tmp_path, cache_rows=1)
+    with pytest.raises(
+        PlanError,
+        match=r"^the disk tier's cache of tables \['big'\] takes 38\.1 MiB per rank .* the "
+        r"10000000 block rows a rank holds\), more than the memory budget of 28\.6 MiB; give "
+        r"DiskTier a smaller cache_bytes= or cache_rows=, use more ranks, or raise the budget$",
+    ):
+        plan_tables(TABLES[1:], 2, memory_budget_bytes=30 * MB, disk_tier=tier, price=price)
+    plan = plan_tables(TABLES[1:], 2, memory_budget_bytes=50 * MB, disk_tier=tier, price=price)
+    assert plan.tables["big"] == row_wise(on_disk=True)

@@ -107,14 +107,13 @@ def block_work(
     if not placement.on_disk or disk_tier is None:  # (no tier given: counted as in memory)
         costs.memory.index_add_(0, owners, held)
         return
-    slots = torch.tensor(
-        [
-            disk_tier.slots({name: (int(r), int(w))})[name]
-            for r, w in zip(rows.tolist(), row_bytes.tolist(), strict=True)
-        ],
-        dtype=torch.float64,
-    )
-    costs.memory.index_add_(0, owners, slots * row_bytes)
+    blocks = [
+        {name: (int(r), int(w))} for r, w in zip(rows.tolist(), row_bytes.tolist(), strict=True)
+    ]
+    slots = torch.tensor([disk_tier.slots(b)[name] for b in blocks], dtype=torch.float64)
+    # the cache's rows and its bookkeeping (where each block row is, each slot's use), as held
+    cached = torch.tensor([disk_tier.cache_memory(b) for b in blocks], dtype=torch.float64)
+    costs.memory.index_add_(0, owners, cached)
     costs.disk.index_add_(0, owners, held)
     # the cache keeps the block's most popular rows (LRU and LFU both, near enough)
     share = rows / config.num_embeddings

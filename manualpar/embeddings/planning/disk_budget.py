@@ -143,10 +143,12 @@ def place_on_disk(
         del rest[name]
     left = budget - cache_cost()
     if chosen and left < 0:
+        rows = sum(-(-tables[n].num_embeddings // _blocks(n, pinned, world_size)) for n in chosen)
         raise PlanError(
-            f"the disk tier's cache takes {format_bytes(cache_cost())} per rank, more than the "
-            f"memory budget of {format_bytes(budget)}; give DiskTier a smaller cache_bytes= or "
-            "cache_rows=, or raise the budget"
+            f"the disk tier's cache of tables {chosen} takes {format_bytes(cache_cost())} per "
+            f"rank (the rows it caches, and its bookkeeping, which grows with the {rows} block "
+            f"rows a rank holds), more than the memory budget of {format_bytes(budget)}; give "
+            "DiskTier a smaller cache_bytes= or cache_rows=, use more ranks, or raise the budget"
         )
     moved = [name for name in chosen if name not in pinned]
     notes = {

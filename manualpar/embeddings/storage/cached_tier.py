@@ -20,5 +20,7 @@ class CachedTier(Protocol):
         ...
 
     def cache_memory(self, blocks: Mapping[str, tuple[int, int]]) -> int:
-        """Bytes the cache takes on the rank (0 without blocks)."""
+        """Bytes the cache takes on the rank (0 without blocks): its slots' rows and every
+        structure it keeps beside them (a disk block's index of where each row is, say), so a
+        plan within the budget stays within it in resident memory."""
         ...

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from manualpar.embeddings.storage.row_cache import EVICT_FRACTION, LOGGED, POLICIES
+from manualpar.embeddings.storage.row_cache import (
+    EVICT_FRACTION,
+    LOGGED,
+    POLICIES,
+    index_bytes,
+)
 from manualpar.errors import BuilderError
 
 __all__ = ["MAX_LOG_ROWS", "DiskTier"]
@@ -70,11 +75,8 @@ class DiskTier:
     def slots(self, blocks: Mapping[str, tuple[int, int]]) -> dict[str, int]:
         """Cache slots per table from {table: (block rows, bytes per row)}: `cache_rows` each,
         or `cache_bytes` split in proportion to the blocks' bytes (at most the block's rows)."""
-        if self.cache_rows is not None:
-            return {name: min(self.cache_rows, rows) for name, (rows, _) in blocks.items()}
-        assert self.cache_bytes is not None
         one_row = sum(width for _, width in blocks.values())
-        if self.cache_bytes < one_row:
+        if self.cache_bytes is not None and self.cache_bytes < one_row:
             widths = ", ".join(f"{name}: {width} B" for name, (_, width) in blocks.items())
             raise BuilderError(
                 f"DiskTier(cache_bytes={self.cache_bytes}) cannot hold one row of each disk "
@@ -82,6 +84,13 @@ class DiskTier:
                 "a step needs a cache slot for every distinct row it looks up, so give "
                 "cache_bytes= room for at least a batch's rows (or cache_rows= per table)"
             )
+        return self._split(blocks)
+
+    def _split(self, blocks: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+        """`slots` without its check (the planner's figures take any cache)."""
+        if self.cache_rows is not None:
+            return {name: min(self.cache_rows, rows) for name, (rows, _) in blocks.items()}
+        assert self.cache_bytes is not None
         total = sum(rows * width for rows, width in blocks.values()) or 1
         # A block's evicted rows are copied out of the cache and written in the background, up
         # to a 1/EVICT_FRACTION of its slots at a time (BackgroundWrites): room kept for them,
@@ -96,8 +105,11 @@ class DiskTier:
     def cache_memory(self, blocks: Mapping[str, tuple[int, int]]) -> int:
         """Bytes the cache takes on a rank holding `blocks` ({table: (block rows, bytes per
         row)}): all of cache_bytes once it holds any block, or cache_rows rows of each (at most
-        its block's). The planner counts it against the memory budget (cached_tier.py)."""
+        its block's), plus each block's bookkeeping (row_cache.py, `index_bytes`: 4 bytes a
+        block row, 37 a slot). The planner counts it against the memory budget
+        (cached_tier.py)."""
+        slots = self._split(blocks)
+        index = sum(index_bytes(rows, slots[name]) for name, (rows, _) in blocks.items())
         if self.cache_bytes is not None:
-            return self.cache_bytes if blocks else 0
-        assert self.cache_rows is not None
-        return sum(min(self.cache_rows, rows) * width for rows, width in blocks.values())
+            return (self.cache_bytes if blocks else 0) + index
+        return index + sum(slots[name] * width for name, (_, width) in blocks.items())
