@@ -8,12 +8,12 @@ Four copies of the same tables (paired_steps.py's workload, RowWiseAdagrad) trai
 processes, one step each in rotating order, so that a slow minute of a shared machine hits
 every variant alike:
 
-- checked: the step as shipped (sum of the output gradient, one flag all_reduce started before
-  the gradient exchange and waited for before the first row is written);
-- unchecked: no check at all (what the step cost before it);
-- sum_only: the sum of the output gradient without the all_reduce (the scan's own cost);
-- late_wait: the all_reduce started, but waited for only at the next step (the rows are then
-  written before every rank's flag is known: what the wait before the first write costs).
+- checked: the step as shipped (sum of the output gradient; each rank's flag rides after its
+  gradient in the gradient all_to_all, read before the first row is written);
+- unchecked: a zero flag rides, never read (the sum's cost apart);
+- sum_only: the sum of the output gradient, its flag read locally only;
+- late_wait: the flag also summed in an all_reduce of its own (as before the flags rode),
+  waited for only at the next step (what starting that collective costs).
 
 Only "checked" keeps the promise that no rank writes a row while any rank's gradient is
 non-finite; the others exist to measure it. A step is the slowest rank's; the summary gives
@@ -38,9 +38,10 @@ class Unchecked:
     """A stand-in for FiniteCheck that checks nothing."""
 
     mode, skipped = "raise", 0
+    zero = torch.zeros(1)
 
-    def start(self, grad: torch.Tensor, frozen: frozenset[int]) -> Any:
-        return None
+    def flag(self, grad: torch.Tensor, frozen: frozenset[int]) -> torch.Tensor:
+        return self.zero
 
     def passed(self, pending: Any) -> bool:
         return True
@@ -49,25 +50,27 @@ class Unchecked:
 class SumOnly(Unchecked):
     """The check's scan (one sum of the output gradient) without the agreement."""
 
-    def start(self, grad: torch.Tensor, frozen: frozenset[int]) -> Any:
-        return ~torch.isfinite(grad.sum())
+    def flag(self, grad: torch.Tensor, frozen: frozenset[int]) -> torch.Tensor:
+        self.up = ~torch.isfinite(grad.sum())
+        return self.zero
 
     def passed(self, pending: Any) -> bool:
-        return not bool(pending)
+        return not bool(self.up)
 
 
 class LateWait(Unchecked):
-    """The check's scan and all_reduce, waited for a step late (after the rows are written)."""
+    """The check's scan and its own all_reduce, waited for a step late."""
 
     def __init__(self, check: Any) -> None:
         self.check = check
         self.pending: Any = None
 
-    def start(self, grad: torch.Tensor, frozen: frozenset[int]) -> Any:
+    def flag(self, grad: torch.Tensor, frozen: frozenset[int]) -> torch.Tensor:
         if self.pending is not None:
             self.pending.wait()
-        self.pending = self.check.start(grad, frozen)
-        return None
+        flag = self.check.flag(grad, frozen)
+        self.pending = self.check.start(flag)
+        return flag
 
 
 def main() -> None:

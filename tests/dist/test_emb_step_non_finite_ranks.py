@@ -1,7 +1,8 @@
 """Non-finite gradients never reach the rows (reliability row 76): a NaN in one rank's loss
 stops the update on every rank before any row changes ("raise"), or drops that step's sparse
 update everywhere and counts it ("skip"), leaving the tables bit for bit those of a run without
-the step."""
+the step. Each rank's flag rides in the gradient all_to_all, so no all_reduce of its own
+runs (its half-row-guarded and 2-D mesh cases: test_emb_step_half_overflow_ranks.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def _train(mode: str, steps: list[int], nan_step: int | None) -> dict:
     plan = {"user": row_wise(), "item": table_wise(1)}
     ebc = mp.EmbeddingBagCollection(tiny_tables(), seed=4)
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1), non_finite=mode)
+    reductions = []  # the flags ride in the gradient all_to_all: no all_reduce of their own
+    all_reduce_async = strategy.all_reduce_async
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reductions.append(kwargs.get("name"))
+        return all_reduce_async(*args, **kwargs)  # type: ignore[arg-type]
+
+    strategy.all_reduce_async = counted  # type: ignore[method-assign]
     error = None
     for step in steps:
         loss = emb(_batch(step, strategy.rank)).values.square().sum()
@@ -54,6 +63,7 @@ def _train(mode: str, steps: list[int], nan_step: int | None) -> dict:
         "tables": tables,
         "skipped": emb.skipped_updates,
         "updates": emb.fused_optimizer.num_updates,
+        "reductions": reductions,
     }
     strategy.teardown()
     return result
@@ -73,6 +83,7 @@ def test_a_nan_on_one_rank_stops_every_rank_before_any_row_changes() -> None:
         assert stopped[rank]["error"].startswith(expected), stopped[rank]["error"]
         assert "non_finite='skip'" in stopped[rank]["error"]
         assert stopped[rank]["updates"] == 1  # the refused update was not counted
+        assert stopped[rank]["reductions"] == []  # every flag rode with the gradients
         for key, value in before[rank]["tables"].items():
             assert torch.equal(stopped[rank]["tables"][key], value), key
 
@@ -83,6 +94,7 @@ def test_skip_drops_the_step_on_every_rank_and_counts_it() -> None:
     for rank in range(2):
         assert skipped[rank]["error"] is None
         assert (skipped[rank]["skipped"], skipped[rank]["updates"]) == (1, 2)
+        assert skipped[rank]["reductions"] == []
         assert without[rank]["skipped"] == 0
         for key, value in without[rank]["tables"].items():
             assert torch.equal(skipped[rank]["tables"][key], value), key

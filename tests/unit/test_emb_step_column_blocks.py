@@ -61,6 +61,42 @@ def _check(configs: list[EmbeddingBagConfig], plan: EmbeddingPlan, strided: bool
     assert splits == [0, expected.numel()]
     assert torch.equal(flat, expected)
     assert flat.data_ptr() != grad.data_ptr()  # a buffer of its own, safe to send
+    flag = torch.tensor([float("nan")])  # the non-finite flag after each owner's blocks
+    flagged, flagged_splits = layout.pack_output_grad(
+        OutputGrad(grad, layout.routing), False, trailer=flag
+    )
+    assert flagged_splits == [0, expected.numel() + 1]
+    assert torch.equal(flagged[:-1], expected) and flagged[-1].isnan()
+
+
+def test_the_flag_after_each_owners_gradient_is_sent_and_read_around() -> None:
+    """Three ranks, every third table on each (one strided block per owner, in one buffer):
+    each other owner gets its blocks then the flag; an owner reads each sender's blocks around
+    the flag after them (grad_blocks' trailer)."""
+    configs = [EmbeddingBagConfig(f"t{i}", 10, 4) for i in range(6)]
+    plan = EmbeddingPlan(3, {f"t{i}": table_wise(i % 3) for i in range(6)})
+    sender = _layout(configs, plan, rank=0)
+    grad = torch.randn(BATCH, sender.routing.total_dim, generator=torch.Generator().manual_seed(3))
+    flag = torch.tensor([1.0])
+    flat, splits = sender.pack_output_grad(OutputGrad(grad, sender.routing), False, trailer=flag)
+    pieces = [torch.zeros(0)]
+    for owner in (1, 2):
+        columns = [sender.grad_columns(r, False) for r in sender.routing.routes_to[owner]]
+        pieces += [grad[:, slice(*c)].flatten() for c in columns] + [flag]
+    assert splits == [0, *(p.numel() for p in (torch.cat(pieces[1:4]), torch.cat(pieces[4:])))]
+    assert torch.equal(flat, torch.cat(pieces))
+    owner = _layout(configs, plan, rank=1)  # what ranks 0 and 2 send it: BATCH bags a table
+    counts = [[BATCH, 0, BATCH] for _ in owner.routing.routed_local_shards()]
+    assert owner.grad_receive_splits(counts, False, trailer=1) == [
+        2 * BATCH * 4 + 1,
+        0,
+        2 * BATCH * 4 + 1,
+    ]
+    received = torch.cat([torch.arange(40.0), flag, 100 + torch.arange(40.0), flag])
+    blocks = owner.grad_blocks(received, counts, False, trailer=1)
+    assert torch.equal(blocks[1][0], torch.arange(20.0, 40.0).view(BATCH, 4))
+    assert torch.equal(blocks[0][2], 100 + torch.arange(20.0).view(BATCH, 4))
+    assert blocks[0][1] is None
 
 
 def test_every_other_table_on_the_other_rank_takes_one_strided_view() -> None:

@@ -259,7 +259,10 @@ def collection_costs(
     words = header_width(len(configs)) * INT64
     to_owner = torch.full((group.world_size,), float(words), dtype=torch.float64)
     routed = any(plan.tables[c.name].sharding != "data_parallel" for c in configs)
-    flags = torch.full_like(to_owner, float(flag_bytes(wire.forward) if routed else 0))
+    # and the non-finite flag after the gradients (one value to every other rank, step/
+    # finite_check.py)
+    flag = flag_bytes(wire.forward) + wire.backward.itemsize
+    flags = torch.full_like(to_owner, float(flag if routed else 0))
     owner_traffic(costs, to_owner, flags, group.ranks_per_node)
     # the sizes to (and from) the other groups' ranks: on my node those beside my group
     beside = max(topology.ranks_per_node - group.world_size, 0)

@@ -8,7 +8,8 @@ int64; a row-split table's ids only to the rows' owner), the pooled rows back (f
 collection's wire dtype, step/wire.py; batch x the columns an owner
 serves, and in float16 or float8 one overflow flag value per pair of ranks) and, in backward,
 the output gradient to the owners (float32 or bfloat16; batch x the columns each owner needs,
-full rows for a column-split table whose rule needs them; none for frozen tables). A rank's
+full rows for a column-split table whose rule needs them; none for frozen tables; then one value,
+the sender's non-finite flag, to every other rank where any gradient travels). A rank's
 own part never travels.
 
 `exchange_bytes(configs, plan, batches)` counts them from each rank's batch, a batch per feature
@@ -138,6 +139,9 @@ def _step_bytes(
         for route in routes
     }
     flag = flag_bytes(wire.forward) if any(routing.routes_to) else 0  # (none: no exchange)
+    # the sender's non-finite flag after its gradient for each other rank (step/finite_check.py)
+    routed = {route.table for routes in routing.routes_to for route in routes}
+    grad_flag = wire.backward.itemsize if routed - frozen_tables else 0
     own_bags = own_bags or {}
     variable = {rank for rank, _ in own_bags}  # the senders of a batch per feature
     for sender in range(world):
@@ -160,7 +164,7 @@ def _step_bytes(
             out["ids"][sender][owner] = ids * INT64
             # in the wire dtypes, with a range-limited dtype's overflow flag on every pair
             out["pooled"][owner][sender] = pooled * wire.forward.itemsize + flag
-            out["gradients"][sender][owner] = grads * wire.backward.itemsize
+            out["gradients"][sender][owner] = grads * wire.backward.itemsize + grad_flag
     # a feature sent whole to several owners (column blocks) goes once to each: counted above
     return ExchangeBytes(out)
 
@@ -381,6 +385,9 @@ def expected_sent_bytes(
     sizes = (world - 1) * header_width(len(configs)) * INT64
     if any(plan.tables[c.name].sharding != "data_parallel" for c in configs):
         sizes += (world - 1) * flag_bytes(wire.forward)  # beside the pooled rows (step/wire.py)
+    trained = [c for c in configs if c.name not in frozen]
+    if any(plan.tables[c.name].sharding != "data_parallel" for c in trained):
+        sizes += (world - 1) * wire.backward.itemsize  # the non-finite flag after the gradients
     row, grad = wire.forward.itemsize, wire.backward.itemsize
     all_ids = math.fsum(ids) * INT64  # (exactly rounded, then each owner's own taken off)
     all_grads = math.fsum(grads) * grad

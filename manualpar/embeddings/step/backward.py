@@ -1,19 +1,24 @@
 """The backward phases of a sharded step: gradient dist, then the fused update.
 
-Gradient dist sends each owner the output gradient of the bags it served and cuts out this
-rank's own. The update then applies, while the other ranks' gradients travel, the rows that
-only this rank's own bags touched (the rule's fused pass, RowPass.OWN), and once they arrive
-the rest (RowPass.REST), so every row is still updated once, with its whole gradient: the
-numbers are those of a sequential step. Rules that need the summed rows first (clipping, 2-D
-replicas) take the row-sum path instead (row_sums.py). Frozen tables are left out. A step
-whose gradient holds NaN or inf updates nothing (finite_check.py); one whose half rows overflow
-is undone (half_overflow.py: rows are copied aside only when a rank cannot rule that out);
-while the Trainer holds a step open, each update stays undoable until it decides
-(update_journal.py). Each phase times itself into `self.times` while it is on (phase_times.py);
-the update's waits for the gradients (and the non-finite flags) count as the gradient exchange.
+Gradient dist sends each owner the output gradient of the bags it served, each rank's
+non-finite flag after it, and cuts out this rank's own. A step whose gradient holds NaN or inf
+updates nothing (finite_check.py), so the update waits for every rank's flag: where the flags
+ride with the gradients (the usual case) it runs once they arrived, in one fused pass over
+every row (RowPass.ALL); where they travel in an all_reduce of their own (2-D replicas, guarded
+half rows), it applies, while the other ranks' gradients travel, the rows that only this
+rank's own bags touched (RowPass.OWN), and once they arrive the rest (RowPass.REST). Either
+way every row is updated once, with its whole gradient: the numbers are those of a sequential
+step. Rules that need the summed rows first (clipping, 2-D replicas) take the row-sum path
+instead (row_sums.py). Frozen tables are left out. A step whose half rows overflow is undone
+(half_overflow.py: rows are copied aside only when a rank cannot rule that out); while the
+Trainer holds a step open, each update stays undoable until it decides (update_journal.py).
+Each phase times itself into `self.times` while it is on (phase_times.py); the update's waits
+for the gradients (and the non-finite flags) count as the gradient exchange.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -21,14 +26,14 @@ from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags, 
 from manualpar.embeddings.step.bag_expansion import OutputGrad
 from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
-from manualpar.embeddings.step.finite_check import FiniteCheck
+from manualpar.embeddings.step.finite_check import FiniteCheck, Flags, RiddenFlags
 from manualpar.embeddings.step.half_overflow import HalfRowsGuard, half_rows_guard
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedGradients, SavedForBackward
 from manualpar.embeddings.step.routing import LocalShard
 from manualpar.embeddings.step.row_sums import RowSums, row_sum_update
 from manualpar.embeddings.step.update_journal import UpdateJournal
-from manualpar.embeddings.step.wire import start_on_wire
+from manualpar.embeddings.step.wire import Arriving, start_on_wire
 from manualpar.phase_times import GRAD_EXCHANGE, UPDATE, PhaseTimes, timed
 
 __all__ = ["BackwardPhases"]
@@ -51,6 +56,9 @@ class BackwardPhases:
         self.journal = UpdateJournal(parts)
         self.times = PhaseTimes(parts.device)  # ShardedStep.phase_times
         self.wire = torch.float32  # the output gradients' wire dtype (wire.py)
+        routing = parts.routing
+        self._routed = frozenset(route.table for routes in routing.routes_to for route in routes)
+        self._receive: list[int] = []  # the last gradient exchange's receive splits
 
     def guard_half_rows(self, copy_always: bool = True) -> None:
         """Undo and report updates that overflow half rows (half_overflow.py); unless
@@ -73,26 +81,41 @@ class BackwardPhases:
         full, frozen = parts.optimizer.needs_full_rows, saved.frozen
         if saved.mean_scale is not None:
             grad = grad * saved.mean_scale
-        # first: collectives on a group complete in the order they start, so the tiny flag
-        # exchange must not queue behind the gradients (waiting for it would then wait for them
-        # too, and the own rows' update would no longer overlap their travel)
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
-        if guard is None:
-            non_finite = self.finite.start(grad, frozen)
-        else:  # can any rank's half rows overflow? Answered in the flags' all_reduce
-            non_finite = self.finite.start(grad, frozen, riders=guard.answers(grad, saved))
+        exchanges = not self._routed <= frozen  # every rank agrees: frozen is the same everywhere
+        flag = self.finite.flag(grad, frozen)
+        pending = None  # the flags' all_reduce, where their ride does not reach every rank
+        if guard is not None or parts.mesh.combines or not exchanges:
+            # first: collectives on a group complete in the order they start, so the tiny flag
+            # exchange must not queue behind the gradients (waiting for it would then wait for
+            # them too, and the own rows' update would no longer overlap their travel)
+            riders = None if guard is None else guard.answers(grad, saved)
+            pending = self.finite.start(flag, riders)  # can half rows overflow? Answered too
         by_bag = OutputGrad(grad, routing, saved.feature_bags)  # summed back onto bags
-        routed = {route.table for routes in routing.routes_to for route in routes}
-        grads_in = None
-        if not routed <= frozen:  # every rank agrees: frozen is the same everywhere
-            flat, splits = layout.pack_output_grad(by_bag, full, frozen, saved.kept)
-            receive = layout.grad_receive_splits(saved.bag_counts, full, frozen)
-            grads_in = start_on_wire(parts, flat, splits, receive, "output gradient", self.wire)
+        grads_in: Arriving | None = None
+        non_finite: Flags | None = pending
+        if exchanges:  # each rank's flag rides after its gradient for every other rank
+            grads_in = _Once(self._start_grads(by_bag, saved, flag))
+            if pending is None:  # ... and decides
+                ends = list(accumulate(self._receive))
+                ends = [end - 1 for sender, end in enumerate(ends) if sender != routing.rank]
+                non_finite = RiddenFlags(flag, grads_in, ends)
+        assert non_finite is not None
         if saved.batch is not None:  # the table batch: no table frozen, views suffice
             own = self.batched.own_blocks(by_bag)
         else:
             own = layout.own_grad_blocks(by_bag, full, frozen)
         return RoutedGradients(grad, own, grads_in, non_finite, by_bag)
+
+    def _start_grads(
+        self, by_bag: OutputGrad, saved: SavedForBackward, flag: torch.Tensor
+    ) -> Arriving:
+        """Start sending the other owners their gradient blocks, `flag` after each's."""
+        parts, full, frozen = self.parts, self.parts.optimizer.needs_full_rows, saved.frozen
+        layout = parts.layout
+        flat, splits = layout.pack_output_grad(by_bag, full, frozen, saved.kept, flag)
+        self._receive = layout.grad_receive_splits(saved.bag_counts, full, frozen, 1)
+        return start_on_wire(parts, flat, splits, self._receive, "output gradient", self.wire)
 
     # update -----------------------------------------------------------------------------------
     @timed(UPDATE)
@@ -139,65 +162,85 @@ class BackwardPhases:
 
     def _update_batched(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """Every table in one fused pass: the rows only our own bags touched while the other
-        ranks' gradients travel, then the rest (batched_tables.py)."""
+        ranks' gradients travel, then the rest (batched_tables.py); every row in one pass
+        where they have arrived (the flags rode with them) or there are none (alone)."""
         batch, scales = saved.batch, saved.scales
         assert batch is not None
         if self.parts.routing.world_size == 1:  # alone: every row is our own bags'
             self.batched.update(batch, routed.own, None, scales, RowPass.ALL)
             return
-        self.batched.update(batch, routed.own, None, scales, RowPass.OWN)
-        assert routed.grads_in is not None  # no table frozen: every owner gets gradients
-        others = self.parts.layout.grad_blocks(
-            self._grads_in(routed), saved.bag_counts, self.parts.optimizer.needs_full_rows
-        )
-        self.batched.update(batch, routed.own, others, scales, RowPass.REST)
+        arrived = isinstance(routed.non_finite, RiddenFlags)
+        if not arrived:
+            self.batched.update(batch, routed.own, None, scales, RowPass.OWN)
+        others = self._other_blocks(routed, saved)
+        rows = RowPass.ALL if arrived else RowPass.REST
+        self.batched.update(batch, routed.own, others, scales, rows)
+
+    def _other_blocks(
+        self, routed: RoutedGradients, saved: SavedForBackward
+    ) -> list[list[torch.Tensor | None]]:
+        """Per local shard, per sender: the gradient it sent (once arrived; None for ourselves
+        and frozen tables), read around the flag after each sender's."""
+        if routed.grads_in is None:
+            return []
+        full = self.parts.optimizer.needs_full_rows
+        received = self._grads_in(routed)
+        return self.parts.layout.grad_blocks(received, saved.bag_counts, full, saved.frozen, 1)
 
     def _update_tables(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """Table by table: the rule's fused pass, or the row sums (clipping, 2-D tables)."""
         parts = self.parts
-        routing, optimizer = parts.routing, parts.optimizer
+        routing = parts.routing
         frozen, scales = saved.frozen, saved.scales
         local = routing.routed_local_shards()
         own_scale = scales[routing.rank]
         alone = routing.world_size == 1
-        # while the other ranks' gradients travel: rows only our own bags touched
-        fused = [
-            shard.table not in frozen
-            and not parts.mesh.combines  # replicas sum the rows first (row_sums.py)
-            and self._step_bags(
-                shard,
-                bags,
-                BagGradients(blocks, [own_scale] * len(blocks)),
-                RowPass.ALL if alone else RowPass.OWN,
-            )
-            for shard, bags, blocks in zip(local, saved.bags, routed.own, strict=True)
+        # every row at once where the others' gradients are here (the flags rode with them)
+        arrived = isinstance(routed.non_finite, RiddenFlags)
+        fusing = [
+            shard.table not in frozen and not parts.mesh.combines  # replicas: row_sums.py
+            for shard in local
         ]
-        others = (
-            parts.layout.grad_blocks(
-                self._grads_in(routed), saved.bag_counts, optimizer.needs_full_rows, frozen
-            )
-            if routed.grads_in is not None
-            else []
-        )
-        summed_rows: RowSums = []
+        fused = [False] * len(local)
+        if not arrived:  # while the other ranks' gradients travel: rows only our own bags touched
+            for k in range(len(local)):
+                if fusing[k]:
+                    blocks = routed.own[k]
+                    grads = BagGradients(blocks, [own_scale] * len(blocks))
+                    rows = RowPass.ALL if alone else RowPass.OWN
+                    fused[k] = self._step_bags(local[k], saved.bags[k], grads, rows)
+        others = self._other_blocks(routed, saved)
+        every = [self._every_sender(routed, others, k, scales) for k in range(len(local))]
+        if arrived or not alone:
+            rows = RowPass.ALL if arrived else RowPass.REST
+            for k in range(len(local)):
+                if fusing[k] and (arrived or fused[k]):
+                    fused[k] = self._step_bags(local[k], saved.bags[k], every[k], rows)
+        summed_rows: RowSums = []  # in table order: clipping sums their norms in it
         for k, (shard, bags) in enumerate(zip(local, saved.bags, strict=True)):
-            if shard.table in frozen:
-                continue
-            grads = BagGradients([], [])
-            for sender, scale in enumerate(scales):  # bag order: every sender's, in rank order
-                other = others[k][sender]
-                blocks = routed.own[k] if other is None else [other]
-                grads.blocks += blocks
-                grads.scales += [scale] * len(blocks)
-            if not fused[k]:
-                bag_grads, scale = grads.dense()
-                rows, summed = row_gradients(
+            if shard.table not in frozen and not fused[k]:
+                bag_grads, scale = every[k].dense()
+                rows_, summed = row_gradients(
                     bags.ids, bags.lengths, bags.weights, bag_grads, parts.block_rows(shard), scale
                 )
-                summed_rows.append((shard, (rows, summed)))
-            elif not alone:
-                self._step_bags(shard, bags, grads, RowPass.REST)
+                summed_rows.append((shard, (rows_, summed)))
         self.apply_row_sums(summed_rows)
+
+    @staticmethod
+    def _every_sender(
+        routed: RoutedGradients,
+        others: list[list[torch.Tensor | None]],
+        k: int,
+        scales: list[float],
+    ) -> BagGradients:
+        """Local shard k's gradients from every sender, in bag order (rank order)."""
+        grads = BagGradients([], [])
+        for sender, scale in enumerate(scales):
+            other = others[k][sender] if others else None
+            blocks = routed.own[k] if other is None else [other]
+            grads.blocks += blocks
+            grads.scales += [scale] * len(blocks)
+        return grads
 
     def _drop(self, routed: RoutedGradients, saved: SavedForBackward) -> None:
         """A step that updates nothing: its exchange still completes, its slots are unpinned."""
@@ -219,3 +262,17 @@ class BackwardPhases:
         return parts.optimizer.step_bags(
             parts.name(shard.table), parts.weight(shard.table), bags, grads, rows
         )
+
+
+class _Once:
+    """An exchange in flight whose wait gives the same tensor each time (the flags riding in
+    it and the update both read it)."""
+
+    def __init__(self, arriving: Arriving) -> None:
+        self.arriving: Arriving | None = arriving
+        self.arrived = torch.zeros(0)
+
+    def wait(self) -> torch.Tensor:
+        if self.arriving is not None:
+            self.arrived, self.arriving = self.arriving.wait(), None
+        return self.arrived

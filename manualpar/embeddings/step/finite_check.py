@@ -5,13 +5,21 @@ can skip the step afterwards: one NaN loss used to leave NaN rows for good (`max
 not stop NaN). So each rank sums its output gradient (a NaN or inf anywhere makes the sum
 non-finite; measured 0.03 ms for a (1024, 512) gradient, against 1 ms for an element-wise
 isfinite; the columns of frozen tables are left out: nothing uses their gradient) and the flags
-are summed over the job in one small all_reduce, started before the gradient exchange and waited
-for before the first row changes. The half-row guard's answers (half_overflow.py) ride in the
-same all_reduce: it always carries the flag and RIDERS float64 numbers (zeros where no guard
-runs), so every rank issues the same collective, of the same shape, whatever it guards, and a
-guarded step costs one small collective, not two. Only when a flag is up do the ranks count per
-table and name the ranks (a finite sum that overflowed is found finite there and the step goes
-on). Then, on every rank alike:
+travel to every rank before the first row changes. Each rank's flag rides in the gradient
+all_to_all, one element of the wire dtype after its gradient for each other rank (every step
+that has that exchange: some routed table not frozen; the planner counts it, planning/
+exchange_bytes.py). Where that exchange reaches every rank of the job (no replicas of a 2-D
+mesh) and no half-row guard runs, the ridden flags decide (`RiddenFlags`): every rank receives
+every other rank's flag, so all decide alike with no collective of their own (starting one cost
+about 0.3 ms of a 26-table rank step), and the update then waits for the gradients before its
+first row (one pass over every row, not the own rows while the others' travel). Otherwise
+(replicas, a half-row guard, no gradient exchange) the flags are summed over the job in one
+small all_reduce, started before the gradient exchange; the half-row guard's answers
+(half_overflow.py) ride in it: it always carries the flag and RIDERS float64 numbers (zeros
+where no guard runs), so every rank issues the same collective, of the same shape, whatever it
+guards, and a guarded step costs one small collective, not two. Only when a flag is up do the
+ranks count per table and name the ranks (a finite sum that overflowed is found finite there
+and the step goes on). Then, on every rank alike:
 
 - "raise" (the default): NonFiniteError naming the tables, the ranks, the update and the counts;
   no row, optimizer state or update count changed anywhere;
@@ -22,7 +30,8 @@ on). Then, on every rank alike:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,9 +40,10 @@ from manualpar.embeddings.step.parts import StepParts
 from manualpar.errors import BuilderError, NonFiniteError
 
 if TYPE_CHECKING:
+    from manualpar.embeddings.step.wire import Arriving
     from manualpar.strategy import PendingCollective
 
-__all__ = ["NON_FINITE_MODES", "RIDERS", "FiniteCheck", "check_mode"]
+__all__ = ["NON_FINITE_MODES", "RIDERS", "FiniteCheck", "Flags", "RiddenFlags", "check_mode"]
 
 NON_FINITE_MODES = ("raise", "skip")
 RIDERS = 5  # numbers another check sums in the flags' all_reduce (the half-row guard's)
@@ -46,6 +56,34 @@ def check_mode(mode: object) -> str:
             f"{BUILDER}(): non_finite must be one of {NON_FINITE_MODES}, got {mode!r}"
         )
     return str(mode)
+
+
+class Flags(Protocol):
+    """The job's flags in flight: `wait()[0]` is non-zero if any rank's gradient may hold a
+    NaN or inf."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+@dataclass
+class RiddenFlags:
+    """The flags carried by the gradient all_to_all (see above): ours, and each other sender's
+    at `ends` of what arrives (`gradients`, whose wait gives the same tensor each time: the
+    gradient blocks are read from it around the flags, GradientLayout.grad_blocks' `trailer`)."""
+
+    own: torch.Tensor  # this rank's flag, (1,)
+    gradients: Arriving
+    ends: list[int]  # where each other sender's flag arrives
+
+    def wait(self) -> torch.Tensor:
+        received = self.gradients.wait()
+        if not self.ends:
+            return self.own
+        if len(self.ends) == 1:  # two ranks: a slice (an index tensor costs more than the rest)
+            theirs = received[self.ends[0] : self.ends[0] + 1]
+        else:
+            theirs = received[self.ends].sum().reshape(1)
+        return theirs + self.own.to(received.dtype)
 
 
 class FiniteCheck:
@@ -64,19 +102,10 @@ class FiniteCheck:
         self._frozen: frozenset[int] = frozenset()
         self._no_riders = torch.zeros(RIDERS, dtype=torch.float64)
 
-    def start(
-        self, grad: torch.Tensor, frozen: frozenset[int], riders: torch.Tensor | None = None
-    ) -> PendingCollective:
-        """Whether any rank's gradient may hold a NaN or inf, summed over the job (in flight on
-        return); `frozen` tables' columns do not count (every rank agrees on them). `riders`:
+    def start(self, flag: torch.Tensor, riders: torch.Tensor | None = None) -> PendingCollective:
+        """This rank's `flag` (`flag()`'s) summed over the job (in flight on return). `riders`:
         RIDERS float64 numbers summed in the same all_reduce (`riders()` reads them)."""
-        self._grad, self._frozen = grad, frozen
-        total = (
-            grad.sum()
-            if not frozen
-            else grad.sum(0)[self._trained_columns(frozen, grad.device)].sum()
-        )
-        flag = (~torch.isfinite(total)).to(torch.float64).reshape(1)
+        flag = flag.to(torch.float64)
         if riders is None:
             if self._no_riders.device != flag.device:  # kept there: no copy a step
                 self._no_riders = self._no_riders.to(flag.device)
@@ -87,8 +116,20 @@ class FiniteCheck:
             flags, name=f"{BUILDER}: non-finite gradient flag all_reduce"
         )
 
+    def flag(self, grad: torch.Tensor, frozen: frozenset[int]) -> torch.Tensor:
+        """This rank's flag, (1,) float32: 1 if its gradient may hold a NaN or inf (`frozen`
+        tables' columns do not count: every rank agrees on them), else 0. It rides in the
+        gradient all_to_all (`RiddenFlags`), and `start` sums it over the job where needed."""
+        self._grad, self._frozen = grad, frozen
+        total = (
+            grad.sum()
+            if not frozen
+            else grad.sum(0)[self._trained_columns(frozen, grad.device)].sum()
+        )
+        return (~torch.isfinite(total)).to(torch.float32).reshape(1)
+
     @staticmethod
-    def riders(pending: PendingCollective) -> list[float]:
+    def riders(pending: Flags) -> list[float]:
         """The riders of `start`, summed over the job (waits if `passed` has not)."""
         return pending.wait()[1:].tolist()
 
@@ -108,7 +149,7 @@ class FiniteCheck:
             counts[t] = 0
         return counts.tolist()
 
-    def passed(self, pending: PendingCollective) -> bool:
+    def passed(self, pending: Flags) -> bool:
         """True if no rank's gradient held a non-finite value; else raise or count a skip."""
         grad, self._grad = self._grad, torch.zeros(0)  # not kept past its step
         if not bool(pending.wait()[0]):

@@ -48,14 +48,21 @@ class GradientLayout:
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
         kept: Kept = None,
+        trailer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Sender side: the output-gradient blocks each other owner needs, in its route order, and
         the send splits (0 to ourselves); none for `frozen` tables; the rows of `kept` bags only
-        in a compact layout."""
+        in a compact layout. `trailer` (a few elements, e.g. the non-finite flag): sent after
+        each other owner's blocks (counted in its split)."""
         blocks: list[torch.Tensor] = []
         splits = []
         whole = grad.bags is None or not grad.bags.variable  # a plain batch
         strided = self._grad_spans(full_rows) if whole and not frozen else None
+        if strided is not None and kept is None:
+            packed = self._pack_strided(grad.grad, strided, trailer)
+            if packed is not None:
+                return packed
+        tail = None if trailer is None else trailer.to(grad.grad.dtype)
         copied = 0  # blocks copied out by one strided view (a fresh buffer each)
         for owner, routes in enumerate(self.routing.routes_to):
             if owner == self.routing.rank:
@@ -67,8 +74,10 @@ class GradientLayout:
             if spans is not None:
                 view = column_view(grad.grad, spans)  # every route's columns at once
                 blocks.append(view.clone(memory_format=torch.contiguous_format).view(-1))
-                splits.append(blocks[-1].numel())
                 copied += 1
+                if tail is not None:
+                    blocks.append(tail)
+                splits.append(sum(b.numel() for b in blocks[start_len:]))
                 continue
             for r, route in enumerate(routes):
                 if route.table in frozen:
@@ -79,11 +88,40 @@ class GradientLayout:
                 if rows is not None:
                     columns = columns.index_select(0, rows)
                 blocks.append(columns.flatten())
+            if tail is not None:
+                blocks.append(tail)
             splits.append(sum(b.numel() for b in blocks[start_len:]))
         if len(blocks) == 1 and copied == 1:  # a fresh buffer already
             return blocks[0], splits
         flat = torch.cat(blocks) if blocks else grad.grad.new_empty(0)
         return flat, splits
+
+    def _pack_strided(
+        self, grad: torch.Tensor, strided: list[Strided | None], trailer: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """`pack_output_grad` where every other owner's routes are one strided block: each
+        copied straight into its place in one buffer (and the trailer after it); None if some
+        owner's are not."""
+        rank, extra = self.routing.rank, 0 if trailer is None else trailer.numel()
+        sizes = []
+        for owner, spans in enumerate(strided):
+            if owner == rank:
+                sizes.append(0)
+            elif spans is None:
+                return None
+            else:
+                sizes.append(spans[0] * grad.shape[0] * spans[3] + extra)
+        flat = grad.new_empty(sum(sizes))
+        offset = 0
+        for owner, (spans, size) in enumerate(zip(strided, sizes, strict=True)):
+            if owner == rank or spans is None:
+                continue
+            view = column_view(grad, spans)  # every route's columns at once
+            flat[offset : offset + size - extra].view(view.shape).copy_(view)
+            if trailer is not None:
+                flat[offset + size - extra : offset + size].copy_(trailer)
+            offset += size
+        return flat, sizes
 
     def _grad_spans(self, full_rows: bool) -> list[Strided | None]:
         """Per owner: the output-gradient columns of its routes as one strided block, or
@@ -131,10 +169,11 @@ class GradientLayout:
         bag_counts: list[list[int]],
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
+        trailer: int = 0,
     ) -> list[int]:
         """Owner side: how many gradient floats each other sender sends for our shards;
         `bag_counts[k][sender]`: the bags of our k-th shard that sender's ids filled (each a
-        gradient row)."""
+        gradient row); `trailer`: pack_output_grad's trailer elements, counted too."""
         local = self.routing.routed_local_shards()
         widths = self._shard_widths(full_rows)
         senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
@@ -142,7 +181,8 @@ class GradientLayout:
             return [
                 0
                 if sender == self.routing.rank
-                else sum(
+                else trailer
+                + sum(
                     counts[sender] * width for counts, width in zip(bag_counts, widths, strict=True)
                 )
                 for sender in range(senders)
@@ -150,7 +190,8 @@ class GradientLayout:
         return [
             0
             if sender == self.routing.rank
-            else sum(
+            else trailer
+            + sum(
                 bag_counts[k][sender] * widths[k]
                 for k, shard in enumerate(local)
                 if shard.table not in frozen
@@ -164,9 +205,11 @@ class GradientLayout:
         bag_counts: list[list[int]],
         full_rows: bool,
         frozen: frozenset[int] = frozenset(),
+        trailer: int = 0,
     ) -> list[list[torch.Tensor | None]]:
         """Owner side: per local shard, per sender rank, a (bags, width) view of the gradient that
-        sender sent (None for ourselves, and for `frozen` tables)."""
+        sender sent (None for ourselves, and for `frozen` tables), skipping the `trailer`
+        elements after each sender's."""
         local = self.routing.routed_local_shards()
         widths = self._shard_widths(full_rows)
         senders = len(bag_counts[0]) if bag_counts else self.routing.world_size
@@ -181,4 +224,5 @@ class GradientLayout:
                 rows = bag_counts[k][sender]
                 per_shard[k][sender] = received[offset : offset + rows * width].view(rows, width)
                 offset += rows * width
+            offset += trailer
         return per_shard

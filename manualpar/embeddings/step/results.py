@@ -21,6 +21,7 @@ from manualpar.embeddings.step.wire import Arriving
 from manualpar.embeddings.storage.tier import Pins, TableStores
 
 if TYPE_CHECKING:
+    from manualpar.embeddings.step.finite_check import Flags
     from manualpar.strategy import PendingCollective
 
 __all__ = ["FetchedRows", "LookedUp", "RoutedGradients", "RoutedIds", "SavedForBackward"]
@@ -110,5 +111,5 @@ class RoutedGradients:
     grad: torch.Tensor  # the output gradient (mean pooling applied)
     own: list[list[torch.Tensor]]  # per local shard: our own bags' gradient blocks
     grads_in: Arriving | None  # the other ranks' gradients for our shards
-    non_finite: PendingCollective  # the job's non-finite counts per table (finite_check.py)
+    non_finite: Flags  # the job's non-finite flags (finite_check.py)
     by_bag: OutputGrad | None = None  # `grad` over each feature's bags (None: `grad` is)
