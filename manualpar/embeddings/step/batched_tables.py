@@ -17,6 +17,8 @@ Otherwise the step takes the per-table path, which gives the same bits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
@@ -29,11 +31,23 @@ from manualpar.embeddings.kernels.table_batch import (
     pool_tables,
 )
 from manualpar.embeddings.step.bag_expansion import OutputGrad
-from manualpar.embeddings.step.exchange import SenderBags
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds
 
-__all__ = ["BatchedTables"]
+__all__ = ["BatchPart", "BatchedTables"]
+
+BatchPart = tuple[torch.Tensor, torch.Tensor, list[int]]  # a sender's ids, lengths, bags a table
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """What a batch's bag counts fix: its segments, the other senders' pooled rows' segments
+    in one send buffer, the send splits and the buffer's size."""
+
+    segments: torch.Tensor
+    others: torch.Tensor
+    splits: list[int]
+    size: int
 
 
 class BatchedTables:
@@ -46,6 +60,12 @@ class BatchedTables:
         self.names = [parts.name(t) for t in self.tables]
         self._usable: bool | None = None  # decided at the first step (stores are final then)
         self._own_cache: dict[tuple[int, int], torch.Tensor] = {}  # pool_own's segments
+        self._counted_cache: dict[tuple[tuple[int, ...], ...], _Counted] = {}  # batch's
+        routing = parts.routing
+        self._routes = len(routing.routes_to[routing.rank])  # routes (bag rows) per sender
+        self._features = [len(shard.features) for shard in self.local]  # bags per table: x batch
+        # a row-split table's bags from other senders travel compact (exchange.py)
+        self._compacts = any(t in parts.layout.compact_tables for t in self.tables)
         self._spans: list[list[tuple[int, int, int]]] | None = None  # own_blocks' columns
         # None: steps whose tables are small (`SMALL`); True: every step that can; False: none
         self.enabled: bool | None = None
@@ -105,11 +125,39 @@ class BatchedTables:
         return payload * self._widths <= self.SMALL * tables * tables
 
     # forward ----------------------------------------------------------------------------------
-    def pool_own(self, own: list[SenderBags], out: torch.Tensor) -> None:
-        """Look this rank's own bags up straight into its output columns (one call)."""
-        ids = torch.cat([bags[0] for bags in own])
-        lengths = torch.cat([bags[1] for bags in own])
-        pool_tables(self.weights, ids, lengths, self._own_segments(out), [out])
+    def sender_bags(self, payload: torch.Tensor, batch: int, compact: bool) -> BatchPart:
+        """One sender's bags of this rank's tables, read in place from its payload (exchange.py:
+        bag lengths, then ids; a batched step has no per-id weights): (ids, lengths, bags per
+        table). `compact`: its bags without ids in a row-split table are left out (unpack_ids'
+        compact cut), so the payload is cut per table and joined again."""
+        lengths = payload[: self._routes * batch]
+        if compact and self._compacts:
+            cut = self.parts.layout.unpack_ids(payload, batch, False, True)
+            ids, lens = torch.cat([b[0] for b in cut]), torch.cat([b[1] for b in cut])
+            return ids, lens, [b[1].numel() for b in cut]
+        return payload[lengths.numel() :], lengths, [batch * n for n in self._features]
+
+    def every_sender(
+        self, own: BatchPart, received: torch.Tensor, sizes: list[list[int]]
+    ) -> list[BatchPart]:
+        """Every sender's bags in rank order: ours (`own`), and the others' from their payloads
+        in `received` (`sizes`: every sender's [batch, payload length, bits])."""
+        rank = self.parts.routing.rank
+        compact = self.parts.layout.compacts(False)
+        senders = []
+        offset = 0
+        for sender, (batch, length, _) in enumerate(sizes):
+            if sender == rank:
+                senders.append(own)
+                continue
+            senders.append(self.sender_bags(received[offset : offset + length], batch, compact))
+            offset += length
+        return senders
+
+    def pool_own(self, own: BatchPart, out: torch.Tensor) -> None:
+        """Look this rank's own bags (`sender_bags`') up straight into its output columns (one
+        call)."""
+        pool_tables(self.weights, own[0], own[1], self._own_segments(out), [out])
 
     def _own_segments(self, out: torch.Tensor) -> torch.Tensor:
         """Where our own bags' pooled rows go in `out`: fixed by its shape, so made once per
@@ -129,46 +177,51 @@ class BatchedTables:
             self._own_cache[key] = found
         return found
 
-    def batch(self, senders: list[list[SenderBags]]) -> TableBatch:
-        """Every sender's bags, in (sender, table) order, as one batch."""
+    def batch(self, senders: list[BatchPart]) -> TableBatch:
+        """Every sender's bags (`sender_bags`', in rank order) as one batch, in (sender, table)
+        order: each sender's ids and lengths lie whole in its payload, so one join each."""
         rank = self.parts.routing.rank
-        segments = Segments()
-        counts = [[bags[1].numel() for bags in sender] for sender in senders]
+        counts = [sender[2] for sender in senders]
         own_begin = sum(sum(c) for c in counts[:rank])
-        for sender_counts in counts:
-            for k, bags in enumerate(sender_counts):
-                segments.add(k, bags)
-        flat = [bags for sender in senders for bags in sender]
-        shard_bags = ShardBags(
-            torch.cat([bags[0] for bags in flat]),
-            torch.cat([bags[1] for bags in flat]),
-            None,
-            own_begin,
-            own_begin + sum(counts[rank]),
-        )
-        return TableBatch(shard_bags, segments.tensor(), self.row_offsets, counts)
+        ids = senders[0][0] if len(senders) == 1 else torch.cat([s[0] for s in senders])
+        lengths = senders[0][1] if len(senders) == 1 else torch.cat([s[1] for s in senders])
+        shard_bags = ShardBags(ids, lengths, None, own_begin, own_begin + sum(counts[rank]))
+        return TableBatch(shard_bags, self._counted(counts).segments, self.row_offsets, counts)
+
+    def _counted(self, counts: list[list[int]]) -> _Counted:
+        """The segments of a batch of these bag counts (fixed by them: made once and kept)."""
+        key = tuple(tuple(c) for c in counts)
+        found = self._counted_cache.get(key)
+        if found is None:
+            rank = self.parts.routing.rank
+            segments, others = Segments(), Segments()
+            splits = []
+            offset = 0
+            for sender, sender_counts in enumerate(counts):
+                start = offset
+                for k, bags in enumerate(sender_counts):
+                    segments.add(k, bags)
+                    if sender == rank:
+                        others.bags += bags  # looked up already (pool_own)
+                        continue
+                    cols = self.local[k].shard.cols
+                    others.add(k, bags, 0, offset, cols)
+                    offset += bags * cols
+                splits.append(offset - start)
+            found = _Counted(segments.tensor(), others.tensor(), splits, offset)
+            if len(self._counted_cache) >= 8:
+                self._counted_cache.clear()
+            self._counted_cache[key] = found
+        return found
 
     def pool_others(self, batch: TableBatch, like: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The other senders' pooled rows, in one buffer by destination (as pack_pooled lays
         them out), and the send splits (0 to ourselves)."""
-        rank = self.parts.routing.rank
-        segments = Segments()
-        splits = []
-        offset = 0
-        for sender, sender_counts in enumerate(batch.counts):
-            start = offset
-            for k, bags in enumerate(sender_counts):
-                cols = self.local[k].shard.cols
-                if sender == rank:
-                    segments.bags += bags  # looked up already (pool_own)
-                    continue
-                segments.add(k, bags, 0, offset, cols)
-                offset += bags * cols
-            splits.append(offset - start)
-        flat = like.new_zeros(offset)
+        counted = self._counted(batch.counts)
+        flat = like.new_zeros(counted.size)
         every = batch.bags
-        pool_tables(self.weights, every.ids, every.lengths, segments.tensor(), [flat])
-        return flat, splits
+        pool_tables(self.weights, every.ids, every.lengths, counted.others, [flat])
+        return flat, list(counted.splits)
 
     def beyond(self, batch: TableBatch, flat: torch.Tensor, bound: float) -> list[str]:
         """The tables whose pooled rows in `flat` exceed `bound` (an overflow's error)."""

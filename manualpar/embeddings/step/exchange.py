@@ -30,8 +30,11 @@ from manualpar.embeddings.step.routing import Route, Routing
 from manualpar.embeddings.step.sender_bags import (
     SenderBags,
     combine_senders,
+    feature_runs,
     pack_pooled,
+    pack_runs,
     split_by_rows,
+    weight_bits,
 )
 
 __all__ = [
@@ -42,10 +45,6 @@ __all__ = [
     "pack_pooled",
     "split_by_rows",
 ]
-
-
-def _weight_bits(weights: torch.Tensor) -> torch.Tensor:
-    return weights.to(torch.float32).view(torch.int32).to(torch.int64)
 
 
 def _bits_weight(bits: torch.Tensor) -> torch.Tensor:
@@ -78,6 +77,8 @@ class ExchangeLayout(GradientLayout):
             if routes
             for dests in [[dest for dest, _ in routes]]
         ]
+        # per destination, its runs of consecutive whole features (None with a row split)
+        self._runs = feature_runs([(f, d) for f, _, d in self._feature_dests], routing.world_size)
         # unpack_ids': per routed local shard, (its first route, its routes, its table)
         self._shard_routes: list[tuple[int, int, int]] = []
         for shard in routing.routed_local_shards():
@@ -138,6 +139,8 @@ class ExchangeLayout(GradientLayout):
         bag count first."""
         world = self.routing.world_size
         values, weights = features.values, features.weights
+        if self._runs is not None:  # whole features only: slices of the batch, not one each
+            return pack_runs(self._runs, features, bags.counts, self._heads(bags, values.device))
         per_feature = features.feature_sizes()
         id_of = values.split(per_feature)  # each feature's ids: one call, not a slice each
         weight_of = None if weights is None else weights.split(per_feature)
@@ -170,19 +173,24 @@ class ExchangeLayout(GradientLayout):
                 ids_to[dest].append(id_parts[g])
                 if w_parts is not None:
                     weights_to[dest].append(w_parts[g])
-        heads: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        if bags.variable:  # each route's bag count leads
-            for d, served in enumerate(self.routing.routes_to):
-                per_route = [bags.counts[route.feature] for route in served]
-                heads[d] = [torch.tensor(per_route, dtype=torch.int64, device=values.device)]
+        heads = self._heads(bags, values.device)
         return [
             torch.cat(
-                [*heads[d], *lens_to[d], *ids_to[d], *(_weight_bits(w) for w in weights_to[d])]
+                [*heads[d], *lens_to[d], *ids_to[d], *(weight_bits(w) for w in weights_to[d])]
             ).to(torch.int64)
             if lens_to[d]
             else torch.empty(0, dtype=torch.int64, device=values.device)
             for d in range(world)
         ]
+
+    def _heads(self, bags: FeatureBags, device: torch.device) -> list[list[torch.Tensor]]:
+        """Per destination: what leads its payload (a variable batch: each route's bag count)."""
+        heads: list[list[torch.Tensor]] = [[] for _ in range(self.routing.world_size)]
+        if bags.variable:
+            for d, served in enumerate(self.routing.routes_to):
+                per_route = [bags.counts[route.feature] for route in served]
+                heads[d] = [torch.tensor(per_route, dtype=torch.int64, device=device)]
+        return heads
 
     def kept_bags(self, payloads: list[torch.Tensor], batch: int, variable: bool = False) -> Kept:
         """Sender side, compact tables: per owner (None for ourselves), per route to it, the

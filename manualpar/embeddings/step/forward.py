@@ -95,18 +95,18 @@ class ForwardPhases:
         check_refusals(headers)
         frozen = agreed_frozen([h[3:] for h in headers], names)
         sizes = [headers[g][:3] for g in parts.mesh.group_ranks]
-        others = [p for d, p in enumerate(payloads) if d != rank]
+        others = [p for d, p in enumerate(payloads) if d != rank] or [payloads[rank][:0]]
         ids_in = parts.exchange(
-            torch.cat(others) if others else payloads[rank][:0],
+            others[0] if len(others) == 1 else torch.cat(others),  # one: sent as it is
             [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
             [0 if s == rank else size[1] for s, size in enumerate(sizes)],
             "ids",
         )
-        own = layout.unpack_ids(payloads[rank], bags.batch, weighted, variable=bags.variable)
         job_batches = [h[0] for h in headers]
         if self.warn_uneven and len(set(job_batches)) > 1:
             self._warn_uneven(job_batches)
         kept = layout.kept_bags(payloads, features.batch_size, bags.variable)
+        own = payloads[rank]  # cut into bags by the lookup, or read in place (the table batch)
         return RoutedIds(features, per_sample, sizes, own, ids_in, frozen, job_batches, bags, kept)
 
     def _warn_uneven(self, batches: list[int]) -> None:
@@ -203,20 +203,20 @@ class ForwardPhases:
         return self._send_and_group(routed, senders, out, pins, fills)
 
     def _lookup_batched(self, routed: RoutedIds, out: torch.Tensor, fills: bool) -> LookedUp:
-        """The lookup with every table in one call per sender group (batched_tables.py): our
-        own bags while the others' ids travel, then theirs, sent back, and the rows grouped
-        while they travel. Slots are rows here: nothing is mapped or pinned. `fills`: `out` is
-        unfilled, and our own columns are zeroed here (the batch adds into them)."""
+        """The lookup with every table in one call per sender group (batched_tables.py), each
+        sender's bags read in place from its payload: our own while the others' ids travel,
+        then theirs, sent back, and the rows grouped while they travel. Slots are rows here:
+        nothing is mapped or pinned. `fills`: `out` is unfilled, and our own columns are zeroed
+        here (the batch adds into them)."""
         parts, batched = self.parts, self.batched
         routing = parts.routing
-        world = routing.world_size
+        rank, world = routing.rank, routing.world_size
         parts.stores.begin_step()
-        senders = self._senders(routed, wait=False)
         if fills:
             parts.layout.zero_own(out)
-        batched.pool_own(senders[routing.rank], out)
-        self._unpack_others(self._ids_in(routed), routed.sizes, senders)
-        batch = batched.batch(senders)
+        own = batched.sender_bags(routed.own_payload, routed.sizes[rank][0], compact=False)
+        batched.pool_own(own, out)
+        batch = batched.batch(batched.every_sender(own, self._ids_in(routed), routed.sizes))
         pooled_in = None
         if world > 1:
             flat, splits = batched.pool_others(batch, out)
@@ -239,7 +239,12 @@ class ForwardPhases:
         """Every sender's bags for this rank's shards: ours, and (`wait`) the others' once
         they arrived."""
         senders: list[list[SenderBags]] = [[] for _ in range(self.parts.routing.world_size)]
-        senders[self.parts.routing.rank] = list(routed.own)
+        senders[self.parts.routing.rank] = self.parts.layout.unpack_ids(
+            routed.own_payload,
+            routed.bags.batch,
+            routed.features.weights is not None,
+            variable=routed.bags.variable,
+        )
         if wait:
             self._unpack_others(self._ids_in(routed), routed.sizes, senders)
         return senders

@@ -43,13 +43,15 @@ class FetchedRows:
 
 @dataclass(frozen=True)
 class RoutedIds:
-    """A batch after input dist: sizes agreed, this rank's own bags cut out, the bags for the
+    """A batch after input dist: sizes agreed, this rank's own bags packed, the bags for the
     other owners in flight."""
 
     features: SparseFeatures  # this rank's batch, on the step's device
     lengths: torch.Tensor  # (features, batch) length of the bag each sample reads
     sizes: list[list[int]]  # per shard-group rank: [batch, payload length, weighted]
-    own: list[SenderBags]  # this rank's bags for each of its routed local shards (row ids)
+    # this rank's payload to itself (exchange.py's layout: bag lengths, then ids, then weight
+    # bits), read by the lookup in place (the table batch) or cut into its shards' bags
+    own_payload: torch.Tensor
     ids_in: PendingCollective  # the other ranks' bags for our shards
     frozen: frozenset[int]  # tables every rank froze for this step
     job_batches: list[int]  # every job rank's batch size

@@ -1,18 +1,81 @@
-"""A sender's bags on the step's way: a row-split table's ids grouped by row range (sender
-side), one shard's bags from every sender combined (owner side), and the pooled rows packed
-for their senders (exchange.py lays the buffers out)."""
+"""A sender's bags on the step's way: whole features packed for their owners as slices of the
+batch, a row-split table's ids grouped by row range (sender side), one shard's bags from every
+sender combined (owner side), and the pooled rows packed for their senders (exchange.py lays
+the buffers out)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
+from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.kernels.bags import ShardBags
 from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_take
 from manualpar.embeddings.step.routing import Routing
 
-__all__ = ["SenderBags", "combine_senders", "pack_pooled", "split_by_rows"]
+__all__ = [
+    "SenderBags",
+    "combine_senders",
+    "feature_runs",
+    "pack_pooled",
+    "pack_runs",
+    "split_by_rows",
+    "weight_bits",
+]
 
 SenderBags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids, lengths, weights
+Runs = list[list[tuple[int, int]]]  # per destination rank: [first, end) feature runs
+
+
+def weight_bits(weights: torch.Tensor) -> torch.Tensor:
+    """Per-id weights as the int64 values that travel with the ids (their float32 bits)."""
+    return weights.to(torch.float32).view(torch.int32).to(torch.int64)
+
+
+def feature_runs(dests_of: list[tuple[int, list[int] | None]], world: int) -> Runs | None:
+    """Per destination rank, the runs [first, end) of consecutive features sent to it whole, in
+    the order they are packed (`dests_of`: each routed feature and its owners, in feature
+    order); None where a feature's ids are split by rows (cut per owner: packed one by one)."""
+    runs: Runs = [[] for _ in range(world)]
+    for f, dests in dests_of:
+        if dests is None:
+            return None
+        for dest in dests:
+            if runs[dest] and runs[dest][-1][1] == f:
+                runs[dest][-1] = (runs[dest][-1][0], f + 1)
+            else:
+                runs[dest].append((f, f + 1))
+    return runs
+
+
+def pack_runs(
+    runs: Runs,
+    features: SparseFeatures,
+    bag_counts: Sequence[int],
+    heads: list[list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Per destination rank: its `heads`, then the bag lengths, ids and weight bits of its
+    feature runs, each a slice of the batch (`bag_counts`: each feature's bags), so a run of
+    features costs one piece, not one per feature."""
+    lengths, values, weights = features.lengths, features.values, features.weights
+    bag_at = [0, *itertools.accumulate(bag_counts)]
+    id_at = [0, *itertools.accumulate(features.feature_sizes())]
+    bits = None if weights is None else weight_bits(weights)
+    payloads = []
+    for d, dest_runs in enumerate(runs):
+        if not dest_runs:
+            payloads.append(torch.empty(0, dtype=torch.int64, device=values.device))
+            continue
+        pieces = [
+            *heads[d],
+            *(lengths[bag_at[a] : bag_at[b]] for a, b in dest_runs),
+            *(values[id_at[a] : id_at[b]] for a, b in dest_runs),
+            *(() if bits is None else (bits[id_at[a] : id_at[b]] for a, b in dest_runs)),
+        ]
+        payloads.append(torch.cat(pieces).to(torch.int64))
+    return payloads
 
 
 def split_by_rows(
@@ -67,9 +130,10 @@ def pack_pooled(
 ) -> tuple[torch.Tensor, list[int]]:
     """Owner side: per sender rank, the pooled rows of its bags for each local shard (None for
     ourselves) -> one buffer by destination (dtype and device of `like`), and the send splits
-    (0 to ourselves)."""
-    flat = [
-        torch.cat([rows.flatten() for rows in shards]) if shards else like.new_empty(0)
-        for shards in pooled
-    ]
-    return torch.cat(flat), [p.numel() for p in flat]
+    (0 to ourselves). Every block is copied once, by one join (embedding_bag has no output
+    argument: its `.out` overload computes and then copies, measured slower than this)."""
+    splits = [sum(rows.numel() for rows in shards) if shards else 0 for shards in pooled]
+    blocks = [rows.flatten() for shards in pooled if shards for rows in shards]
+    if not blocks:
+        return like.new_empty(0), splits
+    return torch.cat(blocks).to(like.dtype), splits
