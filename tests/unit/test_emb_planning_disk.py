@@ -121,7 +121,8 @@ def test_the_planner_prices_a_tier_through_the_storage_interface(tmp_path) -> No
     )
     blocks = {"a": (10, 8), "b": (2, 100)}
     index = 10 * 4 + 4 * 37 + 2 * 4 + 2 * 37
-    assert DiskTier(tmp_path, cache_rows=4).cache_memory(blocks) == 232 + index
+    in_flight = 8 + 100  # a 1/16 of each block's slots, rounded up: evicted, on the way out
+    assert DiskTier(tmp_path, cache_rows=4).cache_memory(blocks) == 232 + in_flight + index
 
     class HalfRows:  # a tier caching half of every block
         def slots(self, blocks):  # type: ignore[no-untyped-def]
@@ -171,3 +172,42 @@ def test_the_caches_bookkeeping_counts_against_the_budget(tmp_path, price) -> No
         plan_tables(TABLES[1:], 2, memory_budget_bytes=30 * MB, disk_tier=tier, price=price)
     plan = plan_tables(TABLES[1:], 2, memory_budget_bytes=50 * MB, disk_tier=tier, price=price)
     assert plan.tables["big"] == row_wise(on_disk=True)
+
+
+def test_cache_rows_and_cache_bytes_price_the_same_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """cache_bytes= keeps a 1/17 of itself for the evicted rows on their way to the file (up
+    to a 1/16 of the slots, BackgroundWrites); the same cache sized by cache_rows= counts them
+    too, so both price the same memory: 32 slots of 10 bytes, 2 rows in flight."""
+    blocks = {"t": (1000, 10)}
+    by_bytes = DiskTier(tmp_path, cache_bytes=(32 + 2) * 10)
+    by_rows = DiskTier(tmp_path, cache_rows=32)
+    assert by_bytes.slots(blocks) == by_rows.slots(blocks) == {"t": 32}
+    assert by_rows.cache_memory(blocks) == by_bytes.cache_memory(blocks)
+
+
+def test_disk_tables_sharing_a_rank_count_its_cache_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two disk tables on one rank share its cache_bytes= (split by their bytes): the search
+    counts it once, as the disk rule does, so the small table still fits beside them."""
+    from manualpar.embeddings.planning import Workload, load_topology, plan_by_cost, rule_costs
+
+    # with row-wise Adagrad: 17 floats a row, 68 MB and 136 MB; 0.7 MB
+    tables = [
+        EmbeddingBagConfig("a", 1_000_000, 16),
+        EmbeddingBagConfig("b", 2_000_000, 16),
+        EmbeddingBagConfig("c", 10_000, 16),
+    ]
+    tier = DiskTier(tmp_path, cache_bytes=16 * 2**20)
+    cache = tier.cache_memory({"a": (1_000_000, 68), "b": (2_000_000, 68)})  # 37.6 MB
+    budget = cache + 2 * MB  # the cache once and "c", not the cache twice (54 MB)
+    plan = plan_tables(tables, 1, memory_budget_bytes=budget, disk_tier=tier, price="time")
+    assert plan.tables["a"].on_disk and plan.tables["b"].on_disk and not plan.tables["c"].on_disk
+    state, full_rows = rule_costs(None)
+    planned = plan_by_cost(
+        {t.name: t for t in tables},
+        load_topology("cpu-host", 1),
+        Workload(64, state=state, full_rows=full_rows),
+        memory_budget_bytes=budget,
+        disk_tier=tier,
+        pinned={"a": row_wise(on_disk=True), "b": row_wise(on_disk=True)},
+    )
+    assert planned.costs.memory.tolist() == pytest.approx([cache + 10_000 * 68], rel=1e-12)

@@ -5,12 +5,12 @@ cached_tier.py), and a replicated table's copy and all_reduce."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from manualpar.embeddings.config import STATE_BYTES, EmbeddingBagConfig
-from manualpar.embeddings.plan import TablePlacement
+from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.popularity import distinct_rows
 from manualpar.embeddings.planning.rank_costs import RankCosts
 from manualpar.embeddings.planning.workload import Workload
@@ -19,7 +19,9 @@ from manualpar.embeddings.storage.cached_tier import CachedTier
 __all__ = [
     "FLOAT32",
     "INT64",
+    "DiskBlocks",
     "block_work",
+    "disk_blocks",
     "distinct",
     "owner_traffic",
     "replicated",
@@ -28,6 +30,28 @@ __all__ = [
 ]
 
 INT64, FLOAT32 = 8, 4
+
+# Each rank's disk blocks, {table: (block rows, bytes per row)}: what its cache is shared by
+DiskBlocks = Sequence[Mapping[str, tuple[int, int]]]
+
+
+def disk_blocks(
+    placed: Mapping[str, tuple[EmbeddingBagConfig, TablePlacement]],
+    world: int,
+    workload: Workload,
+) -> list[dict[str, tuple[int, int]]]:
+    """The disk blocks each rank holds of the tables `placed` ({key: (config, placement)}),
+    as the storage splits its cache over them (sharded/table_storage.py)."""
+    held: list[dict[str, tuple[int, int]]] = [{} for _ in range(world)]
+    for key, (config, placement) in placed.items():
+        if not placement.on_disk:
+            continue
+        row_state, col_state = state_widths(workload.rule(key)[0])
+        for shard in EmbeddingPlan(world, {config.name: placement}).shards(config):
+            width = shard.cols * config.dtype.itemsize
+            width += (row_state + col_state * shard.cols) * STATE_BYTES
+            held[shard.rank][key] = (shard.rows, width)
+    return held
 
 
 def owner_traffic(
@@ -89,9 +113,11 @@ def block_work(
     placement: TablePlacement,
     workload: Workload,
     disk_tier: CachedTier | None,
+    shared_with: DiskBlocks | None = None,
 ) -> None:
     """Memory, lookups, updates and disk IO of a table's blocks (block i: `rows[i]` x `cols[i]`
-    on rank `owners[i]`, serving `lookups[i]` ids a step)."""
+    on rank `owners[i]`, serving `lookups[i]` ids a step). `shared_with`: each rank's other
+    disk blocks (`disk_blocks`), which share its cache with a disk block of this table."""
     row_state, col_state = state_widths(workload.rule(name)[0])
     row_bytes = cols * config.dtype.itemsize + (row_state + col_state * cols) * STATE_BYTES
     held = rows * row_bytes
@@ -108,11 +134,25 @@ def block_work(
         costs.memory.index_add_(0, owners, held)
         return
     blocks = [
-        {name: (int(r), int(w))} for r, w in zip(rows.tolist(), row_bytes.tolist(), strict=True)
+        {
+            **{k: b for k, b in (shared_with[o] if shared_with else {}).items() if k != name},
+            name: (int(r), int(w)),
+        }
+        for o, r, w in zip(owners.tolist(), rows.tolist(), row_bytes.tolist(), strict=True)
     ]
     slots = torch.tensor([disk_tier.slots(b)[name] for b in blocks], dtype=torch.float64)
-    # the cache's rows and its bookkeeping (where each block row is, each slot's use), as held
-    cached = torch.tensor([disk_tier.cache_memory(b) for b in blocks], dtype=torch.float64)
+    # the rank's cache (its rows, those on their way to the file, its bookkeeping) once per
+    # rank: each of its disk blocks counts the part of it that its bytes are of theirs (how
+    # cache_bytes= is split), so the tables' parts add up to what the disk rule counts
+    cached = torch.tensor(
+        [
+            disk_tier.cache_memory(b)
+            * (b[name][0] * b[name][1])
+            / (sum(r * w for r, w in b.values()) or 1)
+            for b in blocks
+        ],
+        dtype=torch.float64,
+    )
     costs.memory.index_add_(0, owners, cached)
     costs.disk.index_add_(0, owners, held)
     # the cache keeps the block's most popular rows (LRU and LFU both, near enough)

@@ -43,7 +43,9 @@ from manualpar.embeddings.plan import EmbeddingPlan, TablePlacement
 from manualpar.embeddings.planning.block_costs import (
     FLOAT32,
     INT64,
+    DiskBlocks,
     block_work,
+    disk_blocks,
     distinct,
     owner_traffic,
     replicated,
@@ -84,6 +86,7 @@ def placement_costs(
     name: str | None = None,
     replicas: int = 1,
     remaps_at_owner: bool = True,
+    shared_with: DiskBlocks | None = None,
 ) -> RankCosts:
     """One table's costs per rank under `placement` (module docstring); `name`: the table's key
     in `workload` (default its config's name). With `replicas` > 1 (a 2-D mesh), `placement` is
@@ -91,7 +94,8 @@ def placement_costs(
     group's own exchanges plus the sum of the touched rows' gradients across the replicas
     (replica_combine.py). `remaps_at_owner`: a managed table placed whole on one rank holds
     all its remapper state there (False in a 2-D layout's shard group, whose remappers span
-    the job)."""
+    the job). `shared_with`: each rank's other disk blocks, which share its cache with this
+    table's (block_costs.disk_blocks; none: the cache is this table's alone)."""
     name = name or config.name
     if replicas > 1:
         return _two_d(config, placement, topology, workload, disk_tier, name, replicas)
@@ -158,6 +162,7 @@ def placement_costs(
         placement,
         workload,
         disk_tier,
+        shared_with,
     )
     costs.users["exchanges"] = 1
     return costs
@@ -292,9 +297,17 @@ def plan_costs(
     if plan.wire is not None:
         workload = dataclasses.replace(workload, wire=plan.wire)
     total = collection_costs(configs, plan, topology, replicas, workload.wire)
-    for config in configs:
-        placement = plan.tables[config.name]
+    placed = {config.name: (config, plan.tables[config.name]) for config in configs}
+    one_d = disk_tier is not None and replicas == 1  # (a 2-D mesh has no disk tier)
+    shared = disk_blocks(placed, topology.world_size, workload) if one_d else None
+    for config, placement in placed.values():
         total = total + placement_costs(
-            config, placement, topology, workload, disk_tier, replicas=replicas
+            config,
+            placement,
+            topology,
+            workload,
+            disk_tier,
+            replicas=replicas,
+            shared_with=shared,
         )
     return total

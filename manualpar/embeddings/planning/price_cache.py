@@ -14,6 +14,7 @@ import torch
 
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.plan import TablePlacement
+from manualpar.embeddings.planning.block_costs import DiskBlocks
 from manualpar.embeddings.planning.cost_model import placement_costs
 from manualpar.embeddings.planning.rank_costs import RankCosts
 from manualpar.embeddings.planning.topology import Topology
@@ -40,9 +41,11 @@ class PriceCache:
         disk_tier: CachedTier | None,
         replicas: int,
         group: Topology,
+        shared_with: DiskBlocks | None = None,
     ) -> None:
         self.tables, self.topology, self.workload = tables, topology, workload
         self.disk_tier, self.replicas, self.group = disk_tier, replicas, group
+        self.shared_with = shared_with  # the disk blocks sharing each rank's cache (pinned)
         self._cache: dict[tuple[str, TablePlacement, torch.dtype], RankCosts] = {}
         self._cached_bytes = 0
 
@@ -58,6 +61,7 @@ class PriceCache:
                 self.disk_tier,
                 key,
                 self.replicas,
+                shared_with=self.shared_with,
             )
             if self._keeps(placement, found):
                 self._cache[(key, placement, dtype)] = found

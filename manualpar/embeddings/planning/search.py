@@ -22,6 +22,7 @@ from manualpar.embeddings.plan import (
     table_row_wise,
     table_wise,
 )
+from manualpar.embeddings.planning.block_costs import disk_blocks
 from manualpar.embeddings.planning.candidates import candidates
 from manualpar.embeddings.planning.cost_model import collection_costs, shard_group
 from manualpar.embeddings.planning.fit_errors import no_room
@@ -70,7 +71,13 @@ class Search:
         first = EmbeddingPlan(self.group.world_size, {c.name: row_wise() for c in configs})
         # remappers' shares too
         self.start = collection_costs(configs, first, topology, replicas, workload.wire)
-        self.prices = PriceCache(tables, topology, workload, disk_tier, replicas, self.group)
+        # the disk tables placed before the search (the rule's, the pins) share each rank's
+        # cache: a disk table the search prices counts its part of it, not all of it
+        pinned_on = {k: (tables[k], p) for k, p in self.pinned.items()}
+        shared = disk_blocks(pinned_on, self.group.world_size, workload) if disk_tier else None
+        self.prices = PriceCache(
+            tables, topology, workload, disk_tier, replicas, self.group, shared
+        )
         self.dtype: dict[str, torch.dtype] = {key: tables[key].dtype for key in self.pinned}
         # each placed table's placement and dtype: its costs are looked up (or recomputed)
         # when needed, not held, so the plan takes no world-size tensors per table

@@ -105,11 +105,15 @@ class DiskTier:
     def cache_memory(self, blocks: Mapping[str, tuple[int, int]]) -> int:
         """Bytes the cache takes on a rank holding `blocks` ({table: (block rows, bytes per
         row)}): all of cache_bytes once it holds any block, or cache_rows rows of each (at most
-        its block's), plus each block's bookkeeping (row_cache.py, `index_bytes`: 4 bytes a
-        block row, 37 a slot). The planner counts it against the memory budget
-        (cached_tier.py)."""
+        its block's) and the evicted rows on their way to the file (up to a 1/EVICT_FRACTION
+        of its slots, rounded up: what cache_bytes keeps room for), plus each block's
+        bookkeeping (row_cache.py, `index_bytes`: 4 bytes a block row, 37 a slot). The planner
+        counts it against the memory budget (cached_tier.py)."""
         slots = self._split(blocks)
         index = sum(index_bytes(rows, slots[name]) for name, (rows, _) in blocks.items())
         if self.cache_bytes is not None:
             return (self.cache_bytes if blocks else 0) + index
-        return index + sum(slots[name] * width for name, (_, width) in blocks.items())
+        in_flight = {name: -(-count // EVICT_FRACTION) for name, count in slots.items()}
+        return index + sum(
+            (slots[name] + in_flight[name]) * width for name, (_, width) in blocks.items()
+        )
