@@ -19,7 +19,7 @@ from manualpar.embeddings import (
 from manualpar.embeddings.routes import Routing
 from manualpar.embeddings.step.bag_expansion import FeatureBags, bag_lengths
 from manualpar.embeddings.step.exchange import ExchangeLayout
-from manualpar.embeddings.step.sender_bags import feature_runs
+from manualpar.embeddings.step.sender_bags import feature_runs, weight_bits
 
 TABLES = [
     EmbeddingBagConfig("a", 50, 4, feature_names=("fa",)),
@@ -69,9 +69,9 @@ def test_packing_feature_runs_gives_the_per_feature_payloads(
     features = _features(weighted, variable)
     bags = FeatureBags.of(features)
     lengths, _ = bag_lengths(features, bags)
-    runs = layout.pack_ids(features, lengths, bags)
+    runs = layout.pack_ids(features, lengths, bags).payloads
     layout._runs = None  # the per-feature packing (a row split's path)
-    each = layout.pack_ids(features, lengths, bags)
+    each = layout.pack_ids(features, lengths, bags).payloads
     assert len(runs) == len(each) == world
     for a, b in zip(runs, each, strict=True):
         assert a.dtype == b.dtype == torch.int64
@@ -101,7 +101,7 @@ def test_a_batched_senders_bags_are_read_in_place_from_its_payload() -> None:
     bags = FeatureBags.of(features)
     lengths, _ = bag_lengths(features, bags)
     parts = Parts()
-    payload = parts.layout.pack_ids(features, lengths, bags)[1]
+    payload = parts.layout.pack_ids(features, lengths, bags).payloads[1]
     batched = BatchedTables(parts)  # type: ignore[arg-type]
     ids, lens, counts = batched.sender_bags(payload, features.batch_size, compact=False)
     cut = parts.layout.unpack_ids(payload, features.batch_size, False)
@@ -110,3 +110,47 @@ def test_a_batched_senders_bags_are_read_in_place_from_its_payload() -> None:
     assert counts == [b[1].numel() for b in cut]
     base = payload.untyped_storage().data_ptr()
     assert ids.untyped_storage().data_ptr() == lens.untyped_storage().data_ptr() == base
+
+
+def _per_destination(
+    routing: Routing, features: SparseFeatures, bags: FeatureBags
+) -> list[torch.Tensor]:
+    """Each destination's payload packed on its own, feature by feature (whole features)."""
+    lengths = features.lengths.split(list(bags.counts))
+    values = features.values.split(features.feature_sizes())
+    weights = None if features.weights is None else features.weights.split(features.feature_sizes())
+    payloads = []
+    for served in routing.routes_to:
+        head = [torch.tensor([bags.counts[r.feature] for r in served])] if bags.variable else []
+        fs = [r.feature for r in served]
+        bits = [] if weights is None else [weight_bits(weights[f]) for f in fs]
+        pieces = [*head, *(lengths[f] for f in fs), *(values[f] for f in fs), *bits]
+        payloads.append(torch.cat(pieces) if served else torch.empty(0, dtype=torch.int64))
+    return payloads
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("variable", [False, True])
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_other_ranks_payloads_are_packed_as_one_send_buffer(
+    world: int, weighted: bool, variable: bool
+) -> None:
+    features = _features(weighted, variable)
+    bags = FeatureBags.of(features)
+    lengths, _ = bag_lengths(features, bags)
+    for rank in range(world):
+        routing = Routing(TABLES, _plan(world), rank)
+        packed = ExchangeLayout(routing).pack_ids(features, lengths, bags)
+        each = _per_destination(routing, features, bags)
+        joined = torch.cat([p for d, p in enumerate(each) if d != rank])
+        assert packed.send.dtype == torch.int64
+        assert torch.equal(packed.send, joined)  # the bytes the per-destination join sent
+        assert all(torch.equal(a, b) for a, b in zip(packed.payloads, each, strict=True))
+        base = packed.send.untyped_storage().data_ptr()  # one buffer: ours after the sent
+        assert packed.payloads[rank].untyped_storage().data_ptr() == base
+        # a row split's per-feature packing: the same single buffer
+        split = ExchangeLayout(Routing(TABLES, _plan(world, split_rows=True), rank))
+        cut = split.pack_ids(features, lengths, bags)
+        others = [p for d, p in enumerate(cut.payloads) if d != rank]
+        assert torch.equal(cut.send, torch.cat(others))
+        assert cut.send.untyped_storage().data_ptr() == others[0].untyped_storage().data_ptr()

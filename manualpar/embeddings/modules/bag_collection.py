@@ -36,6 +36,7 @@ __all__ = [
     "PooledEmbeddings",
     "check_features",
     "table_of",
+    "table_weight",
 ]
 
 
@@ -114,6 +115,15 @@ def table_of(tables: nn.ModuleDict, name: str) -> EmbeddingTable:
     table = tables[name]
     assert isinstance(table, EmbeddingTable), f"{name!r} is a {type(table).__name__}"
     return table
+
+
+def table_weight(tables: nn.ModuleDict, name: str) -> torch.Tensor:
+    """`table_of(tables, name).weight`, read straight from the module's registered parameters
+    (a step reads it many times: a third of the attribute lookups' time); through the module
+    where the weight is not a registered parameter there."""
+    module = tables._modules.get(name)
+    weight = None if module is None else module._parameters.get("weight")
+    return table_of(tables, name).weight if weight is None else weight
 
 
 class EmbeddingBagCollection(TableRecords, nn.Module):

@@ -123,11 +123,12 @@ def route_sums(lens: torch.Tensor, counts: list[int]) -> list[int]:
 
 def bag_lengths(
     features: SparseFeatures, bags: FeatureBags
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each feature's bag lengths (what travels), and the (features, batch) length of the bag
-    each sample reads (for mean pooling)."""
+) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor]:
+    """Each feature's bag lengths (what travels; a plain batch: the rows of its (features,
+    batch) grid, not cut here: whole features travel as slices of the batch), and the
+    (features, batch) length of the bag each sample reads (for mean pooling)."""
     if not bags.variable:  # one bag per sample everywhere: the same (features, batch) grid
         grid = features.lengths.view(len(bags.counts), bags.batch)
-        return list(grid), grid
+        return grid, grid
     per_feature = list(features.lengths.split(list(bags.counts)))
     return per_feature, bags.sample_lengths(per_feature)

@@ -28,9 +28,11 @@ from manualpar.embeddings.step.column_blocks import column_view, strided_spans
 from manualpar.embeddings.step.gradient_layout import GradientLayout, Kept
 from manualpar.embeddings.step.routing import Route, Routing
 from manualpar.embeddings.step.sender_bags import (
+    Packed,
     SenderBags,
     combine_senders,
     feature_runs,
+    join_payloads,
     pack_pooled,
     pack_runs,
     split_by_rows,
@@ -132,15 +134,21 @@ class ExchangeLayout(GradientLayout):
         return bool(self.compact_tables) and (self.compact or not variable)
 
     def pack_ids(
-        self, features: SparseFeatures, lengths: Sequence[torch.Tensor], bags: FeatureBags
-    ) -> list[torch.Tensor]:
+        self,
+        features: SparseFeatures,
+        lengths: Sequence[torch.Tensor] | torch.Tensor,
+        bags: FeatureBags,
+    ) -> Packed:
         """Per destination rank: the lengths, ids and weight bits of the bags it serves us, in its
-        route order. `lengths`: each feature's bag lengths; a variable batch sends each route's
-        bag count first."""
-        world = self.routing.world_size
+        route order, every payload in one buffer (the other ranks' joined for the exchange).
+        `lengths`: each feature's bag lengths (bag_lengths'); a variable batch sends each
+        route's bag count first."""
+        world, rank = self.routing.world_size, self.routing.rank
         values, weights = features.values, features.weights
+        heads = self._heads(bags, values.device)
         if self._runs is not None:  # whole features only: slices of the batch, not one each
-            return pack_runs(self._runs, features, bags.counts, self._heads(bags, values.device))
+            return pack_runs(self._runs, features, bags.counts, heads, rank)
+        lengths = list(lengths)  # cut here: the slices of the batch above need no cut
         per_feature = features.feature_sizes()
         id_of = values.split(per_feature)  # each feature's ids: one call, not a slice each
         weight_of = None if weights is None else weights.split(per_feature)
@@ -173,15 +181,13 @@ class ExchangeLayout(GradientLayout):
                 ids_to[dest].append(id_parts[g])
                 if w_parts is not None:
                     weights_to[dest].append(w_parts[g])
-        heads = self._heads(bags, values.device)
-        return [
-            torch.cat(
-                [*heads[d], *lens_to[d], *ids_to[d], *(weight_bits(w) for w in weights_to[d])]
-            ).to(torch.int64)
+        pieces_to = [
+            [*heads[d], *lens_to[d], *ids_to[d], *(weight_bits(w) for w in weights_to[d])]
             if lens_to[d]
-            else torch.empty(0, dtype=torch.int64, device=values.device)
+            else []
             for d in range(world)
         ]
+        return join_payloads(pieces_to, rank, values.device)
 
     def _heads(self, bags: FeatureBags, device: torch.device) -> list[list[torch.Tensor]]:
         """Per destination: what leads its payload (a variable batch: each route's bag count)."""

@@ -87,7 +87,8 @@ class ForwardPhases:
         bags = FeatureBags.of(features)  # a batch per feature: its bags travel, not samples
         lengths, per_sample = bag_lengths(features, bags)
         weighted = features.weights is not None
-        payloads = layout.pack_ids(features, lengths, bags)
+        packed = layout.pack_ids(features, lengths, bags)
+        payloads = packed.payloads
         names = self.names
         flags = frozen_to_words(frozen_tables(parts.tables, names), len(names))
         header = size_header(features.batch_size, payloads, weighted, flags, bags.variable)
@@ -95,9 +96,8 @@ class ForwardPhases:
         check_refusals(headers)
         frozen = agreed_frozen([h[3:] for h in headers], names)
         sizes = [headers[g][:3] for g in parts.mesh.group_ranks]
-        others = [p for d, p in enumerate(payloads) if d != rank] or [payloads[rank][:0]]
         ids_in = parts.exchange(
-            others[0] if len(others) == 1 else torch.cat(others),  # one: sent as it is
+            packed.send,  # the others' payloads, packed as one slice
             [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
             [0 if s == rank else size[1] for s, size in enumerate(sizes)],
             "ids",

@@ -17,16 +17,17 @@ from collections.abc import Sequence
 from torch import nn
 
 from manualpar.embeddings.exchange_layout import WORD_BITS, num_words
-from manualpar.embeddings.modules.bag_collection import table_of
+from manualpar.embeddings.modules.bag_collection import table_weight
 from manualpar.errors import BuilderError
 
 __all__ = ["agreed_frozen", "frozen_from_words", "frozen_tables", "frozen_to_words", "num_words"]
 
 
 def frozen_tables(tables: nn.ModuleDict, names: Sequence[str]) -> frozenset[int]:
-    """Indices (into `names`) of the tables whose block on this rank does not require grad."""
+    """Indices (into `names`) of the tables whose block on this rank does not require grad
+    (read every step: each weight straight from its module's parameters, table_weight)."""
     return frozenset(
-        t for t, name in enumerate(names) if not table_of(tables, name).weight.requires_grad
+        t for t, name in enumerate(names) if not table_weight(tables, name).requires_grad
     )
 
 

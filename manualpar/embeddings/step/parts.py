@@ -16,7 +16,7 @@ from torch import nn
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.ids.remap import OwnerRemap
 from manualpar.embeddings.kernels.rounding import accumulation_dtype
-from manualpar.embeddings.modules.bag_collection import table_of
+from manualpar.embeddings.modules.bag_collection import table_weight
 from manualpar.embeddings.optim.fused_optimizer import FusedOptimizer
 from manualpar.embeddings.step.exchange import ExchangeLayout
 from manualpar.embeddings.step.routing import LocalShard, Routing
@@ -51,7 +51,7 @@ class StepParts:
 
     def weight(self, table: int) -> torch.Tensor:
         """This rank's block of table `table` (detached: the update is the fused optimizer's)."""
-        return table_of(self.tables, self.name(table)).weight.detach()
+        return table_weight(self.tables, self.name(table)).detach()
 
     @property
     def dtype(self) -> torch.dtype:

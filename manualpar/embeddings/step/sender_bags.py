@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -16,9 +17,11 @@ from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_t
 from manualpar.embeddings.step.routing import Routing
 
 __all__ = [
+    "Packed",
     "SenderBags",
     "combine_senders",
     "feature_runs",
+    "join_payloads",
     "pack_pooled",
     "pack_runs",
     "split_by_rows",
@@ -50,32 +53,71 @@ def feature_runs(dests_of: list[tuple[int, list[int] | None]], world: int) -> Ru
     return runs
 
 
+class Packed(NamedTuple):
+    """A step's ids payloads, every one in a single buffer, joined once."""
+
+    payloads: list[torch.Tensor]  # per destination rank (ours too): views of the buffer
+    send: torch.Tensor  # the other ranks' payloads in rank order, one slice: what travels
+
+
+def join_payloads(
+    pieces_to: list[list[torch.Tensor]],
+    rank: int,
+    device: torch.device,
+    sizes_to: list[int] | None = None,
+) -> Packed:
+    """Per destination rank, its payload's pieces -> every payload in one buffer, by one join:
+    the other ranks' in rank order (sent as one slice, not joined again), then ours
+    (`sizes_to`: each payload's length, if known)."""
+    order = [*(d for d in range(len(pieces_to)) if d != rank), rank]
+    pieces = [piece for d in order for piece in pieces_to[d]]
+    if not pieces:
+        buffer = torch.empty(0, dtype=torch.int64, device=device)
+    else:  # each piece int64 already: the join is the one copy
+        buffer = torch.cat(pieces).to(torch.int64)
+    if sizes_to is None:
+        sizes_to = [sum(piece.numel() for piece in pieces) for pieces in pieces_to]
+    sizes = [sizes_to[d] for d in order]
+    payloads = [buffer] * len(pieces_to)
+    for d, view in zip(order, buffer.split(sizes), strict=True):
+        payloads[d] = view
+    return Packed(payloads, buffer[: buffer.numel() - sizes[-1]])
+
+
 def pack_runs(
     runs: Runs,
     features: SparseFeatures,
     bag_counts: Sequence[int],
     heads: list[list[torch.Tensor]],
-) -> list[torch.Tensor]:
+    rank: int,
+) -> Packed:
     """Per destination rank: its `heads`, then the bag lengths, ids and weight bits of its
     feature runs, each a slice of the batch (`bag_counts`: each feature's bags), so a run of
-    features costs one piece, not one per feature."""
+    features costs one piece, not one per feature; all of them joined once (join_payloads)."""
     lengths, values, weights = features.lengths, features.values, features.weights
     bag_at = [0, *itertools.accumulate(bag_counts)]
     id_at = [0, *itertools.accumulate(features.feature_sizes())]
     bits = None if weights is None else weight_bits(weights)
-    payloads = []
+    pieces_to: list[list[torch.Tensor]] = []
+    sizes_to = []  # found from the offsets: no call per piece
     for d, dest_runs in enumerate(runs):
         if not dest_runs:
-            payloads.append(torch.empty(0, dtype=torch.int64, device=values.device))
+            pieces_to.append([])
+            sizes_to.append(0)
             continue
-        pieces = [
-            *heads[d],
-            *(lengths[bag_at[a] : bag_at[b]] for a, b in dest_runs),
-            *(values[id_at[a] : id_at[b]] for a, b in dest_runs),
-            *(() if bits is None else (bits[id_at[a] : id_at[b]] for a, b in dest_runs)),
-        ]
-        payloads.append(torch.cat(pieces).to(torch.int64))
-    return payloads
+        pieces_to.append(
+            [
+                *heads[d],
+                *(lengths[bag_at[a] : bag_at[b]] for a, b in dest_runs),
+                *(values[id_at[a] : id_at[b]] for a, b in dest_runs),
+                *(() if bits is None else (bits[id_at[a] : id_at[b]] for a, b in dest_runs)),
+            ]
+        )
+        ids = sum(id_at[b] - id_at[a] for a, b in dest_runs)
+        lens = sum(bag_at[b] - bag_at[a] for a, b in dest_runs)
+        head = sum(h.numel() for h in heads[d])
+        sizes_to.append(head + lens + ids * (1 if bits is None else 2))
+    return join_payloads(pieces_to, rank, values.device, sizes_to)
 
 
 def split_by_rows(
