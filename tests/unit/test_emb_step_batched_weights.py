@@ -1,0 +1,82 @@
+"""The table batch (step/batched_tables.py) reads each table's weight where the module holds it
+now: a weight replaced after the first batched step (a new Parameter, or new data under the
+same one: `.data =`, `to()`) is looked up and updated, as on the per-table path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import manualpar as mp
+from manualpar.embeddings import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    RowWiseAdagrad,
+    SparseFeatures,
+    shard_embeddings,
+)
+from manualpar.embeddings.kernels.native import native_kernels
+
+SIZES = ((50, 4), (30, 8), (7, 8))
+
+
+def _batch(step: int) -> SparseFeatures:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 3, (len(SIZES) * 4,), generator=g)
+    per_table = lengths.view(len(SIZES), 4).sum(1).tolist()
+    values = torch.cat(
+        [torch.randint(0, r, (n,), generator=g) for (r, _), n in zip(SIZES, per_table, strict=True)]
+    )
+    return SparseFeatures(tuple(f"f{i}" for i in range(len(SIZES))), values, lengths)
+
+
+def _replace(emb: nn.Module, how: str) -> None:
+    """Every table's weight replaced by new values: a loaded checkpoint (its hook copies them
+    into the block in place), a new Parameter, new data under the same Parameter."""
+    state = emb.state_dict()
+    for table in emb.tables.values():
+        new = torch.linspace(-1, 1, table.weight.numel()).view_as(table.weight)
+        if how == "parameter":
+            table.weight = nn.Parameter(new)
+        elif how == "data":
+            table.weight.data = new
+        else:
+            state[f"tables.{table.config.name}.weight"] = new
+    if how == "load":
+        emb.load_state_dict(state, assign=True)
+
+
+def _train(batched: bool, how: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    configs = [
+        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
+        for i, (rows, dim) in enumerate(SIZES)
+    ]
+    emb = shard_embeddings(
+        EmbeddingBagCollection(configs, seed=3),
+        mp.ManualParallelStrategy(),
+        "auto",
+        RowWiseAdagrad(lr=0.1),
+    )
+    emb.step.batches_tables = batched
+    taken = []
+    phases = emb.step.forward_phases
+    lookup = phases._lookup_batched
+    phases._lookup_batched = lambda *a: taken.append(1) or lookup(*a)  # type: ignore[method-assign]
+    emb(_batch(0)).values.sum().backward()
+    _replace(emb, how)
+    out = emb(_batch(1)).values
+    out.sum().backward()
+    weights = {name: table.weight.detach().clone() for name, table in emb.tables.items()}
+    return out.detach(), weights, len(taken)
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no C++ kernels")
+@pytest.mark.parametrize("how", ["load", "parameter", "data"])
+def test_a_replaced_weight_is_looked_up_and_updated_by_the_batch(how: str) -> None:
+    out, weights, taken = _train(True, how)
+    expected_out, expected_weights, per_table = _train(False, how)
+    assert (taken, per_table) == (2, 0)
+    assert torch.equal(out, expected_out), "the batch looked the old weights up"
+    for name, expected in expected_weights.items():
+        assert torch.equal(weights[name], expected), f"{name}: the batch updated the old weights"
