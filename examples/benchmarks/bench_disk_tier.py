@@ -2,7 +2,7 @@
 
     python examples/benchmarks/bench_disk_tier.py --disk-gb 36 --memory-gb 8 --cache-gb 2 \
         --steps 200 --repeats 3 --dir runs/disk_tier --json runs/bench_disk_tier.json
-        [--baseline-src ../manualpar-before --variants memory lru]
+        [--baseline-src ../manualpar-before --variants memory lrfu lrfu-baseline]
 
 Each measurement is a fresh 2-process torchrun job; the variants (in-memory tables of `--memory-gb`
 in total, the largest that fit next to everything else; disk tables of `--disk-gb` with an LRU
@@ -11,7 +11,8 @@ cache; the same with LFU or LRFU (`lfu`, `lrfu`); any of them with `-pipelined`,
 step before, the pipeline's `next` timed inside the step; with `-inplace`, e.g. `lru-inplace`: no
 write log, evicted rows written to their places, as before the log; with `-io<N>` after the policy,
 e.g. `lru-io1`: `DiskTier(io_threads=N)`; ending `-log<N>`, e.g. `lru-log11`: a write log of N
-cache sizes, `DiskTier(write_log=N)`) alternate in a rotating order,
+cache sizes, `DiskTier(write_log=N)`; `<policy>-baseline`, e.g. `lrfu-baseline`: that policy from
+`--baseline-src`'s tree, the named ones only, else `lru-baseline`) alternate in a rotating order,
 `--repeats` times. Workload: `--tables` tables of 64 fp32 columns, rows split over both ranks,
 fused row-wise Adagrad, global batch 2048, 20 ids per bag drawn from Zipf(1.05) (rank k of the
 distribution scattered over the table by a fixed permutation; with `--shift-every N` the
@@ -333,17 +334,24 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["memory", "lrfu", "lru"],
-        help="lrfu is the default policy",
+        help="lrfu is the default policy; POLICY-baseline (e.g. lrfu-baseline) runs POLICY "
+        "from --baseline-src's tree, only the ones named",
     )
     parser.add_argument("--dir", default="runs/disk_tier", help="where the table files go")
-    job_launch.add_baseline_src(parser, "the variant lru-baseline (the LRU disk tier)")
+    job_launch.add_baseline_src(
+        parser, "lru-baseline (LRU from DIR) unless --variants names a -baseline variant"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    if args.baseline_src is not None and "lru" + BASELINE not in args.variants:
-        args.variants.append("lru" + BASELINE)
+    try:
+        args.variants = job_launch.baseline_variants(
+            args.variants, args.baseline_src, "lru" + BASELINE, stem=lambda v: v.partition(LOG)[0]
+        )
+    except ValueError as error:
+        parser.error(str(error))
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for repeat in range(args.repeats):
         order = (

@@ -29,6 +29,7 @@ __all__ = [
     "ROOT",
     "add_baseline_src",
     "baseline_source",
+    "baseline_variants",
     "job_command",
     "job_env",
     "launch",
@@ -61,6 +62,28 @@ def baseline_source(path: str) -> str:
             "(e.g. `git worktree add ../manualpar-before HEAD~1`)"
         )
     return str(directory)
+
+
+def baseline_variants(
+    variants: list[str],
+    baseline_src: str | None,
+    added: str,
+    stem: Callable[[str], str] = lambda variant: variant,
+) -> list[str]:
+    """The variants to run: those named, a "-baseline" one (`stem(variant)` ends with it, as
+    `source_of` reads it: run from `baseline_src`) only where named; where `baseline_src` is given
+    and none is named, `added` appended (the variant `add_baseline_src` says it adds). One named
+    without `baseline_src` would run this tree under the baseline's name: a ValueError."""
+    named = [v for v in variants if stem(v).endswith(BASELINE)]
+    if named and baseline_src is None:
+        raise ValueError(
+            f"{', '.join(named)} run from --baseline-src's tree: give --baseline-src DIR (a "
+            "checkout of the commit to compare against), or name the variants without "
+            f"{BASELINE}"
+        )
+    if baseline_src is None or named:
+        return list(variants)
+    return [*variants, added]
 
 
 def source_of(variant: str, baseline_src: str | Path | None) -> Path:

@@ -59,6 +59,22 @@ def test_a_job_without_a_result_raises_with_its_stderr(monkeypatch) -> None:
         launcher.launch("py", "w.py", [])
 
 
+def test_the_baseline_variants_run_as_named() -> None:
+    def variants(*named: str, src: str | None = "/before") -> list[str]:  # as bench_disk_tier's
+        stem = lambda v: v.partition("-log")[0]  # noqa: E731
+        return launcher.baseline_variants(list(named), src, "lru-baseline", stem=stem)
+
+    # lrfu against the baseline's lrfu: no lru-baseline added
+    assert variants("memory", "lrfu", "lrfu-baseline") == ["memory", "lrfu", "lrfu-baseline"]
+    assert variants("lru", "lru-baseline-log11") == ["lru", "lru-baseline-log11"]
+    assert variants("memory", "lru-baseline", "lru") == ["memory", "lru-baseline", "lru"]
+    # none named: the baseline's LRU added, as before; no --baseline-src: as named
+    assert variants("memory", "lrfu", "lru") == ["memory", "lrfu", "lru", "lru-baseline"]
+    assert variants("memory", "lrfu", src=None) == ["memory", "lrfu"]
+    with pytest.raises(ValueError, match="lrfu-baseline run from --baseline-src's tree"):
+        variants("lrfu", "lrfu-baseline", src=None)  # would run this tree under that name
+
+
 def test_free_memory_splits_the_free_blocks_at_the_reporting_order(monkeypatch, tmp_path) -> None:
     (tmp_path / "buddyinfo").write_text(
         "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1"
