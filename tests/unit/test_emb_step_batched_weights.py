@@ -13,6 +13,7 @@ from manualpar.embeddings import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     SparseFeatures,
     shard_embeddings,
 )
@@ -29,6 +30,17 @@ def _batch(step: int) -> SparseFeatures:
         [torch.randint(0, r, (n,), generator=g) for (r, _), n in zip(SIZES, per_table, strict=True)]
     )
     return SparseFeatures(tuple(f"f{i}" for i in range(len(SIZES))), values, lengths)
+
+
+def _sharded() -> ShardedEmbeddingBagCollection:
+    configs = [
+        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
+        for i, (rows, dim) in enumerate(SIZES)
+    ]
+    ebc = EmbeddingBagCollection(configs, seed=3)
+    emb = shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", RowWiseAdagrad(lr=0.1))
+    assert isinstance(emb, ShardedEmbeddingBagCollection)
+    return emb
 
 
 def _replace(emb: nn.Module, how: str) -> None:
@@ -48,16 +60,7 @@ def _replace(emb: nn.Module, how: str) -> None:
 
 
 def _train(batched: bool, how: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    configs = [
-        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
-        for i, (rows, dim) in enumerate(SIZES)
-    ]
-    emb = shard_embeddings(
-        EmbeddingBagCollection(configs, seed=3),
-        mp.ManualParallelStrategy(),
-        "auto",
-        RowWiseAdagrad(lr=0.1),
-    )
+    emb = _sharded()
     emb.step.batches_tables = batched
     taken = []
     phases = emb.step.forward_phases
@@ -80,3 +83,28 @@ def test_a_replaced_weight_is_looked_up_and_updated_by_the_batch(how: str) -> No
     assert torch.equal(out, expected_out), "the batch looked the old weights up"
     for name, expected in expected_weights.items():
         assert torch.equal(weights[name], expected), f"{name}: the batch updated the old weights"
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("how", ["more rows", "fewer rows", "double"])
+def test_a_weight_replaced_by_another_shape_or_dtype_stops_the_next_step(
+    batched: bool, how: str
+) -> None:
+    """The optimizer's state keeps one row per block row in its dtype: the next step names the
+    table, the rank, both shapes and dtypes and the fix, rather than fail in a kernel (or, on
+    the per-table path, update rows with mismatched state silently)."""
+    emb = _sharded()
+    emb.step.batches_tables = batched
+    emb(_batch(0)).values.sum().backward()
+    if how == "double":
+        emb.double()
+        new = "50 x 4 torch.float64"
+    else:
+        rows = 200 if how == "more rows" else 10
+        emb.tables["t0"].weight = nn.Parameter(torch.zeros(rows, 4))
+        new = f"{rows} x 4 torch.float32"
+    with pytest.raises(mp.errors.BuilderError) as raised:
+        emb(_batch(1))
+    message = str(raised.value)
+    for part in ("'t0'", "rank 0", new, "50 x 4 torch.float32", "copy_", "shard_embeddings()"):
+        assert part in message, part

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.native import native_kernels_take
@@ -35,27 +34,11 @@ from manualpar.embeddings.modules.bag_collection import table_weight
 from manualpar.embeddings.step.bag_expansion import OutputGrad
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds
+from manualpar.embeddings.step.weight_guard import WeightGuard
 
 __all__ = ["BatchPart", "BatchedTables"]
 
 BatchPart = tuple[torch.Tensor, torch.Tensor, list[int]]  # a sender's ids, lengths, bags a table
-
-
-# a weight as `_decide` read it: (table, its module's registered parameters where the weight is
-# one of them, else None: read through table_weight; the weight; where its data was)
-_Read = tuple[str, dict[str, nn.Parameter | None] | None, torch.Tensor, int]
-
-
-def _read(tables: nn.ModuleDict, name: str) -> _Read:
-    weight = table_weight(tables, name)
-    module = tables._modules.get(name)
-    held = None if module is None else module._parameters
-    return (
-        name,
-        held if held is not None and held.get("weight") is weight else None,
-        weight,
-        weight.data_ptr(),
-    )
 
 
 @dataclass(frozen=True)
@@ -72,13 +55,16 @@ class _Counted:
 class BatchedTables:
     """This rank's routed tables as one batch: whether a step takes it, and its calls."""
 
-    def __init__(self, parts: StepParts) -> None:
+    def __init__(self, parts: StepParts, guard: WeightGuard | None = None) -> None:
         self.parts = parts
         self.local = parts.routing.routed_local_shards()
         self.tables = [shard.table for shard in self.local]
         self.names = [parts.name(t) for t in self.tables]
         self._usable: bool | None = None  # decided at the first step (stores are final then)
-        self._read: list[_Read] = []  # the weights `_decide` read
+        # every held block's weight, checked at each step's lookup (forward.py): one of another
+        # shape or dtype is an error, one of the same is read again here (`usable`)
+        self.guard = WeightGuard() if guard is None else guard
+        self._decided = 0  # the guard's replacements when `_decide` read the weights
         self._own_cache: dict[tuple[int, int], torch.Tensor] = {}  # pool_own's segments
         self._counted_cache: dict[tuple[tuple[int, ...], ...], _Counted] = {}  # batch's
         routing = parts.routing
@@ -101,21 +87,14 @@ class BatchedTables:
     @property
     def usable(self) -> bool:
         """Whether this rank's tables can take the batch (see the module docstring): decided
-        again where a table's weight was replaced since (`_replaced`)."""
-        if self._usable is None or (self._read and self._replaced()):
+        again where a table's weight was replaced since: a new Parameter (`module.weight =
+        ...`, load_state_dict(assign=True)) or new data under the same one (`.data =`, `to()`),
+        which the guard (weight_guard.py) counts. The batch would look up and update the old
+        tensors (the per-table path reads the weights every step)."""
+        if self._usable is None or self._decided != self.guard.replacements:
+            self._decided = self.guard.replacements
             self._usable = self._decide()
         return self._usable
-
-    def _replaced(self) -> bool:
-        """Whether a table's weight is not the one `_decide` read: a new Parameter
-        (`module.weight = ...`, load_state_dict(assign=True)) or new data under the same one
-        (`.data =`, `to()`). The batch would look up and update the old tensors (the per-table
-        path reads the weights every step); about 0.08 us a table."""
-        for name, held, param, data in self._read:
-            now = table_weight(self.parts.tables, name) if held is None else held.get("weight")
-            if now is not param or now.data_ptr() != data:
-                return True
-        return False
 
     def _decide(self) -> bool:
         parts = self.parts
@@ -126,8 +105,7 @@ class BatchedTables:
         stores = [parts.stores.stores[t] for t in self.tables]
         if any(store.reads_rows or store.slot_rows is not None for store in stores):
             return False  # slots are not rows (a cache): the per-table path maps them
-        self._read = [_read(parts.tables, name) for name in self.names]
-        self.weights = [read[2].detach() for read in self._read]
+        self.weights = [table_weight(parts.tables, name).detach() for name in self.names]
         dtypes = {weight.dtype for weight in self.weights}
         if len(dtypes) != 1 or dtypes.pop() not in BATCHED_DTYPES:
             return False

@@ -168,6 +168,7 @@ class ForwardPhases:
         travel, then the others' bags, and send them their pooled rows. Raw ids of tables
         remapped here (owner_remap.py) become rows first, every sender's at once, so then the
         own bags wait for the others' ids. A batch fetched ahead has its slots already."""
+        self.batched.guard.check()  # a weight replaced by another shape or dtype: an error
         parts = self.parts
         routing, stores = parts.routing, parts.stores
         rank, batch = routing.rank, routed.batch

@@ -32,6 +32,7 @@ from manualpar.embeddings.step.routing import Routing
 from manualpar.embeddings.step.size_header import REFUSED, header_width
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.step.update_journal import UpdateJournal
+from manualpar.embeddings.step.weight_guard import WeightGuard
 from manualpar.embeddings.step.wire import WireDtypes
 from manualpar.embeddings.storage.table_blocks import TableBlocks
 from manualpar.phase_times import PhaseTimes
@@ -70,7 +71,9 @@ class ShardedStep:
             owner_remap,
         )
         data_parallel = DataParallelTables(self.parts)
-        batched = BatchedTables(self.parts)
+        held = [block.name for block in blocks.held()]
+        job_rank = mesh.group_ranks[mesh.shard_rank]
+        batched = BatchedTables(self.parts, WeightGuard(blocks.tables, held, job_rank))
         self.forward_phases = ForwardPhases(self.parts, data_parallel, batched, warn_uneven)
         self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite, batched)
         self.phase_times = PhaseTimes(device)
