@@ -17,18 +17,15 @@ import torch
 
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.features import SparseFeatures
-from manualpar.embeddings.kernels.bags import group_rows, pooled_sum
+from manualpar.embeddings.kernels.bags import group_rows
 from manualpar.embeddings.step.bag_expansion import FeatureBags, bag_lengths
 from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
-from manualpar.embeddings.step.exchange import (
-    SenderBags,
-    combine_senders,
-    pack_pooled,
-)
+from manualpar.embeddings.step.exchange import SenderBags, combine_senders
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
+from manualpar.embeddings.step.pooled_rows import add_own_pooled, send_pooled
 from manualpar.embeddings.step.results import FetchedRows, LookedUp, RoutedIds, SavedForBackward
 from manualpar.embeddings.step.scales import mean_features, pooling_scale, sender_scales
 from manualpar.embeddings.step.size_header import (
@@ -38,7 +35,7 @@ from manualpar.embeddings.step.size_header import (
     header_width,
     size_header,
 )
-from manualpar.embeddings.step.wire import Arriving, start_on_wire
+from manualpar.embeddings.step.wire import start_on_wire
 from manualpar.embeddings.storage.disk_tier import CacheTooSmall
 from manualpar.embeddings.storage.tier import Pins
 from manualpar.phase_times import (
@@ -179,7 +176,7 @@ class ForwardPhases:
         out = new(batch, routing.total_dim, dtype=parts.dtype, device=parts.device)
         if routed.fetched is not None:
             senders, pins = routed.fetched.senders, routed.fetched.pins
-            self._add_own_pooled(senders[rank], out, routed.bags, fills)
+            add_own_pooled(parts, senders[rank], out, routed.bags, fills)
             return self._send_and_group(routed, senders, out, pins, fills)
         if self.batched.takes(routed):
             return self._lookup_batched(routed, out, fills)
@@ -192,7 +189,7 @@ class ForwardPhases:
         if remap is not None:
             remap_senders(remap, local, senders)
         senders[rank] = stores.to_slots(local, senders[rank], pins)
-        self._add_own_pooled(senders[rank], out, routed.bags, fills)  # while the others' travel
+        add_own_pooled(parts, senders[rank], out, routed.bags, fills)  # while the others' travel
         try:
             if not remaps_here:
                 self._unpack_others(self._ids_in(routed), routed.sizes, senders)
@@ -274,7 +271,7 @@ class ForwardPhases:
         routing = parts.routing
         rank, world = routing.rank, routing.world_size
         local = routing.routed_local_shards()
-        pooled_in = self._send_pooled(senders, out, routed) if world > 1 else None
+        pooled_in = send_pooled(parts, senders, out, routed, self.wire) if world > 1 else None
         bag_counts = [[senders[s][k][1].numel() for s in range(world)] for k in range(len(local))]
         bags = [
             combine_senders([senders[s][k] for s in range(world)], rank) for k in range(len(local))
@@ -301,62 +298,6 @@ class ForwardPhases:
                     bool(bits & VARIABLE),
                 )
                 offset += length
-
-    def _add_own_pooled(
-        self, own: list[SenderBags], out: torch.Tensor, bags: FeatureBags, fills: bool
-    ) -> None:
-        """Look up this rank's own bags in its own shards, straight into the output (each
-        feature's rows expanded to the batch; `fills`: copied into an unfilled output)."""
-        parts = self.parts
-        routing = parts.routing
-        routes = iter(routing.routes_to[routing.rank])
-        for shard, shard_bags in zip(routing.routed_local_shards(), own, strict=True):
-            pooled = pooled_sum(parts.weight(shard.table), *shard_bags)
-            served = [next(routes) for _ in shard.features]
-            blocks = pooled.split([bags.counts[route.feature] for route in served])
-            for route, block in zip(served, blocks, strict=True):
-                parts.layout.add_block(out, route, bags.expand(route.feature, block), None, fills)
-
-    def _send_pooled(
-        self,
-        senders: list[list[SenderBags]],
-        out: torch.Tensor,
-        routed: RoutedIds,
-    ) -> Arriving:
-        """Look up the other ranks' bags and send them their pooled rows (in flight on
-        return; `out`, this rank's output, gives the dtype and device; `routed`, our bags
-        the other owners send back)."""
-        parts = self.parts
-        routing = parts.routing
-        local = routing.routed_local_shards()
-        pooled = [
-            None
-            if s == routing.rank
-            else [
-                pooled_sum(parts.weight(shard.table), *bags)
-                for shard, bags in zip(local, senders[s], strict=True)
-            ]
-            for s in range(routing.world_size)
-        ]
-        flat, splits = pack_pooled(pooled, like=out)
-        receive = parts.layout.output_splits(routed.bags.counts, routed.kept)
-        return start_on_wire(
-            parts, flat, splits, receive, "pooled output", self.wire, lambda: self._beyond(pooled)
-        )
-
-    def _beyond(self, pooled: list[list[torch.Tensor] | None]) -> list[str]:
-        """The tables whose pooled rows sent to other ranks exceed the wire dtype's range (the
-        slow path of an overflow, for its error)."""
-        bound = torch.finfo(self.wire).max
-        local = self.parts.routing.routed_local_shards()
-        return sorted(
-            {
-                self.parts.name(shard.table)
-                for shards in pooled
-                for shard, rows in zip(local, shards or [], strict=False)
-                if bool((rows.abs() > bound).any())
-            }
-        )
 
     # output dist ------------------------------------------------------------------------------
     @timed(POOLED_EXCHANGE)
