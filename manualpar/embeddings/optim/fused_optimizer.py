@@ -39,6 +39,7 @@ from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.table_blocks import TableBlocks, local_shards
 from manualpar.embeddings.storage.tier import RowStore
 from manualpar.errors import BuilderError
+from manualpar.ownership import claim, mesh_of, owner_of, trained_by_owner
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,6 +137,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         # inside a compiled graph, so the group is added by the function the wrapper holds.
         add = torch.optim.Optimizer.add_param_group
         getattr(add, "__wrapped__", add)(self, param_group)
+
+    def weights_replaced(self) -> None:
+        """torch's view (the param group, the state by parameter) of the blocks' weights as the
+        tables hold them now: the step calls it where one was replaced by one of the same shape
+        and dtype (step/weight_guard.py), which then frees the old block. A new Parameter takes
+        the old one's owner marks, so `dense_parameters()` leaves it out as before."""
+        group = self.param_groups[0]
+        for before, block in zip(group["params"], self._blocks, strict=True):
+            builder = owner_of(before)
+            if block.weight is not before and builder is not None:
+                now = [("weight", block.weight)]
+                trains_itself = trained_by_owner(before)
+                mesh = mesh_of(before)
+                claim(
+                    block.table,
+                    builder,
+                    now,
+                    trains_itself=trains_itself,
+                    mesh=mesh,
+                    take_module=False,
+                )
+        group["params"] = [block.weight for block in self._blocks]
+        self.state.clear()
+        for block in self._blocks.held():
+            self.state[block.weight] = self.table_state[block.name]
 
     # updates (inside backward) ----------------------------------------------------------------
     def begin_update(self) -> None:

@@ -85,7 +85,7 @@ def table_blocks(
                 store.fill_from(real.detach())
         else:
             _fill_block(weight, real, config, source.seed, shard)
-            store = MemoryRows(weight, state)
+            store = MemoryRows(table, state, config.name)
         blocks.append(TableBlock(config, shard, table, state, store))
     return TableBlocks(blocks)
 

@@ -13,7 +13,7 @@ under the same one), about 0.1 us a table; shapes and dtypes only where one chan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,12 +29,18 @@ class WeightGuard:
     """The blocks' weights as the optimizer's state was made for them, checked each step."""
 
     def __init__(
-        self, tables: nn.ModuleDict | None = None, names: Sequence[str] = (), rank: int = 0
+        self,
+        tables: nn.ModuleDict | None = None,
+        names: Sequence[str] = (),
+        rank: int = 0,
+        replaced: Callable[[], None] | None = None,
     ) -> None:
         """`names`: the tables of the blocks held on this rank (job rank `rank`); none by
-        default (a guard that checks nothing)."""
+        default (a guard that checks nothing). `replaced` is called after each replacement
+        taken (the fused optimizer's `weights_replaced`)."""
         self.tables = nn.ModuleDict() if tables is None else tables
         self.rank = rank
+        self._on_replaced = replaced
         self.replacements = 0  # weights replaced (same shape and dtype) since the step was built
         # per block: (table, its module's parameters, the weight, where its data was)
         self._seen: list[tuple[str, dict[str, nn.Parameter | None], torch.Tensor, int]] = []
@@ -69,3 +75,5 @@ class WeightGuard:
             )
         self._seen[k] = (name, held, now, now.data_ptr())
         self.replacements += 1
+        if self._on_replaced is not None:
+            self._on_replaced()

@@ -1,7 +1,9 @@
 """MemoryRows: a table block held whole in memory, the tier every table has by default.
 
 Slot i is row i, so a step maps nothing and pins nothing, and a checkpoint reads the weight and
-state tensors themselves (one chunk each).
+state tensors themselves (one chunk each): the weight where the table module holds it when the
+checkpoint reads it, so a weight replaced by one of the same shape and dtype (a new Parameter,
+new data under the same one) is the one saved and loaded into.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from manualpar.embeddings.config import BUILDER
+from manualpar.errors import BuilderError
 
 __all__ = ["MemoryRows"]
 
@@ -17,8 +23,29 @@ __all__ = ["MemoryRows"]
 class MemoryRows:
     """A RowStore (tier.py) over the block's weight and its optimizer state tensors."""
 
-    def __init__(self, weight: torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
-        self.weight, self.state = weight, state
+    def __init__(self, table: nn.Module, state: Mapping[str, torch.Tensor], name: str) -> None:
+        """`table`: the module holding the block's weight (as `weight`) of table `name`."""
+        self.table, self.state, self.name = table, state, name
+        weight = table.weight
+        assert isinstance(weight, torch.Tensor)
+        self._block = (weight.shape, weight.dtype)  # the rows and dtype of the state's rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The block's weight as the table holds it now (detached: a load copies into it)."""
+        weight = self.table.weight
+        assert isinstance(weight, torch.Tensor)
+        if (weight.shape, weight.dtype) != self._block:
+            (rows, cols), dtype = self._block
+            raise BuilderError(
+                f"{BUILDER}: table {self.name!r}: its weight was replaced by a "
+                f"{' x '.join(map(str, weight.shape))} {weight.dtype} tensor, but this rank's "
+                f"block is {rows} x {cols} {dtype}: a checkpoint would save or load part of the "
+                "table. Write new rows into the block in place (`weight.data.copy_(rows)`, or load "
+                f"a checkpoint), or build the collection again with {BUILDER}() for another "
+                "shape or dtype"
+            )
+        return weight.detach()
 
     def begin_step(self) -> None:
         pass
