@@ -179,3 +179,20 @@ def test_the_planned_cache_memory_is_every_tensor_the_cache_allocates(tmp_path: 
     workload = Workload(6, state=state, full_rows=full_rows)
     costs = plan_costs(list(TABLES), ON_DISK, load_topology("cpu-host", 1), workload, tier)
     assert costs.memory.tolist() == [planned]
+
+
+def test_a_replaced_cache_weight_stops_the_next_step(tmp_path: Path) -> None:
+    """A disk table's weight is its row cache: a same-shape replacement was taken, and the step
+    looked up the new tensor's slots (never filled) while checkpoints saved the old rows."""
+    emb = _shard(_meta(), DiskTier(tmp_path, cache_rows=12))
+    emb.tables["big"].weight = torch.nn.Parameter(torch.zeros(12, 4))
+    with pytest.raises(BuilderError) as error:
+        emb(_batch(0))
+    assert str(error.value) == (
+        "shard_embeddings: table 'big' on rank 0: its weight was replaced, but the table is on "
+        "the disk tier: the weight is its row cache (12 x 4 slots the tier fills from its file), "
+        "so the step would look up slots of the new tensor the tier never fills, and checkpoints "
+        "would save the old rows. Write new rows through a checkpoint load (the disk tier loads "
+        "them into its file), or build the collection again with shard_embeddings() from a "
+        "collection holding the new rows"
+    )

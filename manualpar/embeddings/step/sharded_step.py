@@ -73,7 +73,8 @@ class ShardedStep:
         data_parallel = DataParallelTables(self.parts)
         held = [block.name for block in blocks.held()]
         job_rank = mesh.group_ranks[mesh.shard_rank]
-        guard = WeightGuard(blocks.tables, held, job_rank, optimizer.weights_replaced)
+        cached = [name for name in held if blocks.stores.by_name[name].reads_rows]
+        guard = WeightGuard(blocks.tables, held, job_rank, optimizer.weights_replaced, cached)
         batched = BatchedTables(self.parts, guard)
         self.forward_phases = ForwardPhases(self.parts, data_parallel, batched, warn_uneven)
         self.backward_phases = BackwardPhases(self.parts, data_parallel, non_finite, batched)

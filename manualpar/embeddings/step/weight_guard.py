@@ -5,7 +5,9 @@ the block's dtype: a weight replaced by another row count or dtype (`module.weig
 nn.Parameter(...)` of another shape, `emb.double()`) would leave it mismatched, and the step
 would fail deep in a kernel or update rows with another row's state. A weight replaced by one of
 the same shape and dtype (new values) is taken; the table batch then reads it again
-(batched_tables.py: `replacements`).
+(batched_tables.py: `replacements`). A disk tier's table (`cached`) takes none: its module's
+weight is the row cache the tier fills from its file (and saves), which would go on using the
+old one.
 
 Each step's lookup checks each held block's weight by identity (a new Parameter, or new data
 under the same one), about 0.1 us a table; shapes and dtypes only where one changed.
@@ -13,7 +15,7 @@ under the same one), about 0.1 us a table; shapes and dtypes only where one chan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -34,12 +36,15 @@ class WeightGuard:
         names: Sequence[str] = (),
         rank: int = 0,
         replaced: Callable[[], None] | None = None,
+        cached: Collection[str] = (),
     ) -> None:
         """`names`: the tables of the blocks held on this rank (job rank `rank`); none by
         default (a guard that checks nothing). `replaced` is called after each replacement
-        taken (the fused optimizer's `weights_replaced`)."""
+        taken (the fused optimizer's `weights_replaced`). `cached`: the tables whose weight is a
+        row cache (RowStore.reads_rows), which refuse any replacement."""
         self.tables = nn.ModuleDict() if tables is None else tables
         self.rank = rank
+        self.cached = frozenset(cached)
         self._on_replaced = replaced
         self.replacements = 0  # weights replaced (same shape and dtype) since the step was built
         # per block: (table, its module's parameters, the weight, where its data was)
@@ -63,6 +68,16 @@ class WeightGuard:
         if now is weight and now.data_ptr() == data:
             return
         shape, dtype = self._block[name]
+        if name in self.cached:
+            rows, cols = shape
+            raise BuilderError(
+                f"{BUILDER}: table {name!r} on rank {self.rank}: its weight was replaced, but the "
+                f"table is on the disk tier: the weight is its row cache ({rows} x {cols} slots "
+                "the tier fills from its file), so the step would look up slots of the new tensor "
+                "the tier never fills, and checkpoints would save the old rows. Write new rows "
+                "through a checkpoint load (the disk tier loads them into its file), or build the "
+                f"collection again with {BUILDER}() from a collection holding the new rows"
+            )
         if now.shape != shape or now.dtype != dtype:
             rows, cols = shape
             raise BuilderError(
