@@ -22,6 +22,7 @@ from torch import nn
 
 from manualpar.embeddings.config import BUILDER
 from manualpar.embeddings.modules.bag_collection import table_weight
+from manualpar.embeddings.storage.memory_rows import replaced_weight_error
 from manualpar.errors import BuilderError
 
 __all__ = ["WeightGuard"]
@@ -57,10 +58,10 @@ class WeightGuard:
 
     def check(self) -> None:
         """Raise BuilderError where a block's weight was replaced by another shape or dtype."""
-        for seen in self._seen:
-            now = seen[1].get("weight")  # None where not a registered parameter: `_replaced` reads
-            if now is not seen[2] or now.data_ptr() != seen[3]:
-                self._replaced(self._seen.index(seen))
+        for k, (_, held, weight, data) in enumerate(self._seen):
+            now = held.get("weight")  # None where not a registered parameter: `_replaced` reads
+            if now is not weight or now.data_ptr() != data:
+                self._replaced(k)
 
     def _replaced(self, k: int) -> None:
         name, held, weight, data = self._seen[k]
@@ -79,14 +80,12 @@ class WeightGuard:
                 f"collection again with {BUILDER}() from a collection holding the new rows"
             )
         if now.shape != shape or now.dtype != dtype:
-            rows, cols = shape
-            raise BuilderError(
-                f"{BUILDER}: table {name!r} on rank {self.rank}: its weight was replaced by a "
-                f"{' x '.join(map(str, now.shape))} {now.dtype} tensor, but this rank's block is "
-                f"{rows} x {cols} {dtype} and the fused optimizer's state holds one row per block "
-                "row in that dtype. Write new rows into the block in place "
-                "(`weight.data.copy_(rows)`, or load a checkpoint), or build the collection again "
-                f"with {BUILDER}() for another shape or dtype"
+            raise replaced_weight_error(
+                f"{name!r} on rank {self.rank}",
+                now,
+                shape,
+                dtype,
+                " and the fused optimizer's state holds one row per block row in that dtype",
             )
         self._seen[k] = (name, held, now, now.data_ptr())
         self.replacements += 1

@@ -17,7 +17,23 @@ from torch import nn
 from manualpar.embeddings.config import BUILDER
 from manualpar.errors import BuilderError
 
-__all__ = ["MemoryRows"]
+__all__ = ["MemoryRows", "replaced_weight_error"]
+
+
+def replaced_weight_error(
+    table: str, now: torch.Tensor, shape: torch.Size, dtype: torch.dtype, why: str
+) -> BuilderError:
+    """The error for a block's weight replaced by one of another shape or dtype (`table`: its
+    name as the message shows it, e.g. with its rank; `why`: what would go wrong, from its
+    separator on); the step's check (step/weight_guard.py) and a checkpoint's read raise it."""
+    rows, cols = shape
+    return BuilderError(
+        f"{BUILDER}: table {table}: its weight was replaced by a "
+        f"{' x '.join(map(str, now.shape))} {now.dtype} tensor, but this rank's block is "
+        f"{rows} x {cols} {dtype}{why}. Write new rows into the block in place "
+        "(`weight.data.copy_(rows)`, or load a checkpoint), or build the collection again with "
+        f"{BUILDER}() for another shape or dtype"
+    )
 
 
 class MemoryRows:
@@ -36,14 +52,11 @@ class MemoryRows:
         weight = self.table.weight
         assert isinstance(weight, torch.Tensor)
         if (weight.shape, weight.dtype) != self._block:
-            (rows, cols), dtype = self._block
-            raise BuilderError(
-                f"{BUILDER}: table {self.name!r}: its weight was replaced by a "
-                f"{' x '.join(map(str, weight.shape))} {weight.dtype} tensor, but this rank's "
-                f"block is {rows} x {cols} {dtype}: a checkpoint would save or load part of the "
-                "table. Write new rows into the block in place (`weight.data.copy_(rows)`, or load "
-                f"a checkpoint), or build the collection again with {BUILDER}() for another "
-                "shape or dtype"
+            raise replaced_weight_error(
+                repr(self.name),
+                weight,
+                *self._block,
+                ": a checkpoint would save or load part of the table",
             )
         return weight.detach()
 
