@@ -9,7 +9,8 @@ An optimizer created before setup would hold meta or replaced (pre-sharding) par
 silently train nothing: setup refuses one it can find (before any table updates itself in
 backward), and a step pre-hook on every torch optimizer catches the rest at their first step.
 The same hook warns about an optimizer over `model.parameters()`, which holds the tables'
-self-updating parameters: its settings silently do not reach them.
+self-updating parameters: its settings silently do not reach them (not about the optimizer that
+updates them, a builder's `updates_own_parameters = True`, e.g. the tables' fused optimizer).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def _first_step_check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if optimizer in _checked_optimizers:
         return
     check_optimizer(optimizer)
-    _warn_if_it_holds_self_trained(optimizer)
+    if not getattr(optimizer, "updates_own_parameters", False):  # a builder's own: holds them
+        _warn_if_it_holds_self_trained(optimizer)
     _checked_optimizers.add(optimizer)
 
 

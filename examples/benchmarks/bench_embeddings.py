@@ -297,6 +297,8 @@ def main() -> None:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
+    if args.baseline_src and (args.scale or args.precision):  # before any job starts
+        parser.error("--baseline-src runs in the default mode: leave out --scale and --precision")
     if args.sequence and (args.floor or args.scale or args.precision):
         raise SystemExit("--sequence compares manualpar with --peer-python only (no --floor, ...)")
     if args.lengths != "fixed" and args.floor:

@@ -115,8 +115,26 @@ def _on_rank(dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
     )
     batch = 5 if strategy.rank == 0 else 3  # uneven batches: other senders' scales differ
     runs = [_train(strategy, plan, dtype, batched, batch) for batched in (True, False)]
+    _replaced_mid_step(strategy, plan)
     strategy.teardown()
     return runs
+
+
+def _replaced_mid_step(strategy: mp.ManualParallelStrategy, plan: EmbeddingPlan) -> None:
+    """A weight replaced between a step's forward and its backward on every rank (step/
+    weight_guard.py): every rank's backward raises after the gradient exchange, before any
+    update, and the next step runs on every rank (no collective left half done)."""
+    with mp.empty_init():
+        ebc = EmbeddingBagCollection(_tables(torch.float32), seed=3)
+    emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1))
+    emb.step.batches_tables = True
+    emb(_batch(strategy.rank, 0, 4)).values.sum().backward()
+    loss = emb(_batch(strategy.rank, 1, 4)).values.sum()
+    table = emb.tables["t1"]  # row-wise: a block on every rank
+    table.weight = torch.nn.Parameter(table.weight.detach().clone())
+    with pytest.raises(mp.errors.BuilderError, match="between this step's forward and its back"):
+        loss.backward()
+    emb(_batch(strategy.rank, 2, 4)).values.sum().backward()
 
 
 @needs_kernels

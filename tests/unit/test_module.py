@@ -283,3 +283,24 @@ def test_setup_scans_for_early_optimizers_only_when_something_holds_a_replaced_p
     ):
         early.setup(mp.ManualParallelStrategy())
     del held, optimizer
+
+
+def test_the_fused_optimizer_itself_does_not_warn_about_the_tables_it_updates() -> None:
+    """Its param group holds the tables it updates in backward: its `step()` (a closure's loop,
+    a training loop stepping every optimizer) set off the warning meant for a user's optimizer
+    over model.parameters(), which still warns."""
+    model = Ranker()
+    model.setup(mp.ManualParallelStrategy())
+    fused = model.sparse.fused_optimizer
+
+    def closure() -> torch.Tensor:
+        loss = model.loss()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused.step(closure)
+        fused.step()
+        torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1).step()
+    assert [str(w.message) for w in caught] == [SELF_TRAINED_WARNING]

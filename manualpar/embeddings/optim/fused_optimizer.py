@@ -57,6 +57,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # checkpoints take state_dict() as is (tables' blocks), not torch's per-parameter layout
     saves_own_state = True
+    # its parameters are the ones it updates (in backward): the step pre-hook's "an optimizer
+    # holds self-updating parameters" warning (manualpar/module.py) is not for it
+    updates_own_parameters = True
 
     def __init__(
         self,

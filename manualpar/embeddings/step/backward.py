@@ -127,6 +127,8 @@ class BackwardPhases:
         try:
             with self.times.phase(GRAD_EXCHANGE):  # waits for every rank's flags
                 finite = self.finite.passed(routed.non_finite)
+            if finite:  # a weight replaced since the lookup: an error, not a stale update
+                self.batched.guard.unchanged([parts.name(t) for t in saved.frozen])
         except BaseException:
             self._drop(routed, saved)
             raise

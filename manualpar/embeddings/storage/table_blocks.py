@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from manualpar.checkpoint.local_shards import Block, LocalShards
+from manualpar.checkpoint.local_shards import Block, LocalShards, current_load
 from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.bag_collection import EmbeddingTable
 from manualpar.embeddings.plan import Shard
+from manualpar.embeddings.storage.replaced_cache import refuse_replaced_cache
 from manualpar.embeddings.storage.tier import RowStore, TableStores
 
 __all__ = ["TableBlock", "TableBlocks", "local_shards"]
@@ -81,6 +82,8 @@ def local_shards(
     shape = (config.num_embeddings,) if per_row else (config.num_embeddings, config.embedding_dim)
     if shard is None or store is None:  # no block of this table here: an entry without blocks
         return LocalShards(shape, [], dtype)
+    if current_load() is None:  # a save: a disk tier's weight must still be its row cache
+        refuse_replaced_cache(block.name, store, block.table.weight)
     primary = primary_replica and (not shard.replicated or shard.rank == 0)
     if per_row:  # column blocks all hold the same row statistics: one of them saves them
         primary = primary and shard.col_start == 0
