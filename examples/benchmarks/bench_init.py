@@ -5,6 +5,9 @@
         --peer-python .venv-torchrec/bin/python --json runs/bench_init_embeddings.json
     python examples/benchmarks/bench_init.py --embeddings --warm --repeats 5 \
         --peer-python .venv-torchrec/bin/python --json runs/bench_init_embeddings_warm.json
+    python examples/benchmarks/bench_init.py --embeddings --repeats 5 --small-pages \
+        --cold-gap 20 --steps 100 --peer-python .venv-torchrec/bin/python \
+        --json runs/bench_init_embeddings_steps.json
 
 Dense (default): meta init + fsdp() against eager init + fsdp(), time per GB and peak RSS per
 rank. "eager" builds the full model on every rank and then shards it; "meta" builds it under
@@ -23,7 +26,10 @@ host's supply, 4 KiB pages only once the small free blocks run out); variants ro
 report gives the median of the per-repeat ratios. `--small-pages` adds manualpar without huge
 pages; `--warm` times a second build after one built and freed in the same process, so that both get
 pages the process just gave back (on a virtual machine, fresh pages can cost more than the
-build).
+build). `--cold-gap SECONDS` waits before each job until the 2 MiB blocks the previous one freed
+are reported to the host, so that every job starts cold (init_steps.py); `--steps N` also times
+the first N training steps after init (the embedding benchmark's batches), for the init plus
+steps totals that weigh 4 KiB pages' cheaper init against their slower step.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import init_steps
 import job_launch
 from host_memory import free_memory, huge_mib
 
@@ -127,7 +134,9 @@ def embeddings_manualpar(args: argparse.Namespace) -> None:
     strategy.barrier()
     before, started = free_memory(), _clocks()
     built = build()  # held until measured: freeing it is not init
-    _write_init(args, "manualpar", started, before)
+    ended, HUGE_AT_INIT[:] = _clocks(), [huge_mib() or 0.0]
+    steps = init_steps.manualpar_steps(args, built, strategy.rank, world)
+    _write_init(args, "manualpar", (started, ended), before, steps)
     del built
     strategy.teardown()
 
@@ -151,7 +160,8 @@ def embeddings_torchrec(args: argparse.Namespace) -> None:
     dist.barrier()
     before, started = free_memory(), _clocks()
     built = build_model(args, dist.get_rank(), dist.get_world_size())
-    _write_init(args, "torchrec", started, before)
+    ended = _clocks()
+    _write_init(args, "torchrec", (started, ended), before, init_steps.torchrec_steps(args, built))
     del built
     dist.destroy_process_group()
 
@@ -167,6 +177,7 @@ def _build_and_free(build: Callable[[], object]) -> None:
 # wall; user + system (all threads); system; minor page faults (a 2 MiB page is one)
 CLOCKS = ("init_s", "init_cpu_s", "init_sys_s", "init_faults")
 PHASES: dict[str, list[float]] = {}  # name: the CLOCKS spent inside its calls (`_phase`)
+HUGE_AT_INIT: list[float] = []  # this rank's MiB on 2 MiB pages when init returned
 
 
 def _clocks() -> tuple[float, float, float, float]:
@@ -190,7 +201,11 @@ def _phase(name: str, function: Callable) -> Callable:
 
 
 def _write_init(
-    args: argparse.Namespace, variant: str, started: tuple[float, ...], before: dict
+    args: argparse.Namespace,
+    variant: str,
+    span: tuple[tuple[float, ...], tuple[float, ...]],
+    before: dict,
+    steps: dict | None = None,
 ) -> None:
     """The slowest rank's seconds since `started` on each clock, every rank's peak RSS, MiB on
     2 MiB pages and phases, and the host's free memory `before` (rank 0's), written by rank 0."""
@@ -198,17 +213,18 @@ def _write_init(
     import torch.distributed as dist
     from embedding_workload import peak_rss_gb
 
-    now = _clocks()
-    spent = torch.tensor([b - a for a, b in zip(started, now, strict=True)], dtype=torch.float64)
+    spent = torch.tensor([b - a for a, b in zip(*span, strict=True)], dtype=torch.float64)
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
     peaks: list[float | None] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_rss_gb())
     pages: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(pages, {"huge_mib": huge_mib(), "phases": PHASES})
+    dist.all_gather_object(
+        pages, {"huge_mib": huge_mib(), "huge_mib_at_init": HUGE_AT_INIT, "phases": PHASES}
+    )
     if dist.get_rank() == 0:
         record = {"variant": variant, "plan": args.plan, "peak_rss_gb_per_rank": peaks}
         record |= {"free_memory_before": before, "pages_per_rank": pages}
-        record |= dict(zip(CLOCKS, spent.tolist(), strict=True))
+        record |= dict(zip(CLOCKS, spent.tolist(), strict=True)) | (steps or {})
         Path(args.result).write_text(json.dumps(record))
 
 
@@ -262,6 +278,7 @@ def embeddings(args: argparse.Namespace) -> dict:
         raise SystemExit("--embeddings compares with TorchRec: pass --peer-python")
     workload = [f"--{key}={getattr(args, key)}" for key in ("plan", "tables", "rows", "dim")]
     workload += ["--warm"] if args.warm else []
+    workload += [f"--steps={args.steps}"]
     mine = ["--worker", "embeddings-manualpar", *workload]
     jobs: dict[str, tuple[str, list[str], dict[str, str]]] = {
         "manualpar": (sys.executable, mine, {}),
@@ -273,7 +290,8 @@ def embeddings(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-            run = launch(*jobs[name])
+            reported = init_steps.wait_cold(args.cold_gap)
+            run = launch(*jobs[name]) | {"gap_reported_mib": reported}
             runs[name].append(run)
             print(
                 f"repeat {repeat} {name:18s}: wall {run['init_s']:.2f} s, CPU "
@@ -281,7 +299,10 @@ def embeddings(args: argparse.Namespace) -> dict:
                 f"{max(run['peak_rss_gb_per_rank']):.2f} GiB, {run['init_faults']:.0f} faults, "
                 f"{max(p['huge_mib'] or 0 for p in run['pages_per_rank']):.0f} MiB on 2 MiB pages; "
                 f"host memory free in small blocks {_mib(run, 'free_below_order_mib')} "
-                f"(load {os.getloadavg()[0]:.1f})",
+                f"(load {os.getloadavg()[0]:.1f}, MemAvailable {init_steps.available_mib()} MiB"
+                + init_steps.gap_note(run)
+                + ")"
+                + init_steps.steps_line(run),
                 flush=True,
             )
     summary: dict[str, float] = {}
@@ -293,6 +314,16 @@ def embeddings(args: argparse.Namespace) -> dict:
             for key in CLOCKS[:2]:
                 summary[f"{name}/torchrec {key}"] = statistics.median(
                     a[key] / b[key] for a, b in pairs
+                )
+            if args.steps:
+                for key in ("steps_cpu_s", "init_and_steps_cpu_s", "late_step_cpu_ms"):
+                    summary[f"{name}/torchrec {key}"] = statistics.median(
+                        init_steps.totals(a)[key] / init_steps.totals(b)[key] for a, b in pairs
+                    )
+        if args.steps:
+            for key in ("steps_cpu_s", "init_and_steps_cpu_s", "late_step_cpu_ms"):
+                summary[f"{name} median {key}"] = statistics.median(
+                    init_steps.totals(r)[key] for r in runs[name]
                 )
     print(json.dumps(summary, indent=1))
     return {"runs": runs, "summary": summary}
@@ -325,6 +356,17 @@ def main() -> None:
         action="store_true",
         help="time a second build, after one built and freed in the same process",
     )
+    parser.add_argument(
+        "--steps", type=int, default=0, help="also time the first STEPS training steps after init"
+    )
+    parser.add_argument(
+        "--cold-gap",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait SECONDS before each job, so that the 2 MiB blocks the previous job freed are "
+        "reported to the host and the next job's are cold (10-20 s measured enough)",
+    )
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -333,6 +375,7 @@ def main() -> None:
         return
     if args.worker is not None:  # the peer's build_model reads the workload's settings
         args.lr, args.dtype, args.sequence = 0.01, "fp32", False
+        args.batch, args.ids_per_bag = 2048, 20  # the embedding benchmark's batches
         run = embeddings_manualpar if args.worker == "embeddings-manualpar" else embeddings_torchrec
         run(args)
         return
