@@ -5,12 +5,16 @@ CPU (and much more wall on a loaded machine) paid by every process that imports 
 compiled or not. This decorator defers that to the first call: the decorated function is
 wrapped by `torch.compiler.disable` then, and later calls go straight to the wrapped one. A
 compiled caller sees the same graph break either way (torch's own `_disable_dynamo` works the
-same way).
+same way). Until something imports torch._dynamo, nothing can be compiling (torch.compile
+imports it before it traces), so calls go straight to the function: a job's first batch and step
+then pay no compiler import (building the first `SparseFeatures` took 0.77-0.86 s of CPU, now
+0.0004 s; 3 pairs of fresh processes).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -29,6 +33,8 @@ def eager_only(reason: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         @functools.wraps(fn)
         def run_eagerly(*args: P.args, **kwargs: P.kwargs) -> R:
             if not disabled:
+                if "torch._dynamo" not in sys.modules:  # no compiler loaded: nothing compiling
+                    return fn(*args, **kwargs)
                 import torch.compiler
 
                 disabled.append(torch.compiler.disable(fn, reason=reason))
