@@ -69,18 +69,21 @@ def pool_tables(
     lengths: torch.Tensor,
     segments: torch.Tensor,
     outs: list[torch.Tensor],
+    assign: bool = False,
 ) -> None:
-    """Add each bag's sum of rows into its segment's place in `outs` (one call, all tables)."""
-    loaded_kernels().pool_tables(weights, ids, lengths, segments, outs)
+    """Add each bag's sum of rows into its segment's place in `outs` (one call, all tables);
+    `assign`: write it there instead (the bits of adding it into zeros, with no zeros written
+    first; the segments' places must not overlap)."""
+    loaded_kernels().pool_tables(weights, ids, lengths, segments, outs, assign)
 
 
 def group_batch(batch: TableBatch) -> None:
     """Group the batch's ids by row over all its tables at once (batch.bags.groups): keys
-    row_offsets[table] + id, so runs of one table are adjacent and in the per-table order."""
+    row_offsets[table] + id, so runs of one table are adjacent and in the per-table order.
+    One kernel pass makes each id's key as it sorts (no keys tensor, no second pass)."""
     bags = batch.bags
-    kernels = loaded_kernels()
-    keys = kernels.table_keys(bags.ids, bags.lengths, batch.segments, batch.row_offsets)
-    total = int(batch.row_offsets[-1])
     bags.groups = RowGroups(
-        *kernels.group_rows(keys, bags.lengths, total, bags.own_begin, bags.own_end)
+        *loaded_kernels().group_tables(
+            bags.ids, bags.lengths, batch.segments, batch.row_offsets, bags.own_begin, bags.own_end
+        )
     )

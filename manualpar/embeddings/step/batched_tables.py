@@ -17,6 +17,7 @@ Otherwise the step takes the per-table path, which gives the same bits.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,8 @@ class BatchedTables:
         # shape or dtype is an error, one of the same is read again here (`usable`)
         self.guard = WeightGuard() if guard is None else guard
         self._decided = 0  # the guard's replacements when `_decide` read the weights
-        self._own_cache: dict[tuple[int, int], torch.Tensor] = {}  # pool_own's segments
+        # pool_own's segments, and whether their columns are apart (each written by one)
+        self._own_cache: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
         self._counted_cache: dict[tuple[tuple[int, ...], ...], _Counted] = {}  # batch's
         routing = parts.routing
         self._routes = len(routing.routes_to[routing.rank])  # routes (bag rows) per sender
@@ -165,24 +167,36 @@ class BatchedTables:
             offset += length
         return senders
 
-    def pool_own(self, own: BatchPart, out: torch.Tensor) -> None:
+    def pool_own(self, own: BatchPart, out: torch.Tensor, fills: bool = False) -> None:
         """Look this rank's own bags (`sender_bags`') up straight into its output columns (one
-        call)."""
-        pool_tables(self.weights, own[0], own[1], self._own_segments(out), [out])
+        call). `fills`: `out` is unfilled; where no two tables share columns (`assigns_own`)
+        the pooled rows are written, not added, so no zeros are written first; else the caller
+        zeroes the columns first."""
+        segments, apart = self._own_segments(out)
+        pool_tables(self.weights, own[0], own[1], segments, [out], fills and apart)
 
-    def _own_segments(self, out: torch.Tensor) -> torch.Tensor:
-        """Where our own bags' pooled rows go in `out`: fixed by its shape, so made once per
-        (batch, row stride) and kept (the step's batch rarely changes)."""
+    def assigns_own(self, out: torch.Tensor) -> bool:
+        """Whether `pool_own(..., fills=True)` writes our own columns of `out` whole."""
+        return self._own_segments(out)[1]
+
+    def _own_segments(self, out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Where our own bags' pooled rows go in `out`, and whether no two segments share a
+        column: fixed by its shape, so made once per (batch, row stride) and kept (the step's
+        batch rarely changes)."""
         key = (out.shape[0], out.stride(0))
         found = self._own_cache.get(key)
         if found is None:
             routing = self.parts.routing
             segments = Segments()
+            spans = []
             for k, shard in enumerate(self.local):
                 for f in shard.features:
                     start = routing.feature_offsets[f] + shard.shard.col_start
                     segments.add(k, key[0], 0, start, key[1])
-            found = segments.tensor()
+                    spans.append((start, start + shard.shard.cols))
+            spans.sort()
+            apart = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+            found = (segments.tensor(), apart)
             if len(self._own_cache) >= 8:
                 self._own_cache.clear()
             self._own_cache[key] = found
@@ -229,9 +243,9 @@ class BatchedTables:
         """The other senders' pooled rows, in one buffer by destination (as pack_pooled lays
         them out), and the send splits (0 to ourselves)."""
         counted = self._counted(batch.counts)
-        flat = like.new_zeros(counted.size)
+        flat = like.new_empty(counted.size)  # every element written (the segments tile it)
         every = batch.bags
-        pool_tables(self.weights, every.ids, every.lengths, counted.others, [flat])
+        pool_tables(self.weights, every.ids, every.lengths, counted.others, [flat], assign=True)
         return flat, list(counted.splits)
 
     def beyond(self, batch: TableBatch, flat: torch.Tensor, bound: float) -> list[str]:

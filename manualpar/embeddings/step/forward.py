@@ -204,16 +204,16 @@ class ForwardPhases:
         """The lookup with every table in one call per sender group (batched_tables.py), each
         sender's bags read in place from its payload: our own while the others' ids travel,
         then theirs, sent back, and the rows grouped while they travel. Slots are rows here:
-        nothing is mapped or pinned. `fills`: `out` is unfilled, and our own columns are zeroed
-        here (the batch adds into them)."""
+        nothing is mapped or pinned. `fills`: `out` is unfilled, and our own columns are written
+        by the batch (zeroed first where two tables share columns: it adds into them)."""
         parts, batched = self.parts, self.batched
         routing = parts.routing
         rank, world = routing.rank, routing.world_size
         parts.stores.begin_step()
-        if fills:
+        if fills and not batched.assigns_own(out):
             parts.layout.zero_own(out)
         own = batched.sender_bags(routed.own_payload, routed.sizes[rank][0], compact=False)
-        batched.pool_own(own, out)
+        batched.pool_own(own, out, fills)
         batch = batched.batch(batched.every_sender(own, self._ids_in(routed), routed.sizes))
         pooled_in = None
         if world > 1:

@@ -64,7 +64,7 @@ void sort_by_key(std::vector<uint64_t>& values, int64_t key_bits, int64_t shift)
 }  // namespace
 
 Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t num_rows,
-                 int64_t own_begin, int64_t own_end) {
+                 int64_t own_begin, int64_t own_end, const std::vector<KeyRange>* ranges) {
   const int64_t n = ids.numel(), num_bags = lengths.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
@@ -83,12 +83,20 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
   std::vector<uint64_t> sorted(n);
   std::vector<int64_t> bag_of(packs_bag ? 0 : n);
   int64_t filled = 0;
+  // one key range for plain ids; a table batch's ranges key each table's ids apart
+  const KeyRange whole{num_bags, 0, num_rows};
+  const KeyRange* range = ranges ? ranges->data() : &whole;
+  const KeyRange* const ranges_end = ranges ? ranges->data() + ranges->size() : &whole + 1;
   for (int64_t b = 0; b < num_bags; ++b) {
     TORCH_CHECK(len[b] >= 0 && filled + len[b] <= n, "lengths disagree with ids");
+    while (range != ranges_end && b >= range->bag_end) ++range;
+    TORCH_CHECK(range != ranges_end, "bag ", b, " lies in no key range");
+    const int64_t base = range->base, rows = range->rows;
     const uint64_t bag = packs_bag ? static_cast<uint64_t>(b) << pos_bits : 0;
     for (int64_t i = filled; i < filled + len[b]; ++i) {
-      TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "id ", id[i], " outside [0, ", num_rows, ")");
-      sorted[i] = (static_cast<uint64_t>(id[i]) << shift) | bag | static_cast<uint64_t>(i);
+      TORCH_CHECK(id[i] >= 0 && id[i] < rows, "id ", id[i], " outside [0, ", rows, ")");
+      sorted[i] =
+          (static_cast<uint64_t>(base + id[i]) << shift) | bag | static_cast<uint64_t>(i);
       if (!packs_bag) bag_of[i] = b;
     }
     filled += len[b];

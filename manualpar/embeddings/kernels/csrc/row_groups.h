@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 // Occurrences of each distinct id, kept as tensors so a caller can group in one phase (forward,
 // while an exchange is in flight) and update in another. Positions are ordered by id: `order`
@@ -31,7 +32,15 @@ struct GroupsView {
         runs(g.runs.data_ptr<int64_t>()) {}
 };
 
+// Keys of many tables' ids in one row space (a table batch): the bags before `bag_end` (and
+// after the previous range's) hold ids of a table of `rows` rows, keyed `base` + id.
+struct KeyRange {
+  int64_t bag_end, base, rows;
+};
+
 // The groups of `ids` (bags of `lengths`, every id in [0, num_rows)), the runs of rows only bags
-// [own_begin, own_end) touch first.
+// [own_begin, own_end) touch first. With `ranges` (in bag order, the last ending at the last
+// bag), each id is grouped by its key base + id instead, checked against its range's rows.
 Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t num_rows,
-                 int64_t own_begin, int64_t own_end);
+                 int64_t own_begin, int64_t own_end,
+                 const std::vector<KeyRange>* ranges = nullptr);

@@ -13,10 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "prefetch.h"
+#include "row_groups.h"
 #include "rowwise_row.h"
 #include "table_batch_update.h"
 
@@ -26,6 +28,7 @@ using table_batch_update::check_rows;
 using table_batch_update::RunInputs;
 using table_batch_update::TableRows;
 using table_batch_update::grad_blocks;
+using table_batch_update::kPoolLinesAhead;
 using table_batch_update::rowwise_adagrad_tables_impl;
 
 // A segment: (table, first bag, end bag, output, first element, row stride): bag b's pooled
@@ -71,11 +74,12 @@ void check_index(const torch::Tensor& t, const char* what) {
 }
 
 // Each bag's sum of rows as embedding_bag(mode="sum") computes it (from zero, in id order),
-// added into its segment's output.
+// added into its segment's output, or (`assign`) written there: 0 + the sum, the bits of adding
+// it into zeros, with no zeros written first.
 template <typename scalar_t>
 void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Tensor& ids,
                       const std::vector<int64_t>& starts, const std::vector<Segment>& segments,
-                      std::vector<torch::Tensor>& outs) {
+                      std::vector<torch::Tensor>& outs, bool assign) {
   const int64_t* id = ids.data_ptr<int64_t>();
   for (size_t s = 0; s < segments.size(); ++s) {
     const Segment& seg = segments[s];
@@ -93,20 +97,31 @@ void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Te
     for (int64_t i = first_id; i < end_id; ++i) {
       TORCH_CHECK(0 <= id[i] && id[i] < rows, "id ", id[i], " outside [0, ", rows, ")");
     }
+    const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t lines = std::max<int64_t>((row_bytes + kCacheLine - 1) / kCacheLine, 1);
+    const int64_t ahead = std::max<int64_t>(kPrefetchFar, kPoolLinesAhead / lines);
     at::parallel_for(0, bags, 256, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> buffer(cols);
       scalar_t* __restrict__ acc = buffer.data();
-      const int64_t last = starts[seg.bag_begin + end];
+      const int64_t head = starts[seg.bag_begin + begin], last = starts[seg.bag_begin + end];
+      // the first rows asked for at once (else each segment's first `ahead` waited alone)
+      for (int64_t i = head; i < std::min(last, head + ahead); ++i) {
+        prefetch_row_to_read(w + id[i] * stride, cols);
+      }
       for (int64_t b = begin; b < end; ++b) {
         const int64_t bag = seg.bag_begin + b;
         scalar_t* __restrict__ d = dst + b * seg.stride;
         const int64_t first = starts[bag], stop = starts[bag + 1];
-        for (int64_t i = first; i < stop && i + kPrefetchFar < last; ++i) {
-          prefetch_row_to_read(w + id[i + kPrefetchFar] * stride, cols);
+        for (int64_t i = first; i < stop && i + ahead < last; ++i) {
+          prefetch_row_to_read(w + id[i + ahead] * stride, cols);
         }
         if (stop - first == 1) {  // one id: the sum is its row
           const scalar_t* __restrict__ src = w + id[first] * stride;
-          for (int64_t c = 0; c < cols; ++c) d[c] += scalar_t(0) + src[c];
+          if (assign) {
+            for (int64_t c = 0; c < cols; ++c) d[c] = scalar_t(0) + src[c];
+          } else {
+            for (int64_t c = 0; c < cols; ++c) d[c] += scalar_t(0) + src[c];
+          }
           continue;
         }
         std::fill(acc, acc + cols, scalar_t(0));
@@ -114,7 +129,11 @@ void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Te
           const scalar_t* __restrict__ src = w + id[i] * stride;
           for (int64_t c = 0; c < cols; ++c) acc[c] += src[c];
         }
-        for (int64_t c = 0; c < cols; ++c) d[c] += acc[c];
+        if (assign) {
+          for (int64_t c = 0; c < cols; ++c) d[c] = scalar_t(0) + acc[c];
+        } else {
+          for (int64_t c = 0; c < cols; ++c) d[c] += acc[c];
+        }
       }
     });
   }
@@ -124,9 +143,10 @@ void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Te
 
 // Pool the bags of many tables in one call: `weights` one block per table (one dtype, rows
 // contiguous), `ids`/`lengths` every bag of the batch, `segments` (n, 6) as above, `outs` the
-// outputs the pooled rows are added into (of the weights' dtype; flat or 2-D, contiguous).
+// outputs the pooled rows are added into (of the weights' dtype; flat or 2-D, contiguous), or
+// written into (`assign`: the segments' rows must not overlap).
 void pool_tables(std::vector<torch::Tensor> weights, torch::Tensor ids, torch::Tensor lengths,
-                 torch::Tensor segments, std::vector<torch::Tensor> outs) {
+                 torch::Tensor segments, std::vector<torch::Tensor> outs, bool assign) {
   TORCH_CHECK(!weights.empty(), "pool_tables needs at least one table");
   check_index(ids, "ids");
   check_index(lengths, "lengths");
@@ -140,7 +160,7 @@ void pool_tables(std::vector<torch::Tensor> weights, torch::Tensor ids, torch::T
   const auto parts = read_segments(segments, static_cast<int64_t>(weights.size()),
                                    lengths.numel());
   AT_DISPATCH_FLOATING_TYPES(dtype, "pool_tables", [&] {
-    pool_tables_impl<scalar_t>(weights, ids, starts, parts, outs);
+    pool_tables_impl<scalar_t>(weights, ids, starts, parts, outs, assign);
   });
 }
 
@@ -170,6 +190,39 @@ torch::Tensor table_keys(torch::Tensor ids, torch::Tensor lengths, torch::Tensor
     TORCH_CHECK(key[i] >= 0, "id ", i, " lies in no segment");
   }
   return keys;
+}
+
+// The batch's ids grouped by key (row_offsets[t] + id for table t's ids, as `table_keys`
+// makes them), in one pass with no keys tensor: group_rows over those keys, the same groups.
+// The segments must cover the bags in order (as a batch's do); an id outside its table's rows
+// is refused.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>
+group_tables(torch::Tensor ids, torch::Tensor lengths, torch::Tensor segments,
+             torch::Tensor row_offsets, int64_t own_begin, int64_t own_end) {
+  check_index(ids, "ids");
+  check_index(lengths, "lengths");
+  check_index(row_offsets, "row_offsets");
+  const int64_t tables = row_offsets.numel() - 1;
+  TORCH_CHECK(tables > 0, "group_tables needs at least one table");
+  const auto parts = read_segments(segments, tables, lengths.numel());
+  const int64_t* offset = row_offsets.data_ptr<int64_t>();
+  std::vector<KeyRange> ranges;
+  ranges.reserve(parts.size());
+  int64_t covered = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Segment& seg = parts[i];
+    TORCH_CHECK(seg.bag_begin == covered, "segment ", i, " starts at bag ", seg.bag_begin,
+                ", not where the one before ends (", covered, ")");
+    covered = seg.bag_end;
+    const int64_t base = offset[seg.table], rows = offset[seg.table + 1] - base;
+    TORCH_CHECK(base >= 0 && rows >= 0 && base + rows <= offset[tables], "row offsets of table ",
+                seg.table, " lie outside [0, ", offset[tables], ")");
+    ranges.push_back({seg.bag_end, base, rows});
+  }
+  TORCH_CHECK(covered == lengths.numel(), "the segments end at bag ", covered, " of ",
+              lengths.numel());
+  Groups g = group_ids(ids, lengths, offset[tables], own_begin, own_end, &ranges);
+  return {g.order, g.starts, g.bags, g.rows, g.runs, g.num_own};
 }
 
 // Row-wise Adagrad of many tables in one call, from groups over `table_keys` keys (group_rows
@@ -239,7 +292,10 @@ void rowwise_adagrad_update_tables(std::vector<torch::Tensor> weights,
 }
 
 void register_table_batch(pybind11::module& m) {
-  m.def("pool_tables", &pool_tables);
+  m.def("pool_tables", &pool_tables, pybind11::arg("weights"), pybind11::arg("ids"),
+        pybind11::arg("lengths"), pybind11::arg("segments"), pybind11::arg("outs"),
+        pybind11::arg("assign") = false);
   m.def("table_keys", &table_keys);
+  m.def("group_tables", &group_tables);
   m.def("rowwise_adagrad_update_tables", &rowwise_adagrad_update_tables);
 }
