@@ -4,7 +4,7 @@
 only) with timers; `take()` returns the seconds each phase took since the last call, and the
 bytes this process read from and wrote to the device (`/proc/self/io`: reads the page cache
 served are not counted, so `device_read_mb` is the page cache's misses). Phases nest: `to_slots`
-holds `fetch` (`read_into_slots`, or `read` and
+holds `assign` (the cache's bookkeeping), `fetch` (`read_into_slots`, or `read` and
 `into_slots` on the torch path; `generate`), `copy_out` and `append`; `append` holds `drain`
 (its own time beside it: handing the batch to the writing thread); `write_wait` is the wait for
 the batch before, wherever it falls. A drain's parts (`chunk_read`, `chunk_write`, `log_read`,
@@ -31,7 +31,10 @@ from typing import Any
 
 PHASES = {
     # phase: (module, class or None for a function of the module, name)
+    "begin_step": ("disk_tier", "DiskTable", "begin_step"),  # holds drain_step
     "to_slots": ("disk_tier", "DiskTable", "to_slots"),
+    "assign": ("row_cache", "RowCache", "assign_ids"),  # the cache's bookkeeping, in to_slots
+    "release": ("disk_tier", "DiskTable", "release"),
     "fetch": ("disk_tier", "DiskTable", "_fetch"),
     "read": ("background_writes", "BackgroundWrites", "read"),
     # the C++ fetch: records read straight into their slots (instead of `read`, `into_slots`)

@@ -190,3 +190,22 @@ def test_disk_tier_benchmark_reports_the_pipelined_step_against_memory(tmp_path:
     )
     assert memory["drain_ms_per_step"] == 0 and memory["log_rows"] == 0
     assert not list((tmp_path / "tables").glob("**/*.rows"))  # each job's files are deleted
+
+
+def test_the_disk_miss_cost_splits_the_tiers_cpu_over_its_threads(tmp_path: Path) -> None:
+    result = _one_process(
+        tmp_path,
+        "disk_miss_cost.py",
+        *("--disk-gb", "0.02", "--cache-gb", "0.002", "--batch", "512"),
+        *("--steps", "2", "--cycles", "1", "--dir", str(tmp_path / "tables")),
+    )
+    assert result["timed_steps"] >= 2 and 0 < result["hit_rate"] < 1
+    threads = result["threads_cpu_ms"]
+    assert set(threads) == {"training", "drain", "other_live", "ended"}
+    assert sum(threads.values()) == pytest.approx(result["process_cpu_ms"])
+    assert result["us_per_miss"] == pytest.approx(
+        result["process_cpu_ms"] * 1e3 / result["misses_per_step"]
+    )
+    phases = result["phases_cpu_ms"]  # the bookkeeping and the fetch inside to_slots
+    assert phases["assign"] + phases["fetch"] <= phases["to_slots"] + 1e-6
+    assert not list((tmp_path / "tables").glob("**/*.rows"))  # the table files are deleted
