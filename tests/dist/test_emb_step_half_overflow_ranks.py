@@ -231,34 +231,47 @@ def _collectives_of_a_step(layout: str, guard: bool | None) -> dict:
 
         return counted
 
-    values = emb(_batch(1, strategy.rank)).values
-    for method in COUNTED:
-        setattr(strategy, method, counting(method))
-    values.square().sum().backward()
-    for method in COUNTED:
-        delattr(strategy, method)
+    counted = []
+    for step, scale in ((1, 1.0), (2, 1e12)):  # 1e12: past what a rank rules out alone
+        values = emb(_batch(step, strategy.rank)).values
+        for method in COUNTED:
+            setattr(strategy, method, counting(method))
+        (scale * values.square().sum()).backward()
+        for method in COUNTED:
+            delattr(strategy, method)
+        counted.append((calls[:], shapes[:]))
+        calls.clear(), shapes.clear()
     guarded = emb.step.backward_phases.half_rows is not None
     updates = emb.fused_optimizer.num_updates
     strategy.teardown()
-    return {"calls": calls, "shapes": shapes, "guarded": guarded, "updates": updates}
+    (calls, shapes), (big, _) = counted
+    return {"calls": calls, "shapes": shapes, "big": big, "guarded": guarded, "updates": updates}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["ranks", "mesh"])
 def test_a_guarded_step_asks_both_questions_in_one_all_reduce(layout: str) -> None:
-    """The non-finite flag and the half-row guard's answers travel together: a guarded step
-    issues one small all_reduce before its update, and every rank the same collectives in the
-    same order, with half rows or without. Unguarded, the flag rides in the gradient
-    all_to_all where that reaches every rank (no replicas): no all_reduce at all; on a mesh
-    with replicas it keeps the all_reduce, of the same shape as a guarded step's."""
+    """The non-finite flag and the half-row guard's answers travel together, and every rank
+    issues the same collectives in the same order, with half rows or without. Where the
+    gradient all_to_all reaches every rank (no replicas) the flag rides in it, guarded or not
+    (each rank rules its overflow out alone under row-wise Adagrad): no all_reduce at all; on
+    a mesh with replicas one small all_reduce before the update, of the same shape guarded or
+    not."""
     flags = ("all_reduce_async", "shard_embeddings: non-finite gradient flag all_reduce", False)
     for guard in (None, False):
         results = run_distributed(_collectives_of_a_step, 2, args=(layout, guard), timeout=60)
-        rides = guard is False and layout == "ranks"
+        rides = layout == "ranks"
+        answers = ("all_reduce_", "shard_embeddings: half-row overflow answers all_reduce", False)
         for result in results:
             assert result["guarded"] is (guard is None)
-            assert result["updates"] == 2
+            assert result["updates"] == 3
             reductions = [c for c in result["calls"] if "reduce" in c[0]]
             assert reductions == ([] if rides else [flags]), (guard, reductions)
             assert result["shapes"] == ([] if rides else [(6,)])
+            # a gradient too large to rule out alone: its rank raises the ridden flag, and
+            # every rank counts (none non-finite) and sums the answers, as the all_reduce did
+            big = [c for c in result["big"] if c[0] != "all_to_all_async"]
+            expected = [("all_gather_object", "", False), answers] if guard is None else []
+            assert big == (expected if rides else [flags]), (guard, big)
         assert results[0]["calls"] == results[1]["calls"], guard
+        assert results[0]["big"] == results[1]["big"], guard

@@ -4,8 +4,8 @@ Gradient dist sends each owner the output gradient of the bags it served, each r
 non-finite flag after it, and cuts out this rank's own. A step whose gradient holds NaN or inf
 updates nothing (finite_check.py), so the update waits for every rank's flag: where the flags
 ride with the gradients (the usual case) it runs once they arrived, in one fused pass over
-every row (RowPass.ALL); where they travel in an all_reduce of their own (2-D replicas, guarded
-half rows), it applies, while the other ranks' gradients travel, the rows that only this
+every row (RowPass.ALL); where they travel in an all_reduce of their own (2-D replicas, SGD's
+guarded half rows), it applies, while the other ranks' gradients travel, the rows that only this
 rank's own bags touched (RowPass.OWN), and once they arrive the rest (RowPass.REST). Either
 way every row is updated once, with its whole gradient: the numbers are those of a sequential
 step. Rules that need the summed rows first (clipping, 2-D replicas) take the row-sum path
@@ -85,12 +85,16 @@ class BackwardPhases:
         exchanges = not self._routed <= frozen  # every rank agrees: frozen is the same everywhere
         flag = self.finite.flag(grad, frozen)
         pending = None  # the flags' all_reduce, where their ride does not reach every rank
-        if guard is not None or parts.mesh.combines or not exchanges:
+        # (or a half-row guard needs the job's sums: SGD's, half_overflow.py)
+        rides = exchanges and not parts.mesh.combines and (guard is None or guard.rides)
+        if not rides:
             # first: collectives on a group complete in the order they start, so the tiny flag
             # exchange must not queue behind the gradients (waiting for it would then wait for
             # them too, and the own rows' update would no longer overlap their travel)
             riders = None if guard is None else guard.answers(grad, saved)
             pending = self.finite.start(flag, riders)  # can half rows overflow? Answered too
+        elif guard is not None:  # raised too where this rank cannot rule an overflow out
+            flag = guard.ridden_flag(flag, grad, saved)
         by_bag = OutputGrad(grad, routing, saved.feature_bags)  # summed back onto bags
         grads_in: Arriving | None = None
         non_finite: Flags | None = pending
@@ -138,7 +142,7 @@ class BackwardPhases:
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
         copy = False  # the same answer on every rank
         if guard is not None:
-            copy = guard.needs_copy(saved, self.finite.riders(routed.non_finite))
+            copy = guard.needs_copy(saved, routed.non_finite)
         before = guard.save(saved) if guard and copy else []
         self.journal.record(saved)
         optimizer.begin_update()

@@ -9,11 +9,13 @@ travel to every rank before the first row changes. Each rank's flag rides in the
 all_to_all, one element of the wire dtype after its gradient for each other rank (every step
 that has that exchange: some routed table not frozen; the planner counts it, planning/
 exchange_bytes.py). Where that exchange reaches every rank of the job (no replicas of a 2-D
-mesh) and no half-row guard runs, the ridden flags decide (`RiddenFlags`): every rank receives
-every other rank's flag, so all decide alike with no collective of their own (starting one cost
-about 0.3 ms of a 26-table rank step), and the update then waits for the gradients before its
-first row (one pass over every row, not the own rows while the others' travel). Otherwise
-(replicas, a half-row guard, no gradient exchange) the flags are summed over the job in one
+mesh) and no half-row guard needs the job's sums (SGD's: half_overflow.py; the others raise
+the ridden flag where a rank cannot rule an overflow out alone), the ridden flags decide
+(`RiddenFlags`): every rank receives every other rank's flag, so all decide alike with no
+collective of their own (starting one cost about 0.3 ms of a 26-table rank step), and the update
+then waits for the gradients before its first row (one pass over every row, not the own rows
+while the others' travel). Otherwise
+(replicas, an SGD half-row guard, no gradient exchange) the flags are summed over the job in one
 small all_reduce, started before the gradient exchange; the half-row guard's answers
 (half_overflow.py) ride in it: it always carries the flag and RIDERS float64 numbers (zeros
 where no guard runs), so every rank issues the same collective, of the same shape, whatever it

@@ -33,11 +33,11 @@ inline int detected_simd_level() {
 }
 
 inline int simd_limit = 2;  // one variable for every file that includes this one
+// read once, as the library loads: simd_level() is then two loads, inlined where it is asked
+// (a function-local static cost a guarded call per row, 6% of a bfloat16 update)
+inline const int simd_detected = detected_simd_level();
 
-inline int simd_level() {
-  static const int detected = detected_simd_level();
-  return std::min(detected, simd_limit);
-}
+inline int simd_level() { return std::min(simd_detected, simd_limit); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MANUALPAR_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
@@ -208,11 +208,24 @@ MANUALPAR_AVX512 inline __m512i noise16(uint64_t key, uint64_t index) {
   return _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
 }
 
-// v (float32) rounded to bfloat16 with 16 random bits `noise` added below the kept bits.
+// v (float32) rounded to bfloat16 with 16 random bits `noise` added below the kept bits: the
+// high 16 bits of each sum.
 MANUALPAR_AVX512 inline __m256i round_bf16(__m512 v, __m512i noise) {
-  const __m512i kept = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i bits = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), noise), kept);
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(v), noise);
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+// round_bf16 of 32 elements at once (`first`: 0..15, `second`: 16..31), the high 16 bits of
+// each sum picked from both vectors by one word permute, in order: two shifts and two
+// narrowing moves fewer per 32 elements.
+MANUALPAR_AVX512 inline __m512i round_bf16x32(__m512 first, __m512i low, __m512 second,
+                                              __m512i high) {
+  alignas(64) static constexpr uint16_t kHighWords[32] = {
+      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+      33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i a = _mm512_add_epi32(_mm512_castps_si512(first), low);
+  const __m512i b = _mm512_add_epi32(_mm512_castps_si512(second), high);
+  return _mm512_permutex2var_epi16(a, _mm512_load_si512(kHighWords), b);
 }
 
 // w[c] = round(w[c] + a * src[c]): float16 to nearest, bfloat16 stochastically (key, base as in
@@ -250,8 +263,7 @@ MANUALPAR_AVX512 inline int64_t axpy_round_avx512(at::BFloat16* w, const float* 
           _mm512_add_ps(widen16(w + c), _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c)));
       const __m512 second = _mm512_add_ps(widen16(w + c + 16),
                                           _mm512_mul_ps(alpha, _mm512_loadu_ps(src + c + 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c), round_bf16(first, low));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + c + 16), round_bf16(second, high));
+      _mm512_storeu_si512(w + c, round_bf16x32(first, low, second, high));
     }
   }
   for (; c + 16 <= n; c += 16) {
