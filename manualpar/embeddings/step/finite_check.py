@@ -14,12 +14,12 @@ the ridden flag where a rank cannot rule an overflow out alone), the ridden flag
 (`RiddenFlags`): every rank receives every other rank's flag, so all decide alike with no
 collective of their own (starting one cost about 0.3 ms of a 26-table rank step), and the update
 then waits for the gradients before its first row (one pass over every row, not the own rows
-while the others' travel). Otherwise
-(replicas, an SGD half-row guard, no gradient exchange) the flags are summed over the job in one
-small all_reduce, started before the gradient exchange; the half-row guard's answers
-(half_overflow.py) ride in it: it always carries the flag and RIDERS float64 numbers (zeros
-where no guard runs), so every rank issues the same collective, of the same shape, whatever it
-guards, and a guarded step costs one small collective, not two. Only when a flag is up do the
+while the others' travel). Otherwise (replicas, an SGD half-row guard, no gradient exchange)
+the flags are summed over the job in one small all_reduce, started before the gradient
+exchange; the half-row guard's answers (half_overflow.py) ride in it: it always carries the
+flag and RIDERS float64 numbers (zeros where no guard runs), so every rank issues the same
+collective, of the same shape, whatever it guards, and a guarded step costs one small
+collective, not two. Only when a flag is up do the
 ranks count per table and name the ranks (a finite sum that overflowed is found finite there
 and the step goes on). Then, on every rank alike:
 
