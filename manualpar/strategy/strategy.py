@@ -28,7 +28,7 @@ from manualpar.environment import ClusterEnvironment, detect_environment
 from manualpar.errors import ClusterEnvironmentError, CollectiveError, MeshError
 from manualpar.heap import bulk_io, tune_malloc
 from manualpar.seed import seed_everything, seed_rank
-from manualpar.strategy.collectives import Collectives, PendingCollective, ReduceOp
+from manualpar.strategy.collectives import PendingCollective, ReduceOp
 from manualpar.strategy.mesh import (
     build_mesh,
     check_node_layout,
@@ -36,6 +36,7 @@ from manualpar.strategy.mesh import (
     mesh_shape,
     rank_grid,
 )
+from manualpar.strategy.point_to_point import PointToPoint
 from manualpar.strategy.process_group import (
     adopted_environment,
     destroy_group,
@@ -66,7 +67,7 @@ strategy_log = logging.getLogger("manualpar.strategy")
 _ROLL_CALL_KEY = "manualpar/roll_call"  # in the job's store (per attempt under torchrun)
 
 
-class ManualParallelStrategy(Collectives):
+class ManualParallelStrategy(PointToPoint):
     """Owns rank information, the process group, the device, collectives and checkpoint IO.
 
     Args:

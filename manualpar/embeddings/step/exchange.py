@@ -4,7 +4,9 @@ Per step (each `all_to_all_single`; the list form fails on gloo for unequal size
   1. sizes: every rank sends every rank [batch size, payload length, weighted, frozen table
      flags...] (size_header.py; frozen.py: the ranks must agree on them);
   2. payload: bag lengths, ids (row-local) and per-id weights (as int64 bit patterns) in one
-     buffer per destination, so one collective carries all three;
+     buffer per destination, so one collective carries all three; 1 and 2 are one all_to_all
+     where the payloads are short (ids_exchange.py: each pair's room for its payload agreed
+     from the pair's history, the rest point-to-point);
   3. pooled output: each owner sends back per-bag partial sums (row-wise shards are summed, and
      column blocks concatenated, by the receiver: no separate reduce-scatter);
   4. in backward, the reverse of 3 carries the output gradient (of the tables not frozen).

@@ -23,6 +23,7 @@ from manualpar.embeddings.step.batched_tables import BatchedTables
 from manualpar.embeddings.step.data_parallel import DataParallelTables
 from manualpar.embeddings.step.exchange import SenderBags, combine_senders
 from manualpar.embeddings.step.frozen import agreed_frozen, frozen_tables, frozen_to_words
+from manualpar.embeddings.step.ids_exchange import IdsExchange
 from manualpar.embeddings.step.owner_remap import remap_senders
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.pooled_rows import add_own_pooled, send_pooled
@@ -32,7 +33,6 @@ from manualpar.embeddings.step.size_header import (
     VARIABLE,
     WEIGHTED,
     check_refusals,
-    header_width,
     size_header,
 )
 from manualpar.embeddings.step.wire import start_on_wire
@@ -68,6 +68,7 @@ class ForwardPhases:
         self.wire = torch.float32  # the pooled outputs' wire dtype (wire.py)
         self.names = parts.table_names()  # fixed by the plan, as the mean-pooled features
         self.means = mean_features(parts.routing)
+        self.ids_exchange = IdsExchange(parts)  # sizes and ids, and each pair's room
 
     def __call__(self, features: SparseFeatures) -> tuple[torch.Tensor, SavedForBackward]:
         """Pooled values (batch, total dim) of this rank's batch, and what backward needs."""
@@ -77,7 +78,8 @@ class ForwardPhases:
     @timed(IDS_EXCHANGE)
     def input_dist(self, features: SparseFeatures) -> RoutedIds:
         """Agree on sizes and frozen tables (blocking: one small exchange over the job), then
-        start sending each owner the bags it serves."""
+        start sending each owner the bags it serves (or send both in one exchange, waited for:
+        ids_exchange.py)."""
         parts, layout = self.parts, self.parts.layout
         rank = parts.routing.rank
         features = features.without_unread_bags()  # rows no sample reads stay untouched
@@ -89,16 +91,12 @@ class ForwardPhases:
         names = self.names
         flags = frozen_to_words(frozen_tables(parts.tables, names), len(names))
         header = size_header(features.batch_size, payloads, weighted, flags, bags.variable)
-        headers = parts.exchange_headers(header, header_width(len(names)))
+        # the sizes, then the ids (the others' payloads packed as one slice): one all_to_all
+        # where every rank's payloads were short on the step before (ids_exchange.py)
+        headers, ids_in = self.ids_exchange.exchange(header, payloads, packed.send)
         check_refusals(headers)
         frozen = agreed_frozen([h[3:] for h in headers], names)
         sizes = [headers[g][:3] for g in parts.mesh.group_ranks]
-        ids_in = parts.exchange(
-            packed.send,  # the others' payloads, packed as one slice
-            [0 if d == rank else p.numel() for d, p in enumerate(payloads)],
-            [0 if s == rank else size[1] for s, size in enumerate(sizes)],
-            "ids",
-        )
         job_batches = [h[0] for h in headers]
         if self.warn_uneven and len(set(job_batches)) > 1:
             self._warn_uneven(job_batches)

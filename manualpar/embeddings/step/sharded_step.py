@@ -29,7 +29,6 @@ from manualpar.embeddings.step.forward import ForwardPhases
 from manualpar.embeddings.step.parts import StepParts
 from manualpar.embeddings.step.results import RoutedIds, SavedForBackward
 from manualpar.embeddings.step.routing import Routing
-from manualpar.embeddings.step.size_header import REFUSED, header_width
 from manualpar.embeddings.step.table_mesh import TableMesh
 from manualpar.embeddings.step.update_journal import UpdateJournal
 from manualpar.embeddings.step.weight_guard import WeightGuard
@@ -145,7 +144,4 @@ class ShardedStep:
     def refuse(self) -> None:
         """This rank's batch failed validation: join the size exchange with REFUSED sizes, so
         the other ranks stop at this step with an error instead of waiting for a timeout."""
-        parts = self.parts
-        width = header_width(len(parts.routing.tables))
-        refused = torch.full((width * parts.mesh.shard_size,), REFUSED, device=parts.device)
-        parts.exchange_headers(refused, width)
+        self.forward_phases.ids_exchange.refuse()

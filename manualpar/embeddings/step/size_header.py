@@ -1,8 +1,8 @@
-"""The size exchange that opens every step (exchange.py, 1): each rank tells every rank its
-batch size, the length of the payload it sends it, whether ids carry weights (and whether its
-features have bags of their own, VARIABLE: a bit of the same value) and which tables it froze;
-a rank whose batch failed validation sends REFUSED instead, so every rank stops at the same
-step naming it."""
+"""The size exchange that opens every step (exchange.py, 1; from the second step on it rides
+behind short ids, ids_exchange.py): each rank tells every rank its batch size, the length of
+the payload it sends it, whether ids carry weights (and whether its features have bags of their
+own, VARIABLE: a bit of the same value) and which tables it froze; a rank whose batch failed
+validation sends REFUSED instead, so every rank stops at the same step naming it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,19 @@ import torch
 from manualpar.embeddings.exchange_layout import header_width
 from manualpar.errors import EmbeddingInputError
 
-__all__ = ["REFUSED", "VARIABLE", "WEIGHTED", "check_refusals", "header_width", "size_header"]
+__all__ = [
+    "FOLDS",
+    "REFUSED",
+    "VARIABLE",
+    "WEIGHTED",
+    "check_refusals",
+    "header_width",
+    "size_header",
+]
 
 REFUSED = -1  # the sizes a rank sends when its own batch failed validation
 WEIGHTED, VARIABLE = 1, 2  # bits of the third value: ids carry weights; a batch per feature
+FOLDS = 4  # and (set and taken out by ids_exchange.py): the sender asks for one exchange
 
 
 def size_header(
