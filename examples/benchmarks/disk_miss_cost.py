@@ -41,6 +41,7 @@ from manualpar.embeddings import (
     row_wise,
     shard_embeddings,
 )
+from manualpar.embeddings.storage.disk_tier import DiskTable
 
 
 def thread_cpu() -> dict[int, float]:
@@ -94,7 +95,9 @@ def main() -> None:
     emb = shard_embeddings(
         ebc, mp.ManualParallelStrategy(), plan, RowWiseAdagrad(lr=0.01), disk_tier=tier
     )
-    stores = list(emb.storage.stores.values())
+    stores = [s for s in emb.storage.stores.values() if isinstance(s, DiskTable)]
+    if len(stores) != args.tables:
+        raise SystemExit(f"expected {args.tables} disk tables on this rank, found {len(stores)}")
     ids_per_sender = args.batch // args.ranks * args.ids_per_bag
 
     def batches(step: int) -> list[list[torch.Tensor]]:
@@ -111,9 +114,12 @@ def main() -> None:
     def step(ids: list[list[torch.Tensor]]) -> None:
         for store in stores:
             store.begin_step()
-        pinned = []
+        pinned: list[tuple[DiskTable, torch.Tensor]] = []
         for store, parts in zip(stores, ids, strict=True):
-            pinned += [(store, store.to_slots(part)[1]) for part in parts]
+            for part in parts:
+                slots = store.to_slots(part)[1]
+                if slots is not None:  # None: nothing pinned
+                    pinned.append((store, slots))
         for store, slots in pinned:
             store.release(slots, True)
 
@@ -131,7 +137,9 @@ def main() -> None:
             store.cache.hits = store.cache.misses = 0
         drains = [s.log.drains for s in stores]
         drain_threads = {
-            t.native_id for t in threading.enumerate() if t.name.startswith("disk-tier-drain")
+            t.native_id
+            for t in threading.enumerate()
+            if t.name.startswith("disk-tier-drain") and t.native_id is not None
         }
         main_id = threading.get_native_id()
         clock.take()
