@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.embedding_cases import feature_bags
 
 import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
@@ -42,17 +43,7 @@ def _tables(dtype: torch.dtype) -> list[EmbeddingBagConfig]:
 
 def _batch(rank: int, step: int, batch: int) -> SparseFeatures:
     """Bags of 0-3 ids (empty ones included), many repeats within and across bags."""
-    g = torch.Generator().manual_seed(97 * rank + step)
-    lengths = torch.randint(0, 4, (len(SIZES) * batch,), generator=g)
-    per_table = lengths.view(len(SIZES), batch).sum(1).tolist()
-    values = torch.cat(
-        [
-            torch.randint(0, min(rows, 20), (n,), generator=g)
-            for (rows, _), n in zip(SIZES, per_table, strict=True)
-        ]
-    )
-    keys = tuple(f"f{i}" for i in range(len(SIZES)))
-    return SparseFeatures(keys, values, lengths)
+    return feature_bags(SIZES, 97 * rank + step, batch, lengths=(0, 4), id_cap=20)
 
 
 def _train(

@@ -107,6 +107,27 @@ def make_batch(
     )
 
 
+def feature_bags(
+    sizes: Sequence[tuple[int, int]],
+    seed: int,
+    batch: int,
+    lengths: tuple[int, int] = (0, 3),
+    id_cap: int | None = None,
+) -> SparseFeatures:
+    """Bags of `lengths` ids (low inclusive, high exclusive) for features f0, f1, ... of tables
+    of `sizes` (rows, dim), feature i reading table i's rows (below `id_cap`, where given)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(*lengths, (len(sizes) * batch,), generator=g)
+    per_table = counts.view(len(sizes), batch).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, rows if id_cap is None else min(rows, id_cap), (n,), generator=g)
+            for (rows, _), n in zip(sizes, per_table, strict=True)
+        ]
+    )
+    return SparseFeatures(tuple(f"f{i}" for i in range(len(sizes))), values, counts)
+
+
 def coefficients(rank: int, step: int, batch: int, dim: int) -> torch.Tensor:
     return torch.randn(batch, dim, generator=torch.Generator().manual_seed(77 + 10 * rank + step))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.embedding_cases import feature_bags
 from torch import nn
 
 import manualpar as mp
@@ -23,13 +24,7 @@ SIZES = ((50, 4), (30, 8), (7, 8))
 
 
 def _batch(step: int) -> SparseFeatures:
-    g = torch.Generator().manual_seed(step)
-    lengths = torch.randint(0, 3, (len(SIZES) * 4,), generator=g)
-    per_table = lengths.view(len(SIZES), 4).sum(1).tolist()
-    values = torch.cat(
-        [torch.randint(0, r, (n,), generator=g) for (r, _), n in zip(SIZES, per_table, strict=True)]
-    )
-    return SparseFeatures(tuple(f"f{i}" for i in range(len(SIZES))), values, lengths)
+    return feature_bags(SIZES, step, 4)
 
 
 def _sharded() -> ShardedEmbeddingBagCollection:
