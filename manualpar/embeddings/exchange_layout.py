@@ -4,7 +4,8 @@ The step sends these (step/size_header.py, step/wire.py, step/frozen.py); the pl
 plan's bytes from them (planning/exchange_bytes.py, planning/cost_model.py) without importing
 the step:
 - the size header opening every step: 3 int64 values (batch size, payload length, weighted)
-  and the frozen tables' flags, WORD_BITS to an int64 word;
+  and the frozen tables' flags, WORD_BITS to an int64 word; on a 1-D mesh it rides in the ids
+  all_to_all while every rank's ids payload to each other rank is at most FOLD_MAX values;
 - the wire dtypes of the pooled rows (`forward`) and of their gradients (`backward`), the ones
   each exchange can carry, their short names, and the overflow flag a range-limited forward
   dtype adds for each pair of ranks.
@@ -21,6 +22,7 @@ from manualpar.errors import PlanError
 __all__ = [
     "BACKWARD_DTYPES",
     "FLOAT32_WIRE",
+    "FOLD_MAX",
     "FORWARD_DTYPES",
     "WIRE_NAMES",
     "WORD_BITS",
@@ -35,6 +37,12 @@ __all__ = [
 ]
 
 WORD_BITS = 62  # bits per int64 word of the frozen flags, clear of the sign (REFUSED is -1)
+# the longest ids payload (int64 values, 256 KiB) to another rank with which a rank asks for its
+# size header to ride in the ids all_to_all (step/ids_exchange.py, which says why); here so
+# that the planner prices the calls a step makes (planning/rank_costs.py) without the step
+# (on 2 ranks of a 2-core host, 213 KB a rank folded took 0.94x the step's process time;
+# 688 KB folded 0.95-0.99x, its wall not told apart from the noise)
+FOLD_MAX = 32_768
 
 
 def num_words(num_tables: int) -> int:

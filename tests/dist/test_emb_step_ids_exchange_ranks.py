@@ -4,9 +4,9 @@ One job: the same steps through a collection whose sizes ride with its ids and o
 exchanges them apart (every step), with payloads that grow past their pair's room (the rest
 point-to-point), shrink (padding) and differ per pair: the same outputs and rows, bit for bit,
 one all_to_all fewer from the second step on, except after a step where one rank did not ask
-for it. Then a rank refuses a batch on a folded step: every rank stops with the refusal's
-error and the next step runs in step again. The strategy's point-to-point transfers are
-checked on their own too."""
+for it, as the planner prices it. Then a rank refuses a batch on a folded step: every rank
+stops with the refusal's error and the next step runs in step again. The strategy's
+point-to-point transfers are checked on their own too."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from manualpar.embeddings import (
     shard_embeddings,
     table_wise,
 )
+from manualpar.embeddings.planning import Workload, load_topology, plan_costs
 from manualpar.embeddings.step import ids_exchange
 from manualpar.errors import ConfigError, EmbeddingInputError
 from manualpar.testing import run_distributed
@@ -145,3 +146,6 @@ def test_sizes_ride_with_the_ids_bit_for_bit_and_refusals_stop_every_rank() -> N
     assert results[2]["p2p"][:2] == [[0, 10, 20], [0, 10]]
     for result in results:
         assert "cannot send to or receive from itself" in result["p2p"][-1]
+    # the planner prices the steady step's 3 (every table routed: no all_reduce)
+    topology = load_topology("cpu-host", 3, 3)
+    assert plan_costs(CONFIGS, PLAN, topology, Workload(3)).collectives == 3

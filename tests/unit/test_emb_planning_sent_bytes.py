@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from test_emb_planning_cost_model import CONFIGS, PER_BAG, SEQUENCE, _plan, _topology
 
-from manualpar.embeddings import EmbeddingPlan, data_parallel, table_wise
-from manualpar.embeddings.exchange_layout import WIRE_NAMES
+from manualpar.embeddings import EmbeddingBagConfig, EmbeddingPlan, data_parallel, table_wise
+from manualpar.embeddings.exchange_layout import FOLD_MAX, WIRE_NAMES
 from manualpar.embeddings.planning import Workload, placement_costs, plan_costs
 from manualpar.embeddings.planning.cost_model import collection_costs
 from manualpar.embeddings.planning.exchange_bytes import (
@@ -90,14 +90,41 @@ def test_a_sequence_feature_cannot_have_bags_of_its_own() -> None:
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_replicated_plan_pays_its_sizes_exchanges_latency(replicas: int) -> None:
     """Tables all replicated: the gradients' all_reduce and the sizes all_to_all, two calls'
-    latency; a routed plan's sizes are one of its four exchanges (rank_costs.CALLS)."""
+    latency; a routed plan's sizes are one of its four exchanges (rank_costs.CALLS), inside the
+    ids all_to_all on a 1-D mesh (16 samples: short payloads), so three there."""
     world, per_node = 4, 2
     topology, workload = _topology(world, per_node), Workload(16, PER_BAG)
     shard = world // replicas
     replicated = EmbeddingPlan(shard, {c.name: data_parallel() for c in CONFIGS})
     routed = EmbeddingPlan(shard, {c.name: table_wise(0) for c in CONFIGS})
-    for plan, calls in ((replicated, 2), (routed, 4 + (2 if replicas > 1 else 0))):
+    for plan, calls in ((replicated, 2), (routed, 3 if replicas == 1 else 4 + 2)):
         costs = plan_costs(CONFIGS, plan, topology, workload, replicas=replicas)
         latency = costs.seconds(topology) - costs.seconds(topology, latency=False)
         expected = calls * topology.inter_node_latency
         assert latency.tolist() == pytest.approx([expected] * shard, rel=1e-9), plan
+
+
+@pytest.mark.parametrize(
+    ("tables", "rows", "dim", "per_bag", "replicas", "calls"),
+    [
+        (26, 200_000, 16, 1.0, 1, 3),  # 13 x (1,024 lengths + 1,024 ids) int64 a peer: 213 KB
+        (8, 1_000_000, 64, 20.0, 1, 4),  # 4 x (1,024 + 20,480): 688 KB a peer, over FOLD_MAX
+        (26, 200_000, 16, 1.0, 2, 4 + 2),  # a 2-D mesh: the separate sizes, and the combine
+    ],
+)
+def test_a_steady_1d_step_sends_its_sizes_with_short_ids(
+    tables: int, rows: int, dim: int, per_bag: float, replicas: int, calls: int
+) -> None:
+    """From a collection's second step on, a 1-D mesh's sizes ride in the ids all_to_all while
+    no rank's ids payload to another exceeds FOLD_MAX values (step/ids_exchange.py): 3 calls,
+    not 4, as tests/dist/test_emb_step_ids_exchange_ranks.py counts them; 1,024 samples a rank,
+    tables alternating over the shard group's 2 ranks."""
+    configs = [EmbeddingBagConfig(f"t{i}", rows, dim) for i in range(tables)]
+    plan = EmbeddingPlan(2, {c.name: table_wise(i % 2) for i, c in enumerate(configs)})
+    topology = _topology(2 * replicas, 2 * replicas)
+    workload = Workload(1024, {c.name: per_bag for c in configs})
+    costs = plan_costs(configs, plan, topology, workload, replicas=replicas)
+    per_peer = tables // 2 * 1024 * (1 + per_bag) * 8
+    assert costs.ids_in.tolist() == [per_peer] * 2
+    assert (per_peer <= FOLD_MAX * 8) == (tables == 26)
+    assert costs.collectives == calls

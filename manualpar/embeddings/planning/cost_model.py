@@ -53,7 +53,7 @@ from manualpar.embeddings.planning.block_costs import (
     state_widths,
 )
 from manualpar.embeddings.planning.exchange_bytes import is_sequence
-from manualpar.embeddings.planning.rank_costs import RankCosts
+from manualpar.embeddings.planning.rank_costs import SIZES_WITH_IDS, RankCosts
 from manualpar.embeddings.planning.topology import Topology
 from manualpar.embeddings.planning.workload import Workload
 from manualpar.embeddings.storage.cached_tier import CachedTier
@@ -140,6 +140,7 @@ def placement_costs(
     sent_to = (lengths + ids * fraction * copies) * INT64
     if workload.variable:  # each route's bag count leads (step/exchange.py)
         sent_to = sent_to + len(config.feature_names) * INT64
+    costs.ids_in.index_add_(0, owners, sent_to)  # the ids payload (whether the sizes ride it)
     # rows and gradients in their wire dtypes (a float16/float8 flag: collection_costs')
     wire = workload.wire
     if not frozen:
@@ -256,7 +257,8 @@ def collection_costs(
     rows, step/wire.py): a step sends the sizes every time, its tables all replicated too,
     the flag only where some table is routed to an owner (tables all replicated: no pooled
     exchange runs, StepParts.exchange; tests/dist/test_emb_planning_variable_batch_ranks.py
-    counts them). The sizes all_to_all's latency is counted once (RankCosts.collectives)."""
+    counts them). The sizes all_to_all's latency is counted once (RankCosts.collectives), and
+    not at all where a 1-D step's sizes ride in its ids all_to_all (SIZES_WITH_IDS, set here)."""
     share = remapper_bytes_per_rank(configs, topology.world_size)
     group = shard_group(topology, replicas) if replicas > 1 else topology
     costs = RankCosts.zeros(group.world_size)
@@ -280,6 +282,8 @@ def collection_costs(
         received += words * peers
     if topology.world_size > 1:  # its latency: alone where every table is replicated (CALLS)
         costs.users["sizes"] = 1
+        if replicas == 1:  # inside the ids all_to_all while the payloads are short (CALLS)
+            costs.users[SIZES_WITH_IDS] = 1
     return costs
 
 

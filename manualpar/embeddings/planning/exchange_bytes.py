@@ -10,7 +10,8 @@ serves, and in float16 or float8 one overflow flag value per pair of ranks) and,
 the output gradient to the owners (float32 or bfloat16; batch x the columns each owner needs,
 full rows for a column-split table whose rule needs them; none for frozen tables; then one value,
 the sender's non-finite flag, to every other rank where any gradient travels). A rank's
-own part never travels.
+own part never travels. (Where the sizes ride in the ids all_to_all, step/ids_exchange.py, they
+are the same bytes in one call fewer: rank_costs.CALLS.)
 
 `exchange_bytes(configs, plan, batches)` counts them from each rank's batch, a batch per feature
 too (exact: the tests compare them with the splits the exchanges really send);

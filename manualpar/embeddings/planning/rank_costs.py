@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from manualpar.embeddings.exchange_layout import FOLD_MAX
 from manualpar.embeddings.planning.topology import Topology
 
-__all__ = ["CALLS", "RankCosts"]
+__all__ = ["CALLS", "SIZES_WITH_IDS", "RankCosts"]
 
 # Calls per step of each kind of collective: the exchanges of sharded tables (the sizes, ids,
 # pooled rows and output gradients all_to_alls, step/exchange.py), one all_reduce of the
@@ -22,7 +23,15 @@ __all__ = ["CALLS", "RankCosts"]
 # that sum the touched rows' gradients across the replicas (step/replica_combine.py), and the
 # sizes all_to_all every collection runs (collection_costs), the first of the exchanges where
 # some table is routed, alone where all are replicated (StepParts.exchange).
+# A steady step of a 1-D mesh of more than one rank (collection_costs marks it: SIZES_WITH_IDS)
+# sends the sizes inside the ids all_to_all while every ids payload to another rank is at most
+# FOLD_MAX int64 values (step/ids_exchange.py): its exchanges are 3 calls (RankCosts.collectives;
+# a first step's 4 are not priced). The ids' room beyond a payload is not priced either: a pair's
+# room is the longest of its last payloads plus a quarter of their spread, so a steady batch pads
+# nothing.
 CALLS = {"exchanges": 4, "all_reduce": 1, "combine": 2, "sizes": 1}
+# a `users` key beside CALLS': the collections whose sizes may ride in their ids all_to_all
+SIZES_WITH_IDS = "sizes_with_ids"
 
 
 @dataclass
@@ -40,6 +49,9 @@ class RankCosts:
     disk_traffic: torch.Tensor  # bytes read from and written to disk
     disk_rows: torch.Tensor  # rows read from or written to disk
     blocks: torch.Tensor  # table blocks the rank looks up and updates (fixed costs each)
+    # bytes of the ids payload every other rank of the shard group sends the rank (lengths,
+    # ids, weights: what decides whether the sizes ride with them, SIZES_WITH_IDS)
+    ids_in: torch.Tensor
     users: dict[str, int] = field(default_factory=dict)  # tables per kind of collective (CALLS)
 
     @classmethod
@@ -80,11 +92,16 @@ class RankCosts:
     @property
     def collectives(self) -> int:
         """Collective calls per step: each kind some table uses runs once for all of them (the
-        sizes all_to_all is one of the exchanges where they run)."""
+        sizes all_to_all is one of the exchanges where they run, and inside the ids all_to_all
+        where SIZES_WITH_IDS marks a 1-D mesh and no ids payload to a rank exceeds FOLD_MAX)."""
         kinds = {kind for kind, tables in self.users.items() if tables > 0}
+        calls = sum(CALLS[kind] for kind in kinds & CALLS.keys())
         if "exchanges" in kinds:
-            kinds.discard("sizes")
-        return sum(CALLS[kind] for kind in kinds)
+            calls -= CALLS["sizes"] if "sizes" in kinds else 0
+            short = float(self.ids_in.max()) <= FOLD_MAX * 8  # (int64 ids)
+            if SIZES_WITH_IDS in kinds and short:
+                calls -= 1
+        return calls
 
     @property
     def sent(self) -> torch.Tensor:

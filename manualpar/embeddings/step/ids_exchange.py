@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from manualpar.embeddings.config import BUILDER
+from manualpar.embeddings.exchange_layout import FOLD_MAX
 from manualpar.embeddings.step.size_header import FOLDS, REFUSED, header_width
 from manualpar.strategy.collectives import PendingCollective
 
@@ -40,11 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["FOLD_MAX", "HISTORY", "IdsExchange", "room"]
 
 HISTORY = 8  # steps of a pair's payload lengths its room is derived from
-# the longest ids payload (int64 values, 256 KiB) to another rank with which a rank asks for one
-# exchange: a longer one keeps travelling while the lookup of the own bags runs, as before (on 2
-# ranks of a 2-core host, 213 KB a rank folded took 0.94x the step's process time; 688 KB
-# folded 0.95-0.99x, its wall not told apart from the noise)
-FOLD_MAX = 32_768
+# FOLD_MAX (exchange_layout.py, where the planner reads it too): the longest ids payload to
+# another rank with which a rank asks for one exchange; a longer one keeps travelling while the
+# lookup of the own bags runs, as before
 _TAG = 0x1D5  # the point-to-point tag of the ids beyond a pair's room
 
 
