@@ -111,6 +111,21 @@ def test_a_weight_moved_to_another_device_stops_the_next_step_naming_both(batche
         assert part in message, part
 
 
+def test_a_checkpoint_of_a_weight_moved_to_another_device_is_refused(tmp_path: Path) -> None:
+    """Before: the checkpoint read the moved weight (a meta one failed inside torch's
+    checkpoint; another device's rows were saved apart from their optimizer state)."""
+    emb = _sharded(False)
+    emb(_batch(0)).values.sum().backward()
+    strategy = mp.ManualParallelStrategy()
+    emb.tables["t1"].weight = nn.Parameter(torch.zeros(30, 8, device="meta"))
+    with pytest.raises(BuilderError) as raised:
+        strategy.save_checkpoint(tmp_path / "moved", {"model": emb})
+    message = str(raised.value)
+    for part in ("'t1'", "moved from cpu to meta", "optimizer state are on cpu", ".to('cpu')"):
+        assert part in message, part
+    assert not (tmp_path / "moved").exists()
+
+
 def test_a_disk_table_checkpoint_after_its_weight_was_replaced_is_refused(
     tmp_path: Path,
 ) -> None:

@@ -45,6 +45,7 @@ class MemoryRows:
         weight = table.weight
         assert isinstance(weight, torch.Tensor)
         self._block = (weight.shape, weight.dtype)  # the rows and dtype of the state's rows
+        self._device = weight.device  # where the state and the step's buffers live
 
     @property
     def weight(self) -> torch.Tensor:
@@ -57,6 +58,14 @@ class MemoryRows:
                 weight,
                 *self._block,
                 ": a checkpoint would save or load part of the table",
+            )
+        if weight.device != self._device:
+            raise BuilderError(
+                f"{BUILDER}: table {self.name!r}: its weight was moved from {self._device} to "
+                f"{weight.device}, but this rank's block and its optimizer state are on "
+                f"{self._device}: a checkpoint would save or load the rows apart from their state. "
+                f"Move it back (`.to({str(self._device)!r})`), or build the collection again with "
+                f"{BUILDER}() on a strategy of the new device"
             )
         return weight.detach()
 
