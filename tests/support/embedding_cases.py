@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+import manualpar as mp
 from manualpar.checkpoint.local_shards import full_tensors
 from manualpar.embeddings import (
     SGD,
@@ -22,11 +23,13 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingPlan,
     RowWiseAdagrad,
+    ShardedEmbeddingBagCollection,
     SparseFeatures,
     UpdateRule,
     column_wise,
     data_parallel,
     row_wise,
+    shard_embeddings,
     table_row_wise,
     table_wise,
 )
@@ -126,6 +129,19 @@ def feature_bags(
         ]
     )
     return SparseFeatures(tuple(f"f{i}" for i in range(len(sizes))), values, counts)
+
+
+def one_process_tables(sizes: Sequence[tuple[int, int]]) -> ShardedEmbeddingBagCollection:
+    """Tables of `sizes` (rows, dim), table i read by feature f<i> (`feature_bags`' batches),
+    sharded in this one process with row-wise Adagrad."""
+    configs = [
+        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
+        for i, (rows, dim) in enumerate(sizes)
+    ]
+    ebc = EmbeddingBagCollection(configs, seed=3)
+    emb = shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", RowWiseAdagrad(lr=0.1))
+    assert isinstance(emb, ShardedEmbeddingBagCollection)
+    return emb
 
 
 def coefficients(rank: int, step: int, batch: int, dim: int) -> torch.Tensor:

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.embedding_cases import feature_bags
+from support.embedding_cases import feature_bags, one_process_tables
 from torch import nn
 
 import manualpar as mp
 from manualpar.embeddings import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    RowWiseAdagrad,
     ShardedEmbeddingBagCollection,
     SparseFeatures,
-    shard_embeddings,
 )
 from manualpar.embeddings.kernels.native import native_kernels
 
@@ -28,14 +24,7 @@ def _batch(step: int) -> SparseFeatures:
 
 
 def _sharded() -> ShardedEmbeddingBagCollection:
-    configs = [
-        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
-        for i, (rows, dim) in enumerate(SIZES)
-    ]
-    ebc = EmbeddingBagCollection(configs, seed=3)
-    emb = shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", RowWiseAdagrad(lr=0.1))
-    assert isinstance(emb, ShardedEmbeddingBagCollection)
-    return emb
+    return one_process_tables(SIZES)
 
 
 def _replace(emb: nn.Module, how: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.embedding_cases import feature_bags
+from support.embedding_cases import feature_bags, one_process_tables
 from torch import nn
 
 import manualpar as mp
@@ -34,13 +34,7 @@ def _batch(step: int) -> SparseFeatures:
 
 
 def _sharded(batched: bool) -> ShardedEmbeddingBagCollection:
-    configs = [
-        EmbeddingBagConfig(f"t{i}", rows, dim, feature_names=(f"f{i}",))
-        for i, (rows, dim) in enumerate(SIZES)
-    ]
-    ebc = EmbeddingBagCollection(configs, seed=3)
-    emb = shard_embeddings(ebc, mp.ManualParallelStrategy(), "auto", RowWiseAdagrad(lr=0.1))
-    assert isinstance(emb, ShardedEmbeddingBagCollection)
+    emb = one_process_tables(SIZES)
     emb.step.batches_tables = batched
     return emb
 
