@@ -308,6 +308,7 @@ def test_a_feature_with_its_own_bags_is_priced_by_them() -> None:
     for placement in (table_wise(1), row_wise(), column_wise([0, 1]), data_parallel()):
         whole = placement_costs(item, placement, topology, full)
         fewer = placement_costs(item, placement, topology, own)
+        # predicted seconds: the cost model's arithmetic on bytes and rows, no clock is read
         assert fewer.seconds(topology).max() < whole.seconds(topology).max(), placement
         assert fewer.rows_touched.sum() < whole.rows_touched.sum(), placement
         if placement.sharding in ("table_wise", "column_wise"):  # (a row split's blocks
