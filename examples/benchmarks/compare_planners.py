@@ -40,6 +40,7 @@ from manualpar.embeddings.planning import (
 HERE = Path(__file__).resolve().parent
 PEER = HERE / "peer_torchrec_planner.py"
 BIGGEST = 5  # tables whose placements are printed
+RULE = RowWiseAdagrad(lr=0.01)  # TorchRec's peer uses the same rule: its state counts
 
 
 def load_tables(path: str) -> list[EmbeddingBagConfig]:
@@ -120,15 +121,21 @@ def run_peer(
     return result
 
 
+def workload_of(tables: list[EmbeddingBagConfig], batch: int, ids_per_bag: float) -> Workload:
+    """The step every plan is priced for: `batch` samples a rank, `ids_per_bag` ids a bag,
+    RULE's state (tests/unit/test_docs_planning_peer.py prices the stored plans with it)."""
+    state, full_rows = rule_costs(RULE)
+    pooling = {c.name: ids_per_bag for c in tables}
+    return Workload(batch, pooling, state=state, full_rows=full_rows)
+
+
 def compare_world(args: argparse.Namespace, world: int, scratch: Path) -> dict[str, Any]:
     tables = load_tables(args.tables)
     per_node = min(args.ranks_per_node, world)
     topology = load_topology(args.topology, world, per_node)
     batch = args.batch_per_rank or max(1, args.global_batch // world)
     pooling = {c.name: args.ids_per_bag for c in tables}
-    optimizer = RowWiseAdagrad(lr=0.01)  # TorchRec's peer uses the same rule: its state counts
-    state, full_rows = rule_costs(optimizer)
-    workload = Workload(batch, pooling, state=state, full_rows=full_rows)
+    workload = workload_of(tables, batch, args.ids_per_bag)
     plans: dict[str, EmbeddingPlan] = {}
     planners: dict[str, dict[str, Any]] = {}
     for method, price in (("cost", "time"), ("memory", "memory")):
@@ -138,7 +145,7 @@ def compare_world(args: argparse.Namespace, world: int, scratch: Path) -> dict[s
             world,
             ranks_per_node=per_node,
             memory_budget_bytes=topology.device_memory_bytes,
-            rule=optimizer,
+            rule=RULE,
             pooling_factors=pooling,
             price=price,
             topology=topology,
@@ -183,8 +190,8 @@ ROWS = (
     ("sent on node, max / median", lambda s: _pair(s, "sent_intra")),
     ("sent across nodes, max / median", lambda s: _pair(s, "sent_inter")),
     ("memory max / median", lambda s: _pair(s, "memory")),
-    ("TorchRec perf, slowest rank", lambda s: _ms(s.get("torchrec_max_perf_ms"))),
-    ("TorchRec HBM, fullest rank", lambda s: _bytes(s.get("torchrec_max_hbm"))),
+    ("TorchRec perf, slowest rank", lambda s: _ms(s.get("torchrec_max_perf_ms")) + _unpriced(s)),
+    ("TorchRec HBM, fullest rank", lambda s: _bytes(s.get("torchrec_max_hbm")) + _unpriced(s)),
     ("planning time", lambda s: f"{s['planner_seconds']:.2f} s"),
 )
 
@@ -199,6 +206,13 @@ def _ms(value: float | None) -> str:
 
 def _bytes(value: float | None) -> str:
     return "-" if value is None else format_bytes(value)
+
+
+def _unpriced(s: dict[str, Any]) -> str:
+    """How many of the plan's tables TorchRec's estimators left out (a split they have no
+    shards for): its numbers then cover the others only."""
+    unpriced = len(s.get("torchrec_unpriced", {}))
+    return f" ({unpriced} of {sum(s['kinds'].values())} tables not priced)" if unpriced else ""
 
 
 def _only_boundaries(note: str) -> bool:

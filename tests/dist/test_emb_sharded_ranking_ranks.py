@@ -2,8 +2,8 @@
 number of queries (one with none), equal to the unsharded collection holding the same full
 tables: row-wise, table-wise, table-row-wise and data-parallel tables whose scores tie
 (duplicate rows), a rank with fewer rows than k, scoring in small chunks. A bad call on one
-rank stops every rank; a column-wise table is refused; a NaN query on one rank, or NaN scores
-from the rows of one rank, are refused on every rank alike."""
+rank stops every rank; a column-wise table is refused; a NaN query on one rank, NaN scores
+from the rows of one rank, or a block replaced on one rank, are refused on every rank alike."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from manualpar.embeddings import (
     target_ranks,
     top_k_items,
 )
-from manualpar.errors import EmbeddingInputError, NonFiniteError, PlanError
+from manualpar.errors import BuilderError, EmbeddingInputError, NonFiniteError, PlanError
 from manualpar.testing import run_distributed
 
 ROWS, DIM, K = 23, 4, 10  # 3 row-wise ranks hold 8, 8 and 7 rows: fewer than K
@@ -91,13 +91,30 @@ def _rank(world: int) -> dict:
             except (EmbeddingInputError, PlanError, NonFiniteError) as error:
                 errors.append(f"{type(error).__name__}: {error}")
         found["after"] = top_k_items(emb, "rows", queries, 3)  # the ranks still agree
+        errors.append(_replaced_on_one_rank(emb, strategy.rank, queries))
     strategy.teardown()
     return {"found": found, "errors": errors}
 
 
+def _replaced_on_one_rank(emb: torch.nn.Module, rank: int, queries: torch.Tensor) -> str:
+    """Rank 1's block replaced by one of another shape: that rank refused to rank it alone,
+    and the others waited in the ranking's collectives until their timeout."""
+    table = emb.tables["rows"]
+    held = table.weight
+    if rank == 1:
+        table.weight = torch.nn.Parameter(torch.zeros(3, DIM))
+    try:
+        top_k_items(emb, "rows", queries, K)
+    except BuilderError as error:
+        return f"BuilderError: {error}"
+    finally:
+        table.weight = held
+    return "ranked"
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_ranking_equals_the_unsharded_tables(world: int) -> None:
-    results = run_distributed(_rank, world, args=(world,), timeout=60)
+    results = run_distributed(_rank, world, args=(world,), timeout=60, collective_timeout=20)
     full = _collection(world)
     for rank, result in enumerate(results):
         queries, targets = _inputs(world, rank)
@@ -130,6 +147,12 @@ def test_sharded_ranking_equals_the_unsharded_tables(world: int) -> None:
                 "such a plan), or gather it (full_tensors()) and use "
                 "metrics.target_ranks_from_scores",
                 *_nan_errors(world),
+                "BuilderError: top_k_items on table 'rows': rank 1: shard_embeddings: table "
+                f"'rows': its weight was replaced by a 3 x {DIM} torch.float32 tensor, but this "
+                f"rank's block is {8 if world == 3 else 11} x {DIM} torch.float32: a checkpoint "
+                "would save or load part of the table. Write new rows into the block in place "
+                "(`weight.data.copy_(rows)`, or load a checkpoint), or build the collection again "
+                "with shard_embeddings() for another shape or dtype (every rank stops)",
             ]
             assert result["found"]["after"][1].tolist() == [
                 o[:3] for o in reference_order(queries, full.tables["rows"].weight.detach())

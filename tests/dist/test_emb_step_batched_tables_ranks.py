@@ -114,24 +114,35 @@ def _on_rank(dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
 def _replaced_mid_step(strategy: mp.ManualParallelStrategy, plan: EmbeddingPlan) -> None:
     """A weight replaced between a step's forward and its backward on every rank (step/
     weight_guard.py): every rank's backward raises after the gradient exchange, before any
-    update, and the next step runs on every rank (no collective left half done)."""
+    update, and the next step runs on every rank (no collective left half done). Replaced on
+    rank 1 alone (either path), rank 0 updated its rows and stopped at its next collective's
+    timeout: its flag now tells every rank, which all raise rank 1's error."""
     with mp.empty_init():
         ebc = EmbeddingBagCollection(_tables(torch.float32), seed=3)
     emb = shard_embeddings(ebc, strategy, plan, RowWiseAdagrad(lr=0.1))
-    emb.step.batches_tables = True
-    emb(_batch(strategy.rank, 0, 4)).values.sum().backward()
-    loss = emb(_batch(strategy.rank, 1, 4)).values.sum()
-    table = emb.tables["t1"]  # row-wise: a block on every rank
-    table.weight = torch.nn.Parameter(table.weight.detach().clone())
-    with pytest.raises(mp.errors.BuilderError, match="between this step's forward and its back"):
-        loss.backward()
-    emb(_batch(strategy.rank, 2, 4)).values.sum().backward()
+    for batched, on in ((True, (0, 1)), (True, (1,)), (False, (1,))):
+        emb.step.batches_tables = batched
+        emb(_batch(strategy.rank, 0, 4)).values.sum().backward()
+        loss = emb(_batch(strategy.rank, 1, 4)).values.sum()
+        before = [table.weight.detach().clone() for table in emb.tables.values()]
+        table = emb.tables["t1"]  # row-wise: a block on every rank
+        if strategy.rank in on:
+            table.weight = torch.nn.Parameter(table.weight.detach().clone())
+        with pytest.raises(mp.errors.BuilderError) as raised:
+            loss.backward()
+        message = str(raised.value)
+        assert f"'t1' on rank {on[-1]}: its weight was replaced between this step's" in message
+        assert message.endswith("(every rank stops at this backward: none updated a row)")
+        for old, now in zip(before, emb.tables.values(), strict=True):
+            assert torch.equal(old, now.weight), "a row was updated"
+        emb(_batch(strategy.rank, 2, 4)).values.sum().backward()
 
 
 @needs_kernels
 @pytest.mark.timeout(120)
 def test_batched_tables_give_the_per_table_bits_on_2_ranks() -> None:
-    for batched, per_table in run_distributed(_on_rank, 2, args=(torch.float32,)):
+    runs = run_distributed(_on_rank, 2, args=(torch.float32,), collective_timeout=20)
+    for batched, per_table in runs:
         _compare(batched, per_table)
 
 

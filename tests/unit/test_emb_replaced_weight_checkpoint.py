@@ -94,3 +94,21 @@ def test_a_checkpoint_refuses_a_weight_replaced_by_another_shape(tmp_path) -> No
         mp.ManualParallelStrategy().save_checkpoint(tmp_path / "ckpt", {"model": emb})
     for part in ("'t0'", "10 x 4 torch.float32", "20 x 4 torch.float32", "copy_"):
         assert part in str(raised.value), part
+
+
+def test_the_param_group_follows_a_replaced_weight_before_the_next_step() -> None:
+    """Read between the replacement and the next step (a scheduler, a save, a user), torch's view
+    showed the old Parameter; it holds what the table holds as soon as it is read, with the
+    owner marks."""
+    emb = _sharded()
+    optimizer = emb.fused_optimizer
+    new = emb.tables["t1"].weight = nn.Parameter(torch.zeros(20, 4))
+    assert optimizer.param_groups[0]["params"][1] is new
+    assert optimizer.state[new] is optimizer.table_state["t1"] and len(optimizer.state) == 2
+    assert trained_by_owner(new) and owner_of(new) == "shard_embeddings"
+    newer = emb.tables["t0"].weight = nn.Parameter(torch.ones(20, 4))
+    assert optimizer.state[newer] is optimizer.table_state["t0"]  # the state follows alone too
+    _step(emb, 0)  # the step takes them as the view does
+    assert all(
+        p is w for p, w in zip(optimizer.param_groups[0]["params"], (newer, new), strict=True)
+    )

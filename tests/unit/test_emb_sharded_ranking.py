@@ -1,6 +1,6 @@
 """top_k_items and target_ranks on one process, against q @ W.T and the tie rule written out
 here (higher score first, then smaller id): unsharded collections, a float16 table, scoring in
-chunks, a one-rank disk-tier table, and the errors."""
+chunks, a one-rank disk-tier table, a replaced weight, and the errors."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from manualpar.embeddings import (
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
+    SparseFeatures,
     shard_embeddings,
     target_ranks,
     top_k_items,
 )
-from manualpar.errors import EmbeddingInputError, NonFiniteError
+from manualpar.errors import BuilderError, EmbeddingInputError, NonFiniteError
 
 ROWS, DIM = 40, 6
 
@@ -135,3 +136,32 @@ def test_nan_queries_and_rows_are_refused() -> None:
         top_k_items(emb, "item", _queries(3, 0), 5)
     with pytest.raises(NonFiniteError, match=bad_rows.format("target_ranks")):
         target_ranks(emb, "item", _queries(3, 0), torch.tensor([0, 1, 2]))
+
+
+def test_a_replaced_weight_is_ranked_as_the_next_step_takes_it(tmp_path: Path) -> None:
+    """An in-memory block ranks the weight its table holds now (a replacement of the same shape
+    and dtype, which the next step trains); a disk table's replaced weight (its row cache) ranked
+    the old rows from its file silently: it now raises the error the next step would."""
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("item", ROWS, DIM)])
+    strategy = mp.ManualParallelStrategy()
+    emb = shard_embeddings(ebc, strategy, {"item": mp.embeddings.row_wise()}, SGD(lr=0.1))
+    new = torch.zeros(ROWS, DIM)
+    _tied_rows(new)
+    emb.tables["item"].weight = torch.nn.Parameter(new)
+    _, ids = top_k_items(emb, "item", _queries(5, 3), 8)
+    assert ids.tolist() == [o[:8] for o in reference_order(_queries(5, 3), new)]
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("item", ROWS, DIM)])
+    tier = DiskTier(tmp_path, cache_rows=4)
+    plan = {"item": mp.embeddings.row_wise(on_disk=True)}
+    emb = shard_embeddings(ebc, strategy, plan, SGD(lr=0.1), disk_tier=tier)
+    emb.tables["item"].weight = torch.nn.Parameter(torch.zeros(4, DIM))
+    with pytest.raises(BuilderError) as stepped:
+        emb(SparseFeatures(("item",), torch.tensor([1, 2]), torch.tensor([2])))
+    for call in (
+        lambda: top_k_items(emb, "item", _queries(3, 0), 5),
+        lambda: target_ranks(emb, "item", _queries(3, 0), torch.tensor([0, 1, 2])),
+    ):
+        with pytest.raises(BuilderError) as ranked:
+            call()
+        assert str(ranked.value).endswith(f": rank 0: {stepped.value} (every rank stops)")

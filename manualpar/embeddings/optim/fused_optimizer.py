@@ -19,6 +19,9 @@ Its state dict ("lr", "step", "state") holds one entry per table and state tenso
 unsharded layout ((rows,) for row-wise Adagrad, (rows, dim) for Adagrad/Adam), so it reshards
 like the weights; the checkpoint saves it as a stateful object (`saves_own_state`), not through
 torch's per-parameter optimizer state dict.
+
+Its torch view (`param_groups`, `state` by parameter) follows the tables: a weight replaced
+since the last step is in it as soon as it is read (torch_view.py).
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.rounding import HALF_DTYPES, RowRounding
 from manualpar.embeddings.kernels.table_batch import TableBatch
 from manualpar.embeddings.optim.row_clipping import clip_coefficient, clip_rows
+from manualpar.embeddings.optim.torch_view import TorchView
 from manualpar.embeddings.optim.update_rules import UpdateRule, check_lr
 from manualpar.embeddings.plan import Shard
 from manualpar.embeddings.storage.table_blocks import TableBlocks, local_shards
 from manualpar.embeddings.storage.tier import RowStore
 from manualpar.errors import BuilderError
-from manualpar.ownership import claim, mesh_of, owner_of, trained_by_owner
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,7 +55,7 @@ __all__ = ["FusedOptimizer"]
 _RowUpdate = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(TorchView):
     """A sharded collection's update rule, its per-table state and update count."""
 
     # checkpoints take state_dict() as is (tables' blocks), not torch's per-parameter layout
@@ -103,11 +106,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     def lr(self) -> float:
         """The learning rate the next backward applies: `param_groups[0]["lr"]`."""
         where = "fused optimizer: param_groups[0]['lr'] (set by a scheduler or by hand)"
-        return check_lr(_as_float(self.param_groups[0]["lr"]), where)
+        return check_lr(_as_float(self._groups[0]["lr"]), where)
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.param_groups[0]["lr"] = check_lr(value, "fused optimizer")
+        self._groups[0]["lr"] = check_lr(value, "fused optimizer")
 
     @property
     def needs_full_rows(self) -> bool:
@@ -140,31 +143,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         # inside a compiled graph, so the group is added by the function the wrapper holds.
         add = torch.optim.Optimizer.add_param_group
         getattr(add, "__wrapped__", add)(self, param_group)
-
-    def weights_replaced(self) -> None:
-        """torch's view (the param group, the state by parameter) of the blocks' weights as the
-        tables hold them now: the step calls it where one was replaced by one of the same shape
-        and dtype (step/weight_guard.py), which then frees the old block. A new Parameter takes
-        the old one's owner marks, so `dense_parameters()` leaves it out as before."""
-        group = self.param_groups[0]
-        for before, block in zip(group["params"], self._blocks, strict=True):
-            builder = owner_of(before)
-            if block.weight is not before and builder is not None:
-                now = [("weight", block.weight)]
-                trains_itself = trained_by_owner(before)
-                mesh = mesh_of(before)
-                claim(
-                    block.table,
-                    builder,
-                    now,
-                    trains_itself=trains_itself,
-                    mesh=mesh,
-                    take_module=False,
-                )
-        group["params"] = [block.weight for block in self._blocks]
-        self.state.clear()
-        for block in self._blocks.held():
-            self.state[block.weight] = self.table_state[block.name]
 
     # updates (inside backward) ----------------------------------------------------------------
     def begin_update(self) -> None:
@@ -332,7 +310,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return summed.double().square().sum()
 
     def _device(self) -> torch.device:
-        return self.param_groups[0]["params"][0].device
+        return self._groups[0]["params"][0].device
 
     def __repr__(self) -> str:
         return f"FusedOptimizer({self.rule.describe()}, tables={list(self.table_state)})"

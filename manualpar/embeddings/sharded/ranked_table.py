@@ -1,6 +1,11 @@
 """One table as the ranking (ranking.py) sees it: this rank's rows in pieces, and the ranks
 holding the others (none for an unsharded collection or a data-parallel table), with the
-collectives over those ranks (none without a strategy)."""
+collectives over those ranks (none without a strategy).
+
+A block's rows are those its table holds now: a weight replaced by one of the same shape and
+dtype is ranked (as the next step trains it); one the next step would refuse (a disk tier's
+row cache replaced, another shape, dtype or device) is `refused` with that step's error, which
+the ranking's first collective carries to every rank (ranking_checks.agree)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from manualpar.embeddings.config import EmbeddingBagConfig
 from manualpar.embeddings.modules.bag_collection import EmbeddingBagCollection, table_of
 from manualpar.embeddings.modules.sequence_collection import EmbeddingCollection
 from manualpar.embeddings.sharded.sharded_tables import ShardedTables
-from manualpar.errors import EmbeddingInputError, PlanError
+from manualpar.embeddings.storage.replaced_cache import refuse_replaced_cache
+from manualpar.errors import BuilderError, EmbeddingInputError, PlanError
 from manualpar.strategy.uneven import all_gather_uneven
 
 if TYPE_CHECKING:
@@ -35,6 +41,7 @@ class RankedTable:
     chunks: Chunks  # (first item id, rows) pieces of this rank's rows, of at most n rows
     strategy: ManualParallelStrategy | None = None  # None: this process holds every row
     group: Any = None  # the ranks holding one copy of the table (a 2-D mesh's shard dim)
+    refused: BuilderError | None = None  # this rank's block cannot be read (a replaced weight)
 
 
 def ranked_table(emb: Collection, name: str, caller: str) -> RankedTable:
@@ -66,14 +73,19 @@ def ranked_table(emb: Collection, name: str, caller: str) -> RankedTable:
         )
     block = emb.blocks.by_name[name]
     shard, store = block.shard, block.store
-    if shard is None or store is None:
-        pieces = pieces_of([], None)
-    else:
-        chunks = [(shard.row_start + start, rows) for start, rows in store.checkpoint_chunks(None)]
-        pieces = pieces_of(chunks, store.drop_pages)  # a disk tier's, one file chunk at a time
+    pieces, refused = pieces_of([], None), None
+    if shard is not None and store is not None:
+        try:  # the next step's error for a replaced weight it would refuse, raised by agree
+            refuse_replaced_cache(name, store, block.table.weight)  # else: the old rows
+            held = store.checkpoint_chunks(None)  # in memory: the weight the table holds now
+        except BuilderError as error:
+            refused = error
+        else:
+            chunks = [(shard.row_start + start, rows) for start, rows in held]
+            pieces = pieces_of(chunks, store.drop_pages)  # a disk tier's: a file chunk at a time
     if placement.sharding == "data_parallel":
-        return RankedTable(config, emb.device, pieces)
-    return RankedTable(config, emb.device, pieces, emb.strategy, emb.mesh.shard)
+        return RankedTable(config, emb.device, pieces, refused=refused)
+    return RankedTable(config, emb.device, pieces, emb.strategy, emb.mesh.shard, refused)
 
 
 def pieces_of(

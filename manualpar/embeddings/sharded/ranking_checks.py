@@ -1,13 +1,14 @@
-"""The ranking's input checks (ranking.py): queries, targets, k and non-finite values, agreed
-by every rank before any scoring collective (`agree`), and NaN scores refused alike on every
-rank (`refuse_nan_scores`), each error naming the table, the rank and what to do."""
+"""The ranking's input checks (ranking.py): queries, targets, k and non-finite values, and a
+block its table no longer holds (a replaced weight the next step would refuse: ranked_table.py),
+agreed by every rank before any scoring collective (`agree`), and NaN scores refused alike on
+every rank (`refuse_nan_scores`), each error naming the table, the rank and what to do."""
 
 from __future__ import annotations
 
 import torch
 
 from manualpar.embeddings.sharded.ranked_table import RankedTable
-from manualpar.errors import EmbeddingInputError, NonFiniteError
+from manualpar.errors import BuilderError, EmbeddingInputError, NonFiniteError
 
 __all__ = [
     "agree",
@@ -73,25 +74,31 @@ def check_targets(where: RankedTable, queries: torch.Tensor, targets: torch.Tens
 def agree(
     where: RankedTable, caller: str, queries: torch.Tensor, problem: str | None, k: int | None
 ) -> list[int]:
-    """Every rank's batch size; any rank's bad input (or NaN/inf query: NonFiniteError) raises
-    on every rank (no one waits)."""
+    """Every rank's batch size; any rank's refused block (BuilderError, first), bad input (or
+    NaN/inf query: NonFiniteError) raises on every rank (no one waits)."""
     non_finite = None if problem else check_finite(queries)
     batch = 0 if problem or non_finite else int(queries.shape[0])
     table = f"{caller} on table {where.config.name!r}"
+    refused = None if where.refused is None else str(where.refused)
     if where.strategy is None:
+        if where.refused is not None:
+            raise where.refused
         if problem:
             raise EmbeddingInputError(f"{caller}: {problem}")
         if non_finite:
             raise NonFiniteError(f"{table}: {non_finite}")
         return [batch]
-    report = (batch, k, problem, non_finite, where.strategy.rank)
+    report = (batch, k, problem, non_finite, where.strategy.rank, refused)
     reports = where.strategy.all_gather_object(report, group=where.group)
-    bad = [f"rank {rank}: {p}" for _, _, p, _, rank in reports if p]
+    refusals = [f"rank {r[4]}: {r[5]}" for r in reports if r[5]]
+    if refusals:
+        raise BuilderError(f"{table}: " + "; ".join(refusals) + " (every rank stops)")
+    bad = [f"rank {rank}: {p}" for _, _, p, _, rank, _ in reports if p]
     if not bad and len({report[1] for report in reports}) > 1:
         bad = [f"ranks passed different k: {[report[1] for report in reports]}"]
     if bad:
         raise EmbeddingInputError(f"{table}: " + "; ".join(bad) + " (every rank stops)")
-    nan = [f"rank {rank}: {n}" for _, _, _, n, rank in reports if n]
+    nan = [f"rank {rank}: {n}" for _, _, _, n, rank, _ in reports if n]
     if nan:
         raise NonFiniteError(f"{table}: " + "; ".join(nan) + " (every rank stops)")
     return [report[0] for report in reports]

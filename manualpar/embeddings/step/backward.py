@@ -84,6 +84,9 @@ class BackwardPhases:
         guard = self.half_rows if self.half_rows and self.half_rows.applies(frozen) else None
         exchanges = not self._routed <= frozen  # every rank agrees: frozen is the same everywhere
         flag = self.finite.flag(grad, frozen)
+        # a weight replaced since the lookup: every rank's error at this backward's update
+        frozen_names = [parts.name(t) for t in frozen]
+        flag = self.finite.replaced(flag, lambda: self.batched.guard.unchanged(frozen_names))
         pending = None  # the flags' all_reduce, where their ride does not reach every rank
         # (or a half-row guard needs the job's sums: SGD's, half_overflow.py)
         rides = exchanges and not parts.mesh.combines and (guard is None or guard.rides)
@@ -129,10 +132,8 @@ class BackwardPhases:
         routing, optimizer = parts.routing, parts.optimizer
         frozen, scales = saved.frozen, saved.scales
         try:
-            with self.times.phase(GRAD_EXCHANGE):  # waits for every rank's flags
-                finite = self.finite.passed(routed.non_finite)
-            if finite:  # a weight replaced since the lookup: an error, not a stale update
-                self.batched.guard.unchanged([parts.name(t) for t in saved.frozen])
+            with self.times.phase(GRAD_EXCHANGE):  # waits for every rank's flags (a weight
+                finite = self.finite.passed(routed.non_finite)  # replaced on one: its error)
         except BaseException:
             self._drop(routed, saved)
             raise

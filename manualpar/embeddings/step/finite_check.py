@@ -27,11 +27,18 @@ and the step goes on). Then, on every rank alike:
   no row, optimizer state or update count changed anywhere;
 - "skip": the step's sparse update is dropped on every rank and counted (`skipped`); the
   Trainer then skips the dense optimizer step too.
+
+A table weight replaced between the step's forward and its backward (step/weight_guard.py:
+`unchanged`) raises this rank's flag too (`replaced`), and its message travels with the counts:
+every rank then raises the same BuilderError at this backward, in either mode, before any row
+is updated (before, only the ranks that replaced it raised; the others updated and stopped at
+their next collective's timeout). The usual step pays only the guard's identity checks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -103,6 +110,7 @@ class FiniteCheck:
         self._grad = torch.zeros(0)
         self._frozen: frozenset[int] = frozenset()
         self._no_riders = torch.zeros(RIDERS, dtype=torch.float64)
+        self._replaced: str | None = None  # this step's replaced weight (`replaced`), if any
 
     def start(self, flag: torch.Tensor, riders: torch.Tensor | None = None) -> PendingCollective:
         """This rank's `flag` (`flag()`'s) summed over the job (in flight on return). `riders`:
@@ -130,6 +138,18 @@ class FiniteCheck:
         )
         return (~torch.isfinite(total)).to(torch.float32).reshape(1)
 
+    def replaced(self, flag: torch.Tensor, unchanged: Callable[[], None]) -> torch.Tensor:
+        """`flag`, raised where `unchanged` (the weight guard's, for this step's trained
+        tables) finds a weight replaced since the lookup: `passed` then raises its error on
+        every rank."""
+        try:
+            unchanged()
+        except BuilderError as error:
+            self._replaced = str(error)
+            return torch.ones_like(flag)
+        self._replaced = None
+        return flag
+
     @staticmethod
     def riders(pending: Flags) -> list[float]:
         """The riders of `start`, summed over the job (waits if `passed` has not)."""
@@ -154,10 +174,13 @@ class FiniteCheck:
     def passed(self, pending: Flags) -> bool:
         """True if no rank's gradient held a non-finite value; else raise or count a skip."""
         grad, self._grad = self._grad, torch.zeros(0)  # not kept past its step
+        replaced, self._replaced = self._replaced, None
         if not bool(pending.wait()[0]):
             return True
         parts = self.parts
-        per_rank = parts.strategy.all_gather_object(self._counts(grad))
+        reports = parts.strategy.all_gather_object((self._counts(grad), replaced))
+        _refuse_replaced([message for _, message in reports if message], len(reports))
+        per_rank = [counts for counts, _ in reports]
         totals = [sum(column) for column in zip(*per_rank, strict=True)]
         if not any(totals):  # a finite sum that overflowed: nothing is wrong
             return True
@@ -182,3 +205,11 @@ class FiniteCheck:
                 "%s; the sparse update is skipped on every rank (%d so far)", what, self.skipped
             )
         return False
+
+
+def _refuse_replaced(messages: list[str], ranks: int) -> None:
+    """Every rank's BuilderError for the weights replaced mid-step on the ranks of `messages`
+    (each names its table and rank), if any, out of `ranks` ranks."""
+    if messages:
+        every = " (every rank stops at this backward: none updated a row)" if ranks > 1 else ""
+        raise BuilderError("; ".join(messages) + every)
