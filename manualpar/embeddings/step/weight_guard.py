@@ -73,9 +73,10 @@ class WeightGuard:
                 self._replaced(k)
 
     def unchanged(self, frozen: Collection[str] = ()) -> None:
-        """At a step's update: raise BuilderError where the weight of a block it updates (not
-        one of the step's `frozen` tables) was replaced since the step's lookup checked it
-        (`check`), before any row is updated."""
+        """At the start of a step's gradient exchange: raise BuilderError where the weight of a
+        block it updates (not one of the step's `frozen` tables) was replaced since the step's
+        lookup checked it (`check`). The caller (step/finite_check.py) carries the error on the
+        non-finite flag, so every rank raises it before any row is updated."""
         for name, held, weight, data in self._seen:
             now = held.get("weight")  # None where not a registered parameter: read it there
             if (now is weight and now.data_ptr() == data) or name in frozen:
