@@ -53,8 +53,13 @@ class PhaseTimes:
     """Exclusive seconds per phase name between `start()` and `stop()`; see the module
     docstring. `with times.phase(name): ...` times a phase (nothing while off)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(
+        self, device: torch.device | None = None, clock: Callable[[], float] | None = None
+    ) -> None:
         self.device = torch.device("cpu") if device is None else device
+        # seconds since some start: the wall clock, or e.g. `time.thread_time` (the calling
+        # thread's CPU time: a phase's own work, not its waits or another process's turn)
+        self.clock = time.perf_counter if clock is None else clock
         self.on = False
         self.seconds: dict[str, float] = {}
         self._open: list[_Phase] = []  # the phases entered and not yet left, innermost last
@@ -79,11 +84,11 @@ class PhaseTimes:
     def _enter(self, phase: _Phase) -> None:
         self.synchronize()  # the work queued before belongs to the phase before
         self._open.append(phase)
-        phase.started = time.perf_counter()
+        phase.started = self.clock()
 
     def _leave(self, phase: _Phase) -> None:
         self.synchronize()  # this phase's queued work is its own
-        elapsed = time.perf_counter() - phase.started
+        elapsed = self.clock() - phase.started
         if not self._open or self._open[-1] is not phase:
             return  # stopped (or restarted) while the phase ran: not this recording's
         self._open.pop()

@@ -154,3 +154,68 @@ def test_the_other_ranks_payloads_are_packed_as_one_send_buffer(
         others = [p for d, p in enumerate(cut.payloads) if d != rank]
         assert torch.equal(cut.send, torch.cat(others))
         assert cut.send.untyped_storage().data_ptr() == others[0].untyped_storage().data_ptr()
+
+
+ROW_TABLES = [
+    EmbeddingBagConfig("s", 1000, 4, feature_names=("s1", "s2")),  # one table, two features
+    EmbeddingBagConfig("t", 77, 8, feature_names=("t1",)),  # rows that split unevenly
+]
+
+
+@pytest.mark.parametrize(("world", "rank"), [(2, 0), (2, 1), (3, 1), (4, 3)])
+def test_a_row_wise_plans_ids_are_packed_in_one_pass_with_the_per_feature_bits(
+    world: int, rank: int
+) -> None:
+    layout = ExchangeLayout(
+        Routing(ROW_TABLES, EmbeddingPlan(world, {"s": row_wise(), "t": row_wise()}), rank)
+    )
+    assert layout._every_split is not None
+    generator = torch.Generator().manual_seed(world + rank)
+    lengths = torch.randint(0, 7, (3 * 40,), generator=generator)  # empty bags too
+    sizes = lengths.view(3, 40).sum(1).tolist()
+    rows = [1000, 1000, 77]
+    values = torch.cat(
+        [torch.randint(0, r, (n,), generator=generator) for r, n in zip(rows, sizes, strict=True)]
+    )
+    values[:4] = torch.tensor([0, 999, 500, 499])  # range edges
+    features = SparseFeatures(("s1", "s2", "t1"), values, lengths)
+    bags = FeatureBags.of(features)
+    grid, _ = bag_lengths(features, bags)
+    packed = layout.pack_ids(features, grid, bags)
+    layout._every_split = None  # the per-feature packing
+    each = layout.pack_ids(features, grid, bags)
+    assert len(packed.payloads) == world
+    for a, b in zip([*packed.payloads, packed.send], [*each.payloads, each.send], strict=True):
+        assert a.dtype == b.dtype == torch.int64
+        assert torch.equal(a, b)
+
+
+def test_plans_mixing_whole_features_and_row_splits_are_packed_per_feature() -> None:
+    assert ExchangeLayout(Routing(TABLES, _plan(2, split_rows=True), 0))._every_split is None
+
+
+def test_a_row_splits_bags_with_ids_at_every_owner_travel_in_the_plain_layout() -> None:
+    plan = EmbeddingPlan(2, {"s": row_wise(), "t": row_wise()})
+    layout = ExchangeLayout(Routing(ROW_TABLES, plan, 0))
+    batch = 4
+    lengths = torch.full((3 * batch,), 2)
+    values = torch.tensor([0, 999] * (2 * batch) + [0, 76] * batch)  # each half of each table
+    features = SparseFeatures(("s1", "s2", "t1"), values, lengths)
+    bags = FeatureBags.of(features)
+    payloads = layout.pack_ids(features, bag_lengths(features, bags)[0], bags).payloads
+    assert layout.kept_bags(payloads, batch) is None  # no index, one block per owner
+    values[:2] = torch.tensor([3, 7])  # s1's first bag: no id in rank 1's rows
+    payloads = layout.pack_ids(features, bag_lengths(features, bags)[0], bags).payloads
+    kept = layout.kept_bags(payloads, batch)
+    assert kept is not None and kept[0] is None and kept[1] is not None
+    first, *rest = kept[1]
+    assert first is not None and torch.equal(first, torch.arange(1, batch))
+    assert rest == [None, None]
+
+
+def test_a_row_split_over_more_groups_than_one_pass_takes_is_packed_per_feature() -> None:
+    from manualpar.embeddings.step.sender_bags import SPLIT_PACK_GROUPS
+
+    world = SPLIT_PACK_GROUPS + 1
+    plan = EmbeddingPlan(world, {"s": row_wise(), "t": row_wise()})
+    assert ExchangeLayout(Routing(ROW_TABLES, plan, 0))._every_split is None

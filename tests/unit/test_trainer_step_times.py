@@ -128,3 +128,12 @@ def test_a_nested_phase_counts_once_and_off_records_nothing(
     with times.phase("outer"):
         pass
     assert times.seconds == {"outer": 8.5, "inner": 2.5}
+
+
+def test_a_recorder_reads_the_clock_it_is_given() -> None:
+    ticks = iter([2.0, 2.25])
+    times = PhaseTimes(clock=lambda: next(ticks))  # e.g. time.thread_time
+    times.start()
+    with times.phase("lookup"):
+        pass
+    assert times.stop() == {"lookup": 0.25}

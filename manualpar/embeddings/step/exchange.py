@@ -25,6 +25,7 @@ import torch
 
 from manualpar.embeddings.features import SparseFeatures
 from manualpar.embeddings.ids.remap import RawIdRoutes
+from manualpar.embeddings.kernels.native import native_kernels_take
 from manualpar.embeddings.step.bag_expansion import FeatureBags, route_sums
 from manualpar.embeddings.step.column_blocks import column_view, strided_spans
 from manualpar.embeddings.step.gradient_layout import GradientLayout, Kept
@@ -33,10 +34,12 @@ from manualpar.embeddings.step.sender_bags import (
     Packed,
     SenderBags,
     combine_senders,
+    every_split,
     feature_runs,
     join_payloads,
     pack_pooled,
     pack_runs,
+    pack_split_rows,
     split_by_rows,
     weight_bits,
 )
@@ -83,6 +86,10 @@ class ExchangeLayout(GradientLayout):
         ]
         # per destination, its runs of consecutive whole features (None with a row split)
         self._runs = feature_runs([(f, d) for f, _, d in self._feature_dests], routing.world_size)
+        # row-wise plans: one kernel pass packs the ids (None: per feature)
+        self._every_split = (
+            None if raw_routes is not None else every_split(routing, self._feature_dests)
+        )
         # unpack_ids': per routed local shard, (its first route, its routes, its table)
         self._shard_routes: list[tuple[int, int, int]] = []
         for shard in routing.routed_local_shards():
@@ -150,6 +157,14 @@ class ExchangeLayout(GradientLayout):
         heads = self._heads(bags, values.device)
         if self._runs is not None:  # whole features only: slices of the batch, not one each
             return pack_runs(self._runs, features, bags.counts, heads, rank)
+        split = self._every_split
+        if (
+            split is not None
+            and weights is None
+            and not bags.variable
+            and native_kernels_take(values)
+        ):  # every feature split by rows alike: one pass, no tensor per feature
+            return pack_split_rows(split, features, rank, world)
         lengths = list(lengths)  # cut here: the slices of the batch above need no cut
         per_feature = features.feature_sizes()
         id_of = values.split(per_feature)  # each feature's ids: one call, not a slice each
@@ -203,21 +218,28 @@ class ExchangeLayout(GradientLayout):
     def kept_bags(self, payloads: list[torch.Tensor], batch: int, variable: bool = False) -> Kept:
         """Sender side, compact tables: per owner (None for ourselves), per route to it, the
         bags of our batch with ids there (None: all of them, as for a table not compact: the
-        whole (batch, cols) block travels, with no index to apply)."""
+        whole (batch, cols) block travels, with no index to apply). None where no bag is left
+        out anywhere (a row split's bags of many ids): the plain layout's, whose blocks travel
+        and add up as one strided block per owner, not one per route."""
         if not self.compacts(variable):
             return None
         kept: list[list[torch.Tensor | None] | None] = []
+        left_out = False
         for owner, routes in enumerate(self.routing.routes_to):
             if owner == self.routing.rank:
                 kept.append(None)
                 continue
             lens = payloads[owner][: len(routes) * batch].view(len(routes), batch)
+            if bool(lens.all()):  # every bag has ids there: one test, not one per route
+                kept.append([None] * len(routes))
+                continue
             rows = [
                 torch.nonzero(row).flatten() if route.table in self.compact_tables else None
                 for route, row in zip(routes, lens, strict=True)
             ]
             kept.append([None if r is None or r.numel() == batch else r for r in rows])
-        return kept
+            left_out = left_out or any(r is not None for r in kept[-1] or ())
+        return kept if left_out else None
 
     def unpack_ids(
         self,
@@ -245,6 +267,7 @@ class ExchangeLayout(GradientLayout):
         len_parts = lens[: sum(n_bags)].split(n_bags)
         bit_parts = None if bits is None else bits[: sum(n_ids)].split(n_ids)
         bags: list[SenderBags] = []
+        compact = compact and not bool(lens.all())  # no empty bag: nothing left out
         for k, (_, _, table) in enumerate(shards):
             shard_lens = len_parts[k]
             if compact and table in self.compact_tables:

@@ -17,13 +17,16 @@ from manualpar.embeddings.kernels.native import loaded_kernels, native_kernels_t
 from manualpar.embeddings.step.routing import Routing
 
 __all__ = [
+    "EverySplit",
     "Packed",
     "SenderBags",
     "combine_senders",
+    "every_split",
     "feature_runs",
     "join_payloads",
     "pack_pooled",
     "pack_runs",
+    "pack_split_rows",
     "split_by_rows",
     "weight_bits",
 ]
@@ -118,6 +121,65 @@ def pack_runs(
         head = sum(h.numel() for h in heads[d])
         sizes_to.append(head + lens + ids * (1 if bits is None else 2))
     return join_payloads(pieces_to, rank, values.device, sizes_to)
+
+
+class EverySplit(NamedTuple):
+    """A plan whose every feature's table is split by rows into the same groups, each group's
+    rows held by the same rank for every feature (row-wise plans): `pack_split_rows`' input."""
+
+    row_starts: torch.Tensor  # (features, groups): each feature's table's row range starts
+    group_order: torch.Tensor  # the groups in payload order (the other ranks', then ours)
+    dests: list[int]  # each group's owner, in payload order
+
+
+# the most row groups `pack_split_rows` takes: it tests each id against every range start (no
+# branch to mispredict), where the per-feature split searches them (more groups: per feature)
+SPLIT_PACK_GROUPS = 16
+
+
+def every_split(
+    routing: Routing, feature_dests: list[tuple[int, int, list[int] | None]]
+) -> EverySplit | None:
+    """`feature_dests` (each routed feature, its table, and its owners if sent whole) as an
+    `EverySplit` where every feature of the batch is split by rows into the same row groups,
+    group g held by the same rank for every feature (row-wise plans); else None."""
+    if len(feature_dests) != len(routing.features):
+        return None  # replicated features: not packed at all
+    owners: list[int] | None = None
+    starts = []
+    for f, table, dests in feature_dests:
+        groups = sorted((route.row_group, dest) for dest, route in routing.routes_of_feature[f])
+        if dests is not None or [g for g, _ in groups] != list(range(len(groups))):
+            return None  # sent whole, or a row group split by columns too
+        feature_owners = [dest for _, dest in groups]
+        owners = feature_owners if owners is None else owners
+        if feature_owners != owners or len(set(owners)) != len(owners):
+            return None
+        starts.append(routing.row_start_tensors[table])
+    if owners is None or len(owners) > SPLIT_PACK_GROUPS:
+        return None
+    rank = routing.rank
+    payload_order = [*(d for d in range(routing.world_size) if d != rank), rank]
+    order = [owners.index(d) for d in payload_order if d in owners]
+    row_starts = torch.stack(starts)
+    return EverySplit(
+        row_starts, torch.tensor(order, dtype=torch.int64), [owners[g] for g in order]
+    )
+
+
+def pack_split_rows(split: EverySplit, features: SparseFeatures, rank: int, world: int) -> Packed:
+    """A plain batch's ids payloads under `split`, packed by one kernel pass over the ids: the
+    same buffer `split_by_rows` per feature and `join_payloads` give (each owner's bag lengths,
+    features in order, then its ids made local), without a tensor per feature. The caller
+    checks that the kernels take the batch (int64 on CPU, no per-id weights, one batch)."""
+    buffer, sizes = loaded_kernels().pack_split_rows(
+        features.values.contiguous(), features.lengths.contiguous(), *split[:2]
+    )
+    views = buffer.split(sizes.tolist())
+    payloads = [buffer[:0]] * world  # a rank holding no group gets nothing
+    for dest, view in zip(split.dests, views, strict=True):
+        payloads[dest] = view
+    return Packed(payloads, buffer[: buffer.numel() - payloads[rank].numel()])
 
 
 def split_by_rows(

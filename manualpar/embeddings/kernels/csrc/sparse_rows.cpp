@@ -10,7 +10,7 @@
 //   add_to_rows_rounded         half_rows.cpp kernels/rounding.py (half rows)
 //   pooled_sum_half           pooled_rows.cpp kernels/half_lookup.py
 //   uniform_rows, uniform_rows_at  table_init.cpp  modules/table_init.py
-//   split_by_rows              split_rows.cpp step/exchange.py
+//   split_by_rows, pack_split_rows  split_rows.cpp  step/sender_bags.py
 //   sum_squares_versions, set_simd_level      tests (every vector level gives the same bits)
 // and raw_ids.cpp, row_io.cpp, row_cache.cpp, table_batch.cpp register their own.
 // The float and half row-wise Adagrad updates share rowwise_adagrad_rows (rowwise_row.h), eight
@@ -174,6 +174,9 @@ void uniform_rows_at(torch::Tensor out, torch::Tensor slots, torch::Tensor rows,
                      int64_t col0, int64_t dim, double bound);  // table_init.cpp
 std::vector<torch::Tensor> split_by_rows(torch::Tensor ids, torch::Tensor lengths,
                                          torch::Tensor row_starts);  // split_rows.cpp
+std::vector<torch::Tensor> pack_split_rows(torch::Tensor ids, torch::Tensor lengths,
+                                           torch::Tensor row_starts,
+                                           torch::Tensor group_order);  // split_rows.cpp
 torch::Tensor pooled_sum_half(torch::Tensor weight, torch::Tensor ids, torch::Tensor lengths,
                               c10::optional<torch::Tensor> weights);  // pooled_rows.cpp
 void add_to_rows_rounded(torch::Tensor tensor, torch::Tensor rows, torch::Tensor delta,
@@ -206,6 +209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_rows", &uniform_rows);
   m.def("uniform_rows_at", &uniform_rows_at);
   m.def("split_by_rows", &split_by_rows);
+  m.def("pack_split_rows", &pack_split_rows);
   m.def("sum_squares_versions", &sum_squares_versions);
   m.def("set_simd_level", &set_simd_level);
   m.def("pooled_sum_half", &pooled_sum_half);
