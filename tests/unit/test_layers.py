@@ -548,6 +548,7 @@ KNOWN_INTERNAL = {
             ("examples/benchmarks/bench_row_writes.py", "manualpar.embeddings.storage.row_file"),
             ("examples/benchmarks/bench_row_checksum.py", "manualpar.embeddings.storage.row_file"),
             ("examples/benchmarks/bench_disk_tier.py", "manualpar.embeddings.storage.disk_tier"),
+            ("examples/benchmarks/disk_hit_bounds.py", "manualpar.embeddings.storage.row_cache"),
             ("examples/benchmarks/bench_wire_dtype.py", "manualpar.embeddings.step.wire"),
         ],
         "a benchmark of that internal piece itself (kernels, row files, the cache, wire dtypes)",
