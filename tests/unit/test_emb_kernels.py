@@ -290,20 +290,22 @@ def test_grouping_orders_ids_stably_in_any_row_space(num_rows):
     ids = torch.randint(0, num_rows, (count,), generator=generator)
     ids[: count // 3] = ids[count // 3 : 2 * (count // 3)]  # repeated ids
     ids[-1] = num_rows - 1  # the top of the row space
-    groups = kernels.group_rows(kernels.ShardBags(ids, lengths, None, 0, 100), num_rows)
-    assert groups is not None
-    expected = torch.sort(ids, stable=True).indices
-    assert torch.equal(groups.order, expected)
-    assert torch.equal(groups.rows, torch.unique(ids))
     bag_of = torch.repeat_interleave(torch.arange(200), lengths)
-    assert torch.equal(groups.bags, bag_of[expected])
-    # the runs whose bags all lie in [0, 100) first, then the others, each by ascending row
-    starts, runs = groups.starts, groups.runs
-    own = [
-        bool(((bag_of[expected[starts[u] : starts[u + 1]]]) < 100).all())
-        for u in range(groups.rows.numel())
-    ]
-    assert runs.tolist() == [u for u, mine in enumerate(own) if mine] + [
-        u for u, mine in enumerate(own) if not mine
-    ]
-    assert groups.num_own == sum(own)
+    expected = torch.sort(ids, stable=True).indices
+    # own bags from the first, in the middle (bags below them are not own), none
+    for own_begin, own_end in ((0, 100), (50, 150), (120, 120)):
+        shard = kernels.ShardBags(ids, lengths, None, own_begin, own_end)
+        groups = kernels.group_rows(shard, num_rows)
+        assert groups is not None
+        assert torch.equal(groups.order, expected)
+        assert torch.equal(groups.rows, torch.unique(ids))
+        assert torch.equal(groups.bags, bag_of[expected])
+        # the runs whose bags all lie in [own_begin, own_end) first, then the others, each by
+        # ascending row
+        starts, runs = groups.starts, groups.runs
+        bags_of_run = [bag_of[expected[starts[u] : starts[u + 1]]] for u in range(len(starts) - 1)]
+        own = [bool(((b >= own_begin) & (b < own_end)).all()) for b in bags_of_run]
+        assert runs.tolist() == [u for u, mine in enumerate(own) if mine] + [
+            u for u, mine in enumerate(own) if not mine
+        ]
+        assert groups.num_own == sum(own)

@@ -1,8 +1,11 @@
-"""The table batch's row-wise Adagrad update gives the portable loop's bits at every vector level.
+"""The table batch's row-wise Adagrad update, and its lookup, give the portable loop's bits at
+every vector level.
 At AVX-512 it updates rows eight at a time where the gradient width is a multiple of 8 (a
 group's sums, states and steps as vectors), so groups, the rows after the last whole group,
 repeated rows (their gradient summed over bags), per-id weights, widths that take the row at a
-time loop (4, 37) and a column block of a wider gradient (12 of 24 columns) all run."""
+time loop (4, 37) and a column block of a wider gradient (12 of 24 columns) all run. The lookup
+keeps float bags in AVX-512 registers 64 columns at a time: widths below, at and across that
+(a partial last vector), added or written, empty bags, -0 and NaN rows."""
 
 from __future__ import annotations
 
@@ -11,7 +14,12 @@ import torch
 
 from manualpar.embeddings.kernels.bags import BagGradients, RowPass, ShardBags
 from manualpar.embeddings.kernels.native import native_kernels
-from manualpar.embeddings.kernels.table_batch import Segments, TableBatch, group_batch
+from manualpar.embeddings.kernels.table_batch import (
+    Segments,
+    TableBatch,
+    group_batch,
+    pool_tables,
+)
 from manualpar.embeddings.optim.fused_rowwise import rowwise_adagrad_tables
 from tests.support.simd import simd_level
 
@@ -74,4 +82,37 @@ def test_table_batch_update_equals_the_portable_loop(weighted):
         with simd_level(level) as got:
             assert got == level
             result = _update(weighted)
+        assert torch.equal(result.view(torch.int32), portable.view(torch.int32)), level
+
+
+def _lookup(assign: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3 + assign)
+    widths = (4, 16, 37, 64, 100)
+    weights = [torch.randn(50, cols, generator=generator) for cols in widths]
+    weights[1][7] = -0.0
+    weights[2][4, 5] = float("nan")
+    segments, ids, lengths, out_cols = Segments(), [], [], sum(widths)
+    offset = 0
+    for k, cols in enumerate(widths):
+        bag_lengths = torch.randint(0, 30, (BAGS,), generator=generator)
+        bag_lengths[1] = 0  # an empty bag
+        ids.append(torch.randint(0, 50, (int(bag_lengths.sum()),), generator=generator))
+        lengths.append(bag_lengths)
+        segments.add(k, BAGS, 0, offset, out_cols)  # each table's columns of one output
+        offset += cols
+    out = torch.randn(BAGS, out_cols, generator=generator)
+    pool_tables(weights, torch.cat(ids), torch.cat(lengths), segments.tensor(), [out], assign)
+    return out
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_table_batch_lookup_equals_the_portable_loop(assign):
+    with simd_level(0):
+        portable = _lookup(assign)
+    with simd_level(2) as widest:
+        if widest == 0:
+            pytest.skip("this CPU has neither AVX2 nor AVX-512: only the portable loops run")
+    for level in range(1, widest + 1):
+        with simd_level(level):
+            result = _lookup(assign)
         assert torch.equal(result.view(torch.int32), portable.view(torch.int32)), level

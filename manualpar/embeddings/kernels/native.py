@@ -52,6 +52,7 @@ HEADERS = tuple(
         "half_rows.h",
         "kept_threads.h",
         "kernel_checks.h",
+        "pool_float.h",
         "prefetch.h",
         "row_gradients.h",
         "row_groups.h",

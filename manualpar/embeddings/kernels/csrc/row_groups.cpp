@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -25,40 +24,61 @@ int64_t bits_of(int64_t value) {
   return bits;
 }
 
-// `values` (each key << shift | position, keys in [0, 2^key_bits)) ordered by key, stable, in
-// place: LSD radix sort in as few passes as kMaxRadixBits allows, their digits as even as the
-// key's bits split. The position travels in the value, so no pass reads the keys at random, and
-// one read of the input counts every pass's digits.
-void sort_by_key(std::vector<uint64_t>& values, int64_t key_bits, int64_t shift) {
-  const int64_t n = static_cast<int64_t>(values.size());
-  const int64_t passes = (key_bits + kMaxRadixBits - 1) / kMaxRadixBits;
-  if (passes == 0 || n < 2) return;
-  const int64_t digit = (key_bits + passes - 1) / passes;
-  const int64_t buckets = int64_t{1} << digit;
-  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
-  std::vector<int64_t> counts(passes * buckets, 0);
-  for (const uint64_t v : values) {
-    for (int64_t p = 0; p < passes; ++p) ++counts[p * buckets + ((v >> (shift + p * digit)) & mask)];
+// The digits of an LSD radix sort of keys of `key_bits` bits (in as few passes as
+// kMaxRadixBits allows, their digits as even as the key's bits split), and each pass's count of
+// every digit, taken as the values are made (`count`): a pass of its own over the values, with
+// a loop over the passes per value, was a third of the grouping.
+struct RadixDigits {
+  int64_t passes = 0, digit = 0, buckets = 1, shift = 0;
+  uint64_t mask = 0;
+  std::vector<int64_t> counts;
+
+  RadixDigits(int64_t key_bits, int64_t value_shift) : shift(value_shift) {
+    passes = (key_bits + kMaxRadixBits - 1) / kMaxRadixBits;
+    if (passes == 0) return;
+    digit = (key_bits + passes - 1) / passes;
+    buckets = int64_t{1} << digit;
+    mask = static_cast<uint64_t>(buckets - 1);
+    counts.assign(passes * buckets, 0);
   }
-  std::vector<uint64_t> scratch(n);
-  uint64_t* current = values.data();
-  uint64_t* next = scratch.data();
-  for (int64_t p = 0; p < passes; ++p) {
-    int64_t* count = counts.data() + p * buckets;
+
+  // one value's digits counted (two passes, the usual case, unrolled)
+  void count(uint64_t v) {
+    int64_t* c = counts.data();
+    if (passes == 2) {
+      ++c[(v >> shift) & mask];
+      ++c[buckets + ((v >> (shift + digit)) & mask)];
+      return;
+    }
+    for (int64_t p = 0; p < passes; ++p, c += buckets) ++c[(v >> (shift + p * digit)) & mask];
+  }
+};
+
+// values[0, n) (each key << shift | payload, keys in [0, 2^key_bits), their digits counted in
+// `radix`) ordered by key, stable: LSD radix sort, each pass from one buffer into the other.
+// The position travels in the value, so no pass reads the keys at random. Returns the buffer
+// that holds the sorted values (`values` or `scratch`).
+uint64_t* sort_by_key(uint64_t* values, uint64_t* scratch, int64_t n, RadixDigits& radix) {
+  if (radix.passes == 0 || n < 2) return values;
+  uint64_t* current = values;
+  uint64_t* next = scratch;
+  const uint64_t mask = radix.mask;
+  for (int64_t p = 0; p < radix.passes; ++p) {
+    int64_t* count = radix.counts.data() + p * radix.buckets;
     int64_t total = 0;
-    for (int64_t b = 0; b < buckets; ++b) {
+    for (int64_t b = 0; b < radix.buckets; ++b) {
       const int64_t here = count[b];
       count[b] = total;
       total += here;
     }
-    const int64_t at = shift + p * digit;
+    const int64_t at = radix.shift + p * radix.digit;
     for (int64_t i = 0; i < n; ++i) {
       const uint64_t v = current[i];
       next[count[(v >> at) & mask]++] = v;
     }
     std::swap(current, next);
   }
-  if (current != values.data()) std::memcpy(values.data(), current, n * sizeof(uint64_t));
+  return current;
 }
 
 }  // namespace
@@ -80,7 +100,11 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
   const int64_t shift = bag_bits + pos_bits;
   TORCH_CHECK(key_bits + pos_bits <= 64, "group_rows: ", num_rows, " rows and ", n,
               " ids do not fit a 64-bit sort key; group fewer ids a call");
-  std::vector<uint64_t> sorted(n);
+  // the values and the sort's scratch, not zeroed (each element is written before it is read)
+  const int64_t room = std::max<int64_t>(n, 1);
+  std::unique_ptr<uint64_t[]> buffers(new uint64_t[2 * room]);
+  uint64_t* const values = buffers.get();
+  RadixDigits radix(key_bits, shift);
   std::vector<int64_t> bag_of(packs_bag ? 0 : n);
   int64_t filled = 0;
   // one key range for plain ids; a table batch's ranges key each table's ids apart
@@ -95,14 +119,16 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
     const uint64_t bag = packs_bag ? static_cast<uint64_t>(b) << pos_bits : 0;
     for (int64_t i = filled; i < filled + len[b]; ++i) {
       TORCH_CHECK(id[i] >= 0 && id[i] < rows, "id ", id[i], " outside [0, ", rows, ")");
-      sorted[i] =
+      const uint64_t v =
           (static_cast<uint64_t>(base + id[i]) << shift) | bag | static_cast<uint64_t>(i);
+      values[i] = v;
+      radix.count(v);
       if (!packs_bag) bag_of[i] = b;
     }
     filled += len[b];
   }
   TORCH_CHECK(filled == n, "lengths sum to ", filled, " but there are ", n, " ids");
-  sort_by_key(sorted, key_bits, shift);
+  const uint64_t* const sorted = sort_by_key(values, values + room, n, radix);
   Groups groups;
   groups.order = torch::empty({n}, ids.options());
   groups.bags = torch::empty({n}, ids.options());
@@ -119,7 +145,11 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
   // Without branches: whether a run is the rank's own is a coin toss per row (mispredicted
   // branches were most of the grouping's time), so each closed run is written to both lists
   // and kept in one, and a row's start is written at every id and kept at its first.
-  std::unique_ptr<int64_t[]> rest(new int64_t[std::max<int64_t>(n, 1)]);
+  // the runs not our own gather in the sort's other buffer, free now
+  int64_t* const rest = reinterpret_cast<int64_t*>(sorted == values ? values + room : values);
+  // bag in [own_begin, own_end) as one unsigned comparison
+  const uint64_t own_width =
+      own_end > own_begin ? static_cast<uint64_t>(own_end - own_begin) : uint64_t{0};
   int64_t count = 0, own = 0, others = 0, previous = -1;
   bool only_own = true;
   for (int64_t k = 0; k < n; ++k) {
@@ -139,7 +169,7 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
     previous = row;
     order[k] = pos;
     bags[k] = bag;
-    only_own = (only_own || fresh) && bag >= own_begin && bag < own_end;
+    only_own = (only_own || fresh) && static_cast<uint64_t>(bag - own_begin) < own_width;
   }
   if (n > 0) {
     runs[own] = count - 1;
@@ -148,7 +178,7 @@ Groups group_ids(const torch::Tensor& ids, const torch::Tensor& lengths, int64_t
     others += !only_own;
   }
   starts[count] = n;
-  std::copy(rest.get(), rest.get() + others, runs + own);
+  std::copy(rest, rest + others, runs + own);
   groups.num_own = own;
   groups.starts.resize_({count + 1});
   groups.rows.resize_({count});

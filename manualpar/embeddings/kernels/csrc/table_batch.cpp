@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "pool_float.h"
 #include "prefetch.h"
 #include "row_groups.h"
 #include "rowwise_row.h"
@@ -101,6 +102,15 @@ void pool_tables_impl(const std::vector<torch::Tensor>& weights, const torch::Te
     const int64_t lines = std::max<int64_t>((row_bytes + kCacheLine - 1) / kCacheLine, 1);
     const int64_t ahead = std::max<int64_t>(kPrefetchFar, kPoolLinesAhead / lines);
     at::parallel_for(0, bags, 256, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (simd_level() == 2) {
+          const int64_t b0 = seg.bag_begin + begin, b1 = seg.bag_begin + end;
+          return pool_float::bags(w, stride, cols, id, starts.data(), b0, b1, ahead, starts[b1],
+                                  dst + begin * seg.stride, seg.stride, assign);
+        }
+      }
+#endif
       std::vector<scalar_t> buffer(cols);
       scalar_t* __restrict__ acc = buffer.data();
       const int64_t head = starts[seg.bag_begin + begin], last = starts[seg.bag_begin + end];
