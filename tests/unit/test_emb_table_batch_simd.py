@@ -9,6 +9,8 @@ keeps float bags in AVX-512 registers 64 columns at a time: widths below, at and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -71,18 +73,23 @@ def _update(weighted: bool) -> torch.Tensor:
     return torch.cat([w.flatten() for w in weights] + states)
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_table_batch_update_equals_the_portable_loop(weighted):
+def _every_level_gives_the_portable_bits(run: Callable[[], torch.Tensor]) -> None:
+    """`run` at every vector level this CPU has gives the portable loop's bits."""
     with simd_level(0):
-        portable = _update(weighted)
+        portable = run()
     with simd_level(2) as widest:
         if widest == 0:
             pytest.skip("this CPU has neither AVX2 nor AVX-512: only the portable loops run")
     for level in range(1, widest + 1):
         with simd_level(level) as got:
             assert got == level
-            result = _update(weighted)
+            result = run()
         assert torch.equal(result.view(torch.int32), portable.view(torch.int32)), level
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_table_batch_update_equals_the_portable_loop(weighted):
+    _every_level_gives_the_portable_bits(lambda: _update(weighted))
 
 
 def _lookup(assign: bool) -> torch.Tensor:
@@ -107,12 +114,4 @@ def _lookup(assign: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("assign", [False, True])
 def test_table_batch_lookup_equals_the_portable_loop(assign):
-    with simd_level(0):
-        portable = _lookup(assign)
-    with simd_level(2) as widest:
-        if widest == 0:
-            pytest.skip("this CPU has neither AVX2 nor AVX-512: only the portable loops run")
-    for level in range(1, widest + 1):
-        with simd_level(level):
-            result = _lookup(assign)
-        assert torch.equal(result.view(torch.int32), portable.view(torch.int32)), level
+    _every_level_gives_the_portable_bits(lambda: _lookup(assign))
