@@ -4,6 +4,7 @@ nothing filtered, histories of 50)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -239,3 +240,48 @@ def test_each_recipe_has_its_batch_and_patience(
     monkeypatch.setattr("sys.argv", ["train.py", "--recipe", recipe])
     args = train.parse_args()
     assert (args.batch, args.patience) == (batch, patience)
+
+
+def test_recbole_recipe_steps_as_one_dense_adam_over_table_and_encoder() -> None:
+    """RecBole's SASRec trains its item table and encoder with one torch Adam. The example's
+    step (the table's fused Adam inside backward, every row looked up by the catalog; the
+    encoder's torch Adam) equals that on a plain copy for 5 steps of prefix batches. (The table
+    adds eps as torch's SparseAdam does, before the bias correction; at these gradients, as on
+    ml-100k, that moves no weight by 1e-6.)"""
+    model = load_example(Path("movielens/model.py"), "ml_model", {"protocol": protocol})
+    batches = load_example(
+        Path("movielens/batches.py"), "ml_batches", {"protocol": protocol, "model": model}
+    )
+    generator = torch.Generator().manual_seed(1)
+    users = [torch.randint(0, 30, (n,), generator=generator).tolist() for n in (60, 9, 4, 25)]
+    data = batches.prefix_batches(protocol.prefix_samples(users), global_batch=16, seed=0)
+    strategy = mp.ManualParallelStrategy()
+    try:
+        with mp.empty_init():
+            sasrec = model.SASRec(30, dim=8, dropout=0.0, seed=2)
+        sasrec.setup(strategy)
+        ours = getattr(sasrec.encoder, "module", sasrec.encoder)  # (ddp on 1 rank: the module)
+        encoder = copy.deepcopy(ours)
+        with mp.full_tensors():
+            start = sasrec.items.state_dict()["tables.item.weight"].clone()
+        table = start.clone().requires_grad_()
+        dense = sasrec.configure_optimizers()
+        recboles = torch.optim.Adam([table, *encoder.parameters()], lr=1e-3)
+        for step in range(5):
+            batch = data(step, strategy)
+            dense.zero_grad()
+            sasrec.training_step(batch, step)["loss"].backward()  # the table steps here
+            dense.step()
+            real, has_target = batch.items >= 0, batch.targets >= 0
+            out = encoder(table[batch.items.clamp(min=0)] * real[..., None], real)
+            recboles.zero_grad()
+            F.cross_entropy(out[has_target] @ table.T, batch.targets[has_target]).backward()
+            recboles.step()
+        with mp.full_tensors():
+            rows = sasrec.items.state_dict()["tables.item.weight"]
+    finally:
+        strategy.teardown()
+    assert (rows - start).abs().max() > 4e-3  # (Adam moves a row by about 1e-3 a step)
+    torch.testing.assert_close(rows, table.detach(), rtol=0, atol=1e-6)
+    for mine, theirs in zip(ours.parameters(), encoder.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
