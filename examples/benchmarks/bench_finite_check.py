@@ -23,6 +23,7 @@ each variant's median and the median of its per-round ratio to "checked".
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,10 @@ class Unchecked:
 
     def flag(self, grad: torch.Tensor, frozen: frozenset[int]) -> torch.Tensor:
         return self.zero
+
+    def replaced(self, flag: torch.Tensor, unchanged: Callable[[], None]) -> torch.Tensor:
+        unchanged()  # a weight replaced mid-step raises here, on its own rank only
+        return flag
 
     def passed(self, pending: Any) -> bool:
         return True
