@@ -76,6 +76,10 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}.dense_parameters() called before setup(strategy); "
                 "create the optimizer after setup, when parameters are materialized and sharded"
             )
+        for module in self.modules():  # a builder's replaced weights take its marks first
+            follow = getattr(module, "follow_replaced_weights", None)
+            if callable(follow):
+                follow()
         return (p for p in self.parameters() if not trained_by_owner(p))
 
 

@@ -35,7 +35,7 @@ class TorchView(torch.optim.Optimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """torch's param groups: one, holding the blocks' weights as the tables hold them now."""
-        self._follow_tables()
+        self.follow_tables()
         return self._groups
 
     @param_groups.setter
@@ -46,7 +46,7 @@ class TorchView(torch.optim.Optimizer):
     def state(self) -> defaultdict[torch.Tensor, Any]:
         """torch's state by parameter: each held block's weight, as its table holds it now, to
         the table's state tensors."""
-        self._follow_tables()
+        self.follow_tables()
         return self.__dict__["state"]
 
     @state.setter
@@ -58,8 +58,9 @@ class TorchView(torch.optim.Optimizer):
         """The param groups as they are, not followed (the update's reads)."""
         return self.__dict__["param_groups"]
 
-    def _follow_tables(self) -> None:
-        """Take the tables' weights into the view where one was replaced since."""
+    def follow_tables(self) -> None:
+        """Take the tables' weights into the view where one was replaced since (reading the
+        view does; `ParallelModule.dense_parameters()` does through the sharded collection)."""
         blocks, groups = self.__dict__.get("_blocks"), self.__dict__.get("param_groups")
         if blocks is None or not groups:  # still in torch's __init__
             return

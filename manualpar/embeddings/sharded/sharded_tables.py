@@ -115,6 +115,11 @@ class ShardedTables(TableRecords, nn.Module):
     def extra_repr(self) -> str:
         return f"{self.plan}, rule={self.fused_optimizer.rule.describe()}"
 
+    def follow_replaced_weights(self) -> None:
+        """A table weight replaced since the last step takes the old one's owner marks now, so
+        `ParallelModule.dense_parameters()` leaves it out (the fused optimizer updates it)."""
+        self.fused_optimizer.follow_tables()
+
     def lookup(self, batch: PreparedBatch) -> torch.Tensor:
         """The pooled values (bags, total dim) of a prepared batch; differentiable: its
         backward updates the tables."""
